@@ -1,0 +1,89 @@
+/* Vectorcall argument parsing and the shape/dtype checks every op shares.  Every error names
+ * the function and the argument. */
+#include "qk.h"
+
+#include <string.h>
+
+int qk_parse_args(const char *fname, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                  const char *const *names, int npositional, int nrequired, PyObject **out) {
+    int nnames = 0;
+    while (names[nnames]) nnames++;
+    if (nargs > npositional) {
+        PyErr_Format(PyExc_TypeError, "%s() takes at most %d positional arguments (%zd given)", fname, npositional,
+                     nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) out[i] = args[i];
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, k);
+        int found = -1;
+        for (int j = 0; j < nnames; j++) {
+            if (PyUnicode_CompareWithASCIIString(key, names[j]) == 0) {
+                found = j;
+                break;
+            }
+        }
+        if (found < 0) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", fname, key);
+            return -1;
+        }
+        if (out[found]) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", fname, names[found]);
+            return -1;
+        }
+        out[found] = args[nargs + k];
+    }
+    for (int j = 0; j < nrequired; j++) {
+        if (out[j] == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s' (pos %d)", fname, names[j], j + 1);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int qk_stream_arg(const char *fname, PyObject *obj, void **stream, int *given) {
+    *stream = NULL;
+    *given = 0;
+    if (obj == NULL || obj == Py_None) return 0;
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: stream must be an int CUDA stream handle or None, got %.200s", fname,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *stream = PyLong_AsVoidPtr(obj);
+    if (*stream == NULL && PyErr_Occurred()) return -1;
+    *given = 1;
+    return 0;
+}
+
+void qk_shape_str(char *buf, size_t n, const int64_t *shape, int ndim) {
+    size_t k = 0;
+    k += snprintf(buf + k, n - k, "[");
+    for (int i = 0; i < ndim && k < n; i++) k += snprintf(buf + k, n - k, i ? ", %lld" : "%lld", (long long)shape[i]);
+    if (k < n) snprintf(buf + k, n - k, "]");
+}
+
+int qk_check_ndim(const char *op, const char *arg, const qk_view *v, int ndim, const char *layout) {
+    if (v->ndim == ndim) return 0;
+    char got[160];
+    qk_shape_str(got, sizeof got, v->shape, v->ndim);
+    PyErr_Format(PyExc_ValueError, "%s: %s must have %d dimensions %s, got shape %s", op, arg, ndim, layout, got);
+    return -1;
+}
+
+int qk_check_dim(const char *op, const char *arg, const qk_view *v, int dim, int64_t expected, const char *layout) {
+    if (v->shape[dim] == expected) return 0;
+    char got[160];
+    qk_shape_str(got, sizeof got, v->shape, v->ndim);
+    PyErr_Format(PyExc_ValueError, "%s: %s must have shape %s with size %lld in dimension %d, got %s", op, arg, layout,
+                 (long long)expected, dim, got);
+    return -1;
+}
+
+int qk_check_dtype_index(const char *op, const char *arg, const qk_view *v) {
+    if (v->dtype == QK_I32 || v->dtype == QK_I64) return 0;
+    PyErr_Format(PyExc_TypeError, "%s: %s must be int32 or int64, got %s", op, arg, qk_dtype_name(v->dtype));
+    return -1;
+}

@@ -1,0 +1,159 @@
+/* What every op does around its kernel: one device for all tensors, the device made current,
+ * the caller's stream chosen, and the output allocated (by the caller's framework when it
+ * publishes a DLPack exchange API, so torch outputs come from torch's caching allocator). */
+#include "qk.h"
+
+#include <string.h>
+
+int qk_same_device(const char *op, const qk_view *views, const char *const *names, int n) {
+    for (int i = 1; i < n; i++) {
+        if (views[i].device_type != views[0].device_type || views[i].device_id != views[0].device_id) {
+            char a[64], b[64];
+            qk_device_str(a, sizeof a, views[0].device_type, views[0].device_id);
+            qk_device_str(b, sizeof b, views[i].device_type, views[i].device_id);
+            PyErr_Format(PyExc_ValueError, "%s: all tensors must be on one device; %s is on %s but %s is on %s", op,
+                         names[0], a, names[i], b);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int qk_launch_begin(qk_state *st, const char *op, const qk_view *first, void *stream, int stream_given,
+                    qk_launch *l) {
+    memset(l, 0, sizeof *l);
+    l->device_type = first->device_type;
+    l->device_id = first->device_id;
+    l->prev_device = -1;
+    if (first->device_type != kDLCUDA) return 0;
+    l->cuda = qk_cuda(st, op);
+    if (l->cuda == NULL) return -1;
+    int status = l->cuda->get_device(&l->prev_device);
+    if (!status && l->prev_device != first->device_id) {
+        status = l->cuda->set_device(first->device_id);
+        l->switched = !status;
+    }
+    if (status) return qk_raise_status(op, status);
+    if (stream_given) {
+        l->stream = stream;
+    } else if (first->api) {
+        if (first->api->current_work_stream(kDLCUDA, first->device_id, &l->stream) != 0) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "%s: could not query the current stream", op);
+            qk_launch_end(l);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+void qk_launch_end(qk_launch *l) {
+    if (l->switched) l->cuda->set_device(l->prev_device);
+    l->switched = 0;
+}
+
+static void qk_set_error(void *ctx, const char *kind, const char *message) {
+    (void)ctx;
+    PyObject *exc = PyExc_RuntimeError;
+    if (kind && strcmp(kind, "MemoryError") == 0) exc = PyExc_MemoryError;
+    else if (kind && strcmp(kind, "ValueError") == 0) exc = PyExc_ValueError;
+    else if (kind && strcmp(kind, "TypeError") == 0) exc = PyExc_TypeError;
+    else if (kind && strcmp(kind, "BufferError") == 0) exc = PyExc_BufferError;
+    PyErr_SetString(exc, message ? message : "allocation failed");
+}
+
+int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_view *like, int dtype, int ndim,
+                      const int64_t *shape, const qk_launch *l, qk_view *ov, qk_output *o) {
+    memset(o, 0, sizeof *o);
+    memset(ov, 0, sizeof *ov);
+    if (out_obj && out_obj != Py_None) {
+        if (qk_import(st, out_obj, op, "out", l->stream, ov) < 0) return -1;
+        char want[160], got[160];
+        int bad_shape = ov->ndim != ndim;
+        for (int i = 0; !bad_shape && i < ndim; i++) bad_shape = ov->shape[i] != shape[i];
+        if (ov->readonly) {
+            PyErr_Format(PyExc_BufferError, "%s: out is read-only", op);
+        } else if (ov->dtype != dtype) {
+            PyErr_Format(PyExc_TypeError, "%s: out must be %s, got %s", op, qk_dtype_name(dtype),
+                         qk_dtype_name(ov->dtype));
+        } else if (bad_shape) {
+            qk_shape_str(want, sizeof want, shape, ndim);
+            qk_shape_str(got, sizeof got, ov->shape, ov->ndim);
+            PyErr_Format(PyExc_ValueError, "%s: out must have shape %s, got %s", op, want, got);
+        } else if (ov->device_type != l->device_type || ov->device_id != l->device_id) {
+            qk_device_str(want, sizeof want, l->device_type, l->device_id);
+            qk_device_str(got, sizeof got, ov->device_type, ov->device_id);
+            PyErr_Format(PyExc_ValueError, "%s: out must be on %s like the inputs, got %s", op, want, got);
+        } else {
+            for (int i = 0; i < ndim; i++) {
+                if (ov->strides[i] == 0 && ov->shape[i] > 1) {
+                    PyErr_Format(PyExc_ValueError,
+                                 "%s: out has stride 0 in dimension %d, so its elements overlap; pass a writable "
+                                 "tensor with distinct elements",
+                                 op, i);
+                    break;
+                }
+            }
+        }
+        if (PyErr_Occurred()) {
+            qk_views_release(ov, 1);
+            return -1;
+        }
+        o->result = Py_NewRef(out_obj);
+        return 0;
+    }
+    if (like->api) {
+        DLTensor proto = {0};
+        proto.device.device_type = l->device_type;
+        proto.device.device_id = l->device_type == kDLCUDA ? l->device_id : 0;
+        proto.ndim = ndim;
+        proto.dtype = qk_dtype_to_dl(dtype);
+        proto.shape = (int64_t *)shape;
+        DLManagedTensorVersioned *mt = NULL;
+        if (like->api->managed_tensor_allocator(&proto, &mt, NULL, qk_set_error) != 0 || mt == NULL) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_MemoryError, "%s: the framework could not allocate out", op);
+            return -1;
+        }
+        o->mt = mt;
+        o->api = like->api;
+        ov->data = (char *)mt->dl_tensor.data + mt->dl_tensor.byte_offset;
+        ov->device_type = l->device_type;
+        ov->device_id = l->device_id;
+        ov->dtype = dtype;
+        ov->ndim = ndim;
+        int64_t c = 1;
+        for (int i = ndim - 1; i >= 0; i--) {
+            ov->shape[i] = shape[i];
+            ov->strides[i] = mt->dl_tensor.strides ? mt->dl_tensor.strides[i] : c;
+            c *= shape[i];
+        }
+        return 0;
+    }
+    o->result = qk_tensor_empty(st, dtype, ndim, shape, l->device_type, l->device_id, l->stream);
+    if (o->result == NULL) return -1;
+    qk_tensor_fill_view(o->result, ov);
+    return 0;
+}
+
+PyObject *qk_output_finish(qk_output *o, qk_view *ov, int ok) {
+    qk_views_release(ov, 1);
+    if (!ok) {
+        if (o->mt) {
+            qk_saved_error e = qk_error_save();
+            o->mt->deleter(o->mt);
+            qk_error_restore(e);
+        }
+        o->mt = NULL;
+        Py_CLEAR(o->result);
+        return NULL;
+    }
+    if (o->mt) {
+        void *obj = NULL;
+        DLManagedTensorVersioned *mt = o->mt;
+        o->mt = NULL;
+        if (o->api->managed_tensor_to_py_object_no_sync(mt, &obj) != 0) return NULL; /* ownership was taken */
+        return (PyObject *)obj;
+    }
+    PyObject *r = o->result;
+    o->result = NULL;
+    return r;
+}

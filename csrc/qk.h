@@ -1,0 +1,137 @@
+/* Internal declarations of the C extension qkernels._C (pure C11, no CUDA headers). */
+#ifndef QK_H
+#define QK_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#include "dlpack.h"
+#include "../kernels/qk_launch.h"
+
+#define QK_MAX_DIMS 8
+#define QK_MAX_API_TYPES 8
+
+/* Per-module state (multi-phase init). */
+typedef struct {
+    PyTypeObject *tensor_type;
+    PyObject *str_dlpack;        /* "__dlpack__" */
+    PyObject *str_dlpack_device; /* "__dlpack_device__" */
+    PyObject *str_exchange_api;  /* "__dlpack_c_exchange_api__" */
+    PyObject *kw_versioned;      /* ("stream", "max_version") */
+    PyObject *kw_legacy;         /* ("stream",) */
+    PyObject *max_version;       /* (1, 1) */
+    /* Types whose __dlpack_c_exchange_api__ was looked up, with the table (NULL: none). */
+    PyTypeObject *api_types[QK_MAX_API_TYPES];
+    const DLPackExchangeAPI *apis[QK_MAX_API_TYPES];
+    int num_api_types;
+    int use_exchange_api; /* QKERNELS_NO_EXCHANGE_API=1 turns the fast path off (tests) */
+    int check_indices;    /* QKERNELS_CHECK=1: validate indices on cuda too */
+    int num_threads;      /* CPU workers; QKERNELS_NUM_THREADS or the core count */
+    PyObject *cuda_path;  /* the CUDA shared object beside this module, or None */
+} qk_state;
+
+/* A borrowed or owned view of one tensor argument, strides in elements. */
+typedef struct {
+    char *data;
+    int32_t device_type; /* kDLCPU or kDLCUDA after classification */
+    int32_t device_id;
+    int32_t raw_device_type;
+    int dtype;
+    int ndim;
+    int readonly;
+    int64_t shape[QK_MAX_DIMS];
+    int64_t strides[QK_MAX_DIMS];
+    const DLPackExchangeAPI *api; /* set when imported through a framework's C exchange API */
+    void *owner;                  /* DLManagedTensor[Versioned] to release, or NULL */
+    int owner_versioned;
+} qk_view;
+
+/* dlpack.c */
+const char *qk_dtype_name(int dtype);
+size_t qk_dtype_size(int dtype);
+int qk_dtype_from_name(const char *name);
+DLDataType qk_dtype_to_dl(int dtype);
+const DLPackExchangeAPI *qk_exchange_api(qk_state *st, PyTypeObject *type);
+int qk_import(qk_state *st, PyObject *obj, const char *op, const char *arg, void *stream, qk_view *v);
+int qk_import_capsule(PyObject *capsule, const char *op, const char *arg, qk_view *v);
+void qk_view_release(qk_view *v);      /* any thread, no GIL needed */
+void qk_views_release(qk_view *v, int n); /* GIL held; keeps a pending exception */
+int64_t qk_numel(const qk_view *v);
+void qk_device_str(char *buf, size_t n, int device_type, int device_id);
+
+/* tensor.c */
+typedef struct qk_storage qk_storage;
+int qk_tensor_type_init(PyObject *module, qk_state *st);
+PyObject *qk_tensor_empty(qk_state *st, int dtype, int ndim, const int64_t *shape, int device_type,
+                          int device_id, void *stream);
+PyObject *qk_tensor_from_view(qk_state *st, qk_view *v); /* takes over v's owner */
+void qk_tensor_fill_view(PyObject *tensor, qk_view *v);
+int qk_is_tensor(qk_state *st, PyObject *obj);
+long qk_tensor_live_storages(void);
+
+/* cuda.c: the lazily loaded CUDA shared object */
+const qk_cuda_api *qk_cuda_try_load(qk_state *st); /* NULL without raising */
+const qk_cuda_api *qk_cuda(qk_state *st, const char *op); /* NULL with RuntimeError */
+const char *qk_cuda_unavailable_reason(void);
+const qk_cuda_api *qk_cuda_loaded(void); /* whatever is loaded, for deleters */
+int qk_raise_status(const char *op, int status);
+
+/* args.c: fast-call argument parsing that names the function in every error */
+int qk_parse_args(const char *fname, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                  const char *const *names, int npositional, int nrequired, PyObject **out);
+void qk_shape_str(char *buf, size_t n, const int64_t *shape, int ndim);
+int qk_stream_arg(const char *fname, PyObject *obj, void **stream, int *given);
+
+/* launch.c: device selection, stream choice and output allocation shared by every op */
+typedef struct {
+    int32_t device_type, device_id;
+    void *stream;
+    int prev_device;
+    int switched;
+    const qk_cuda_api *cuda;
+} qk_launch;
+
+typedef struct {
+    PyObject *result;              /* the object returned to Python */
+    DLManagedTensorVersioned *mt;  /* allocated through a framework's exchange API */
+    const DLPackExchangeAPI *api;
+} qk_output;
+
+int qk_same_device(const char *op, const qk_view *views, const char *const *names, int n);
+int qk_launch_begin(qk_state *st, const char *op, const qk_view *first, void *stream, int stream_given,
+                    qk_launch *l);
+void qk_launch_end(qk_launch *l);
+int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_view *like, int dtype,
+                      int ndim, const int64_t *shape, const qk_launch *l, qk_view *ov, qk_output *o);
+PyObject *qk_output_finish(qk_output *o, qk_view *ov, int ok);
+
+/* Shape/dtype checks raising ValueError/TypeError with the op and argument named. */
+int qk_check_ndim(const char *op, const char *arg, const qk_view *v, int ndim, const char *layout);
+int qk_check_dtype_index(const char *op, const char *arg, const qk_view *v);
+int qk_check_dim(const char *op, const char *arg, const qk_view *v, int dim, int64_t expected,
+                 const char *layout);
+
+/* ops */
+PyObject *qk_op_sparse_aggregate(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+
+/* Keep a pending exception across calls that may run Python code (3.12 deprecates PyErr_Fetch). */
+#if PY_VERSION_HEX >= 0x030C0000
+typedef PyObject *qk_saved_error;
+static inline qk_saved_error qk_error_save(void) { return PyErr_GetRaisedException(); }
+static inline void qk_error_restore(qk_saved_error e) { PyErr_SetRaisedException(e); }
+#else
+typedef struct {
+    PyObject *type, *value, *tb;
+} qk_saved_error;
+static inline qk_saved_error qk_error_save(void) {
+    qk_saved_error e;
+    PyErr_Fetch(&e.type, &e.value, &e.tb);
+    return e;
+}
+static inline void qk_error_restore(qk_saved_error e) { PyErr_Restore(e.type, e.value, e.tb); }
+#endif
+
+static inline qk_state *qk_get_state(PyObject *module) { return (qk_state *)PyModule_GetState(module); }
+
+#endif

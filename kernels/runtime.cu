@@ -1,0 +1,77 @@
+// The CUDA shared object's one entry point, qk_cuda_get_api: a table of device utilities and
+// op launchers that the C module loads with dlopen at first CUDA use (see qk_launch.h).
+#include "common.cuh"
+#include <string.h>
+
+extern "C" int qk_sparse_aggregate_cuda(const qk_sparse_aggregate_args *a, void *stream);
+extern "C" int qk_sparse_aggregate_check_cuda(qk_sparse_aggregate_args *a, void *stream);
+
+#ifndef QK_ARCHS
+#define QK_ARCHS "unknown"
+#endif
+
+namespace {
+
+int runtime_version(int *v) { return (int)cudaRuntimeGetVersion(v); }
+int driver_version(int *v) { return (int)cudaDriverGetVersion(v); }
+int device_count(int *n) {
+    cudaError_t e = cudaGetDeviceCount(n);
+    if (e != cudaSuccess) {
+        *n = 0;
+        cudaGetLastError();  // clear the sticky-free error so later calls are not poisoned
+    }
+    return (int)e;
+}
+int get_device(int *d) { return (int)cudaGetDevice(d); }
+int set_device(int d) { return (int)cudaSetDevice(d); }
+
+int device_props(int device, char *name, size_t name_len, int *cc, int *sm_count, size_t *total_mem) {
+    cudaDeviceProp p;
+    QK_CUDA_TRY(cudaGetDeviceProperties(&p, device));
+    if (name_len) {
+        strncpy(name, p.name, name_len - 1);
+        name[name_len - 1] = 0;
+    }
+    *cc = p.major * 10 + p.minor;
+    *sm_count = p.multiProcessorCount;
+    *total_mem = p.totalGlobalMem;
+    return 0;
+}
+
+const char *error_string(int status) { return cudaGetErrorString((cudaError_t)status); }
+int qk_malloc(void **p, size_t n) { return (int)cudaMalloc(p, n ? n : 1); }
+int qk_free(void *p) { return (int)cudaFree(p); }
+int memcpy_async(void *dst, const void *src, size_t n, void *stream) {
+    return (int)cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, (cudaStream_t)stream);
+}
+
+int stream_wait(void *consumer, void *producer) {
+    if (consumer == producer) return 0;
+    cudaEvent_t ev;
+    QK_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    cudaError_t e = cudaEventRecord(ev, (cudaStream_t)producer);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent((cudaStream_t)consumer, ev, 0);
+    cudaEventDestroy(ev);  // safe while pending: resources are released once the wait completes
+    return (int)e;
+}
+
+int pointer_kind(const void *ptr, int *kind, int *device) {
+    cudaPointerAttributes at;
+    QK_CUDA_TRY(cudaPointerGetAttributes(&at, ptr));
+    *kind = (int)at.type;
+    *device = at.device;
+    return 0;
+}
+
+const qk_cuda_api api = {
+    QK_CUDA_ABI,     QK_ARCHS,      runtime_version, driver_version, device_count,
+    get_device,      set_device,    device_props,    error_string,   qk_malloc,
+    qk_free,         memcpy_async,  stream_wait,     pointer_kind,   qk_sparse_aggregate_cuda,
+    qk_sparse_aggregate_check_cuda,
+};
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) const qk_cuda_api *qk_cuda_get_api(int abi) {
+    return abi == QK_CUDA_ABI ? &api : nullptr;
+}

@@ -1,0 +1,195 @@
+"""python -m qkernels [info] [--selfcheck] [--explain OP] [--bench]
+
+With no options: what is installed, the backend table, every op once on the best backend
+checked against the cpu backend (or a float64 NumPy computation where cpu is the best), and a
+short timing table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import qkernels
+from qkernels import _dispatch
+
+
+def _sample_sparse_aggregate(rng, n=2000, h=4, d=32, deg=8):
+    degrees = rng.poisson(deg, n)
+    row_ptr = np.concatenate([[0], np.cumsum(degrees)]).astype(np.int64)
+    col_idx = rng.integers(0, n, int(row_ptr[-1])).astype(np.int64)
+    ew = rng.standard_normal((len(col_idx), h)).astype(np.float32)
+    nf = rng.standard_normal((n, h, d)).astype(np.float32)
+    return (row_ptr, col_idx, ew, nf)
+
+
+def _numpy_sparse_aggregate(row_ptr, col_idx, ew, nf):
+    out = np.zeros((len(row_ptr) - 1,) + nf.shape[1:])
+    rows = np.repeat(np.arange(len(row_ptr) - 1), np.diff(row_ptr))
+    np.add.at(out, rows, ew[:, :, None].astype(np.float64) * nf[col_idx])
+    return out
+
+
+SAMPLES = {"sparse_aggregate": (_sample_sparse_aggregate, _numpy_sparse_aggregate)}
+
+
+def _device_framework():
+    """A framework that can hold CUDA tensors here, or None."""
+    if not qkernels.AVAILABLE:
+        return None
+    if importlib.util.find_spec("torch"):
+        import torch
+
+        if torch.cuda.is_available():
+            return "torch"
+    if importlib.util.find_spec("cupy"):
+        return "cupy"
+    return None
+
+
+def _to_device(arrays, fw):
+    if fw == "torch":
+        import torch
+
+        return tuple(torch.from_numpy(a).cuda() for a in arrays)
+    import cupy
+
+    return tuple(cupy.asarray(a) for a in arrays)
+
+
+def _to_numpy(x):
+    if hasattr(x, "get"):
+        return x.get()
+    if type(x).__module__.startswith("torch"):
+        return x.cpu().numpy()
+    return np.asarray(x)
+
+
+def _sync(fw):
+    if fw == "torch":
+        import torch
+
+        torch.cuda.synchronize()
+    elif fw == "cupy":
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+
+
+def print_info():
+    inf = qkernels.info()
+    print(f"qkernels {inf['version']}")
+    if inf["cuda_built"]:
+        print(f"  CUDA kernels: built for {inf['compiled_archs'] or '(library not loaded)'}")
+    print(f"  CUDA available: {inf['cuda_available']}" + ("" if inf["cuda_available"] else f" ({inf['cuda_reason']})"))
+    for dev in inf["devices"]:
+        cc = ".".join(map(str, dev["capability"]))
+        print(f"  cuda:{dev['index']}: {dev['name']} (sm_{cc.replace('.', '')}, {dev['multiprocessors']} SMs, "
+              f"{dev['memory'] / 2**30:.0f} GiB)")
+    print(f"  CPU threads: {inf['cpu_threads']}")
+    env = ", ".join(f"{k}={v}" for k, v in inf["env"].items() if v) or "none set"
+    print(f"  environment: {env}")
+    print("\nbackends:")
+    for name, b in inf["backends"].items():
+        print(f"  {name:<6} {'available' if b['available'] else 'unavailable: ' + b['reason']}")
+
+
+def selfcheck():
+    """Every op once on the best backend vs the cpu backend; returns True when all pass."""
+    rng = np.random.default_rng()
+    fw = _device_framework()
+    ok = True
+    print(f"\nself-check (best backend vs reference, random data{', on ' + fw + ' CUDA tensors' if fw else ''}):")
+    for op, (make, numpy_ref) in SAMPLES.items():
+        fn = getattr(qkernels, op)
+        host = make(rng)
+        args = _to_device(host, fw) if fw else host
+        best = _dispatch.resolve(op, *args).winner
+        out = _to_numpy(fn(*args))
+        if best == "cpu":
+            ref, against = numpy_ref(*host), "float64 NumPy"
+        else:
+            ref, against = fn(*host, backend="cpu"), "cpu backend"
+        err = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+        passed = bool(np.isfinite(out).all() and err < 1e-5)
+        ok &= passed
+        print(f"  {op:<20} {best:<5} vs {against:<14} rel err {err:.2e}  {'PASS' if passed else 'FAIL'}")
+    return ok
+
+
+def timing(repeats=20):
+    rng = np.random.default_rng(0)
+    fw = _device_framework()
+    print(f"\ntiming (median of {repeats} calls, host clock around synchronised calls):")
+    print(f"  {'op':<20} {'backend':<8} {'data':<8} {'time':>10}")
+    for op, (make, _) in SAMPLES.items():
+        fn = getattr(qkernels, op)
+        host = make(rng)
+        runs = [("cpu", host, None)]
+        if fw:
+            runs.insert(0, ("cuda", _to_device(host, fw), fw))
+        for backend, args, sync_fw in runs:
+            fn(*args, backend=backend)
+            times = []
+            for _ in range(repeats):
+                _sync(sync_fw)
+                t0 = time.perf_counter()
+                fn(*args, backend=backend)
+                _sync(sync_fw)
+                times.append(time.perf_counter() - t0)
+            print(f"  {op:<20} {backend:<8} {sync_fw or 'numpy':<8} {statistics.median(times) * 1e6:>8.1f} µs")
+
+
+def explain(op):
+    if op not in SAMPLES:
+        sys.exit(f"--explain: unknown op {op!r}; ops: {', '.join(SAMPLES)}")
+    fw = _device_framework()
+    host = SAMPLES[op][0](np.random.default_rng(0), n=64)
+    args = _to_device(host, fw) if fw else host
+    print(qkernels.explain(op, *args))
+
+
+def bench():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "benchmarks", "run.py")
+    if not os.path.exists(script):
+        sys.exit("--bench needs the repository's benchmarks/ folder beside the package (a source checkout)")
+    import runpy
+
+    sys.argv = [script]
+    runpy.run_path(script, run_name="__main__")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m qkernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", nargs="?", choices=["info"], help="only print what is installed")
+    p.add_argument("--selfcheck", action="store_true", help="only run the self-check")
+    p.add_argument("--explain", metavar="OP", help="show the dispatcher's decision for a sample call of OP")
+    p.add_argument("--bench", action="store_true", help="run the full benchmark set on the GPU")
+    a = p.parse_args(argv)
+    if a.explain:
+        explain(a.explain)
+        return 0
+    if a.bench:
+        bench()
+        return 0
+    if a.command == "info":
+        print_info()
+        return 0
+    if a.selfcheck:
+        return 0 if selfcheck() else 1
+    print_info()
+    ok = selfcheck()
+    timing()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

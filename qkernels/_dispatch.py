@@ -1,0 +1,304 @@
+"""The backend dispatcher: which implementation runs a call.
+
+Selection order: explicit ``backend=`` > ``use_backend(...)`` context > environment
+(``QKERNELS_OPS`` > ``ASTR_BACKEND`` / ``QECDEC_BACKEND``) > the automatic chain (the first
+available backend, in priority order cuda, flash, cpu, whose predicate matches the call).
+Explicit, context and environment selections are strict: a backend that cannot take the call
+raises ExplicitSelectionError.  Decisions are cached per call signature, so a repeated call pays
+one dict lookup.  The environment is read at first use; ``reload_env()`` reads it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib.util
+import itertools
+import os
+import warnings
+from dataclasses import dataclass, field
+
+from . import _C
+
+BACKENDS = ("cuda", "flash", "cpu")
+GRAPH_FAMILIES = ("edge_features", "norm_residual", "graph_bce", "sparse_aggregate")
+LLM_FAMILIES = ("attention", "rotary", "linear", "swiglu")
+FAMILIES = LLM_FAMILIES + GRAPH_FAMILIES
+GROUPS = {"graph": GRAPH_FAMILIES, "llm": LLM_FAMILIES}
+ENV_GROUPS = (("ASTR_BACKEND", LLM_FAMILIES), ("QECDEC_BACKEND", GRAPH_FAMILIES))
+LEGACY_SPELLINGS = {"torch_native": "cpu", "pytorch": "cpu", "compiled": "cpu"}
+
+# op name -> (family, index of the argument whose device/dtype/framework decide)
+OPS = {"sparse_aggregate": ("sparse_aggregate", 3)}
+
+_DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "bool")
+
+
+class ExplicitSelectionError(RuntimeError):
+    """A backend chosen explicitly (argument, context or environment) cannot take the call."""
+
+
+class FallbackWarning(UserWarning):
+    """The cpu backend is running a call on device tensors by staging them through host memory."""
+
+
+def _axes_from_code(code, framework):
+    device = {1: "cpu", 2: "cuda"}.get(code >> 8, "unknown") if code >= 0 else "unknown"
+    dtype = _DTYPES[code & 0xFF] if code >= 0 and (code & 0xFF) < len(_DTYPES) else "unknown"
+    return {"framework": framework, "device": device, "dtype": dtype}
+
+
+def framework_name(x):
+    mod = type(x).__module__.split(".")[0]
+    return {"jaxlib": "jax", "qkernels": "qkernels"}.get(mod, mod)
+
+
+# ---- backends: availability and per-family predicates ---------------------------------------
+
+def _req(description, test):
+    return (description, test)
+
+
+_PREDICATES = {
+    "cuda": {
+        "sparse_aggregate": [
+            _req("inputs on a CUDA device", lambda a: a["device"] == "cuda"),
+            _req("dtype float32 (fp16/bf16 arrive with the tuned graph kernels)", lambda a: a["dtype"] == "float32"),
+        ],
+    },
+    "flash": {
+        "attention": [
+            _req("torch tensors", lambda a: a["framework"] == "torch"),
+            _req("inputs on a CUDA device", lambda a: a["device"] == "cuda"),
+            _req("dtype float16 or bfloat16", lambda a: a["dtype"] in ("float16", "bfloat16")),
+        ],
+    },
+    "cpu": {
+        "sparse_aggregate": [
+            _req("dtype float32", lambda a: a["dtype"] == "float32"),
+        ],
+    },
+}
+
+_availability = {}
+
+
+def backend_available(name):
+    """(available, why not) for a backend; probed once per process."""
+    if name not in _availability:
+        if name == "cuda":
+            ci = _C.cuda_info()
+            _availability[name] = (ci["available"], ci["reason"])
+        elif name == "flash":
+            found = importlib.util.find_spec("flash_attn") is not None
+            _availability[name] = (found, "" if found else "the flash_attn package is not installed")
+        else:
+            _availability[name] = (True, "")
+    return _availability[name]
+
+
+def _check(backend, family, axes):
+    """None when backend can take the call, else the reason it cannot."""
+    ok, why = backend_available(backend)
+    if not ok:
+        return f"unavailable: {why}"
+    preds = _PREDICATES[backend].get(family)
+    if preds is None:
+        return f"no {backend} kernel for family '{family}'"
+    for description, test in preds:
+        if not test(axes):
+            return f"requires {description}; got {axes['framework']} {axes['device']} {axes['dtype']}"
+    return None
+
+
+# ---- selection sources ----------------------------------------------------------------------
+
+_ctx = contextvars.ContextVar("qkernels_backend", default=None)
+_ctx_tokens = itertools.count(1)
+_env_cache = None
+_cache = {}
+_warned = set()
+
+
+def _normalize(value, source):
+    v = str(value).strip().lower()
+    if v in LEGACY_SPELLINGS:
+        if (source, v) not in _warned:
+            _warned.add((source, v))
+            warnings.warn(f"{source}={value!r} is a legacy spelling; it selects the 'cpu' backend "
+                          f"(qkernels' C kernels)", UserWarning, stacklevel=4)
+        return "cpu"
+    if v not in BACKENDS + ("auto",):
+        raise ValueError(f"{source} must be one of cuda, flash, cpu, auto (or legacy torch_native, pytorch, "
+                         f"compiled), got {value!r}")
+    return v
+
+
+def _parse_env():
+    sel = {}
+    for var, families in ENV_GROUPS:
+        raw = os.environ.get(var)
+        if raw:
+            b = _normalize(raw, var)
+            for f in families:
+                sel[f] = (b, f"env {var}")
+    raw = os.environ.get("QKERNELS_OPS")
+    if raw:
+        for item in raw.split(","):
+            if not item.strip():
+                continue
+            fam, sep, val = item.partition("=")
+            fam = fam.strip()
+            if not sep or fam not in FAMILIES:
+                raise ValueError(f"QKERNELS_OPS entries must be family=backend with family one of "
+                                 f"{', '.join(FAMILIES)}; got {item.strip()!r}")
+            sel[fam] = (_normalize(val, f"QKERNELS_OPS[{fam}]"), "env QKERNELS_OPS")
+    return sel
+
+
+def _env():
+    global _env_cache
+    if _env_cache is None:
+        _env_cache = _parse_env()
+    return _env_cache
+
+
+def reload_env():
+    """Read ASTR_BACKEND, QECDEC_BACKEND and QKERNELS_OPS again (they are read once, at first use)."""
+    global _env_cache
+    _env_cache = None
+    _cache.clear()
+    _env()
+
+
+@contextlib.contextmanager
+def use_backend(backend=None, /, **families):
+    """Select backends inside a ``with`` block (nestable; local to the thread or asyncio task).
+
+    ``use_backend("cpu")`` sets every family; ``use_backend(sparse_aggregate="cuda", llm="flash")``
+    sets families or the groups ``graph`` and ``llm``.
+    """
+    outer = _ctx.get()
+    mapping = dict(outer[0]) if outer else {}
+    if backend is not None:
+        b = _normalize(backend, "use_backend")
+        mapping.update({f: b for f in FAMILIES})
+    for key, value in families.items():
+        if key in GROUPS:
+            targets = GROUPS[key]
+        elif key in FAMILIES:
+            targets = (key,)
+        else:
+            raise ValueError(f"use_backend: unknown family {key!r}; expected one of {', '.join(FAMILIES)}, "
+                             f"graph or llm")
+        b = _normalize(value, f"use_backend({key}=...)")
+        mapping.update({f: b for f in targets})
+    token = _ctx.set((mapping, next(_ctx_tokens)))
+    try:
+        yield
+    finally:
+        _ctx.reset(token)
+
+
+# ---- decisions ------------------------------------------------------------------------------
+
+@dataclass
+class Decision:
+    """The dispatcher's decision for one call: printable (``print(qkernels.explain(...))``)."""
+
+    op: str
+    family: str
+    axes: dict
+    candidates: list = field(default_factory=list)  # (backend, "MATCH" | "reject" | "unavailable", why)
+    requested: str = "auto"
+    origin: str = "chain"
+    winner: str | None = None
+    staged: bool = False
+    error: str | None = None
+
+    def __str__(self):
+        axes = " ".join(f"{k}={v}" for k, v in self.axes.items())
+        lines = [f"qkernels: {self.op} (family {self.family})", f"  axes: {axes}"]
+        for name, status, why in self.candidates:
+            lines.append(f"  {name:<6} {status}" + (f": {why}" if why else ""))
+        if self.winner:
+            note = ", stages through host memory" if self.staged else ""
+            lines.append(f"  -> {self.winner} (origin: {self.origin}"
+                         + (f", requested {self.requested}" if self.origin != "chain" else "") + f"{note})")
+        else:
+            lines.append(f"  -> no backend: {self.error}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _decide(op, x, explicit):
+    family, _ = OPS[op]
+    axes = _axes_from_code(_C.describe(x), framework_name(x))
+    d = Decision(op=op, family=family, axes=axes)
+    for b in BACKENDS:
+        ok, why = backend_available(b)
+        if not ok:
+            d.candidates.append((b, "unavailable", why))
+            continue
+        reason = _check(b, family, axes)
+        d.candidates.append((b, "MATCH", "") if reason is None else (b, "reject", reason))
+    if explicit is not None:
+        d.requested, d.origin = _normalize(explicit, "backend="), "explicit"
+    else:
+        ctx = _ctx.get()
+        if ctx and family in ctx[0]:
+            d.requested, d.origin = ctx[0][family], "context"
+        else:
+            env = _env().get(family)
+            if env:
+                d.requested, d.origin = env
+    if d.requested != "auto":
+        reason = _check(d.requested, family, axes)
+        if reason is not None:
+            d.error = (f"{op}: backend '{d.requested}' selected by {d.origin} cannot run family '{family}' "
+                       f"for this call: {reason}")
+            return d
+        d.winner = d.requested
+    else:
+        d.origin = "chain"
+        d.winner = next((b for b, status, _ in d.candidates if status == "MATCH"), None)
+        if d.winner is None:
+            # Nothing matches (a dtype no backend takes, say): run where the data lives so the
+            # kernel layer raises its precise TypeError/ValueError naming the argument.
+            d.winner = "cuda" if axes["device"] == "cuda" and backend_available("cuda")[0] else "cpu"
+            d.error = "no backend matches; the call goes to the kernel layer, which reports the problem"
+    d.staged = d.winner == "cpu" and axes["device"] == "cuda"
+    return d
+
+
+def resolve(op, *args, backend=None, **kwargs):
+    """The decision for ``op(*args, **kwargs)`` as data (a Decision)."""
+    if op not in OPS:
+        raise ValueError(f"resolve: unknown op {op!r}; expected one of {', '.join(OPS)}")
+    _, idx = OPS[op]
+    if len(args) <= idx:
+        raise TypeError(f"resolve: {op} needs at least {idx + 1} positional arguments to decide")
+    return _decide(op, args[idx], backend)
+
+
+def explain(op, *args, backend=None, **kwargs):
+    """Like resolve(); the returned Decision prints as a table: ``print(qkernels.explain(...))``."""
+    return resolve(op, *args, backend=backend, **kwargs)
+
+
+def choose(op, x, explicit):
+    """Hot path: (backend, staged) for a call whose deciding tensor is x."""
+    ctx = _ctx.get()
+    key = (op, type(x), _C.describe(x), explicit, ctx[1] if ctx else 0)
+    hit = _cache.get(key)
+    if hit is not None:
+        return hit
+    d = _decide(op, x, explicit)
+    if d.winner is None:
+        raise ExplicitSelectionError(d.error)
+    hit = (d.winner, d.staged)
+    if len(_cache) > 4096:
+        _cache.clear()
+    _cache[key] = hit
+    return hit

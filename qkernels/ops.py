@@ -1,0 +1,22 @@
+"""Public ops: dispatch, then the C entry point, with results in the caller's framework."""
+
+from __future__ import annotations
+
+from . import _C
+from ._dispatch import choose
+from ._frameworks import run
+
+
+def sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, *, out=None, backend=None):
+    """Multi-head CSR SpMM (message aggregation of a GNN layer).
+
+    row_ptr ``[N_dst+1]`` and col_idx ``[E]`` (int32 or int64, the same for both), edge_weight
+    ``[E, H]``, node_feat ``[N_src, H, D]`` -> ``[N_dst, H, D]`` with
+    ``out[i,h,:] = sum over e in [row_ptr[i], row_ptr[i+1]) of edge_weight[e,h] * node_feat[col_idx[e],h,:]``;
+    rows without edges are 0.  float32 on cpu and cuda.  Indices are validated on cpu; on cuda
+    set QKERNELS_CHECK=1 to validate (otherwise out-of-range rows are clamped and columns skipped,
+    never read or written out of bounds).
+    """
+    b, staged = choose("sparse_aggregate", node_feat, backend)
+    return run("sparse_aggregate", _C.sparse_aggregate, (row_ptr, col_idx, edge_weight, node_feat), out,
+               node_feat, staged)
