@@ -9,8 +9,12 @@ no more host time than one torch.add.
 """
 
 import argparse
+import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 import torch
 

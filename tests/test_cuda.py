@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import qkernels
-from conftest import random_inputs, rel_err, requires_cuda, sparse_aggregate_ref
+from conftest import fp32_sum_tol, random_inputs, rel_err, requires_cuda, sparse_aggregate_ref
 
 pytestmark = requires_cuda
 _C = qkernels._C
@@ -62,7 +62,7 @@ def test_power_law_zero_degree_and_empty(rng):
     args = random_inputs(rng, 20000, 9000, 2, 32, degrees=degrees)
     out = qkernels.sparse_aggregate(*to_cuda(args))
     ref = sparse_aggregate_ref(*args)
-    assert rel_err(out.cpu().numpy(), ref) < 1e-5
+    assert rel_err(out.cpu().numpy(), ref) < fp32_sum_tol(degrees.max())
     assert (out[torch.from_numpy(np.diff(args[0]) == 0).cuda()] == 0).all()
     empty = random_inputs(rng, 17, 5, 3, 4, degrees=np.zeros(17))
     assert (qkernels.sparse_aggregate(*to_cuda(empty)) == 0).all()
@@ -140,7 +140,7 @@ def test_cuda_graph_capture_and_replay(rng):
     with torch.cuda.graph(g):
         out = qkernels.sparse_aggregate(*static)
     for _ in range(3):
-        fresh = random_inputs(rng, 500, 300, 4, 32)
+        fresh = list(random_inputs(rng, 500, 300, 4, 32))
         fresh[0], fresh[1] = args[0], args[1]  # same graph structure, new weights and features
         static[2].copy_(torch.from_numpy(fresh[2]))
         static[3].copy_(torch.from_numpy(fresh[3]))

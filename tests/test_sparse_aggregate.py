@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import qkernels
-from conftest import random_inputs, rel_err, requires_torch, sparse_aggregate_ref
+from conftest import fp32_sum_tol, random_inputs, rel_err, requires_torch, sparse_aggregate_ref
 
 FP32_TOL = 1e-5
 
@@ -33,7 +33,7 @@ def test_power_law_one_huge_row(rng):
     degrees[1234] = 100_000  # one hub next to thousands of degree-1 rows
     args = random_inputs(rng, 5000, 3000, 2, 16, degrees=degrees)
     out = qkernels.sparse_aggregate(*args)
-    assert rel_err(out, sparse_aggregate_ref(*args)) < FP32_TOL
+    assert rel_err(out, sparse_aggregate_ref(*args)) < fp32_sum_tol(degrees.max())
 
 
 def test_no_edges(rng):
