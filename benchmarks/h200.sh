@@ -14,7 +14,7 @@ grep -E "qkernels:|warning" "$OUT/build.log"
 python3 -m qkernels 2>&1 | tee "$OUT/main.log"
 python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest.log" | tail -25
 if [ "${QK_SANITIZE:-0}" = 1 ]; then
-    compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -x tests/test_cuda.py \
+    timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -x tests/test_cuda.py \
         -k "not stream and not graph" >"$OUT/memcheck.log" 2>&1
     echo "memcheck exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/memcheck.log") clean summaries)"
     tail -3 "$OUT/memcheck.log"
