@@ -56,19 +56,28 @@ def main():
     out = torch.empty(n, h, d, device=dev)
     args = (row_ptr, col_idx, ew, nf)
 
+    C = qkernels._C
+    default = C._configure()["alloc_new_empty"]
     cases = [
-        ("torch.add(x, y)  [anchor]", lambda: torch.add(x, y)),
-        ("qkernels.sparse_aggregate(4 tensors)", lambda: qkernels.sparse_aggregate(*args)),
-        ("qkernels.sparse_aggregate(..., out=)", lambda: qkernels.sparse_aggregate(*args, out=out)),
-        ("_C.sparse_aggregate (no Python layer)", lambda: qkernels._C.sparse_aggregate(*args)),
-        ("dispatcher lookup alone", lambda: _dispatch.choose("sparse_aggregate", nf, None)),
-        ("t.__dlpack__() [naive: per tensor]", lambda: nf.__dlpack__(stream=-1)),
-        ("torch.cuda.current_stream() [naive]", lambda: torch.cuda.current_stream()),
+        ("torch.add(x, y)  [anchor]", None, lambda: torch.add(x, y)),
+        ("qkernels.sparse_aggregate(4 tensors)", default, lambda: qkernels.sparse_aggregate(*args)),
+        ("qkernels.sparse_aggregate(..., out=)", default, lambda: qkernels.sparse_aggregate(*args, out=out)),
+        ("  output via x.new_empty (in C)", True, lambda: qkernels.sparse_aggregate(*args)),
+        ("  output via DLPack exchange allocator", False, lambda: qkernels.sparse_aggregate(*args)),
+        ("_C.sparse_aggregate(..., out=) (no Python layer)", default, lambda: C.sparse_aggregate(*args, out=out)),
+        ("dispatcher lookup alone", default, lambda: _dispatch.choose("sparse_aggregate", nf, None)),
+        ("torch.empty(shape, device=)", None, lambda: torch.empty((n, h, d), device=dev)),
+        ("x.new_empty(shape)", None, lambda: nf.new_empty((n, h, d))),
+        ("t.__dlpack__() [naive: per tensor]", None, lambda: nf.__dlpack__(stream=-1)),
+        ("torch.cuda.current_stream() [naive]", None, lambda: torch.cuda.current_stream()),
     ]
     results = []
-    for name, fn in cases:
+    for name, mode, fn in cases:
+        if mode is not None:
+            _dispatch.configure(alloc_new_empty=mode)
         calls = a.calls if "dlpack" not in name else a.calls // 4
         results.append((name, per_call(fn, calls, a.rounds)))
+    _dispatch.configure(alloc_new_empty=default)
     anchor = results[0][1]
     lines = [f"Host overhead per call on {torch.cuda.get_device_name()} (torch {torch.__version__}, "
              f"median of {a.rounds} rounds x {a.calls} calls; tensors [{n},{h},{d}], E={e})", "",

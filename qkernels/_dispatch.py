@@ -287,8 +287,31 @@ def explain(op, *args, backend=None, **kwargs):
     return resolve(op, *args, backend=backend, **kwargs)
 
 
+class Plan(tuple):
+    """What a call does: (backend, staged, direct).  direct: _C takes the arguments as they are and
+    returns the caller's framework itself (torch through the DLPack C exchange API)."""
+
+    __slots__ = ()
+    backend = property(lambda self: self[0])
+    staged = property(lambda self: self[1])
+    direct = property(lambda self: self[2])
+
+
+def configure(**settings):
+    """Change _C's debug settings (see _C._configure) and forget cached plans that depend on them."""
+    old = _C._configure(**settings)
+    _cache.clear()
+    return old
+
+
+def _is_direct(x, staged):
+    if staged or framework_name(x) != "torch":
+        return False
+    return hasattr(type(x), "__dlpack_c_exchange_api__") and _C._configure()["use_exchange_api"]
+
+
 def choose(op, x, explicit):
-    """Hot path: (backend, staged) for a call whose deciding tensor is x."""
+    """Hot path: the Plan for a call whose deciding tensor is x."""
     ctx = _ctx.get()
     key = (op, type(x), _C.describe(x), explicit, ctx[1] if ctx else 0)
     hit = _cache.get(key)
@@ -297,7 +320,7 @@ def choose(op, x, explicit):
     d = _decide(op, x, explicit)
     if d.winner is None:
         raise ExplicitSelectionError(d.error)
-    hit = (d.winner, d.staged)
+    hit = Plan((d.winner, d.staged, _is_direct(x, d.staged)))
     if len(_cache) > 4096:
         _cache.clear()
     _cache[key] = hit

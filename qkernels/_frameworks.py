@@ -18,7 +18,6 @@ from . import _C
 from ._dispatch import FallbackWarning, framework_name
 
 Tensor = _C.Tensor
-_probe = _C._configure()  # current settings, to know whether the torch fast path is on
 
 
 class Framework:
@@ -45,12 +44,10 @@ class Torch(Framework):
 
     def __init__(self):
         self.torch = sys.modules["torch"]
-        self.fast = hasattr(self.torch.Tensor, "__dlpack_c_exchange_api__")
 
     def stream(self, like):
-        if like.is_cuda and not (self.fast and _C._configure()["use_exchange_api"]):
-            return self.torch.cuda.current_stream(like.device).cuda_stream
-        return None
+        # Reached when _C cannot read torch's stream itself (no C exchange API): pass it.
+        return self.torch.cuda.current_stream(like.device).cuda_stream if like.is_cuda else None
 
     def wrap(self, t, like):
         return self.torch.from_dlpack(t)

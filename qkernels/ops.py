@@ -17,6 +17,10 @@ def sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, *, out=None, back
     set QKERNELS_CHECK=1 to validate (otherwise out-of-range rows are clamped and columns skipped,
     never read or written out of bounds).
     """
-    b, staged = choose("sparse_aggregate", node_feat, backend)
+    plan = choose("sparse_aggregate", node_feat, backend)
+    if plan[2]:  # direct: torch in, torch out, all in C
+        if out is None:
+            return _C.sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat)
+        return _C.sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, out=out)
     return run("sparse_aggregate", _C.sparse_aggregate, (row_ptr, col_idx, edge_weight, node_feat), out,
-               node_feat, staged)
+               node_feat, plan[1])

@@ -192,7 +192,7 @@ def test_refcounts_flat_over_many_calls(rng):
 def test_torch_round_trip_zero_copy(rng, fast_path):
     import torch
 
-    old = _C._configure(use_exchange_api=fast_path)
+    old = qkernels._dispatch.configure(use_exchange_api=fast_path)
     try:
         args = [torch.from_numpy(a) for a in random_inputs(rng, 40, 12, 3, 8)]
         before = [sys.getrefcount(a) for a in args]
@@ -206,7 +206,7 @@ def test_torch_round_trip_zero_copy(rng, fast_path):
         back = torch.from_dlpack(t)
         assert back.data_ptr() == args[3].data_ptr()
     finally:
-        _C._configure(use_exchange_api=old["use_exchange_api"])
+        qkernels._dispatch.configure(use_exchange_api=old["use_exchange_api"])
 
 
 @requires_torch
