@@ -61,46 +61,8 @@ static void qk_set_error(void *ctx, const char *kind, const char *message) {
     PyErr_SetString(exc, message ? message : "allocation failed");
 }
 
-/* like.new_empty(shape): one Python-level allocation, where the exchange API's allocator builds a
- * tensor, wraps it as a DLPack tensor and rebuilds a second tensor around that. */
-static int qk_output_new_empty(qk_state *st, PyObject *like_obj, const qk_view *like, int ndim, const int64_t *shape,
-                               qk_view *ov, qk_output *o) {
-    PyObject *dims = PyTuple_New(ndim);
-    if (dims == NULL) return -1;
-    for (int i = 0; i < ndim; i++) {
-        PyObject *d = PyLong_FromLongLong(shape[i]);
-        if (d == NULL) {
-            Py_DECREF(dims);
-            return -1;
-        }
-        PyTuple_SET_ITEM(dims, i, d);
-    }
-    PyObject *argv[2] = {like_obj, dims};
-    PyObject *r = PyObject_VectorcallMethod(st->str_new_empty, argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-    Py_DECREF(dims);
-    if (r == NULL) return -1;
-    DLTensor t;
-    if (like->api->dltensor_from_py_object_no_sync(r, &t) != 0) {
-        Py_DECREF(r);
-        return -1;
-    }
-    o->result = r;
-    ov->data = (char *)t.data + t.byte_offset;
-    ov->device_type = like->device_type;
-    ov->device_id = like->device_id;
-    ov->dtype = like->dtype;
-    ov->ndim = ndim;
-    int64_t c = 1;
-    for (int i = ndim - 1; i >= 0; i--) {
-        ov->shape[i] = shape[i];
-        ov->strides[i] = t.strides ? t.strides[i] : c;
-        c *= shape[i];
-    }
-    return 0;
-}
-
-int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, PyObject *like_obj, const qk_view *like,
-                      int dtype, int ndim, const int64_t *shape, const qk_launch *l, qk_view *ov, qk_output *o) {
+int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_view *like, int dtype, int ndim,
+                      const int64_t *shape, const qk_launch *l, qk_view *ov, qk_output *o) {
     memset(o, 0, sizeof *o);
     memset(ov, 0, sizeof *ov);
     if (out_obj && out_obj != Py_None) {
@@ -139,8 +101,6 @@ int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, PyObject 
         o->result = Py_NewRef(out_obj);
         return 0;
     }
-    if (like->api && st->alloc_new_empty && dtype == like->dtype)
-        return qk_output_new_empty(st, like_obj, like, ndim, shape, ov, o);
     if (like->api) {
         DLTensor proto = {0};
         proto.device.device_type = l->device_type;

@@ -120,13 +120,13 @@ static PyObject *qk_cuda_info(PyObject *module, PyObject *Py_UNUSED(ignored)) {
 }
 
 static PyObject *qk_configure(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    static const char *const names[] = {"check_indices", "use_exchange_api", "num_threads", "alloc_new_empty", NULL};
-    PyObject *a[4] = {NULL, NULL, NULL, NULL};
+    static const char *const names[] = {"check_indices", "use_exchange_api", "num_threads", NULL};
+    PyObject *a[3] = {NULL, NULL, NULL};
     if (qk_parse_args("_configure", args, nargs, kwnames, names, 0, 0, a) < 0) return NULL;
     qk_state *st = qk_get_state(module);
-    PyObject *old = Py_BuildValue("{s:O,s:O,s:i,s:O}", "check_indices", st->check_indices ? Py_True : Py_False,
+    PyObject *old = Py_BuildValue("{s:O,s:O,s:i}", "check_indices", st->check_indices ? Py_True : Py_False,
                                   "use_exchange_api", st->use_exchange_api ? Py_True : Py_False, "num_threads",
-                                  st->num_threads, "alloc_new_empty", st->alloc_new_empty ? Py_True : Py_False);
+                                  st->num_threads);
     if (old == NULL) return NULL;
     int v;
     if (a[0] && a[0] != Py_None) {
@@ -146,10 +146,7 @@ static PyObject *qk_configure(PyObject *module, PyObject *const *args, Py_ssize_
         }
         st->num_threads = (int)n;
     }
-    if (a[3] && a[3] != Py_None) {
-        if ((v = PyObject_IsTrue(a[3])) < 0) goto fail;
-        st->alloc_new_empty = v;
-    }
+
     return old;
 fail:
     Py_DECREF(old);
@@ -200,11 +197,10 @@ static int qk_exec(PyObject *module) {
     st->str_dlpack = PyUnicode_InternFromString("__dlpack__");
     st->str_dlpack_device = PyUnicode_InternFromString("__dlpack_device__");
     st->str_exchange_api = PyUnicode_InternFromString("__dlpack_c_exchange_api__");
-    st->str_new_empty = PyUnicode_InternFromString("new_empty");
     st->kw_versioned = Py_BuildValue("(ss)", "stream", "max_version");
     st->kw_legacy = Py_BuildValue("(s)", "stream");
     st->max_version = Py_BuildValue("(ii)", QK_DLPACK_MAJOR, QK_DLPACK_MINOR);
-    if (!st->str_dlpack || !st->str_dlpack_device || !st->str_exchange_api || !st->str_new_empty || !st->kw_versioned || !st->kw_legacy ||
+    if (!st->str_dlpack || !st->str_dlpack_device || !st->str_exchange_api || !st->kw_versioned || !st->kw_legacy ||
         !st->max_version)
         return -1;
     st->use_exchange_api = !qk_env_flag("QKERNELS_NO_EXCHANGE_API");
@@ -231,7 +227,6 @@ static int qk_clear(PyObject *module) {
     Py_CLEAR(st->str_dlpack);
     Py_CLEAR(st->str_dlpack_device);
     Py_CLEAR(st->str_exchange_api);
-    Py_CLEAR(st->str_new_empty);
     Py_CLEAR(st->kw_versioned);
     Py_CLEAR(st->kw_legacy);
     Py_CLEAR(st->max_version);

@@ -28,8 +28,6 @@ typedef struct {
     int use_exchange_api; /* QKERNELS_NO_EXCHANGE_API=1 turns the fast path off (tests) */
     int check_indices;    /* QKERNELS_CHECK=1: validate indices on cuda too */
     int num_threads;      /* CPU workers; QKERNELS_NUM_THREADS or the core count */
-    int alloc_new_empty;  /* allocate framework outputs with like.new_empty(shape) (see launch.c) */
-    PyObject *str_new_empty;
     PyObject *cuda_path;  /* the CUDA shared object beside this module, or None */
 } qk_state;
 
@@ -104,8 +102,8 @@ int qk_same_device(const char *op, const qk_view *views, const char *const *name
 int qk_launch_begin(qk_state *st, const char *op, const qk_view *first, void *stream, int stream_given,
                     qk_launch *l);
 void qk_launch_end(qk_launch *l);
-int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, PyObject *like_obj, const qk_view *like,
-                      int dtype, int ndim, const int64_t *shape, const qk_launch *l, qk_view *ov, qk_output *o);
+int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_view *like, int dtype,
+                      int ndim, const int64_t *shape, const qk_launch *l, qk_view *ov, qk_output *o);
 PyObject *qk_output_finish(qk_output *o, qk_view *ov, int ok);
 
 /* Shape/dtype checks raising ValueError/TypeError with the op and argument named. */
