@@ -1,7 +1,65 @@
 // The CUDA shared object's one entry point, qk_cuda_get_api: a table of device utilities and
 // op launchers that the C module loads with dlopen at first CUDA use (see qk_launch.h).
 #include "common.cuh"
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <mutex>
 #include <string.h>
+
+// ---- kernel launches through the driver ------------------------------------------------------
+
+namespace {
+
+PFN_cuLaunchKernel_v4000 resolve_cu_launch() {
+    void *fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuLaunchKernel", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+        cudaGetLastError();
+        return nullptr;
+    }
+    return (PFN_cuLaunchKernel_v4000)fn;
+}
+
+// (kernel address -> handle) pairs; written under the mutex, read without it once published.
+constexpr int kMaxKernels = 256;
+struct KernelSlot {
+    const void *fn;
+    cudaKernel_t handle;
+};
+KernelSlot g_slots[kMaxKernels];
+int g_num_slots;  // published with release semantics after the slot is filled
+std::mutex g_slots_mutex;
+
+cudaKernel_t kernel_handle(const void *fn) {
+    const int n = __atomic_load_n(&g_num_slots, __ATOMIC_ACQUIRE);
+    for (int i = 0; i < n; i++)
+        if (g_slots[i].fn == fn) return g_slots[i].handle;
+    std::lock_guard<std::mutex> lock(g_slots_mutex);
+    for (int i = 0; i < g_num_slots; i++)
+        if (g_slots[i].fn == fn) return g_slots[i].handle;
+    cudaKernel_t h = nullptr;
+    if (cudaGetKernel(&h, fn) != cudaSuccess) {
+        cudaGetLastError();
+        h = nullptr;
+    }
+    if (g_num_slots < kMaxKernels) {
+        g_slots[g_num_slots] = {fn, h};
+        __atomic_store_n(&g_num_slots, g_num_slots + 1, __ATOMIC_RELEASE);
+    }
+    return h;
+}
+
+}  // namespace
+
+int qk_launch(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, void **args) {
+    static const PFN_cuLaunchKernel_v4000 cu_launch = resolve_cu_launch();
+    const cudaKernel_t h = cu_launch ? kernel_handle(kernel) : nullptr;
+    if (h == nullptr) return (int)cudaLaunchKernel(kernel, grid, block, args, smem, stream);
+    // CUresult and cudaError_t share their numbering for launch errors.
+    return (int)cu_launch((CUfunction)h, grid.x, grid.y, grid.z, block.x, block.y, block.z, (unsigned)smem,
+                          (CUstream)stream, args, nullptr);
+}
 
 extern "C" int qk_sparse_aggregate_cuda(const qk_sparse_aggregate_args *a, void *stream);
 extern "C" int qk_sparse_aggregate_check_cuda(qk_sparse_aggregate_args *a, void *stream);

@@ -81,14 +81,15 @@ extern "C" int qk_sparse_aggregate_cuda(const qk_sparse_aggregate_args *a, void 
     if (a->dtype != QK_F32) return QK_E_UNSUPPORTED;
     if (a->num_dst == 0 || a->num_heads == 0 || a->head_dim == 0) return QK_OK;
     const int grid = grid_for(a->num_dst * a->num_heads, kWarpsPerBlock);
-    cudaStream_t s = (cudaStream_t)stream;
+    const void *kernel;
     switch (a->index_dtype) {
-    case QK_I32: sparse_aggregate_f32<int32_t><<<grid, kWarpsPerBlock * 32, 0, s>>>(*a); break;
-    case QK_I64: sparse_aggregate_f32<int64_t><<<grid, kWarpsPerBlock * 32, 0, s>>>(*a); break;
+    case QK_I32: kernel = (const void *)sparse_aggregate_f32<int32_t>; break;
+    case QK_I64: kernel = (const void *)sparse_aggregate_f32<int64_t>; break;
     default: return QK_E_UNSUPPORTED;
     }
-    QK_LAUNCH_CHECK();
-    return QK_OK;
+    qk_sparse_aggregate_args params = *a;
+    void *args[] = {&params};
+    return qk_launch(kernel, dim3(grid), dim3(kWarpsPerBlock * 32), 0, (cudaStream_t)stream, args);
 }
 
 extern "C" int qk_sparse_aggregate_check_cuda(qk_sparse_aggregate_args *a, void *stream) {

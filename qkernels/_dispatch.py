@@ -81,6 +81,7 @@ _PREDICATES = {
 }
 
 _availability = {}
+_describe = _C.describe
 
 
 def backend_available(name):
@@ -113,7 +114,8 @@ def _check(backend, family, axes):
 
 # ---- selection sources ----------------------------------------------------------------------
 
-_ctx = contextvars.ContextVar("qkernels_backend", default=None)
+_NO_CONTEXT = ({}, 0)  # (family -> backend, token): the token keys the decision cache
+_ctx = contextvars.ContextVar("qkernels_backend", default=_NO_CONTEXT)
 _ctx_tokens = itertools.count(1)
 _env_cache = None
 _cache = {}
@@ -178,8 +180,7 @@ def use_backend(backend=None, /, **families):
     ``use_backend("cpu")`` sets every family; ``use_backend(sparse_aggregate="cuda", llm="flash")``
     sets families or the groups ``graph`` and ``llm``.
     """
-    outer = _ctx.get()
-    mapping = dict(outer[0]) if outer else {}
+    mapping = dict(_ctx.get()[0])
     if backend is not None:
         b = _normalize(backend, "use_backend")
         mapping.update({f: b for f in FAMILIES})
@@ -246,9 +247,9 @@ def _decide(op, x, explicit):
     if explicit is not None:
         d.requested, d.origin = _normalize(explicit, "backend="), "explicit"
     else:
-        ctx = _ctx.get()
-        if ctx and family in ctx[0]:
-            d.requested, d.origin = ctx[0][family], "context"
+        ctx = _ctx.get()[0]
+        if family in ctx:
+            d.requested, d.origin = ctx[family], "context"
         else:
             env = _env().get(family)
             if env:
@@ -312,8 +313,7 @@ def _is_direct(x, staged):
 
 def choose(op, x, explicit):
     """Hot path: the Plan for a call whose deciding tensor is x."""
-    ctx = _ctx.get()
-    key = (op, type(x), _C.describe(x), explicit, ctx[1] if ctx else 0)
+    key = (op, type(x), _describe(x), explicit, _ctx.get()[1])
     hit = _cache.get(key)
     if hit is not None:
         return hit
