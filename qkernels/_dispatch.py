@@ -28,8 +28,9 @@ GROUPS = {"graph": GRAPH_FAMILIES, "llm": LLM_FAMILIES}
 ENV_GROUPS = (("ASTR_BACKEND", LLM_FAMILIES), ("QECDEC_BACKEND", GRAPH_FAMILIES))
 LEGACY_SPELLINGS = {"torch_native": "cpu", "pytorch": "cpu", "compiled": "cpu"}
 
-# op name -> (family, index of the argument whose device/dtype/framework decide)
-OPS = {"sparse_aggregate": ("sparse_aggregate", 3)}
+# op name -> (family, index of the argument whose device/dtype/framework decide, whether the
+# automatic chain always picks the backend of the device the data is on)
+OPS = {"sparse_aggregate": ("sparse_aggregate", 3, True)}
 
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "bool")
 
@@ -162,7 +163,22 @@ def _env():
     global _env_cache
     if _env_cache is None:
         _env_cache = _parse_env()
+        _refresh_direct()
     return _env_cache
+
+
+# The zero-lookup path (ops.py): a call with no explicit backend and no context whose deciding
+# tensor's type is in direct_types goes straight to _C when direct_ops[op] is true.  That holds
+# when automatic selection applies to the op's family, the chain picks the backend of the device
+# the data is on (what _C does by itself), and cuda is available, so nothing would be staged.
+direct_ops = {}
+direct_types = set()
+
+
+def _refresh_direct():
+    cuda_ok = backend_available("cuda")[0]
+    for op, (family, _, chain_is_device) in OPS.items():
+        direct_ops[op] = chain_is_device and cuda_ok and _env_cache.get(family, ("auto",))[0] == "auto"
 
 
 def reload_env():
@@ -170,7 +186,11 @@ def reload_env():
     global _env_cache
     _env_cache = None
     _cache.clear()
-    _env()
+    direct_ops.clear()
+    try:
+        _env()
+    except ValueError:
+        pass  # reported at the next dispatched call, naming the variable
 
 
 @contextlib.contextmanager
@@ -234,7 +254,7 @@ class Decision:
 
 
 def _decide(op, x, explicit):
-    family, _ = OPS[op]
+    family = OPS[op][0]
     axes = _axes_from_code(_C.describe(x), framework_name(x))
     d = Decision(op=op, family=family, axes=axes)
     for b in BACKENDS:
@@ -277,7 +297,7 @@ def resolve(op, *args, backend=None, **kwargs):
     """The decision for ``op(*args, **kwargs)`` as data (a Decision)."""
     if op not in OPS:
         raise ValueError(f"resolve: unknown op {op!r}; expected one of {', '.join(OPS)}")
-    _, idx = OPS[op]
+    idx = OPS[op][1]
     if len(args) <= idx:
         raise TypeError(f"resolve: {op} needs at least {idx + 1} positional arguments to decide")
     return _decide(op, args[idx], backend)
@@ -302,6 +322,7 @@ def configure(**settings):
     """Change _C's debug settings (see _C._configure) and forget cached plans that depend on them."""
     old = _C._configure(**settings)
     _cache.clear()
+    direct_types.clear()
     return old
 
 
@@ -321,6 +342,8 @@ def choose(op, x, explicit):
     if d.winner is None:
         raise ExplicitSelectionError(d.error)
     hit = Plan((d.winner, d.staged, _is_direct(x, d.staged)))
+    if hit.direct:
+        direct_types.add(type(x))
     if len(_cache) > 4096:
         _cache.clear()
     _cache[key] = hit

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import _C
-from ._dispatch import choose
+from ._dispatch import _ctx, choose, direct_ops, direct_types
 from ._frameworks import run
 
 
@@ -17,7 +17,11 @@ def sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, *, out=None, back
     set QKERNELS_CHECK=1 to validate (otherwise out-of-range rows are clamped and columns skipped,
     never read or written out of bounds).
     """
-    plan = choose("sparse_aggregate", node_feat, backend)
+    if (backend is None and type(node_feat) in direct_types and direct_ops.get("sparse_aggregate")
+            and not _ctx.get()[1]):
+        plan = (None, False, True)  # automatic selection = where the data lives: _C decides
+    else:
+        plan = choose("sparse_aggregate", node_feat, backend)
     if plan[2]:  # direct: torch in, torch out, all in C
         if out is None:
             return _C.sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat)

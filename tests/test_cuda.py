@@ -205,6 +205,28 @@ def test_dispatcher_picks_cuda(rng):
 
 
 @needs_torch_cuda
+def test_direct_path_still_honours_context_and_env(rng, monkeypatch):
+    args = random_inputs(rng, 40, 30, 2, 8)
+    cuda_args = to_cuda(args)
+    qkernels.sparse_aggregate(*cuda_args)  # takes the zero-lookup path from now on
+    assert type(cuda_args[3]) in qkernels._dispatch.direct_types
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qkernels.FallbackWarning)
+        with qkernels.use_backend(sparse_aggregate="cpu"):
+            assert qkernels.resolve("sparse_aggregate", *cuda_args).staged
+            out = qkernels.sparse_aggregate(*cuda_args)
+        assert rel_err(out.cpu().numpy(), sparse_aggregate_ref(*args)) < 1e-5
+        monkeypatch.setenv("QECDEC_BACKEND", "flash")
+        qkernels.reload_env()
+        try:
+            with pytest.raises(qkernels.ExplicitSelectionError, match="env QECDEC_BACKEND"):
+                qkernels.sparse_aggregate(*cuda_args)
+        finally:
+            monkeypatch.delenv("QECDEC_BACKEND")
+            qkernels.reload_env()
+
+
+@needs_torch_cuda
 def test_export_handshake_and_lifetime(rng):
     gc.collect()
     base = _C._live_storages()

@@ -20,13 +20,11 @@ def env(monkeypatch):
     def set_env(**kw):
         for k, v in kw.items():
             monkeypatch.setenv(k, v)
-        _dispatch._env_cache = None
-        _dispatch._cache.clear()
+        qkernels.reload_env()
 
     yield set_env
     monkeypatch.undo()
-    _dispatch._env_cache = None
-    _dispatch._cache.clear()
+    qkernels.reload_env()
 
 
 @pytest.fixture
