@@ -105,10 +105,10 @@ def test_bad_env_value_raises_at_first_use(env, args, var, value, match):
 
 @pytest.mark.parametrize("legacy", ["torch_native", "pytorch", "compiled", "PyTorch"])
 def test_legacy_spellings_mean_cpu_with_one_warning(env, args, legacy):
-    env(QECDEC_BACKEND=legacy)
     _dispatch._warned.clear()
     with pytest.warns(UserWarning, match="legacy spelling"):
-        d = qkernels.resolve("sparse_aggregate", *args)
+        env(QECDEC_BACKEND=legacy)
+    d = qkernels.resolve("sparse_aggregate", *args)
     assert d.winner == "cpu" and d.requested == "cpu"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
