@@ -12,6 +12,8 @@ if ! QKERNELS_CUDA_ARCH=${QKERNELS_CUDA_ARCH:-90} python3 setup.py build_ext --i
 fi
 grep -E "qkernels:|warning" "$OUT/build.log"
 python3 -m qkernels 2>&1 | tee "$OUT/main.log"
+# Host-overhead figures first, on a quiet machine (after the test suite they come out noisier).
+python3 benchmarks/overhead.py --markdown "$OUT/overhead.md" >"$OUT/overhead.log" 2>&1
 python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest.log" | tail -25
 if [ "${QK_SANITIZE:-0}" = 1 ]; then
     timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -x tests/test_cuda.py \
@@ -19,4 +21,4 @@ if [ "${QK_SANITIZE:-0}" = 1 ]; then
     echo "memcheck exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/memcheck.log") clean summaries)"
     tail -3 "$OUT/memcheck.log"
 fi
-python3 benchmarks/overhead.py --markdown "$OUT/overhead.md"
+cat "$OUT/overhead.log"

@@ -6,6 +6,10 @@ from . import _C
 from ._dispatch import _ctx, choose, direct_ops, direct_types
 from ._frameworks import run
 
+# Bound once: on the zero-lookup path every attribute lookup is a measurable share of the call.
+_ctx_get = _ctx.get
+_sparse_aggregate = _C.sparse_aggregate
+
 
 def sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, *, out=None, backend=None):
     """Multi-head CSR SpMM (message aggregation of a GNN layer).
@@ -17,14 +21,16 @@ def sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, *, out=None, back
     set QKERNELS_CHECK=1 to validate (otherwise out-of-range rows are clamped and columns skipped,
     never read or written out of bounds).
     """
-    if (backend is None and type(node_feat) in direct_types and direct_ops.get("sparse_aggregate")
-            and not _ctx.get()[1]):
-        plan = (None, False, True)  # automatic selection = where the data lives: _C decides
-    else:
-        plan = choose("sparse_aggregate", node_feat, backend)
-    if plan[2]:  # direct: torch in, torch out, all in C
+    if backend is None and type(node_feat) in direct_types and direct_ops.get("sparse_aggregate") \
+            and not _ctx_get()[1]:
+        # Automatic selection = where the data lives, which _C decides itself; torch in, torch out.
         if out is None:
-            return _C.sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat)
-        return _C.sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, out=out)
-    return run("sparse_aggregate", _C.sparse_aggregate, (row_ptr, col_idx, edge_weight, node_feat), out,
-               node_feat, plan[1])
+            return _sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat)
+        return _sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, out=out)
+    plan = choose("sparse_aggregate", node_feat, backend)
+    if plan[2]:
+        if out is None:
+            return _sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat)
+        return _sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, out=out)
+    return run("sparse_aggregate", _sparse_aggregate, (row_ptr, col_idx, edge_weight, node_feat), out, node_feat,
+               plan[1])
