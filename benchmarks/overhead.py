@@ -29,7 +29,7 @@ from qkernels import _dispatch  # noqa: E402
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--calls", type=int, default=256, help="calls per batch (keep below the launch queue depth)")
-    p.add_argument("--rounds", type=int, default=201)
+    p.add_argument("--rounds", type=int, default=401)
     p.add_argument("--markdown", help="also write the table to this file")
     a = p.parse_args()
 
