@@ -159,10 +159,24 @@ static PyObject *qk_live_storages(PyObject *module, PyObject *Py_UNUSED(ignored)
 }
 
 static PyMethodDef qk_methods[] = {
-    {"sparse_aggregate", (PyCFunction)(void (*)(void))qk_op_sparse_aggregate, METH_FASTCALL | METH_KEYWORDS,
-     "sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, *, out=None, stream=None)\n--\n\n"
-     "Multi-head CSR SpMM: out[i,h,:] = sum over e in [row_ptr[i], row_ptr[i+1]) of "
-     "edge_weight[e,h] * node_feat[col_idx[e],h,:].  Runs where the tensors live."},
+    {"sparse_aggregate_raw", (PyCFunction)(void (*)(void))qk_op_sparse_aggregate, METH_FASTCALL | METH_KEYWORDS,
+     "sparse_aggregate_raw(row_ptr, col_idx, edge_weight, node_feat, *, out=None, stream=None)\n--\n\n"
+     "sparse_aggregate without dispatch: runs where the tensors live, on `stream` (default: the "
+     "framework's current stream through the DLPack exchange API, else the legacy default stream); "
+     "returns the framework's tensor when it publishes an exchange API, else a qkernels.Tensor."},
+    {"sparse_aggregate", (PyCFunction)(void (*)(void))qk_op_sparse_aggregate_public,
+     METH_FASTCALL | METH_KEYWORDS,
+     "sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, *, out=None, backend=None)\n--\n\n"
+     "Multi-head CSR SpMM (message aggregation of a GNN layer).\n\n"
+     "row_ptr [N_dst+1] and col_idx [E] (int32 or int64, the same for both), edge_weight [E, H],\n"
+     "node_feat [N_src, H, D] -> [N_dst, H, D] with out[i,h,:] = sum over e in [row_ptr[i], row_ptr[i+1])\n"
+     "of edge_weight[e,h] * node_feat[col_idx[e],h,:]; rows without edges are 0.  float32 on cpu and cuda.\n"
+     "Results come back in the caller's framework; backend= picks cuda or cpu (see qkernels.explain).\n"
+     "Indices are validated on cpu; on cuda set QKERNELS_CHECK=1 to validate (otherwise out-of-range\n"
+     "rows are clamped and columns skipped, never read or written out of bounds)."},
+    {"_install_dispatch", (PyCFunction)(void (*)(void))qk_install_dispatch, METH_FASTCALL | METH_KEYWORDS,
+     "_install_dispatch(context, direct_ops, direct_types, fallbacks)\n--\n\n"
+     "Hand the Python dispatcher's state to the public entry points (called by qkernels at import)."},
     {"from_dlpack", (PyCFunction)(void (*)(void))qk_from_dlpack, METH_FASTCALL | METH_KEYWORDS,
      "from_dlpack(x, *, stream=None)\n--\n\nA zero-copy qkernels.Tensor viewing any DLPack producer or capsule."},
     {"describe", (PyCFunction)qk_describe, METH_O,
@@ -217,6 +231,10 @@ static int qk_exec(PyObject *module) {
 static int qk_traverse(PyObject *module, visitproc visit, void *arg) {
     qk_state *st = qk_get_state(module);
     Py_VISIT(st->tensor_type);
+    Py_VISIT(st->dispatch_ctx);
+    Py_VISIT(st->direct_ops);
+    Py_VISIT(st->direct_types);
+    Py_VISIT(st->fallbacks);
     for (int i = 0; i < st->num_api_types; i++) Py_VISIT(st->api_types[i]);
     return 0;
 }
@@ -231,6 +249,10 @@ static int qk_clear(PyObject *module) {
     Py_CLEAR(st->kw_legacy);
     Py_CLEAR(st->max_version);
     Py_CLEAR(st->cuda_path);
+    Py_CLEAR(st->dispatch_ctx);
+    Py_CLEAR(st->direct_ops);
+    Py_CLEAR(st->direct_types);
+    Py_CLEAR(st->fallbacks);
     for (int i = 0; i < st->num_api_types; i++) Py_CLEAR(st->api_types[i]);
     st->num_api_types = 0;
     return 0;

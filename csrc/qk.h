@@ -29,6 +29,11 @@ typedef struct {
     int check_indices;    /* QKERNELS_CHECK=1: validate indices on cuda too */
     int num_threads;      /* CPU workers; QKERNELS_NUM_THREADS or the core count */
     PyObject *cuda_path;  /* the CUDA shared object beside this module, or None */
+    /* The Python dispatcher's state, installed by qkernels/_dispatch.py (see dispatch.c). */
+    PyObject *dispatch_ctx;    /* ContextVar holding (mapping, token) */
+    PyObject *direct_ops;      /* dict op name -> bool */
+    PyObject *direct_types;    /* set of tensor types */
+    PyObject *fallbacks;       /* dict op name -> Python callable taking the public signature */
 } qk_state;
 
 /* A borrowed or owned view of one tensor argument, strides in elements. */
@@ -112,7 +117,15 @@ int qk_check_dtype_index(const char *op, const char *arg, const qk_view *v);
 int qk_check_dim(const char *op, const char *arg, const qk_view *v, int dim, int64_t expected,
                  const char *layout);
 
+/* dispatch.c: the public entry points' zero-lookup path */
+PyObject *qk_dispatch(PyObject *module, const char *op, PyObject *op_name, int deciding_arg,
+                      PyObject *(*run)(PyObject *, PyObject *const *, Py_ssize_t, PyObject *),
+                      PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *qk_install_dispatch(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+
 /* ops */
+PyObject *qk_op_sparse_aggregate_public(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                                        PyObject *kwnames);
 PyObject *qk_op_sparse_aggregate(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 
 /* Keep a pending exception across calls that may run Python code (3.12 deprecates PyErr_Fetch). */

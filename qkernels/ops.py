@@ -1,4 +1,9 @@
-"""Public ops: dispatch, then the C entry point, with results in the caller's framework."""
+"""Public ops.
+
+Each public op is a C entry point (``_C.<op>``) that runs directly when selection is
+automatic and lands where the data lives (torch in, torch out), and otherwise calls the Python
+path below: the dispatcher's decision, then the C op (``_C.<op>_raw``), with results in the caller's framework.
+"""
 
 from __future__ import annotations
 
@@ -6,31 +11,17 @@ from . import _C
 from ._dispatch import _ctx, choose, direct_ops, direct_types
 from ._frameworks import run
 
-# Bound once: on the zero-lookup path every attribute lookup is a measurable share of the call.
-_ctx_get = _ctx.get
-_sparse_aggregate = _C.sparse_aggregate
 
-
-def sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, *, out=None, backend=None):
-    """Multi-head CSR SpMM (message aggregation of a GNN layer).
-
-    row_ptr ``[N_dst+1]`` and col_idx ``[E]`` (int32 or int64, the same for both), edge_weight
-    ``[E, H]``, node_feat ``[N_src, H, D]`` -> ``[N_dst, H, D]`` with
-    ``out[i,h,:] = sum over e in [row_ptr[i], row_ptr[i+1]) of edge_weight[e,h] * node_feat[col_idx[e],h,:]``;
-    rows without edges are 0.  float32 on cpu and cuda.  Indices are validated on cpu; on cuda
-    set QKERNELS_CHECK=1 to validate (otherwise out-of-range rows are clamped and columns skipped,
-    never read or written out of bounds).
-    """
-    if backend is None and type(node_feat) in direct_types and direct_ops.get("sparse_aggregate") \
-            and not _ctx_get()[1]:
-        # Automatic selection = where the data lives, which _C decides itself; torch in, torch out.
-        if out is None:
-            return _sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat)
-        return _sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, out=out)
+def _sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, *, out=None, backend=None):
     plan = choose("sparse_aggregate", node_feat, backend)
-    if plan[2]:
+    if plan[2]:  # torch in, torch out, all in C
         if out is None:
-            return _sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat)
-        return _sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, out=out)
-    return run("sparse_aggregate", _sparse_aggregate, (row_ptr, col_idx, edge_weight, node_feat), out, node_feat,
+            return _C.sparse_aggregate_raw(row_ptr, col_idx, edge_weight, node_feat)
+        return _C.sparse_aggregate_raw(row_ptr, col_idx, edge_weight, node_feat, out=out)
+    return run("sparse_aggregate", _C.sparse_aggregate_raw, (row_ptr, col_idx, edge_weight, node_feat), out, node_feat,
                plan[1])
+
+
+_sparse_aggregate.__name__ = _sparse_aggregate.__qualname__ = "sparse_aggregate"  # as errors name it
+_C._install_dispatch(_ctx, direct_ops, direct_types, {"sparse_aggregate": _sparse_aggregate})
+sparse_aggregate = _C.sparse_aggregate

@@ -35,7 +35,7 @@ def raw_tensor(args):
     """_C's own output (a qkernels.Tensor from cudaMalloc), bypassing torch's allocator."""
     old = _C._configure(use_exchange_api=False)
     try:
-        return _C.sparse_aggregate(*args, stream=torch.cuda.current_stream().cuda_stream)
+        return _C.sparse_aggregate_raw(*args, stream=torch.cuda.current_stream().cuda_stream)
     finally:
         qkernels._dispatch.configure(use_exchange_api=old["use_exchange_api"])
 
@@ -258,7 +258,7 @@ def test_cupy_round_trip(rng):
     assert rel_err(cupy.asnumpy(out), sparse_aggregate_ref(*args)) < 1e-5
     t = qkernels.from_dlpack(c_args[3])
     assert t.data_ptr == c_args[3].data.ptr
-    raw = _C.sparse_aggregate(*c_args)
+    raw = _C.sparse_aggregate_raw(*c_args)
     assert cupy.from_dlpack(raw).data.ptr == raw.data_ptr
     poisoned = cupy.full((113, 5, 16), cupy.nan, dtype=cupy.float32)
     assert qkernels.sparse_aggregate(*c_args, out=poisoned) is poisoned
@@ -278,5 +278,5 @@ def test_jax_gpu_round_trip(rng):
     assert rel_err(np.asarray(out), sparse_aggregate_ref(*args)) < 1e-5
     t = qkernels.from_dlpack(j_args[3])
     assert t.data_ptr == j_args[3].unsafe_buffer_pointer()
-    raw = _C.sparse_aggregate(*j_args)
+    raw = _C.sparse_aggregate_raw(*j_args)
     assert jax.dlpack.from_dlpack(raw).unsafe_buffer_pointer() == raw.data_ptr

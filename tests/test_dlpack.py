@@ -155,7 +155,7 @@ def test_read_only_flag_survives_import_and_export():
 def test_raw_capsules_as_op_inputs(rng):
     args = random_inputs(rng, 20, 9, 3, 4)
     caps = [a.__dlpack__() for a in args]
-    out = qkernels._C.sparse_aggregate(*caps)
+    out = qkernels._C.sparse_aggregate_raw(*caps)
     assert isinstance(out, qkernels.Tensor)
     assert rel_err(np.from_dlpack(out), sparse_aggregate_ref(*args)) < 1e-5
 
@@ -172,7 +172,7 @@ def test_legacy_only_producer_falls_back(rng):
             return (1, 0)
 
     args = random_inputs(rng, 15, 6, 2, 3)
-    out = qkernels._C.sparse_aggregate(*[LegacyOnly(a) for a in args])
+    out = qkernels._C.sparse_aggregate_raw(*[LegacyOnly(a) for a in args])
     assert rel_err(np.from_dlpack(out), sparse_aggregate_ref(*args)) < 1e-5
 
 
@@ -222,7 +222,7 @@ def test_torch_exchange_api_is_used():
 def test_tensor_export_to_torch_is_zero_copy():
     import torch
 
-    out = qkernels._C.sparse_aggregate(np.array([0, 1]), np.array([0]), np.ones((1, 1), np.float32),
+    out = qkernels._C.sparse_aggregate_raw(np.array([0, 1]), np.array([0]), np.ones((1, 1), np.float32),
                                        np.full((1, 1, 3), 2.0, np.float32))
     tt = torch.from_dlpack(out)
     assert tt.data_ptr() == out.data_ptr and tt.tolist() == [[[2.0, 2.0, 2.0]]]
@@ -253,7 +253,7 @@ def test_jax_round_trip(rng):
 def test_jax_export_zero_copy():
     import jax
 
-    t = qkernels._C.sparse_aggregate(np.array([0, 2]), np.array([0, 0]), np.ones((2, 1), np.float32),
+    t = qkernels._C.sparse_aggregate_raw(np.array([0, 2]), np.array([0, 0]), np.ones((2, 1), np.float32),
                                      np.ones((1, 1, 16), np.float32))
     j = jax.dlpack.from_dlpack(t)
     assert j.unsafe_buffer_pointer() == t.data_ptr

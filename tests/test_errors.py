@@ -115,19 +115,19 @@ def test_mixed_devices_rejected_before_any_device_access():
     args = good()
     args[0] = Handmade(args[0], device_type=2, device_id=0).capsule()
     with pytest.raises(ValueError, match="all tensors must be on one device; node_feat is on cpu but row_ptr is on cuda:0"):
-        qkernels._C.sparse_aggregate(*args)
+        qkernels._C.sparse_aggregate_raw(*args)
 
 
 def test_argument_parsing_names_the_function():
     args = good()
     with pytest.raises(TypeError, match=r"sparse_aggregate\(\) got an unexpected keyword argument 'outt'"):
-        qkernels._C.sparse_aggregate(*args, outt=None)
+        qkernels._C.sparse_aggregate_raw(*args, outt=None)
     with pytest.raises(TypeError, match=r"sparse_aggregate\(\) missing required argument 'node_feat'"):
-        qkernels._C.sparse_aggregate(*args[:3])
+        qkernels._C.sparse_aggregate_raw(*args[:3])
     with pytest.raises(TypeError, match=r"sparse_aggregate\(\) takes at most 4 positional arguments"):
-        qkernels._C.sparse_aggregate(*args, None)
+        qkernels._C.sparse_aggregate_raw(*args, None)
     with pytest.raises(TypeError, match="stream must be an int CUDA stream handle"):
-        qkernels._C.sparse_aggregate(*args, stream="s")
+        qkernels._C.sparse_aggregate_raw(*args, stream="s")
 
 
 def test_cuda_unavailable_is_a_runtime_error():
@@ -136,7 +136,7 @@ def test_cuda_unavailable_is_a_runtime_error():
     from qkernels import from_dlpack
     args = [from_dlpack(Handmade(a, device_type=2).capsule()) for a in good()]
     with pytest.raises(RuntimeError, match="sparse_aggregate: CUDA kernels are not available"):
-        qkernels._C.sparse_aggregate(*args)
+        qkernels._C.sparse_aggregate_raw(*args)
 
 
 def test_tensor_dlpack_arguments():
