@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import os
 
-from . import _C
+try:
+    from . import _C
+except ImportError as e:  # the source tree, imported without a built extension beside it
+    raise ImportError(
+        f"qkernels._C is not built next to {os.path.dirname(__file__)}: install with `pip install -e .` "
+        "(or `python setup.py build_ext --inplace`), or run from outside the source tree after "
+        f"`pip install .` ({e})") from e
 from ._C import Tensor, from_dlpack
 from ._dispatch import (
     BACKENDS,
