@@ -22,11 +22,7 @@ struct qk_storage {
 typedef struct {
     PyObject_HEAD
     qk_storage *storage;
-    char *data;
-    int dtype, ndim, readonly;
-    int32_t device_type, device_id, raw_device_type;
-    int64_t shape[QK_MAX_DIMS];
-    int64_t strides[QK_MAX_DIMS];
+    qk_view v;    /* data, dtype, shape, strides, device; its owner/api fields stay empty */
     void *stream; /* CUDA: the stream the producing kernel was queued on */
 } qk_tensor;
 
@@ -68,26 +64,14 @@ static qk_storage *qk_storage_new(int kind, void *ptr) {
 
 int qk_is_tensor(qk_state *st, PyObject *obj) { return Py_IS_TYPE(obj, st->tensor_type); }
 
-void qk_tensor_fill_view(PyObject *obj, qk_view *v) {
-    qk_tensor *t = (qk_tensor *)obj;
-    memset(v, 0, sizeof *v);
-    v->data = t->data;
-    v->device_type = t->device_type;
-    v->device_id = t->device_id;
-    v->raw_device_type = t->raw_device_type;
-    v->dtype = t->dtype;
-    v->ndim = t->ndim;
-    v->readonly = t->readonly;
-    memcpy(v->shape, t->shape, sizeof v->shape);
-    memcpy(v->strides, t->strides, sizeof v->strides);
-}
+void qk_tensor_fill_view(PyObject *obj, qk_view *v) { *v = ((qk_tensor *)obj)->v; }
 
 static qk_tensor *qk_tensor_alloc(qk_state *st) {
     qk_tensor *t = PyObject_New(qk_tensor, st->tensor_type);
     if (t == NULL) return NULL;
     t->storage = NULL;
     t->stream = NULL;
-    t->readonly = 0;
+    memset(&t->v, 0, sizeof t->v);
     return t;
 }
 
@@ -95,15 +79,15 @@ PyObject *qk_tensor_empty(qk_state *st, int dtype, int ndim, const int64_t *shap
                           void *stream) {
     qk_tensor *t = qk_tensor_alloc(st);
     if (t == NULL) return NULL;
-    t->dtype = dtype;
-    t->ndim = ndim;
-    t->device_type = t->raw_device_type = device_type;
-    t->device_id = device_type == kDLCUDA ? device_id : 0;
+    t->v.dtype = dtype;
+    t->v.ndim = ndim;
+    t->v.device_type = t->v.raw_device_type = device_type;
+    t->v.device_id = device_type == kDLCUDA ? device_id : 0;
     t->stream = stream;
     int64_t numel = 1;
     for (int i = ndim - 1; i >= 0; i--) {
-        t->shape[i] = shape[i];
-        t->strides[i] = numel;
+        t->v.shape[i] = shape[i];
+        t->v.strides[i] = numel;
         numel *= shape[i];
     }
     size_t bytes = (size_t)numel * qk_dtype_size(dtype);
@@ -134,7 +118,7 @@ PyObject *qk_tensor_empty(qk_state *st, int dtype, int ndim, const int64_t *shap
         PyErr_NoMemory();
         goto fail;
     }
-    t->data = ptr;
+    t->v.data = ptr;
     return (PyObject *)t;
 fail:
     Py_DECREF(t);
@@ -152,15 +136,8 @@ PyObject *qk_tensor_from_view(qk_state *st, qk_view *v) {
     t->storage->owner = v->owner;
     t->storage->owner_versioned = v->owner_versioned;
     v->owner = NULL;
-    t->data = v->data;
-    t->dtype = v->dtype;
-    t->ndim = v->ndim;
-    t->readonly = v->readonly;
-    t->device_type = v->device_type;
-    t->device_id = v->device_id;
-    t->raw_device_type = v->raw_device_type;
-    memcpy(t->shape, v->shape, sizeof t->shape);
-    memcpy(t->strides, v->strides, sizeof t->strides);
+    t->v = *v;
+    t->v.api = NULL;
     return (PyObject *)t;
 }
 
@@ -195,7 +172,7 @@ static void qk_capsule_destructor(PyObject *cap) {
 }
 
 static int qk_tensor_sync_consumer(qk_tensor *self, PyObject *stream) {
-    if (self->device_type != kDLCUDA || stream == Py_None) return 0;
+    if (self->v.device_type != kDLCUDA || stream == Py_None) return 0;
     if (!PyLong_Check(stream)) {
         PyErr_SetString(PyExc_TypeError, "Tensor.__dlpack__: stream must be an int or None");
         return -1;
@@ -213,9 +190,9 @@ static int qk_tensor_sync_consumer(qk_tensor *self, PyObject *stream) {
     const qk_cuda_api *api = qk_cuda_loaded();
     if (api == NULL) return 0;
     int prev = -1, status = api->get_device(&prev);
-    if (!status && prev != self->device_id) status = api->set_device(self->device_id);
+    if (!status && prev != self->v.device_id) status = api->set_device(self->v.device_id);
     if (!status) status = api->stream_wait(consumer, self->stream);
-    if (prev >= 0 && prev != self->device_id) api->set_device(prev);
+    if (prev >= 0 && prev != self->v.device_id) api->set_device(prev);
     return status ? qk_raise_status("Tensor.__dlpack__", status) : 0;
 }
 
@@ -228,11 +205,11 @@ static PyObject *tensor_dlpack(qk_tensor *self, PyObject *const *args, Py_ssize_
     if (dl_device != Py_None) {
         int dt, di;
         if (!PyArg_ParseTuple(dl_device, "ii:Tensor.__dlpack__", &dt, &di)) return NULL;
-        if (dt != self->raw_device_type || (self->device_type == kDLCUDA && di != self->device_id)) {
+        if (dt != self->v.raw_device_type || (self->v.device_type == kDLCUDA && di != self->v.device_id)) {
             PyErr_Format(PyExc_BufferError,
                          "Tensor.__dlpack__: dl_device=(%d, %d) differs from the tensor's device (%d, %d); "
                          "qkernels does not copy across devices",
-                         dt, di, (int)self->raw_device_type, (int)self->device_id);
+                         dt, di, (int)self->v.raw_device_type, (int)self->v.device_id);
             return NULL;
         }
     }
@@ -259,17 +236,17 @@ static PyObject *tensor_dlpack(qk_tensor *self, PyObject *const *args, Py_ssize_
 
     size_t head = versioned ? sizeof(DLManagedTensorVersioned) : sizeof(DLManagedTensor);
     head = (head + 7) / 8 * 8;
-    char *block = malloc(head + 2 * (size_t)self->ndim * sizeof(int64_t) + 1);
+    char *block = malloc(head + 2 * (size_t)self->v.ndim * sizeof(int64_t) + 1);
     if (block == NULL) return PyErr_NoMemory();
-    int64_t *shape = (int64_t *)(block + head), *strides = shape + self->ndim;
-    memcpy(shape, self->shape, self->ndim * sizeof(int64_t));
-    memcpy(strides, self->strides, self->ndim * sizeof(int64_t));
+    int64_t *shape = (int64_t *)(block + head), *strides = shape + self->v.ndim;
+    memcpy(shape, self->v.shape, self->v.ndim * sizeof(int64_t));
+    memcpy(strides, self->v.strides, self->v.ndim * sizeof(int64_t));
     DLTensor dl = {0};
-    dl.data = self->data; /* byte_offset stays 0: several consumers ignore it */
-    dl.device.device_type = self->raw_device_type;
-    dl.device.device_id = self->device_type == kDLCUDA ? self->device_id : 0;
-    dl.ndim = self->ndim;
-    dl.dtype = qk_dtype_to_dl(self->dtype);
+    dl.data = self->v.data; /* byte_offset stays 0: several consumers ignore it */
+    dl.device.device_type = self->v.raw_device_type;
+    dl.device.device_id = self->v.device_type == kDLCUDA ? self->v.device_id : 0;
+    dl.ndim = self->v.ndim;
+    dl.dtype = qk_dtype_to_dl(self->v.dtype);
     dl.shape = shape;
     dl.strides = strides;
     PyObject *cap;
@@ -280,7 +257,7 @@ static PyObject *tensor_dlpack(qk_tensor *self, PyObject *const *args, Py_ssize_
         m->version.minor = QK_DLPACK_MINOR;
         m->manager_ctx = self->storage;
         m->deleter = qk_export_deleter_versioned;
-        m->flags = self->readonly ? QK_DLPACK_FLAG_READ_ONLY : 0;
+        m->flags = self->v.readonly ? QK_DLPACK_FLAG_READ_ONLY : 0;
         m->dl_tensor = dl;
         cap = PyCapsule_New(m, QK_CAPSULE_VERSIONED, qk_capsule_destructor);
         if (cap == NULL) m->deleter(m);
@@ -296,7 +273,7 @@ static PyObject *tensor_dlpack(qk_tensor *self, PyObject *const *args, Py_ssize_
 }
 
 static PyObject *tensor_dlpack_device(qk_tensor *self, PyObject *Py_UNUSED(ignored)) {
-    return Py_BuildValue("(ii)", (int)self->raw_device_type, self->device_type == kDLCUDA ? (int)self->device_id : 0);
+    return Py_BuildValue("(ii)", (int)self->v.raw_device_type, self->v.device_type == kDLCUDA ? (int)self->v.device_id : 0);
 }
 
 static PyObject *qk_int_tuple(const int64_t *v, int n) {
@@ -313,15 +290,15 @@ static PyObject *qk_int_tuple(const int64_t *v, int n) {
     return t;
 }
 
-static PyObject *tensor_shape(qk_tensor *self, void *Py_UNUSED(c)) { return qk_int_tuple(self->shape, self->ndim); }
-static PyObject *tensor_strides(qk_tensor *self, void *Py_UNUSED(c)) { return qk_int_tuple(self->strides, self->ndim); }
-static PyObject *tensor_ndim(qk_tensor *self, void *Py_UNUSED(c)) { return PyLong_FromLong(self->ndim); }
-static PyObject *tensor_dtype(qk_tensor *self, void *Py_UNUSED(c)) { return PyUnicode_FromString(qk_dtype_name(self->dtype)); }
-static PyObject *tensor_data_ptr(qk_tensor *self, void *Py_UNUSED(c)) { return PyLong_FromVoidPtr(self->data); }
-static PyObject *tensor_readonly(qk_tensor *self, void *Py_UNUSED(c)) { return PyBool_FromLong(self->readonly); }
+static PyObject *tensor_shape(qk_tensor *self, void *Py_UNUSED(c)) { return qk_int_tuple(self->v.shape, self->v.ndim); }
+static PyObject *tensor_strides(qk_tensor *self, void *Py_UNUSED(c)) { return qk_int_tuple(self->v.strides, self->v.ndim); }
+static PyObject *tensor_ndim(qk_tensor *self, void *Py_UNUSED(c)) { return PyLong_FromLong(self->v.ndim); }
+static PyObject *tensor_dtype(qk_tensor *self, void *Py_UNUSED(c)) { return PyUnicode_FromString(qk_dtype_name(self->v.dtype)); }
+static PyObject *tensor_data_ptr(qk_tensor *self, void *Py_UNUSED(c)) { return PyLong_FromVoidPtr(self->v.data); }
+static PyObject *tensor_readonly(qk_tensor *self, void *Py_UNUSED(c)) { return PyBool_FromLong(self->v.readonly); }
 static PyObject *tensor_device(qk_tensor *self, void *Py_UNUSED(c)) {
     char buf[64];
-    qk_device_str(buf, sizeof buf, self->raw_device_type, self->device_id);
+    qk_device_str(buf, sizeof buf, self->v.raw_device_type, self->v.device_id);
     return PyUnicode_FromString(buf);
 }
 
@@ -329,9 +306,9 @@ static PyObject *tensor_repr(qk_tensor *self) {
     PyObject *shape = tensor_shape(self, NULL);
     if (shape == NULL) return NULL;
     char dev[64];
-    qk_device_str(dev, sizeof dev, self->raw_device_type, self->device_id);
+    qk_device_str(dev, sizeof dev, self->v.raw_device_type, self->v.device_id);
     PyObject *r = PyUnicode_FromFormat("qkernels.Tensor(shape=%R, dtype=%s, device=%s)", shape,
-                                       qk_dtype_name(self->dtype), dev);
+                                       qk_dtype_name(self->v.dtype), dev);
     Py_DECREF(shape);
     return r;
 }
