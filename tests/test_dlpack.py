@@ -260,3 +260,56 @@ def test_jax_export_zero_copy():
     assert np.array_equal(np.asarray(j), np.full((1, 1, 16), 2.0, np.float32))
     ji = jax.numpy.arange(8.0, dtype=jax.numpy.float32)
     assert qkernels.from_dlpack(ji).data_ptr == ji.unsafe_buffer_pointer()  # legacy capsule, zero-copy
+
+
+def test_interpreter_shutdown_with_live_exports():
+    # Exports alive at exit (unconsumed capsules, views held by NumPy/torch, a Tensor over a
+    # NumPy buffer) are freed, or left, at shutdown without crashing.
+    import subprocess
+
+    code = """
+import numpy as np, qkernels
+args = [np.array([0, 2, 3]), np.array([0, 1, 0]), np.ones((3, 2), np.float32), np.ones((2, 2, 4), np.float32)]
+out = qkernels._C.sparse_aggregate_raw(*args)
+cap_legacy = out.__dlpack__()
+cap_versioned = out.__dlpack__(max_version=(1, 0))
+view = np.from_dlpack(out)
+wrapped = qkernels.from_dlpack(np.arange(10.0))
+try:
+    import torch
+    tview = torch.from_dlpack(out)
+except ImportError:
+    pass
+cycle = [out, view]
+cycle.append(cycle)
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_cpu_kernel_releases_the_gil(rng):
+    # While one thread runs a large CPU sparse_aggregate, another keeps executing Python.
+    import time
+
+    args = random_inputs(rng, 20000, 20000, 4, 64, avg_degree=32)
+    inside = threading.Event()
+    span = []
+
+    def work():
+        inside.set()
+        t0 = time.perf_counter()
+        qkernels.sparse_aggregate(*args)
+        span.append((t0, time.perf_counter()))
+
+    t = threading.Thread(target=work)
+    t.start()
+    inside.wait()
+    stamps = []
+    while t.is_alive():
+        stamps.append(time.perf_counter())
+    t.join()
+    t0, t1 = span[0]
+    during = [s for s in stamps if t0 < s < t1]
+    # With the GIL held for the call, this thread could not run inside [t0, t1] at all.
+    assert t1 - t0 > 0.02 and len(during) > 1000, (t1 - t0, len(during))
