@@ -30,7 +30,7 @@ static int qk_direct(qk_state *st, PyObject *op_name, PyObject *deciding, PyObje
     if (st->direct_ops == NULL || deciding == NULL) return 0;
     Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
     for (Py_ssize_t i = 0; i < nkw; i++)
-        if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, i), "out") != 0) return 0;
+        if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, i), "backend") == 0) return 0;
     int r = PySet_Contains(st->direct_types, (PyObject *)Py_TYPE(deciding));
     if (r != 1) return r;
     PyObject *flag = PyDict_GetItemWithError(st->direct_ops, op_name);
@@ -45,7 +45,7 @@ static int qk_direct(qk_state *st, PyObject *op_name, PyObject *deciding, PyObje
     return r;
 }
 
-PyObject *qk_dispatch(PyObject *module, const char *op, PyObject *op_name, int deciding_arg,
+static PyObject *qk_dispatch(PyObject *module, const char *op, PyObject *op_name, int deciding_arg,
                       PyObject *(*run)(PyObject *, PyObject *const *, Py_ssize_t, PyObject *),
                       PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     qk_state *st = qk_get_state(module);
@@ -60,3 +60,16 @@ PyObject *qk_dispatch(PyObject *module, const char *op, PyObject *op_name, int d
     }
     return PyObject_Vectorcall(fallback, args, nargs, kwnames);
 }
+
+/* One public entry per op: its name, the argument whose framework/device/dtype decide, the raw op. */
+#define QK_PUBLIC(fn, name, deciding, raw)                                                                  \
+    PyObject *fn(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {           \
+        static PyObject *op_name; /* interned once, for the life of the process */                       \
+        if (op_name == NULL && (op_name = PyUnicode_InternFromString(name)) == NULL) return NULL;         \
+        return qk_dispatch(module, name, op_name, deciding, raw, args, nargs, kwnames);                   \
+    }
+
+QK_PUBLIC(qk_public_sparse_aggregate, "sparse_aggregate", 3, qk_op_sparse_aggregate)
+QK_PUBLIC(qk_public_edge_features, "fused_edge_features", 0, qk_op_edge_features)
+QK_PUBLIC(qk_public_norm_residual, "fused_norm_residual", 0, qk_op_norm_residual)
+QK_PUBLIC(qk_public_graph_bce, "graph_norm_bce", 0, qk_op_graph_bce)

@@ -158,22 +158,53 @@ static PyObject *qk_live_storages(PyObject *module, PyObject *Py_UNUSED(ignored)
     return PyLong_FromLong(qk_tensor_live_storages());
 }
 
+#define QK_RAW_DOC                                                                                         \
+    "The op without dispatch: runs where the tensors live, on `stream` (default: the framework's current "  \
+    "stream through the DLPack exchange API, else the legacy default stream); returns the framework's "    \
+    "tensor when it publishes an exchange API, else a qkernels.Tensor."
+#define QK_GRAPH_DOC                                                                                       \
+    "float32 on cpu and cuda, float16/bfloat16 on cuda (fp32 arithmetic).  Results come back in the\n"      \
+    "caller's framework; backend= picks cuda or cpu (see qkernels.explain).  Index values are checked\n"    \
+    "on cpu; on cuda an out-of-range index is never followed outside the tensors (QKERNELS_CHECK=1\n"      \
+    "validates sparse_aggregate's)."
+
 static PyMethodDef qk_methods[] = {
     {"sparse_aggregate_raw", (PyCFunction)(void (*)(void))qk_op_sparse_aggregate, METH_FASTCALL | METH_KEYWORDS,
-     "sparse_aggregate_raw(row_ptr, col_idx, edge_weight, node_feat, *, out=None, stream=None)\n--\n\n"
-     "sparse_aggregate without dispatch: runs where the tensors live, on `stream` (default: the "
-     "framework's current stream through the DLPack exchange API, else the legacy default stream); "
-     "returns the framework's tensor when it publishes an exchange API, else a qkernels.Tensor."},
-    {"sparse_aggregate", (PyCFunction)(void (*)(void))qk_op_sparse_aggregate_public,
-     METH_FASTCALL | METH_KEYWORDS,
+     "sparse_aggregate_raw(row_ptr, col_idx, edge_weight, node_feat, *, out=None, stream=None)\n--\n\n" QK_RAW_DOC},
+    {"sparse_aggregate", (PyCFunction)(void (*)(void))qk_public_sparse_aggregate, METH_FASTCALL | METH_KEYWORDS,
      "sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, *, out=None, backend=None)\n--\n\n"
      "Multi-head CSR SpMM (message aggregation of a GNN layer).\n\n"
      "row_ptr [N_dst+1] and col_idx [E] (int32 or int64, the same for both), edge_weight [E, H],\n"
      "node_feat [N_src, H, D] -> [N_dst, H, D] with out[i,h,:] = sum over e in [row_ptr[i], row_ptr[i+1])\n"
-     "of edge_weight[e,h] * node_feat[col_idx[e],h,:]; rows without edges are 0.  float32 on cpu and cuda.\n"
-     "Results come back in the caller's framework; backend= picks cuda or cpu (see qkernels.explain).\n"
-     "Indices are validated on cpu; on cuda set QKERNELS_CHECK=1 to validate (otherwise out-of-range\n"
-     "rows are clamped and columns skipped, never read or written out of bounds)."},
+     "of edge_weight[e,h] * node_feat[col_idx[e],h,:]; rows without edges are 0.\n" QK_GRAPH_DOC},
+    {"fused_edge_features_raw", (PyCFunction)(void (*)(void))qk_op_edge_features, METH_FASTCALL | METH_KEYWORDS,
+     "fused_edge_features_raw(x, edge_index, edge_attr=None, *, out=None, stream=None)\n--\n\n" QK_RAW_DOC},
+    {"fused_edge_features", (PyCFunction)(void (*)(void))qk_public_edge_features, METH_FASTCALL | METH_KEYWORDS,
+     "fused_edge_features(x, edge_index, edge_attr=None, *, out=None, backend=None)\n--\n\n"
+     "Edge features of a message-passing layer in one pass.\n\n"
+     "x [N, H], edge_index [2, E] (row 0 src, row 1 dst; int32 or int64), edge_attr [E, H] ->\n"
+     "[E, 3H] = cat(x[src] + x[dst], |x[src] - x[dst]|, edge_attr), or [E, 2H] without edge_attr.\n"
+     QK_GRAPH_DOC},
+    {"fused_norm_residual_raw", (PyCFunction)(void (*)(void))qk_op_norm_residual, METH_FASTCALL | METH_KEYWORDS,
+     "fused_norm_residual_raw(x, residual, gamma, beta, *, p=0.0, training=False, eps=1e-5, seed=None, out=None, "
+     "stream=None)\n--\n\n" QK_RAW_DOC},
+    {"fused_norm_residual", (PyCFunction)(void (*)(void))qk_public_norm_residual, METH_FASTCALL | METH_KEYWORDS,
+     "fused_norm_residual(x, residual, gamma, beta, *, p=0.0, training=False, eps=1e-5, seed=None, out=None, "
+     "backend=None)\n--\n\n"
+     "LayerNorm over the last dim (population variance, two-pass), * gamma + beta, dropout with\n"
+     "probability p when training (kept values scaled by 1/(1-p)), + residual.  x, residual [R, H];\n"
+     "gamma, beta [H].  The dropout mask is a Philox4x32-10 draw keyed by (seed, r * H + h): the same\n"
+     "on cpu and cuda for the same seed; seed=None draws a fresh one.\n" QK_GRAPH_DOC},
+    {"graph_norm_bce_raw", (PyCFunction)(void (*)(void))qk_op_graph_bce, METH_FASTCALL | METH_KEYWORDS,
+     "graph_norm_bce_raw(logits, target, edge_graph, num_graphs, *, pos_weight=None, stream=None)\n--\n\n"
+     QK_RAW_DOC},
+    {"graph_norm_bce", (PyCFunction)(void (*)(void))qk_public_graph_bce, METH_FASTCALL | METH_KEYWORDS,
+     "graph_norm_bce(logits, target, edge_graph, num_graphs, *, pos_weight=None, backend=None)\n--\n\n"
+     "Graph-normalised binary cross-entropy with logits, as a 0-d float32 tensor: the mean over\n"
+     "g < num_graphs of (sum of bce(e) over edges with edge_graph[e] == g) / max(count_g, 1), where\n"
+     "bce = max(l, 0) - l*t + log1p(exp(-|l|)), times 1 + (pos_weight - 1)*t when pos_weight is given.\n"
+     "Graphs without edges contribute 0 but count.  Sorted edge_graph (PyG batches) is the fast path;\n"
+     "unsorted is right too.  Deterministic: the same inputs give the same bits.\n" QK_GRAPH_DOC},
     {"_install_dispatch", (PyCFunction)(void (*)(void))qk_install_dispatch, METH_FASTCALL | METH_KEYWORDS,
      "_install_dispatch(context, direct_ops, direct_types, fallbacks)\n--\n\n"
      "Hand the Python dispatcher's state to the public entry points (called by qkernels at import)."},

@@ -118,15 +118,17 @@ int qk_check_dim(const char *op, const char *arg, const qk_view *v, int dim, int
                  const char *layout);
 
 /* dispatch.c: the public entry points' zero-lookup path */
-PyObject *qk_dispatch(PyObject *module, const char *op, PyObject *op_name, int deciding_arg,
-                      PyObject *(*run)(PyObject *, PyObject *const *, Py_ssize_t, PyObject *),
-                      PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *qk_install_dispatch(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 
-/* ops */
-PyObject *qk_op_sparse_aggregate_public(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
-                                        PyObject *kwnames);
+/* ops: the raw entry points (no dispatch); dispatch.c wraps each as the public one */
 PyObject *qk_op_sparse_aggregate(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *qk_op_edge_features(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *qk_op_norm_residual(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *qk_op_graph_bce(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *qk_public_sparse_aggregate(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *qk_public_edge_features(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *qk_public_norm_residual(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *qk_public_graph_bce(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 
 /* Keep a pending exception across calls that may run Python code (3.12 deprecates PyErr_Fetch). */
 #if PY_VERSION_HEX >= 0x030C0000

@@ -1,8 +1,58 @@
 // Helpers shared by the .cu files: status-returning error checks and index loads.
 #pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include "qk_launch.h"
+
+// fp32 arithmetic for every storage type.
+__device__ __forceinline__ float qk_to_float(float v) { return v; }
+__device__ __forceinline__ float qk_to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float qk_to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T qk_from_float(float v);
+template <> __device__ __forceinline__ float qk_from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half qk_from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 qk_from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// 16 bytes of T, for vector loads and stores.
+template <typename T> struct alignas(16) qk_vec {
+    static constexpr int N = 16 / sizeof(T);
+    T v[N];
+};
+
+template <typename T> __device__ __forceinline__ qk_vec<T> qk_load_vec(const T *p) {
+    uint4 raw = __ldg(reinterpret_cast<const uint4 *>(p));
+    return *reinterpret_cast<qk_vec<T> *>(&raw);
+}
+// Streaming store: outputs written once are kept out of the way of gathered inputs in L2.
+template <typename T> __device__ __forceinline__ void qk_store_vec(T *p, const qk_vec<T> &v) {
+    __stcs(reinterpret_cast<uint4 *>(p), *reinterpret_cast<const uint4 *>(&v));
+}
+
+inline bool qk_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+// The one place runtime dtypes become template parameters.
+#define QK_DISPATCH_FLOAT(dtype, T, ...)                         \
+    switch (dtype) {                                             \
+    case QK_F32: { using T = float; __VA_ARGS__; break; }        \
+    case QK_F16: { using T = __half; __VA_ARGS__; break; }       \
+    case QK_BF16: { using T = __nv_bfloat16; __VA_ARGS__; break; } \
+    default: return QK_E_UNSUPPORTED;                            \
+    }
+#define QK_DISPATCH_INDEX(dtype, I, ...)                         \
+    switch (dtype) {                                             \
+    case QK_I32: { using I = int32_t; __VA_ARGS__; break; }      \
+    case QK_I64: { using I = int64_t; __VA_ARGS__; break; }      \
+    default: return QK_E_UNSUPPORTED;                            \
+    }
+
+// Grid for a grid-stride loop over `work` items: enough blocks to fill any current GPU, a
+// function of the shapes only (CUDA-graph safe).
+inline int qk_grid_for(int64_t work, int per_block, int max_blocks = 65536) {
+    int64_t blocks = (work + per_block - 1) / per_block;
+    return (int)(blocks < max_blocks ? (blocks > 0 ? blocks : 1) : max_blocks);
+}
 
 // Return the CUDA status from the enclosing launcher instead of printing or exiting.
 #define QK_CUDA_TRY(expr)                                  \

@@ -60,8 +60,54 @@ typedef struct {
     int64_t bad_pos, bad_value;
 } qk_sparse_aggregate_args;
 
+/* fused_edge_features: out[e] = cat(x[src]+x[dst], |x[src]-x[dst]|, edge_attr[e]) with
+ * src = edge_index[0,e], dst = edge_index[1,e]; out has 3H columns, or 2H without edge_attr.
+ * CUDA treats an out-of-range index as a zero row (never read out of bounds). */
+typedef struct {
+    const void *x;          /* [num_nodes, H] */
+    const void *edge_index; /* [2, num_edges], index_dtype */
+    const void *edge_attr;  /* [num_edges, H] or NULL */
+    void *out;              /* [num_edges, 3H or 2H] */
+    int64_t num_nodes, num_edges, H;
+    int64_t x_stride[2], ei_stride[2], ea_stride[2], out_stride[2];
+    int index_dtype, dtype, num_threads;
+    int bad_row; /* QK_E_INDEX: 0 src, 1 dst */
+    int64_t bad_pos, bad_value;
+} qk_edge_features_args;
+
+/* fused_norm_residual: y = LayerNorm(x) * gamma + beta over the last dim (population variance,
+ * two-pass: mean, then squared deviations), then when training dropout with probability p (kept
+ * values scaled by 1/(1-p)), then + residual.  The mask bit of element (r, h) is
+ * qk_dropout_keep(seed, r * H + h, threshold) from qk_philox.h, identical on cpu and cuda. */
+typedef struct {
+    const void *x, *residual, *gamma, *beta; /* [R, H], [R, H], [H], [H] */
+    void *out;                               /* [R, H] */
+    int64_t R, H;
+    int64_t x_stride[2], res_stride[2], out_stride[2], gamma_stride, beta_stride;
+    float eps, scale;         /* scale = 1 / (1 - p) */
+    uint32_t drop_threshold;  /* drop when the 32-bit draw is below it: round(p * 2^32), saturated */
+    int training;             /* 0: no dropout */
+    uint64_t seed;
+    int dtype, num_threads;
+} qk_norm_residual_args;
+
+/* graph_norm_bce: mean over g < num_graphs of (sum of bce(e) over edges with edge_graph[e] == g) /
+ * max(count_g, 1), bce = max(l,0) - l*t + log1p(exp(-|l|)), times 1 + (pos_weight-1)*t when
+ * has_pos_weight.  Writes one float32.  Deterministic: the same inputs give the same bits.
+ * CUDA takes scratch space from the stream-ordered allocator (cudaMallocAsync). */
+typedef struct {
+    const void *logits, *target, *edge_graph; /* [E], [E], [E] index_dtype */
+    float *out;                               /* one float32 */
+    int64_t num_edges, num_graphs;
+    int64_t logits_stride, target_stride, graph_stride;
+    float pos_weight;
+    int has_pos_weight;
+    int dtype, index_dtype, num_threads;
+    int64_t bad_pos, bad_value; /* QK_E_INDEX: edge_graph[bad_pos] = bad_value outside [0, num_graphs) */
+} qk_graph_bce_args;
+
 /* The CUDA shared object exports one symbol, qk_cuda_get_api, returning this table. */
-#define QK_CUDA_ABI 1
+#define QK_CUDA_ABI 2
 
 typedef struct {
     int abi;
@@ -84,6 +130,9 @@ typedef struct {
     int (*sparse_aggregate)(const qk_sparse_aggregate_args *a, void *stream);
     /* Debug validation (QKERNELS_CHECK=1): synchronises the stream, fills bad_* on QK_E_INDEX. */
     int (*sparse_aggregate_check)(qk_sparse_aggregate_args *a, void *stream);
+    int (*edge_features)(const qk_edge_features_args *a, void *stream);
+    int (*norm_residual)(const qk_norm_residual_args *a, void *stream);
+    int (*graph_bce)(const qk_graph_bce_args *a, void *stream);
 } qk_cuda_api;
 
 typedef const qk_cuda_api *(*qk_cuda_get_api_fn)(int abi);

@@ -63,6 +63,9 @@ int qk_launch(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream
 
 extern "C" int qk_sparse_aggregate_cuda(const qk_sparse_aggregate_args *a, void *stream);
 extern "C" int qk_sparse_aggregate_check_cuda(qk_sparse_aggregate_args *a, void *stream);
+extern "C" int qk_edge_features_cuda(const qk_edge_features_args *a, void *stream);
+extern "C" int qk_norm_residual_cuda(const qk_norm_residual_args *a, void *stream);
+extern "C" int qk_graph_bce_cuda(const qk_graph_bce_args *a, void *stream);
 
 #ifndef QK_ARCHS
 #define QK_ARCHS "unknown"
@@ -125,7 +128,7 @@ const qk_cuda_api api = {
     QK_CUDA_ABI,     QK_ARCHS,      runtime_version, driver_version, device_count,
     get_device,      set_device,    device_props,    error_string,   qk_malloc,
     qk_free,         memcpy_async,  stream_wait,     pointer_kind,   qk_sparse_aggregate_cuda,
-    qk_sparse_aggregate_check_cuda,
+    qk_sparse_aggregate_check_cuda, qk_edge_features_cuda, qk_norm_residual_cuda, qk_graph_bce_cuda,
 };
 
 }  // namespace

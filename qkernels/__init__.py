@@ -28,13 +28,14 @@ from ._dispatch import (
     resolve,
     use_backend,
 )
-from .ops import sparse_aggregate
+from .ops import fused_edge_features, fused_norm_residual, graph_norm_bce, sparse_aggregate
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AVAILABLE", "BACKENDS", "FAMILIES", "Decision", "ExplicitSelectionError", "FallbackWarning", "Tensor",
-    "__version__", "explain", "from_dlpack", "info", "reload_env", "resolve", "sparse_aggregate", "use_backend",
+    "__version__", "explain", "from_dlpack", "fused_edge_features", "fused_norm_residual", "graph_norm_bce", "info",
+    "reload_env", "resolve", "sparse_aggregate", "use_backend",
 ]
 
 

@@ -28,9 +28,14 @@ GROUPS = {"graph": GRAPH_FAMILIES, "llm": LLM_FAMILIES}
 ENV_GROUPS = (("ASTR_BACKEND", LLM_FAMILIES), ("QECDEC_BACKEND", GRAPH_FAMILIES))
 LEGACY_SPELLINGS = {"torch_native": "cpu", "pytorch": "cpu", "compiled": "cpu"}
 
-# op name -> (family, index of the argument whose device/dtype/framework decide, whether the
-# automatic chain always picks the backend of the device the data is on)
-OPS = {"sparse_aggregate": ("sparse_aggregate", 3, True)}
+# op name -> (family, position and name of the argument whose device/dtype/framework decide,
+# whether the automatic chain always picks the backend of the device the data is on)
+OPS = {
+    "sparse_aggregate": ("sparse_aggregate", 3, "node_feat", True),
+    "fused_edge_features": ("edge_features", 0, "x", True),
+    "fused_norm_residual": ("norm_residual", 0, "x", True),
+    "graph_norm_bce": ("graph_bce", 0, "logits", True),
+}
 
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "bool")
 
@@ -60,12 +65,17 @@ def _req(description, test):
     return (description, test)
 
 
+_ON_CUDA = _req("inputs on a CUDA device", lambda a: a["device"] == "cuda")
+_FLOAT32 = _req("dtype float32", lambda a: a["dtype"] == "float32")
+_CUDA_FLOATS = _req("dtype float32, float16 or bfloat16", lambda a: a["dtype"] in ("float32", "float16", "bfloat16"))
+
 _PREDICATES = {
     "cuda": {
-        "sparse_aggregate": [
-            _req("inputs on a CUDA device", lambda a: a["device"] == "cuda"),
-            _req("dtype float32 (fp16/bf16 arrive with the tuned graph kernels)", lambda a: a["dtype"] == "float32"),
-        ],
+        "sparse_aggregate": [_ON_CUDA, _req("dtype float32 (fp16/bf16 arrive with the tuned kernel)",
+                                            lambda a: a["dtype"] == "float32")],
+        "edge_features": [_ON_CUDA, _CUDA_FLOATS],
+        "norm_residual": [_ON_CUDA, _CUDA_FLOATS],
+        "graph_bce": [_ON_CUDA, _CUDA_FLOATS],
     },
     "flash": {
         "attention": [
@@ -74,11 +84,7 @@ _PREDICATES = {
             _req("dtype float16 or bfloat16", lambda a: a["dtype"] in ("float16", "bfloat16")),
         ],
     },
-    "cpu": {
-        "sparse_aggregate": [
-            _req("dtype float32", lambda a: a["dtype"] == "float32"),
-        ],
-    },
+    "cpu": {family: [_FLOAT32] for family in GRAPH_FAMILIES},
 }
 
 _availability = {}
@@ -177,7 +183,7 @@ direct_types = set()
 
 def _refresh_direct():
     cuda_ok = backend_available("cuda")[0]
-    for op, (family, _, chain_is_device) in OPS.items():
+    for op, (family, _, _, chain_is_device) in OPS.items():
         direct_ops[op] = chain_is_device and cuda_ok and _env_cache.get(family, ("auto",))[0] == "auto"
 
 
@@ -297,10 +303,11 @@ def resolve(op, *args, backend=None, **kwargs):
     """The decision for ``op(*args, **kwargs)`` as data (a Decision)."""
     if op not in OPS:
         raise ValueError(f"resolve: unknown op {op!r}; expected one of {', '.join(OPS)}")
-    idx = OPS[op][1]
-    if len(args) <= idx:
-        raise TypeError(f"resolve: {op} needs at least {idx + 1} positional arguments to decide")
-    return _decide(op, args[idx], backend)
+    _, idx, arg, _ = OPS[op]
+    x = args[idx] if len(args) > idx else kwargs.get(arg)
+    if x is None:
+        raise TypeError(f"resolve: {op} needs its argument {arg!r} to decide")
+    return _decide(op, x, backend)
 
 
 def explain(op, *args, backend=None, **kwargs):

@@ -128,29 +128,28 @@ def framework_of(x):
     return fw
 
 
-def run(op, fn, args, out, like, staged):
-    """Run fn(*args, out=out, stream=...) and hand the result back in like's framework."""
+def run(op, fn, args, kwargs, like, staged):
+    """Run fn(*args, **kwargs, stream=...) and hand the result back in like's framework."""
     fw = framework_of(like)
+    out = kwargs.get("out")
     if out is not None:
         fw.check_out(out)
     if staged:
-        return _run_staged(op, fw, fn, args, out, like)
+        return _run_staged(op, fw, fn, args, kwargs, like)
     stream = fw.stream(like)
-    if stream is None:
-        r = fn(*args, out=out)
-    else:
-        r = fn(*args, out=out, stream=stream)
+    r = fn(*args, **kwargs) if stream is None else fn(*args, **kwargs, stream=stream)
     return fw.wrap(r, like) if type(r) is Tensor else r
 
 
 _staging_warned = set()
 
 
-def _run_staged(op, fw, fn, args, out, like):
+def _run_staged(op, fw, fn, args, kwargs, like):
     if (op, fw.name) not in _staging_warned:
         _staging_warned.add((op, fw.name))
         warnings.warn(f"{op}: the cpu backend runs this call on {fw.name} device tensors by copying them "
                       f"through host memory; this is slow", FallbackWarning, stacklevel=4)
     host = [fw.to_host(a) for a in args]
-    r = fn(*host)
-    return fw.from_host(r, like, out)
+    kw = {k: v for k, v in kwargs.items() if k != "out"}
+    r = fn(*host, **kw)
+    return fw.from_host(r, like, kwargs.get("out"))

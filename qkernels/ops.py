@@ -2,26 +2,39 @@
 
 Each public op is a C entry point (``_C.<op>``) that runs directly when selection is
 automatic and lands where the data lives (torch in, torch out), and otherwise calls the Python
-path below: the dispatcher's decision, then the C op (``_C.<op>_raw``), with results in the caller's framework.
+path below: the dispatcher's decision, then the C op (``_C.<op>_raw``), with results in the
+caller's framework.
 """
 
 from __future__ import annotations
 
 from . import _C
+from . import _dispatch
 from ._dispatch import _ctx, choose, direct_ops, direct_types
 from ._frameworks import run
 
 
-def _sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, *, out=None, backend=None):
-    plan = choose("sparse_aggregate", node_feat, backend)
-    if plan[2]:  # torch in, torch out, all in C
-        if out is None:
-            return _C.sparse_aggregate_raw(row_ptr, col_idx, edge_weight, node_feat)
-        return _C.sparse_aggregate_raw(row_ptr, col_idx, edge_weight, node_feat, out=out)
-    return run("sparse_aggregate", _C.sparse_aggregate_raw, (row_ptr, col_idx, edge_weight, node_feat), out, node_feat,
-               plan[1])
+def _python_path(name):
+    """The Python side of public op `name`: decide, then run the raw op and convert the result."""
+    raw = getattr(_C, name + "_raw")
+    _, position, arg, _ = _dispatch.OPS[name]
+
+    def call(*args, backend=None, **kwargs):
+        x = args[position] if len(args) > position else kwargs.get(arg)
+        if x is None:
+            return raw(*args, **kwargs)  # the raw op names what is missing
+        plan = choose(name, x, backend)
+        if plan[2]:  # torch in, torch out, all in C
+            return raw(*args, **kwargs)
+        return run(name, raw, args, kwargs, x, plan[1])
+
+    call.__name__ = call.__qualname__ = name  # as argument errors name it
+    return call
 
 
-_sparse_aggregate.__name__ = _sparse_aggregate.__qualname__ = "sparse_aggregate"  # as errors name it
-_C._install_dispatch(_ctx, direct_ops, direct_types, {"sparse_aggregate": _sparse_aggregate})
+_C._install_dispatch(_ctx, direct_ops, direct_types, {name: _python_path(name) for name in _dispatch.OPS})
+
 sparse_aggregate = _C.sparse_aggregate
+fused_edge_features = _C.fused_edge_features
+fused_norm_residual = _C.fused_norm_residual
+graph_norm_bce = _C.graph_norm_bce

@@ -6,6 +6,19 @@
 #include "../../kernels/qk_launch.h"
 
 int qk_sparse_aggregate_cpu(qk_sparse_aggregate_args *a, void *stream);
+int qk_edge_features_cpu(qk_edge_features_args *a, void *stream);
+int qk_norm_residual_cpu(qk_norm_residual_args *a, void *stream);
+int qk_graph_bce_cpu(qk_graph_bce_args *a, void *stream);
+
+static inline int64_t qk_index(const void *base, int dtype, int64_t pos, int64_t stride) {
+    return dtype == QK_I32 ? (int64_t)((const int32_t *)base)[pos * stride] : ((const int64_t *)base)[pos * stride];
+}
+
+/* [begin, end) of share `tid` out of `nthreads` equal shares of n items. */
+static inline void qk_share(int64_t n, int tid, int nthreads, int64_t *begin, int64_t *end) {
+    *begin = n * tid / nthreads;
+    *end = n * (tid + 1) / nthreads;
+}
 
 /* Run fn(ctx, tid, nthreads) on nthreads threads (the caller's thread is tid 0).  Each worker
  * owns a fixed share of the work, so results do not depend on scheduling. */

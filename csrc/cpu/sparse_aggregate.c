@@ -9,10 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline int64_t qk_index(const void *base, int dtype, int64_t pos, int64_t stride) {
-    return dtype == QK_I32 ? (int64_t)((const int32_t *)base)[pos * stride] : ((const int64_t *)base)[pos * stride];
-}
-
 typedef struct {
     qk_sparse_aggregate_args *a;
     int64_t first_edge, total_cost;

@@ -120,9 +120,3 @@ done:
     return result;
 }
 
-PyObject *qk_op_sparse_aggregate_public(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
-                                        PyObject *kwnames) {
-    static PyObject *name; /* interned once; lives as long as the process, like the method table */
-    if (name == NULL && (name = PyUnicode_InternFromString(OP)) == NULL) return NULL;
-    return qk_dispatch(module, OP, name, NODE_FEAT, qk_op_sparse_aggregate, args, nargs, kwnames);
-}

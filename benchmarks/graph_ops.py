@@ -1,0 +1,751 @@
+"""Graph ops beside their anchors: time, bandwidth and speed-up per op and case.
+
+What is measured.  For each graph op and case, qkernels and its anchors run on the same inputs
+in one process:
+  sparse_aggregate     cuSPARSE (torch.sparse.mm on one CSR matrix per head, results stacked) and
+                       PyG-style gather + index_add_
+  fused_edge_features  PyTorch eager and torch.compile (default mode) of the same function
+  fused_norm_residual  PyTorch eager and torch.compile, inference and training (dropout p=0.1)
+  graph_norm_bce       PyTorch eager, torch.compile, and a torch.segment_reduce version over the
+                       sorted graph ids
+Every result is first checked against the eager anchor on the same inputs (relative error in the
+float64 2-norm below 1e-4: PASS/FAIL; training-mode dropout draws different masks, so those cases
+are not checked — the inference case of the same size covers the arithmetic), then timed.
+
+How (GPU).  N calls are captured in one CUDA graph after warm-up on the capture stream; the
+replay is timed with CUDA events and divided by N; the figure is the median over replays.  Host
+overhead (Python, dispatch, launch) is therefore out of the figure: it is device time.  Call i of
+the graph reads input set i mod K, and the K sets together span at least 1 GiB (17x the H200's
+60 MB L2), so inputs that would fit in L2 are cold at every call, as they are in a model where
+other layers run in between.  All inputs are random (never zeros).
+
+GB/s is the op's minimal byte count over the time: each input read once, each output written
+once, gathered rows counted once per gather (the formula sits next to each case below).  The
+copy ceiling is a 2 GiB device-to-device copy timed the same way in the same run (bytes read +
+written); "% copy" is an op's GB/s as a share of it.  The ratio is anchor time / qkernels time
+(>1: qkernels is faster); the target column holds the issue's bar and whether it is met.
+
+--cpu runs the same ops at 1/50 of the sizes on the CPU: qkernels backend="cpu" against PyTorch
+CPU eager on the same inputs, timed with time.perf_counter (warm-up, then the median of batches).
+
+    python3 benchmarks/graph_ops.py [--quick] [--ops sparse_aggregate,graph_norm_bce] [--markdown FILE]
+    python3 benchmarks/graph_ops.py --cpu [--quick]
+"""
+
+import argparse
+import gc
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import qkernels  # noqa: E402
+
+OPS = ("sparse_aggregate", "fused_edge_features", "fused_norm_residual", "graph_norm_bce")
+
+F32 = 4  # bytes per float32 element
+# The input sets one graph cycles through span at least this much: 17x the H200's 60 MB L2, so a
+# call never finds the inputs of the previous pass over the sets still cached.
+COLD_FOOTPRINT_BYTES = 1 << 30
+MAX_INPUT_SETS = 64
+WARMUP_CALLS = 3
+# Work captured per graph: the replay's own launch (a few µs) stays well under 1% of the figure.
+GRAPH_WORK_US = 5000.0
+MAX_CALLS_PER_GRAPH = 512
+CPU_BATCH_S = 0.05  # one CPU sample: long enough for perf_counter to resolve, short enough to take many
+GPU_COPY_BYTES = 2 << 30
+CPU_COPY_BYTES = 1 << 30  # far beyond any last-level cache, yet cheap to fill on a small host
+REL_TOL = 1e-4  # fp32 against fp32 with a different summation order: ~1e-6 expected
+EPS = 1e-5
+DROPOUT_P = 0.1
+DROPOUT_SEED = 1234  # an explicit seed: seed=None would draw one per call, which capture would freeze anyway
+
+
+@dataclass
+class Setup:
+    """Where and how large: the issue's GPU sizes divided by `divisor`."""
+    device: torch.device
+    backend: str  # qkernels backend= for our rows: strict, so a call it cannot take fails instead of falling back
+    divisor: int
+    index_dtype: torch.dtype
+    on_gpu: bool
+    samples: int
+
+    def size(self, n):
+        return max(1, n // self.divisor)
+
+    @property
+    def index_bytes(self):
+        return torch.empty((), dtype=self.index_dtype).element_size()
+
+
+@dataclass
+class Impl:
+    name: str
+    fn: Callable[[dict], torch.Tensor]  # one call on one input set
+    ours: bool = False
+    reference: bool = False  # the eager anchor the others are checked against
+    min_ratio: Optional[float] = None  # target: this anchor's time / ours >= min_ratio
+    max_us: Optional[float] = None  # target: our time <= max_us
+
+
+@dataclass
+class Case:
+    op: str
+    label: str
+    make_inputs: Callable[[torch.Generator], dict]  # one random input set on the device
+    nbytes: int  # minimal bytes moved by one call
+    impls: list
+    skip_check: Optional[str] = None  # why the results are not compared
+
+
+@dataclass
+class Row:
+    op: str
+    case: str
+    impl: str
+    us: Optional[float]
+    gbps: Optional[float]
+    pct_copy: Optional[float]
+    ratio: Optional[float]
+    target: str
+    check: str
+    ours: bool = field(default=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def generator(setup, seed):
+    gen = torch.Generator(device=setup.device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def randn(setup, gen, *shape):
+    return torch.randn(shape, generator=gen, device=setup.device)
+
+
+def count(n):
+    """1_000_000 -> '1M', 1_600 -> '1.6k': case labels stay short."""
+    for unit, scale in (("M", 1_000_000), ("k", 1_000)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.3g}{unit}"
+    return str(n)
+
+
+def uniform_degrees(setup, n_rows, degree):
+    return torch.full((n_rows,), degree, dtype=torch.int64, device=setup.device)
+
+
+def zipf_degrees(setup, gen, n_rows, n_edges):
+    """Degrees proportional to 1/rank (Zipf, s=1), summing to n_edges, assigned to rows at random.
+
+    With 1M rows and 16M edges the top row gets ~1.1M edges and about ten rows more than 1e5,
+    while most rows keep one or two: the skew that breaks row-per-warp kernels.
+    """
+    share = 1.0 / torch.arange(1, n_rows + 1, dtype=torch.float64, device=setup.device)
+    degrees = torch.floor(share * (n_edges / share.sum())).long()
+    remainder = n_edges - int(degrees.sum())
+    extra = torch.randint(0, n_rows, (remainder,), generator=gen, device=setup.device)
+    degrees += torch.bincount(extra, minlength=n_rows)
+    return degrees[torch.randperm(n_rows, generator=gen, device=setup.device)]
+
+
+def csr_from_degrees(setup, gen, degrees, n_src):
+    """row_ptr, col_idx (uniform random, sorted within each row as CSR builders leave them) and the row of each edge."""
+    n_edges = int(degrees.sum())
+    row_ptr = torch.cat([degrees.new_zeros(1), degrees.cumsum(0)])
+    row_of_edge = torch.repeat_interleave(torch.arange(degrees.numel(), device=setup.device), degrees,
+                                          output_size=n_edges)
+    cols = torch.randint(0, n_src, (n_edges,), generator=gen, device=setup.device)
+    cols = torch.sort(row_of_edge * n_src + cols).values % n_src
+    return row_ptr.to(setup.index_dtype), cols.to(setup.index_dtype), row_of_edge.to(setup.index_dtype)
+
+
+def input_sets(setup, case, seed):
+    """Enough random input sets that cycling through them spans COLD_FOOTPRINT_BYTES."""
+    first = case.make_inputs(generator(setup, seed))
+    set_bytes = sum(t.nbytes for t in first.values() if isinstance(t, torch.Tensor))
+    n_sets = min(MAX_INPUT_SETS, max(1, math.ceil(COLD_FOOTPRINT_BYTES / max(set_bytes, 1))))
+    return [first] + [case.make_inputs(generator(setup, seed + k)) for k in range(1, n_sets)]
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse_aggregate
+
+
+def sparse_aggregate_gather_index_add(s):
+    """PyG's message passing: gather a message per edge, scale it, scatter-add it into its row."""
+    node_feat = s["node_feat"]
+    messages = node_feat.index_select(0, s["col_idx"])
+    # In place: the same bytes as `edge_weight[:, :, None] * node_feat[col_idx]`, half the peak
+    # memory (the messages alone are 16 GiB at full size).
+    messages.mul_(s["edge_weight"].unsqueeze(-1))
+    out = node_feat.new_zeros((s["row_ptr"].numel() - 1,) + node_feat.shape[1:])
+    return out.index_add_(0, s["row_of_edge"], messages)
+
+
+def sparse_aggregate_sparse_mm(s):
+    """One CSR matrix per head through torch.sparse.mm (cuSPARSE SpMM on CUDA), stacked to [N_dst, H, D]."""
+    node_feat = s["node_feat"]
+    shape = (s["row_ptr"].numel() - 1, node_feat.shape[0])
+    per_head = []
+    for h in range(node_feat.shape[1]):
+        adjacency = torch.sparse_csr_tensor(s["row_ptr"], s["col_idx"], s["weight_by_head"][h], size=shape,
+                                            check_invariants=False)
+        per_head.append(torch.sparse.mm(adjacency, node_feat[:, h, :]))
+    return torch.stack(per_head, dim=1)
+
+
+def sparse_aggregate_case(setup, label, degrees_of, n_nodes, heads, dim, targets):
+    """targets: the bars (anchor time / ours) for the sparse.mm and the gather + index_add_ anchors."""
+    sparse_mm_target, gather_target = targets
+    n_edges = 16 * n_nodes  # both cases: the uniform case's degree 16
+
+    def make_inputs(gen):
+        row_ptr, col_idx, row_of_edge = csr_from_degrees(setup, gen, degrees_of(gen), n_nodes)
+        edge_weight = randn(setup, gen, n_edges, heads)
+        return {
+            "row_ptr": row_ptr, "col_idx": col_idx, "edge_weight": edge_weight,
+            "node_feat": randn(setup, gen, n_nodes, heads, dim),
+            # Anchor layouts, made once per input set as a user of each library stores them: PyG keeps
+            # edge_index (COO), so each edge's row is given; cuSPARSE takes one contiguous value array per matrix.
+            "row_of_edge": row_of_edge,
+            "weight_by_head": edge_weight.t().contiguous(),
+        }
+
+    idx = setup.index_bytes
+    # Minimal bytes: per edge its column index and H weights, one gathered node_feat row (H*D) per
+    # edge, the output written once, row_ptr read once.
+    nbytes = (n_edges * (idx + heads * F32) + n_edges * heads * dim * F32 + n_nodes * heads * dim * F32
+              + (n_nodes + 1) * idx)
+
+    def ours(s):
+        return qkernels.sparse_aggregate(s["row_ptr"], s["col_idx"], s["edge_weight"], s["node_feat"],
+                                         backend=setup.backend)
+
+    impls = [
+        Impl("qkernels", ours, ours=True),
+        Impl("cuSPARSE: sparse.mm per head" if setup.on_gpu else "torch.sparse.mm per head",
+             sparse_aggregate_sparse_mm, min_ratio=sparse_mm_target),
+        Impl("gather + index_add_ (PyG)", sparse_aggregate_gather_index_add, reference=True,
+             min_ratio=gather_target),
+    ]
+    return Case("sparse_aggregate", label.format(N=count(n_nodes), E=count(n_edges)), make_inputs, nbytes, impls)
+
+
+def sparse_aggregate_cases(setup):
+    n = setup.size(1_000_000)
+    # The issue's GPU bars; on the CPU every eager anchor's bar is 1.0x.
+    uniform_targets = (1.5, 10.0) if setup.on_gpu else (1.0, 1.0)
+    power_law_targets = (1.0, None) if setup.on_gpu else (1.0, 1.0)
+    return [
+        sparse_aggregate_case(setup, "uniform N={N} E={E} H=8 D=32", lambda gen: uniform_degrees(setup, n, 16), n,
+                              heads=8, dim=32, targets=uniform_targets),
+        sparse_aggregate_case(setup, "power-law N={N} E={E} H=4 D=64", lambda gen: zipf_degrees(setup, gen, n, 16 * n),
+                              n, heads=4, dim=64, targets=power_law_targets),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# fused_edge_features
+
+
+def edge_features_eager(x, edge_index, edge_attr):
+    x_src, x_dst = x[edge_index[0]], x[edge_index[1]]
+    return torch.cat([x_src + x_dst, (x_src - x_dst).abs(), edge_attr], dim=1)
+
+
+def edge_features_case(setup, n_edges, n_nodes, hidden):
+    def make_inputs(gen):
+        return {
+            "x": randn(setup, gen, n_nodes, hidden),
+            "edge_index": torch.randint(0, n_nodes, (2, n_edges), generator=gen, device=setup.device,
+                                        dtype=setup.index_dtype),
+            "edge_attr": randn(setup, gen, n_edges, hidden),
+        }
+
+    # Minimal bytes: both rows of edge_index, the two gathered x rows per edge, edge_attr read once,
+    # the [E, 3H] output written once.
+    nbytes = 2 * n_edges * setup.index_bytes + 2 * n_edges * hidden * F32 + n_edges * hidden * F32 \
+        + n_edges * 3 * hidden * F32
+
+    def ours(s):
+        return qkernels.fused_edge_features(s["x"], s["edge_index"], s["edge_attr"], backend=setup.backend)
+
+    def bind(fn, s):
+        return fn(s["x"], s["edge_index"], s["edge_attr"])
+
+    impls = [Impl("qkernels", ours, ours=True)] + eager_and_compiled(setup, edge_features_eager, bind, 1.2)
+    return Case("fused_edge_features", f"E={count(n_edges)} N={count(n_nodes)} H={hidden} +edge_attr",
+                make_inputs, nbytes, impls)
+
+
+def fused_edge_features_cases(setup):
+    return [
+        edge_features_case(setup, setup.size(4_000_000), setup.size(1_000_000), hidden=32),
+        edge_features_case(setup, setup.size(1_000_000), setup.size(100_000), hidden=64),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# fused_norm_residual
+
+
+def norm_residual_eager(x, residual, gamma, beta, p, training):
+    normed = F.layer_norm(x, (x.shape[-1],), gamma, beta, EPS)
+    return F.dropout(normed, p, training) + residual
+
+
+def norm_residual_case(setup, rows, hidden, training):
+    def make_inputs(gen):
+        return {
+            "x": randn(setup, gen, rows, hidden) * 2.0 + 0.5,  # a non-zero row mean, as activations have
+            "residual": randn(setup, gen, rows, hidden),
+            "gamma": 1.0 + 0.1 * randn(setup, gen, hidden),
+            "beta": 0.1 * randn(setup, gen, hidden),
+        }
+
+    # Minimal bytes: x and residual read once, the output written once, gamma and beta read once.
+    # The dropout mask is generated in registers (counter-based), so it moves no bytes.
+    nbytes = 3 * rows * hidden * F32 + 2 * hidden * F32
+
+    def ours(s):
+        return qkernels.fused_norm_residual(s["x"], s["residual"], s["gamma"], s["beta"], p=DROPOUT_P,
+                                            training=training, eps=EPS, seed=DROPOUT_SEED, backend=setup.backend)
+
+    def bind(fn, s):
+        return fn(s["x"], s["residual"], s["gamma"], s["beta"], DROPOUT_P, training)
+
+    impls = [Impl("qkernels", ours, ours=True)] + eager_and_compiled(setup, norm_residual_eager, bind, 1.0)
+    mode = f"training p={DROPOUT_P}" if training else "inference"
+    return Case("fused_norm_residual", f"R={count(rows)} H={hidden} {mode}", make_inputs, nbytes, impls,
+                skip_check="dropout masks differ" if training else None)
+
+
+def fused_norm_residual_cases(setup):
+    return [norm_residual_case(setup, setup.size(rows), hidden, training)
+            for rows, hidden in ((1_000_000, 128), (200_000, 512)) for training in (False, True)]
+
+
+# ---------------------------------------------------------------------------------------------
+# graph_norm_bce
+
+
+def weighted_bce(logits, target, pos_weight):
+    # weight = 1 + (pos_weight - 1) * t times the plain BCE is the op's definition for any target.
+    weight = target * (pos_weight - 1.0) + 1.0
+    return F.binary_cross_entropy_with_logits(logits, target, weight=weight, reduction="none")
+
+
+def graph_norm_bce_eager(logits, target, edge_graph, num_graphs, pos_weight):
+    loss = weighted_bce(logits, target, pos_weight)
+    sums = logits.new_zeros(num_graphs).index_add_(0, edge_graph, loss)
+    # Counts by index_add_ rather than bincount: bincount reads the max id back to the host, which
+    # graph capture forbids.
+    counts = logits.new_zeros(num_graphs).index_add_(0, edge_graph, torch.ones_like(loss))
+    return (sums / counts.clamp_min(1.0)).mean()
+
+
+def graph_norm_bce_segment_reduce(logits, target, edge_graph, num_graphs, pos_weight):
+    loss = weighted_bce(logits, target, pos_weight)
+    graph_ids = torch.arange(num_graphs + 1, dtype=edge_graph.dtype, device=edge_graph.device)
+    lengths = torch.searchsorted(edge_graph, graph_ids).diff()  # edge_graph is sorted: graph g owns one run
+    # unsafe=True skips the lengths check, which reads a minimum back to the host (no sync in capture).
+    sums = torch.segment_reduce(loss, "sum", lengths=lengths, unsafe=True)
+    return (sums / lengths.clamp_min(1)).mean()
+
+
+def graph_norm_bce_case(setup, n_edges, num_graphs, max_us):
+    num_graphs = min(num_graphs, n_edges)
+    pos_weight = 2.0
+
+    def make_inputs(gen):
+        graph_of_edge = torch.randint(0, num_graphs, (n_edges,), generator=gen, device=setup.device)
+        return {
+            "logits": 2.0 * randn(setup, gen, n_edges),
+            "target": (torch.rand(n_edges, generator=gen, device=setup.device) < 0.3).float(),
+            "edge_graph": torch.sort(graph_of_edge).values.to(setup.index_dtype),  # sorted, as PyG batches are
+        }
+
+    # Minimal bytes: logits, target and edge_graph read once; the 0-d result written once.
+    nbytes = n_edges * (2 * F32 + setup.index_bytes) + F32
+
+    def ours(s):
+        return qkernels.graph_norm_bce(s["logits"], s["target"], s["edge_graph"], num_graphs, pos_weight=pos_weight,
+                                       backend=setup.backend)
+
+    def bind(fn, s):
+        return fn(s["logits"], s["target"], s["edge_graph"], num_graphs, pos_weight)
+
+    impls = [Impl("qkernels", ours, ours=True, max_us=max_us if setup.on_gpu else None)]
+    impls += eager_and_compiled(setup, graph_norm_bce_eager, bind, None)
+    impls.append(Impl("segment_reduce (sorted lengths)", lambda s: bind(graph_norm_bce_segment_reduce, s),
+                      min_ratio=None if setup.on_gpu else 1.0))
+    return Case("graph_norm_bce", f"E={count(n_edges)} graphs={num_graphs} pos_weight={pos_weight}", make_inputs,
+                nbytes, impls)
+
+
+def graph_norm_bce_cases(setup):
+    return [
+        graph_norm_bce_case(setup, setup.size(4_000_000), 128, max_us=40.0),
+        graph_norm_bce_case(setup, setup.size(800_000), 4096, max_us=None),
+    ]
+
+
+CASE_BUILDERS = {
+    "sparse_aggregate": sparse_aggregate_cases,
+    "fused_edge_features": fused_edge_features_cases,
+    "fused_norm_residual": fused_norm_residual_cases,
+    "graph_norm_bce": graph_norm_bce_cases,
+}
+
+
+def eager_and_compiled(setup, eager_fn, bind, compile_target):
+    """The eager anchor (the reference) and, on the GPU, torch.compile of the same function.
+
+    dynamic=False: each case compiles for its own static shapes, as a model with fixed-size batches
+    gets; otherwise the second case's recompile would turn to dynamic-shape kernels.
+    """
+    impls = [Impl("PyTorch eager", lambda s: bind(eager_fn, s), reference=True,
+                  min_ratio=None if setup.on_gpu else 1.0)]
+    if setup.on_gpu:
+        compiled_fn = torch.compile(eager_fn, dynamic=False)
+        impls.append(Impl("torch.compile", lambda s: bind(compiled_fn, s), min_ratio=compile_target))
+    return impls
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def calls_per_graph(estimate_us, n_sets):
+    """Enough calls for GRAPH_WORK_US of work, in whole passes over the input sets."""
+    wanted = min(MAX_CALLS_PER_GRAPH, max(1, math.ceil(GRAPH_WORK_US / max(estimate_us, 1e-3))))
+    return n_sets * math.ceil(wanted / n_sets)
+
+
+def gpu_replay_time_us(fn, sets, replays):
+    """Device time per call: N calls captured in a CUDA graph, replays timed with CUDA events."""
+    capture_stream = torch.cuda.Stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # Warm up on the stream the capture will use: lazy initialisation (library handles, workspaces,
+    # compiled kernels, autotuning) must happen before capture, where it cannot run.
+    capture_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(capture_stream):
+        for i in range(WARMUP_CALLS):
+            fn(sets[i % len(sets)])
+        start.record()
+        fn(sets[0])
+        end.record()
+    end.synchronize()
+    calls = calls_per_graph(start.elapsed_time(end) * 1e3, len(sets))
+    torch.cuda.current_stream().wait_stream(capture_stream)
+
+    # The inputs are static tensors the graph reads at replay; each call's output and temporaries
+    # come from the graph's private pool, where a block freed by one call is reused by the next.
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=capture_stream):
+        for i in range(calls):
+            fn(sets[i % len(sets)])
+    graph.replay()  # the first replay uploads the graph
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(per_call)
+
+
+def cpu_time_us(fn, sets, samples):
+    """Wall time per call: warm-up, then the median over batches of calls cycling through the input sets."""
+    for i in range(WARMUP_CALLS):
+        fn(sets[i % len(sets)])
+    start = time.perf_counter()
+    fn(sets[0])
+    estimate_s = time.perf_counter() - start
+    calls = min(MAX_CALLS_PER_GRAPH, max(1, math.ceil(CPU_BATCH_S / max(estimate_s, 1e-7))))
+    per_call = []
+    next_set = 0
+    for _ in range(samples):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(sets[next_set])
+            next_set = (next_set + 1) % len(sets)
+        per_call.append((time.perf_counter() - start) * 1e6 / calls)
+    return statistics.median(per_call)
+
+
+def time_per_call_us(setup, fn, sets):
+    if setup.on_gpu:
+        return gpu_replay_time_us(fn, sets, setup.samples)
+    return cpu_time_us(fn, sets, setup.samples)
+
+
+def copy_ceiling_gbps(setup):
+    """Bytes read + written per second by one large copy: the bandwidth a streaming op can hope for."""
+    nbytes = GPU_COPY_BYTES if setup.on_gpu else CPU_COPY_BYTES
+    src = torch.rand(nbytes // F32, device=setup.device)
+    dst = torch.empty_like(src)
+    us = time_per_call_us(setup, lambda _: dst.copy_(src), [{}])
+    del src, dst
+    release_memory(setup)
+    return 2 * nbytes / us / 1e3
+
+
+def release_memory(setup):
+    gc.collect()
+    if setup.on_gpu:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# One case: check, time, rows
+
+
+def relative_error(got, want):
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-300))
+
+
+def describe(exc):
+    return f"n/a ({type(exc).__name__})"
+
+
+def first_line(exc):
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
+def check_results(case, inputs):
+    """Verdict per impl against the reference on one input set, and the impls that raised."""
+    if case.skip_check:
+        return {impl.name: f"skip: {case.skip_check}" for impl in case.impls}, {}
+    reference = next(impl for impl in case.impls if impl.reference)
+    want = reference.fn(inputs)
+    verdicts, failures = {reference.name: "reference"}, {}
+    for impl in case.impls:
+        if impl is reference:
+            continue
+        try:
+            err = relative_error(impl.fn(inputs), want)
+        except Exception as exc:  # a missing dtype, a compile failure: report it, keep benchmarking
+            failures[impl.name] = exc
+            continue
+        verdicts[impl.name] = f"{'PASS' if err < REL_TOL else 'FAIL'} {err:.1e}"
+    return verdicts, failures
+
+
+def run_case(setup, case, seed, copy_gbps):
+    print(f"\n{case.op} | {case.label} | {case.nbytes / 1e6:.1f} MB minimal per call", flush=True)
+    if setup.on_gpu:
+        torch._dynamo.reset()  # each case compiles afresh; earlier cases' guards never pile up
+    sets = input_sets(setup, case, seed)
+    print(f"  {len(sets)} input set(s)", flush=True)
+    verdicts, failures = check_results(case, sets[0])
+    release_memory(setup)
+    times = {}
+    for impl in case.impls:
+        if impl.name not in failures:
+            try:
+                times[impl.name] = time_per_call_us(setup, impl.fn, sets)
+            except Exception as exc:  # capture refused (a host sync inside), compile failure, ...
+                failures[impl.name] = exc
+            release_memory(setup)
+        report_progress(case, impl, times.get(impl.name), verdicts.get(impl.name, ""), failures.get(impl.name))
+    del sets
+    release_memory(setup)
+    return case_rows(case, times, verdicts, failures, copy_gbps)
+
+
+def report_progress(case, impl, us, verdict, failure):
+    if failure is not None:
+        print(f"  {impl.name:<34} {describe(failure)}: {first_line(failure)}", flush=True)
+    else:
+        print(f"  {impl.name:<34} {us:>11.1f} µs {case.nbytes / us / 1e3:>8.0f} GB/s  {verdict}", flush=True)
+
+
+def target_text(impl, ratio, us):
+    if impl.min_ratio is not None:
+        bar = f">={impl.min_ratio:.1f}x"
+        return bar if ratio is None else f"{bar} {'met' if ratio >= impl.min_ratio else 'MISSED'}"
+    if impl.max_us is not None:
+        bar = f"<={impl.max_us:.0f} µs"
+        return bar if us is None else f"{bar} {'met' if us <= impl.max_us else 'MISSED'}"
+    return ""
+
+
+def case_rows(case, times, verdicts, failures, copy_gbps):
+    ours_us = next((times.get(impl.name) for impl in case.impls if impl.ours), None)
+    rows = []
+    for impl in case.impls:
+        us = times.get(impl.name)
+        gbps = case.nbytes / us / 1e3 if us else None
+        ratio = us / ours_us if us and ours_us and not impl.ours else None
+        failure = describe(failures[impl.name]) if impl.name in failures else ""
+        check = "; ".join(text for text in (verdicts.get(impl.name, ""), failure) if text)
+        rows.append(Row(case.op, case.label, impl.name, us, gbps, 100.0 * gbps / copy_gbps if gbps else None,
+                        ratio, target_text(impl, ratio, us), check, impl.ours))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def fmt_us(us):
+    if us is None:
+        return "n/a"
+    return f"{us:.2f}" if us < 10 else f"{us:.1f}" if us < 1000 else f"{us:.0f}"
+
+
+def row_cells(row):
+    return [row.op, row.case, row.impl, fmt_us(row.us),
+            "" if row.gbps is None else f"{row.gbps:.0f}",
+            "" if row.pct_copy is None else f"{row.pct_copy:.0f}%",
+            "" if row.ratio is None else f"{row.ratio:.2f}x",
+            row.target, row.check]
+
+
+COLUMNS = ["op", "case", "impl", "µs", "GB/s", "% copy", "anchor/ours", "target", "check"]
+NUMERIC = {3, 4, 5, 6}
+
+
+def text_table(rows):
+    cells = [row_cells(row) for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(COLUMNS)]
+    lines = []
+    previous = (None, None)
+    for r, row in zip([COLUMNS] + cells, [None] + rows):
+        if row is not None and (row.op, row.case) == previous:
+            r = ["", ""] + r[2:]  # op and case once per group
+        if row is not None:
+            previous = (row.op, row.case)
+        lines.append("  ".join(c.rjust(w) if i in NUMERIC else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    return lines
+
+
+def markdown_table(rows):
+    lines = ["| " + " | ".join(COLUMNS) + " |",
+             "|" + "|".join("---:" if i in NUMERIC else "---" for i in range(len(COLUMNS))) + "|"]
+    lines += ["| " + " | ".join(row_cells(row)) + " |" for row in rows]
+    return lines
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def header_lines(setup, copy_gbps, quick):
+    if setup.on_gpu:
+        machine = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+        copy = f"{GPU_COPY_BYTES >> 30} GiB device-to-device copy"
+        timing = f"CUDA-graph replay, median of {setup.samples} replays"
+    else:
+        machine = f"{cpu_model()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+        copy = f"{CPU_COPY_BYTES >> 30} GiB host-memory copy"
+        timing = f"time.perf_counter, median of {setup.samples} batches"
+    scale = f"issue sizes / {setup.divisor}" + (" (--quick; targets are for full sizes)" if quick else "")
+    return [
+        f"graph ops: qkernels {qkernels.__version__} vs anchors on {machine}; torch {torch.__version__}",
+        f"copy ceiling: {copy_gbps:.0f} GB/s ({copy}, bytes read + written)",
+        f"{scale}; float32; {str(setup.index_dtype).replace('torch.', '')} indices; {timing}; "
+        f"inputs cycled to span {COLD_FOOTPRINT_BYTES >> 30} GiB",
+        "GB/s: minimal bytes (formulas in benchmarks/graph_ops.py) / time; anchor/ours > 1: qkernels faster",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu", action="store_true", help="CPU backend at 1/50 of the sizes, against PyTorch CPU eager")
+    p.add_argument("--quick", action="store_true", help="sizes 10x smaller (smoke run)")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma list from {', '.join(OPS)}")
+    p.add_argument("--markdown", help="also write the final table to this file")
+    p.add_argument("--samples", type=int, help="replays (GPU, default 15) or batches (CPU, default 7) per figure")
+    p.add_argument("--index-dtype", choices=("int64", "int32"), default="int64",
+                   help="dtype of row_ptr/col_idx/edge_index/edge_graph (PyG uses int64)")
+    args = p.parse_args()
+    args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    unknown = [op for op in args.ops if op not in OPS]
+    if unknown:
+        p.error(f"unknown op(s) {', '.join(unknown)}; expected some of {', '.join(OPS)}")
+    if not args.cpu and not torch.cuda.is_available():
+        p.error("no CUDA device visible to torch; use --cpu")
+    return args
+
+
+def make_setup(args):
+    on_gpu = not args.cpu
+    return Setup(
+        device=torch.device("cuda" if on_gpu else "cpu"),
+        backend="cuda" if on_gpu else "cpu",
+        divisor=(1 if on_gpu else 50) * (10 if args.quick else 1),
+        index_dtype=getattr(torch, args.index_dtype),
+        on_gpu=on_gpu,
+        samples=args.samples or (15 if on_gpu else 7),
+    )
+
+
+def main():
+    args = parse_args()
+    setup = make_setup(args)
+    warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+    if setup.on_gpu and not qkernels.AVAILABLE:
+        print(f"warning: qkernels CUDA backend unavailable ({qkernels.info()['cuda_reason']}); our rows will be n/a")
+
+    copy_gbps = copy_ceiling_gbps(setup)
+    header = header_lines(setup, copy_gbps, args.quick)
+    print("\n".join(header), flush=True)
+
+    rows, skipped = [], []
+    for op_no, op in enumerate(args.ops):
+        if not hasattr(qkernels, op):
+            print(f"\n{op}: skipped, qkernels has no attribute {op!r} yet", flush=True)
+            skipped.append(op)
+            continue
+        for case_no, case in enumerate(CASE_BUILDERS[op](setup)):
+            seed = 1000 * op_no + 100 * case_no
+            try:
+                rows += run_case(setup, case, seed, copy_gbps)
+            except Exception as exc:  # the reference itself or the inputs failed: report, go on
+                print(f"  case failed: {type(exc).__name__}: {first_line(exc)}", flush=True)
+                release_memory(setup)
+
+    footer = [f"skipped (not in qkernels yet): {', '.join(skipped)}"] if skipped else []
+    print("\n" + "\n".join(header + [""] + text_table(rows) + footer))
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("\n".join(header) + "\n\n" + "\n".join(markdown_table(rows) + ([""] + footer if footer else []))
+                    + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+/* graph_norm_bce(logits, target, edge_graph, num_graphs, *, pos_weight=None, stream=None) -> 0-d float32 */
+#include "../qk.h"
+#include "../cpu/cpu.h"
+
+#define OP "graph_norm_bce"
+
+PyObject *qk_op_graph_bce(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"logits", "target", "edge_graph", "num_graphs", "pos_weight", "stream", NULL};
+    static const char *const in_names[] = {"logits", "target", "edge_graph"};
+    qk_state *st = qk_get_state(module);
+    PyObject *a[6] = {NULL};
+    if (qk_parse_args(OP, args, nargs, kwnames, names, 4, 4, a) < 0) return NULL;
+    void *stream;
+    int stream_given;
+    if (qk_stream_arg(OP, a[5], &stream, &stream_given) < 0) return NULL;
+    if (!PyLong_Check(a[3])) {
+        PyErr_Format(PyExc_TypeError, OP ": num_graphs must be an int, got %.200s", Py_TYPE(a[3])->tp_name);
+        return NULL;
+    }
+    const long long G = PyLong_AsLongLong(a[3]);
+    if (G == -1 && PyErr_Occurred()) return NULL;
+    if (G < 1) {
+        PyErr_Format(PyExc_ValueError, OP ": num_graphs must be at least 1, got %lld", G);
+        return NULL;
+    }
+    double pos_weight = 1.0;
+    const int has_pw = a[4] && a[4] != Py_None;
+    if (has_pw) {
+        pos_weight = PyFloat_AsDouble(a[4]);
+        if (pos_weight == -1.0 && PyErr_Occurred()) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, OP ": pos_weight must be a float or None, got %.200s",
+                         Py_TYPE(a[4])->tp_name);
+            return NULL;
+        }
+    }
+
+    qk_view in[3] = {{0}}, ov = {0};
+    qk_output o = {0};
+    qk_launch l = {0};
+    int ok = 0, launched = 0, n_in = 0;
+    for (; n_in < 3; n_in++)
+        if (qk_import(st, a[n_in], OP, in_names[n_in], stream, &in[n_in]) < 0) goto done;
+    if (qk_same_device(OP, in, in_names, 3) < 0) goto done;
+    const int cuda = in[0].device_type == kDLCUDA;
+    if (qk_check_ndim(OP, "logits", &in[0], 1, "[E]") < 0 || qk_check_ndim(OP, "target", &in[1], 1, "[E]") < 0 ||
+        qk_check_ndim(OP, "edge_graph", &in[2], 1, "[E]") < 0 || qk_check_dtype_index(OP, "edge_graph", &in[2]) < 0)
+        goto done;
+    if (!(in[0].dtype == QK_F32 || (cuda && (in[0].dtype == QK_F16 || in[0].dtype == QK_BF16)))) {
+        PyErr_Format(PyExc_TypeError, OP ": logits must be float32%s, got %s", cuda ? ", float16 or bfloat16" : "",
+                     qk_dtype_name(in[0].dtype));
+        goto done;
+    }
+    if (in[1].dtype != in[0].dtype) {
+        PyErr_Format(PyExc_TypeError, OP ": target must have logits' dtype (%s), got %s", qk_dtype_name(in[0].dtype),
+                     qk_dtype_name(in[1].dtype));
+        goto done;
+    }
+    const int64_t E = in[0].shape[0];
+    char layout[64];
+    snprintf(layout, sizeof layout, "[E] = [%lld]", (long long)E);
+    if (qk_check_dim(OP, "target", &in[1], 0, E, layout) < 0 || qk_check_dim(OP, "edge_graph", &in[2], 0, E, layout) < 0)
+        goto done;
+    if (qk_launch_begin(st, OP, &in[0], stream, stream_given, &l) < 0) goto done;
+    launched = 1;
+    if (qk_output_prepare(st, OP, NULL, &in[0], QK_F32, 0, NULL, &l, &ov, &o) < 0) goto done;
+
+    qk_graph_bce_args gb = {0};
+    gb.logits = in[0].data;
+    gb.target = in[1].data;
+    gb.edge_graph = in[2].data;
+    gb.out = (float *)ov.data;
+    gb.num_edges = E;
+    gb.num_graphs = G;
+    gb.logits_stride = in[0].strides[0];
+    gb.target_stride = in[1].strides[0];
+    gb.graph_stride = in[2].strides[0];
+    gb.pos_weight = (float)pos_weight;
+    gb.has_pos_weight = has_pw;
+    gb.dtype = in[0].dtype;
+    gb.index_dtype = in[2].dtype;
+    gb.num_threads = st->num_threads;
+    int status;
+    if (cuda) {
+        status = l.cuda->graph_bce(&gb, l.stream);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        status = qk_graph_bce_cpu(&gb, NULL);
+        Py_END_ALLOW_THREADS
+    }
+    if (status == QK_E_INDEX)
+        PyErr_Format(PyExc_ValueError, OP ": edge_graph[%lld] = %lld is out of range for num_graphs = %lld",
+                     (long long)gb.bad_pos, (long long)gb.bad_value, G);
+    else if (status)
+        qk_raise_status(OP, status);
+    else
+        ok = 1;
+done:
+    if (launched) qk_launch_end(&l);
+    PyObject *result = launched ? qk_output_finish(&o, &ov, ok) : NULL;
+    qk_views_release(in, n_in);
+    return result;
+}

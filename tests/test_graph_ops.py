@@ -1,0 +1,246 @@
+"""fused_edge_features, fused_norm_residual and graph_norm_bce on the cpu backend against float64
+references; the dropout mask against a NumPy Philox; errors; determinism."""
+
+import numpy as np
+import pytest
+
+import qkernels
+from conftest import rel_err, requires_torch
+from graph_refs import dropout_keep, edge_features_ref, graph_bce_ref, norm_residual_ref
+
+FP32_TOL = 1e-5
+
+
+def edges(rng, n, e, idx=np.int64, self_loops=True):
+    ei = rng.integers(0, n, size=(2, e)).astype(idx)
+    if self_loops and e > 2:
+        ei[1, ::3] = ei[0, ::3]
+    return ei
+
+
+# ---- fused_edge_features --------------------------------------------------------------------
+
+@pytest.mark.parametrize("idx", [np.int32, np.int64])
+@pytest.mark.parametrize("n,e,h", [(1, 1, 1), (7, 19, 7), (50, 113, 19), (200, 1023, 113), (10, 0, 4)])
+@pytest.mark.parametrize("attr", [True, False])
+def test_edge_features(rng, idx, n, e, h, attr):
+    x = rng.standard_normal((n, h)).astype(np.float32)
+    ei = edges(rng, n, e, idx)
+    ea = rng.standard_normal((e, h)).astype(np.float32) if attr else None
+    out = qkernels.fused_edge_features(x, ei, ea)
+    assert out.shape == (e, (3 if attr else 2) * h) and out.dtype == np.float32
+    assert rel_err(out, edge_features_ref(x, ei, ea)) < FP32_TOL
+
+
+def test_edge_features_strided_inputs_and_poisoned_out(rng):
+    x_t = rng.standard_normal((16, 40)).astype(np.float32)
+    x = x_t.T  # [40, 16], column-major
+    big = np.zeros((3, 2, 500), np.int64)
+    big[1] = edges(rng, 40, 500)
+    ei = big[1, :, ::2]  # strided in both dims
+    ea = rng.standard_normal((16, 250)).astype(np.float32).T
+    poisoned = np.full((250, 48), np.nan, np.float32)
+    assert qkernels.fused_edge_features(x, ei, ea, out=poisoned) is poisoned
+    assert rel_err(poisoned, edge_features_ref(x, ei, ea)) < FP32_TOL
+
+
+def test_edge_features_errors(rng):
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    ei = edges(rng, 5, 9)
+    ei[1, 6] = 5
+    with pytest.raises(ValueError, match=r"fused_edge_features: edge_index\[1, 6\] = 5 is out of range for x with N = 5"):
+        qkernels.fused_edge_features(x, ei)
+    with pytest.raises(ValueError, match=r"edge_index must have shape \[2, E\]"):
+        qkernels.fused_edge_features(x, np.zeros((3, 9), np.int64))
+    with pytest.raises(ValueError, match=r"edge_attr must have shape \[E, H\] = \[9, 4\]"):
+        qkernels.fused_edge_features(x, edges(rng, 5, 9), np.zeros((9, 5), np.float32))
+    with pytest.raises(TypeError, match="fused_edge_features: x must be float32, got float64"):
+        qkernels.fused_edge_features(x.astype(np.float64), edges(rng, 5, 9))
+    with pytest.raises(TypeError, match=r"edge_attr must have x's dtype \(float32\), got float64"):
+        qkernels.fused_edge_features(x, edges(rng, 5, 9), np.zeros((9, 4)))
+    with pytest.raises(TypeError, match="edge_index must be int32 or int64, got float32"):
+        qkernels.fused_edge_features(x, np.zeros((2, 9), np.float32))
+    with pytest.raises(ValueError, match=r"out must have shape \[9, 12\], got \[9, 8\]"):
+        qkernels.fused_edge_features(x, edges(rng, 5, 9), np.zeros((9, 4), np.float32), out=np.zeros((9, 8), np.float32))
+
+
+# ---- fused_norm_residual --------------------------------------------------------------------
+
+def norm_inputs(rng, r, h, mean=0.0):
+    x = (mean + rng.standard_normal((r, h))).astype(np.float32)
+    res = rng.standard_normal((r, h)).astype(np.float32)
+    gamma = (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)
+    beta = (0.1 * rng.standard_normal(h)).astype(np.float32)
+    return x, res, gamma, beta
+
+
+@pytest.mark.parametrize("r,h", [(1, 1), (19, 7), (113, 19), (7, 113), (3, 1023), (64, 128)])
+def test_norm_residual_inference(rng, r, h):
+    args = norm_inputs(rng, r, h)
+    out = qkernels.fused_norm_residual(*args)
+    assert out.shape == (r, h) and out.dtype == np.float32
+    assert rel_err(out, norm_residual_ref(*args)) < FP32_TOL
+    # training=False ignores p entirely
+    assert np.array_equal(qkernels.fused_norm_residual(*args, p=0.5, seed=3), out)
+
+
+def test_norm_residual_large_mean_is_stable(rng):
+    args = norm_inputs(rng, 64, 256, mean=1e4)
+    out = qkernels.fused_norm_residual(*args)
+    assert rel_err(out, norm_residual_ref(*args)) < FP32_TOL
+
+
+def test_norm_residual_eps_and_constant_rows(rng):
+    x, res, g, b = norm_inputs(rng, 4, 16)
+    x[1] = 3.0  # zero variance: the output is beta + residual
+    out = qkernels.fused_norm_residual(x, res, g, b, eps=1e-3)
+    assert rel_err(out, norm_residual_ref(x, res, g, b, eps=1e-3)) < FP32_TOL
+    assert np.allclose(out[1], b + res[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_norm_residual_dropout_matches_documented_mask(rng, p):
+    args = norm_inputs(rng, 37, 19)
+    seed = int(rng.integers(0, 2**63))
+    out = qkernels.fused_norm_residual(*args, p=p, training=True, seed=seed)
+    keep = dropout_keep(seed, (37, 19), p)
+    assert rel_err(out, norm_residual_ref(*args, keep=keep, p=p)) < FP32_TOL
+    again = qkernels.fused_norm_residual(*args, p=p, training=True, seed=seed)
+    assert np.array_equal(out, again)
+
+
+def test_dropout_keep_rate_and_fresh_seeds(rng):
+    r, h, p = 512, 256, 0.3
+    x, res, g, b = norm_inputs(rng, r, h)
+    zero = np.zeros_like(res)
+    a = qkernels.fused_norm_residual(x, zero, g, b, p=p, training=True)
+    c = qkernels.fused_norm_residual(x, zero, g, b, p=p, training=True)
+    kept = (a != 0).mean()
+    n = r * h
+    assert abs(kept - (1 - p)) < 5 * np.sqrt(p * (1 - p) / n)  # binomial, 5 sigma
+    assert not np.array_equal(a != 0, c != 0)  # seed=None draws a fresh seed each call
+    d = qkernels.fused_norm_residual(x, zero, g, b, p=p, training=True, seed=1)
+    e = qkernels.fused_norm_residual(x, zero, g, b, p=p, training=True, seed=2)
+    assert not np.array_equal(d != 0, e != 0)
+
+
+def test_dropout_extremes(rng):
+    x, res, g, b = norm_inputs(rng, 8, 32)
+    assert np.array_equal(qkernels.fused_norm_residual(x, res, g, b, p=1.0, training=True, seed=5), res)
+    assert np.array_equal(qkernels.fused_norm_residual(x, res, g, b, p=0.0, training=True, seed=5),
+                          qkernels.fused_norm_residual(x, res, g, b))
+
+
+def test_norm_residual_strided_and_poisoned_out(rng):
+    x, res, g, b = norm_inputs(rng, 30, 24)
+    xs = np.asfortranarray(x)
+    gs = np.repeat(g, 2)[::2]
+    out = np.full((30, 48), np.nan, np.float32)[:, ::2]
+    assert qkernels.fused_norm_residual(xs, res, gs, b, out=out) is out
+    assert rel_err(out, norm_residual_ref(x, res, g, b)) < FP32_TOL
+
+
+def test_norm_residual_errors(rng):
+    x, res, g, b = norm_inputs(rng, 5, 8)
+    with pytest.raises(ValueError, match=r"fused_norm_residual: p must be in \[0, 1\], got 1.5"):
+        qkernels.fused_norm_residual(x, res, g, b, p=1.5, training=True)
+    with pytest.raises(ValueError, match="eps must be a finite value >= 0"):
+        qkernels.fused_norm_residual(x, res, g, b, eps=-1.0)
+    with pytest.raises(TypeError, match="p must be a float"):
+        qkernels.fused_norm_residual(x, res, g, b, p="x")
+    with pytest.raises(TypeError, match="seed must be an int or None"):
+        qkernels.fused_norm_residual(x, res, g, b, seed=1.5)
+    with pytest.raises(ValueError, match=r"residual must have shape \[R, H\] = \[5, 8\]"):
+        qkernels.fused_norm_residual(x, res[:4], g, b)
+    with pytest.raises(ValueError, match=r"gamma must have shape \[H\] = \[8\]"):
+        qkernels.fused_norm_residual(x, res, g[:7], b)
+    with pytest.raises(TypeError, match=r"beta must have x's dtype \(float32\), got float64"):
+        qkernels.fused_norm_residual(x, res, g, b.astype(np.float64))
+
+
+# ---- graph_norm_bce -------------------------------------------------------------------------
+
+def bce_inputs(rng, e, g, sorted_=True, idx=np.int64):
+    logits = (3 * rng.standard_normal(e)).astype(np.float32)
+    target = (rng.random(e) < 0.3).astype(np.float32)
+    eg = rng.integers(0, g, e).astype(idx)
+    if sorted_:
+        eg.sort()
+    return logits, target, eg
+
+
+@pytest.mark.parametrize("idx", [np.int32, np.int64])
+@pytest.mark.parametrize("sorted_", [True, False])
+@pytest.mark.parametrize("e,g", [(1, 1), (19, 1), (113, 7), (5000, 64), (100_000, 4096), (10, 50)])
+@pytest.mark.parametrize("pos_weight", [None, 2.5])
+def test_graph_bce(rng, idx, sorted_, e, g, pos_weight):
+    logits, target, eg = bce_inputs(rng, e, g, sorted_, idx)
+    r = qkernels.graph_norm_bce(logits, target, eg, g, pos_weight=pos_weight)
+    ref = graph_bce_ref(logits, target, eg, g, pos_weight)
+    assert np.asarray(r).shape == () and np.asarray(r).dtype == np.float32
+    assert abs(float(r) - ref) <= FP32_TOL * abs(ref)
+
+
+def test_graph_bce_graphs_without_edges_count(rng):
+    logits, target, eg = bce_inputs(rng, 300, 10)
+    eg = np.where(eg == 4, 5, eg)  # graph 4 has no edges: it contributes 0 and still counts
+    r = qkernels.graph_norm_bce(logits, target, eg, 10)
+    assert abs(float(r) - graph_bce_ref(logits, target, eg, 10)) <= FP32_TOL * float(r)
+    r0 = qkernels.graph_norm_bce(np.zeros(0, np.float32), np.zeros(0, np.float32), np.zeros(0, np.int64), 3)
+    assert float(r0) == 0.0
+
+
+def test_graph_bce_deterministic_and_strided(rng):
+    logits, target, eg = bce_inputs(rng, 60_000, 300, sorted_=False)
+    runs = {float(qkernels.graph_norm_bce(logits, target, eg, 300, pos_weight=3.0)).hex() for _ in range(5)}
+    assert len(runs) == 1
+    wide = np.zeros((60_000, 3), np.float32)
+    wide[:, 1] = logits
+    r = qkernels.graph_norm_bce(wide[:, 1], target, eg, 300, pos_weight=3.0)
+    assert float(r).hex() in runs
+
+
+def test_graph_bce_errors(rng):
+    logits, target, eg = bce_inputs(rng, 20, 4)
+    eg[7] = 4
+    with pytest.raises(ValueError, match=r"graph_norm_bce: edge_graph\[7\] = 4 is out of range for num_graphs = 4"):
+        qkernels.graph_norm_bce(logits, target, eg, 4)
+    with pytest.raises(ValueError, match="num_graphs must be at least 1, got 0"):
+        qkernels.graph_norm_bce(logits, target, eg, 0)
+    with pytest.raises(TypeError, match="num_graphs must be an int"):
+        qkernels.graph_norm_bce(logits, target, eg, 4.0)
+    with pytest.raises(ValueError, match=r"target must have shape \[E\] = \[20\]"):
+        qkernels.graph_norm_bce(logits, target[:5], eg, 5)
+    with pytest.raises(TypeError, match=r"target must have logits' dtype \(float32\), got float64"):
+        qkernels.graph_norm_bce(logits, target.astype(np.float64), eg, 5)
+    with pytest.raises(TypeError, match="pos_weight must be a float or None"):
+        qkernels.graph_norm_bce(logits, target, eg, 5, pos_weight="a")
+
+
+# ---- through torch and the dispatcher -------------------------------------------------------
+
+@requires_torch
+def test_torch_cpu_and_dispatch(rng):
+    import torch
+
+    x = torch.from_numpy(rng.standard_normal((30, 8)).astype(np.float32))
+    ei = torch.from_numpy(edges(rng, 30, 50))
+    out = qkernels.fused_edge_features(x, ei)
+    assert isinstance(out, torch.Tensor) and rel_err(out.numpy(), edge_features_ref(x.numpy(), ei.numpy())) < FP32_TOL
+    args = [torch.from_numpy(a) for a in norm_inputs(rng, 9, 16)]
+    y = qkernels.fused_norm_residual(*args, p=0.2, training=True, seed=11)
+    assert rel_err(y.numpy(), norm_residual_ref(*[a.numpy() for a in args], keep=dropout_keep(11, (9, 16), 0.2),
+                                                p=0.2)) < FP32_TOL
+    lg, t, eg = [torch.from_numpy(a) for a in bce_inputs(rng, 500, 9)]
+    r = qkernels.graph_norm_bce(lg, t, eg, 9)
+    assert isinstance(r, torch.Tensor) and r.shape == () and r.dtype == torch.float32
+    for op, a in [("fused_edge_features", (x, ei)), ("fused_norm_residual", args), ("graph_norm_bce", (lg, t, eg, 9))]:
+        d = qkernels.resolve(op, *a)
+        assert d.winner == "cpu" and d.family in qkernels.FAMILIES
+    with pytest.raises(qkernels.ExplicitSelectionError, match="'cuda' selected by explicit cannot run family 'graph_bce'"):
+        qkernels.graph_norm_bce(lg, t, eg, 9, backend="cuda")
+    with pytest.raises(qkernels.ExplicitSelectionError):
+        with qkernels.use_backend(graph="flash"):
+            qkernels.fused_norm_residual(*args)
+    d = qkernels.resolve("fused_norm_residual", x=args[0], residual=args[1], gamma=args[2], beta=args[3])
+    assert d.winner == "cpu"
