@@ -1,0 +1,209 @@
+"""The graph ops on the cuda backend: float64 references, fp16/bf16 against a naive same-precision
+torch computation, the dropout mask identical to the cpu backend's, graph_norm_bce determinism,
+bad indices contained, CUDA-graph capture.  Skipped without a GPU."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+import qkernels
+from conftest import rel_err, requires_cuda
+from graph_refs import dropout_keep, edge_features_ref, graph_bce_ref, norm_residual_ref
+
+pytestmark = [requires_cuda,
+              pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
+
+if importlib.util.find_spec("torch"):
+    import torch
+
+DTYPES = {"float32": None, "float16": None, "bfloat16": None}
+
+
+def tdtype(name):
+    return getattr(torch, name)
+
+
+def cuda(a, dtype=None):
+    t = torch.from_numpy(np.ascontiguousarray(a)).cuda()
+    return t.to(tdtype(dtype)) if dtype else t
+
+
+def f64(t):
+    return t.double().cpu().numpy()
+
+
+def close_to_naive(ours, naive, ref):
+    """flash-attention's rule: our error at most twice a naive same-precision implementation's."""
+    e_ours = np.abs(f64(ours) - ref).max()
+    e_naive = np.abs(f64(naive) - ref).max()
+    assert e_ours <= 2 * e_naive + 1e-6, (e_ours, e_naive)
+
+
+# ---- fused_edge_features --------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("n,e,h", [(1, 1, 1), (7, 19, 7), (1000, 4096, 32), (300, 1023, 64), (50, 113, 19)])
+@pytest.mark.parametrize("attr", [True, False])
+def test_edge_features(rng, dtype, n, e, h, attr):
+    x = cuda(rng.standard_normal((n, h)).astype(np.float32), dtype)
+    ei = cuda(rng.integers(0, n, (2, e)))
+    ea = cuda(rng.standard_normal((e, h)).astype(np.float32), dtype) if attr else None
+    out = qkernels.fused_edge_features(x, ei, ea)
+    assert out.dtype == x.dtype and out.shape == (e, (3 if attr else 2) * h)
+    ref = edge_features_ref(f64(x), ei.cpu().numpy(), f64(ea) if attr else None)
+    if dtype == "float32":
+        assert rel_err(f64(out), ref) < 1e-5
+    else:
+        s, d = x[ei[0]], x[ei[1]]
+        naive = torch.cat([s + d, (s - d).abs()] + ([ea] if attr else []), 1)
+        close_to_naive(out, naive, ref)
+
+
+def test_edge_features_strided_poisoned_and_bad_index(rng):
+    x = cuda(rng.standard_normal((16, 40)).astype(np.float32)).t()  # [40, 16] column-major: scalar path
+    ei = cuda(rng.integers(0, 40, (2, 600)))[:, ::2]
+    out = torch.full((300, 32), float("nan"), device="cuda")
+    qkernels.fused_edge_features(x, ei, out=out)
+    assert rel_err(f64(out), edge_features_ref(f64(x), ei.cpu().numpy())) < 1e-5
+    bad = ei.clone()
+    bad[0, 5] = 10**9
+    big = torch.full((302, 32), float("nan"), device="cuda")
+    qkernels.fused_edge_features(x, bad, out=big[1:301])
+    torch.cuda.synchronize()
+    assert torch.isnan(big[0]).all() and torch.isnan(big[301]).all() and torch.isfinite(big[1:301]).all()
+
+
+# ---- fused_norm_residual --------------------------------------------------------------------
+
+def norm_args(rng, r, h, dtype="float32", mean=0.0):
+    return [cuda(a, dtype) for a in ((mean + rng.standard_normal((r, h))).astype(np.float32),
+                                     rng.standard_normal((r, h)).astype(np.float32),
+                                     (1 + 0.1 * rng.standard_normal(h)).astype(np.float32),
+                                     (0.1 * rng.standard_normal(h)).astype(np.float32))]
+
+
+@pytest.mark.parametrize("r,h", [(1, 1), (19, 7), (113, 19), (1000, 128), (300, 512), (64, 1024), (7, 113), (5, 2000)])
+def test_norm_residual_fp32(rng, r, h):
+    args = norm_args(rng, r, h)
+    out = qkernels.fused_norm_residual(*args)
+    assert rel_err(f64(out), norm_residual_ref(*[f64(a) for a in args])) < 1e-5
+
+
+@pytest.mark.parametrize("h", [128, 100])
+def test_norm_residual_large_mean(rng, h):
+    args = norm_args(rng, 256, h, mean=1e4)
+    out = qkernels.fused_norm_residual(*args)
+    assert rel_err(f64(out), norm_residual_ref(*[f64(a) for a in args])) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("h", [128, 512, 96])
+def test_norm_residual_half(rng, dtype, h):
+    args = norm_args(rng, 200, h, dtype)
+    out = qkernels.fused_norm_residual(*args)
+    naive = torch.nn.functional.layer_norm(args[0], (h,), args[2], args[3], 1e-5) + args[1]
+    close_to_naive(out, naive, norm_residual_ref(*[f64(a) for a in args]))
+
+
+@pytest.mark.parametrize("r,h,p", [(257, 128, 0.1), (64, 512, 0.5), (33, 19, 0.3), (10, 1024, 0.9)])
+def test_dropout_mask_is_the_cpu_mask(rng, r, h, p):
+    args = norm_args(rng, r, h)
+    seed = int(rng.integers(0, 2**63))
+    out = qkernels.fused_norm_residual(*args, p=p, training=True, seed=seed)
+    cpu = qkernels.fused_norm_residual(*[a.cpu() for a in args], p=p, training=True, seed=seed)
+    keep = dropout_keep(seed, (r, h), p)
+    ref = norm_residual_ref(*[f64(a) for a in args], keep=keep, p=p)
+    assert rel_err(f64(out), ref) < 1e-5 and rel_err(cpu.double().numpy(), ref) < 1e-5
+    zero = torch.zeros_like(args[1])
+    mask_gpu = qkernels.fused_norm_residual(args[0], zero, *args[2:], p=p, training=True, seed=seed) != 0
+    mask_cpu = qkernels.fused_norm_residual(args[0].cpu(), zero.cpu(), *[a.cpu() for a in args[2:]], p=p,
+                                            training=True, seed=seed) != 0
+    assert torch.equal(mask_gpu.cpu(), mask_cpu)
+
+
+def test_norm_residual_strided(rng):
+    x, res, g, b = norm_args(rng, 40, 64)
+    xt = x.t().contiguous().t()
+    out = torch.full((40, 128), float("nan"), device="cuda")[:, ::2]
+    qkernels.fused_norm_residual(xt, res, g, b, out=out)
+    assert rel_err(f64(out), norm_residual_ref(f64(x), f64(res), f64(g), f64(b))) < 1e-5
+
+
+# ---- graph_norm_bce -------------------------------------------------------------------------
+
+def bce_args(rng, e, g, sorted_=True, dtype="float32", idx=np.int64):
+    eg = rng.integers(0, g, e).astype(idx)
+    if sorted_:
+        eg.sort()
+    return (cuda((3 * rng.standard_normal(e)).astype(np.float32), dtype),
+            cuda((rng.random(e) < 0.3).astype(np.float32), dtype), cuda(eg))
+
+
+@pytest.mark.parametrize("sorted_", [True, False])
+@pytest.mark.parametrize("e,g", [(1, 1), (19, 1), (113, 7), (2048, 3), (2049, 3), (50_000, 64), (300_000, 4096),
+                                 (10, 50), (100_000, 1)])
+@pytest.mark.parametrize("pos_weight", [None, 2.0])
+def test_graph_bce(rng, sorted_, e, g, pos_weight):
+    lg, t, eg = bce_args(rng, e, g, sorted_)
+    r = qkernels.graph_norm_bce(lg, t, eg, g, pos_weight=pos_weight)
+    assert r.shape == () and r.dtype == torch.float32 and r.is_cuda
+    ref = graph_bce_ref(lg.cpu().numpy(), t.cpu().numpy(), eg.cpu().numpy(), g, pos_weight)
+    assert abs(r.item() - ref) <= 1e-5 * abs(ref)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_graph_bce_half(rng, dtype):
+    lg, t, eg = bce_args(rng, 20_000, 16, dtype=dtype, idx=np.int32)
+    r = qkernels.graph_norm_bce(lg, t, eg, 16)
+    ref = graph_bce_ref(f64(lg), f64(t), eg.cpu().numpy(), 16)  # fp32 arithmetic on the rounded inputs
+    assert abs(r.item() - ref) <= 1e-5 * abs(ref)
+
+
+def test_graph_bce_deterministic_empty_and_bad_ids(rng):
+    for sorted_ in (True, False):
+        lg, t, eg = bce_args(rng, 1_000_000, 128, sorted_)
+        bits = {qkernels.graph_norm_bce(lg, t, eg, 128, pos_weight=2.0).item().hex() for _ in range(5)}
+        assert len(bits) == 1
+    empty = torch.zeros(0, device="cuda")
+    assert qkernels.graph_norm_bce(empty, empty, torch.zeros(0, dtype=torch.int64, device="cuda"), 4).item() == 0.0
+    lg, t, eg = bce_args(rng, 5000, 8)
+    eg[100] = 99  # out of range on cuda: skipped, never followed
+    ok = eg.clone()
+    keep = torch.ones(5000, dtype=torch.bool)
+    keep[100] = False
+    r = qkernels.graph_norm_bce(lg, t, eg, 8).item()
+    ref = graph_bce_ref(lg.cpu().numpy()[keep], t.cpu().numpy()[keep], ok.cpu().numpy()[keep], 8)
+    assert abs(r - ref) <= 1e-5 * abs(ref)
+
+
+# ---- capture --------------------------------------------------------------------------------
+
+def test_graph_ops_capture_and_replay(rng):
+    x = cuda(rng.standard_normal((500, 32)).astype(np.float32))
+    ei = cuda(rng.integers(0, 500, (2, 3000)))
+    ea = cuda(rng.standard_normal((3000, 32)).astype(np.float32))
+    nargs = norm_args(rng, 300, 128)
+    lg, t, eg = bce_args(rng, 100_000, 16)
+    calls = lambda: (qkernels.fused_edge_features(x, ei, ea),  # noqa: E731
+                     qkernels.fused_norm_residual(*nargs, p=0.2, training=True, seed=7),
+                     qkernels.graph_norm_bce(lg, t, eg, 16, pos_weight=1.5))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        calls()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = calls()
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        nargs[0].copy_(torch.randn_like(nargs[0]))
+        lg.copy_(torch.randn_like(lg))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(f64(outs[0]), edge_features_ref(f64(x), ei.cpu().numpy(), f64(ea))) < 1e-5
+        ref = norm_residual_ref(*[f64(a) for a in nargs], keep=dropout_keep(7, (300, 128), 0.2), p=0.2)
+        assert rel_err(f64(outs[1]), ref) < 1e-5
+        bref = graph_bce_ref(lg.cpu().numpy(), t.cpu().numpy(), eg.cpu().numpy(), 16, 1.5)
+        assert abs(outs[2].item() - bref) <= 1e-5 * bref
