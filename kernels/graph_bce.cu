@@ -63,32 +63,73 @@ __device__ __forceinline__ long long graph_of(const qk_graph_bce_args &a, int64_
     return g >= 0 && g < a.num_graphs ? g : -1;
 }
 
-template <typename T, typename I>
+// N consecutive elements from p (16-byte aligned): whole 16-byte loads.
+template <typename T, int N>
+__device__ __forceinline__ void load_run(const T *p, T (&out)[N]) {
+    static_assert((N * sizeof(T)) % 16 == 0, "whole 16-byte vectors");
+#pragma unroll
+    for (int i = 0; i < (int)(N * sizeof(T) / 16); i++)
+        reinterpret_cast<uint4 *>(out)[i] = __ldg(reinterpret_cast<const uint4 *>(p) + i);
+}
+
+// Each thread owns kItems consecutive edges.  kVector: unit strides and 16-byte aligned arrays,
+// so a full run of items is read with 16-byte loads.
+template <typename T, typename I, bool kVector>
 __global__ void __launch_bounds__(kThreads) bce_chunks(qk_graph_bce_args a, Work w) {
     using Scan = cub::BlockScan<Seg, kThreads>;
     __shared__ typename Scan::TempStorage scan_storage;
-    __shared__ long long next_graph[kThreads];  // graph of each thread's first item
+    __shared__ long long first_of[kThreads + 1], last_of[kThreads];  // graph of each thread's first/last item
     const int64_t base = (int64_t)blockIdx.x * kChunk, end = min(base + kChunk, a.num_edges);
     const int64_t e0 = base + (int64_t)threadIdx.x * kItems;
     long long g[kItems];
-    Seg s[kItems];
-    long long prev = e0 > 0 && e0 - 1 < a.num_edges ? graph_of<I>(a, e0 - 1) : -2;
+    float l[kItems], t[kItems];
+    if (kVector && e0 + kItems <= end) {
+        T lv[kItems], tv[kItems];
+        I gv[kItems];
+        load_run(static_cast<const T *>(a.logits) + e0, lv);
+        load_run(static_cast<const T *>(a.target) + e0, tv);
+        load_run(static_cast<const I *>(a.edge_graph) + e0, gv);
+#pragma unroll
+        for (int i = 0; i < kItems; i++) {
+            l[i] = qk_to_float(lv[i]);
+            t[i] = qk_to_float(tv[i]);
+            g[i] = gv[i] >= 0 && gv[i] < a.num_graphs ? (long long)gv[i] : -1;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < kItems; i++) {
+            const int64_t e = e0 + i;
+            g[i] = e < end ? graph_of<I>(a, e) : -1;
+            l[i] = e < end ? qk_to_float(static_cast<const T *>(a.logits)[e * a.logits_stride]) : 0.f;
+            t[i] = e < end ? qk_to_float(static_cast<const T *>(a.target)[e * a.target_stride]) : 0.f;
+        }
+    }
+    first_of[threadIdx.x] = g[0];
+    last_of[threadIdx.x] = g[kItems - 1];
+    if (threadIdx.x == 0) first_of[kThreads] = -3;
+    __syncthreads();
+    long long prev = threadIdx.x > 0 ? last_of[threadIdx.x - 1] : (e0 > 0 ? graph_of<I>(a, e0 - 1) : -2);
     bool unsorted = false;
+    Seg s[kItems];
 #pragma unroll
     for (int i = 0; i < kItems; i++) {
         const int64_t e = e0 + i;
-        g[i] = e < end ? graph_of<I>(a, e) : -1;
+        const bool valid = e < end && g[i] >= 0;
         if (e < end) unsorted |= g[i] < 0 || (e > 0 && g[i] < prev);  // out-of-range ids: the careful path
-        s[i].sum = e < end && g[i] >= 0 ? bce_term<T>(a, e) : 0.f;
-        s[i].count = e < end && g[i] >= 0;
+        float v = 0.f;
+        if (valid) {
+            v = fmaxf(l[i], 0.f) - l[i] * t[i] + log1pf(__expf(-fabsf(l[i])));
+            if (a.has_pos_weight) v *= 1.f + (a.pos_weight - 1.f) * t[i];
+        }
+        s[i].sum = v;
+        s[i].count = valid;
         s[i].head = e == base || g[i] != prev;
         prev = g[i];
     }
     if (unsorted) atomicOr(w.unsorted, 1);
-    next_graph[threadIdx.x] = g[0];
     Scan(scan_storage).InclusiveScan(s, s, SegSum());
-    __syncthreads();
-    const long long first_graph = next_graph[0];
+    long long *next_graph = first_of;
+    const long long first_graph = first_of[0];
     const long long last_graph = graph_of<I>(a, end - 1);
 #pragma unroll
     for (int i = 0; i < kItems; i++) {
@@ -191,17 +232,19 @@ __global__ void __launch_bounds__(kFinalThreads) bce_final(qk_graph_bce_args a, 
 extern "C" int qk_graph_bce_cuda(const qk_graph_bce_args *a, void *stream) {
     cudaStream_t s = (cudaStream_t)stream;
     const int64_t G = a->num_graphs, nchunks = (a->num_edges + kChunk - 1) / kChunk;
-    // Scratch: per-graph sums and counts, the per-chunk boundary segments, the unsorted flag.
+    // Scratch: per-graph sums and counts and the unsorted flag (zeroed by one memset), then the
+    // per-chunk boundary segments.
     const size_t sums = (size_t)G * sizeof(float), counts = (size_t)G * sizeof(unsigned int);
     const size_t bounds = (size_t)(2 * nchunks) * sizeof(Boundary);
-    const size_t off_counts = (sums + 15) / 16 * 16, off_bounds = (off_counts + counts + 15) / 16 * 16;
-    const size_t off_flag = off_bounds + bounds, total = off_flag + 16;
+    const size_t off_counts = (sums + 15) / 16 * 16, off_flag = (off_counts + counts + 15) / 16 * 16;
+    const size_t off_bounds = off_flag + 16, total = off_bounds + bounds;
     char *scratch = nullptr;
     QK_CUDA_TRY(cudaMallocAsync((void **)&scratch, total, s));
     Work w = {(float *)scratch, (unsigned int *)(scratch + off_counts), (Boundary *)(scratch + off_bounds),
               (Boundary *)(scratch + off_bounds) + nchunks, (int *)(scratch + off_flag)};
     int status = (int)cudaMemsetAsync(scratch, 0, off_bounds, s);
-    if (!status) status = (int)cudaMemsetAsync(scratch + off_flag, 0, 16, s);
+    const bool vector = a->logits_stride == 1 && a->target_stride == 1 && a->graph_stride == 1 &&
+                        qk_aligned16(a->logits) && qk_aligned16(a->target) && qk_aligned16(a->edge_graph);
     qk_graph_bce_args p = *a;
     int64_t nc = nchunks;
     void *args[] = {&p, &w};
@@ -211,9 +254,11 @@ extern "C" int qk_graph_bce_cuda(const qk_graph_bce_args *a, void *stream) {
             QK_DISPATCH_FLOAT(a->dtype, T, QK_DISPATCH_INDEX(a->index_dtype, I, {
                 int r = QK_OK;
                 if (nchunks > 0)
-                    r = qk_launch((const void *)bce_chunks<T, I>, dim3((unsigned)nchunks), dim3(kThreads), 0, s, args);
+                    r = qk_launch(vector ? (const void *)bce_chunks<T, I, true> : (const void *)bce_chunks<T, I, false>,
+                                  dim3((unsigned)nchunks), dim3(kThreads), 0, s, args);
+                // Sorted input leaves this kernel nothing to do: few blocks, so it exits quickly.
                 if (!r)
-                    r = qk_launch((const void *)bce_per_graph<T, I>, dim3((unsigned)(G < 65536 ? G : 65536)),
+                    r = qk_launch((const void *)bce_per_graph<T, I>, dim3((unsigned)(G < 1056 ? G : 1056)),
                                   dim3(kThreads), 0, s, args);
                 return r;
             }))

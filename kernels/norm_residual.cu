@@ -33,8 +33,13 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) nr_registers(qk_norm_resid
     for (int64_t r = (int64_t)blockIdx.x * kRowsPerBlock + (threadIdx.x >> 5); r < a.R;
          r += (int64_t)gridDim.x * kRowsPerBlock) {
         float v[K][V];
+        qk_vec<T> rv[K];
         float sum = 0.f;
         const float shift = qk_to_float(x[r * a.x_stride[0]]);
+        // The residual is loaded up front so its latency hides behind the two reductions.
+#pragma unroll
+        for (int k = 0; k < K; k++)
+            if (lane + 32 * k < nvec) rv[k] = qk_load_vec(res + r * a.res_stride[0] + (lane + 32 * k) * V);
 #pragma unroll
         for (int k = 0; k < K; k++) {
             const int c = lane + 32 * k;
@@ -57,7 +62,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) nr_registers(qk_norm_resid
             const int c = lane + 32 * k;
             if (c >= nvec) continue;
             const qk_vec<T> g = qk_load_vec(gamma + c * V), b = qk_load_vec(beta + c * V);
-            const qk_vec<T> rv = qk_load_vec(res + r * a.res_stride[0] + c * V);
             const uint64_t index = (uint64_t)(r * a.H + c * V);  // a multiple of 4: H % V == 0
             qk_vec<T> o;
 #pragma unroll
@@ -68,7 +72,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) nr_registers(qk_norm_resid
                 for (int j = j0; j < j0 + 4; j++) {
                     float y = (v[k][j] - mean) * rstd * qk_to_float(g.v[j]) + qk_to_float(b.v[j]);
                     if (kTrain) y = bits.v[j - j0] >= a.drop_threshold ? y * a.scale : 0.f;
-                    o.v[j] = qk_from_float<T>(y + qk_to_float(rv.v[j]));
+                    o.v[j] = qk_from_float<T>(y + qk_to_float(rv[k].v[j]));
                 }
             }
             qk_store_vec(out + r * a.out_stride[0] + c * V, o);
