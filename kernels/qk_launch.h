@@ -53,7 +53,7 @@ typedef struct {
     int64_t nf_stride[3];
     int64_t out_stride[3];
     int index_dtype; /* QK_I32 or QK_I64 */
-    int dtype;       /* QK_F32 (cuda: also QK_F16, QK_BF16 once tuned kernels land) */
+    int dtype;       /* QK_F32; cuda also QK_F16, QK_BF16 (fp32 accumulation) */
     int num_threads; /* CPU only: 0 = all cores */
     /* Filled on QK_E_INDEX: which argument, at which position, holding which value. */
     int bad_arg;     /* 0 row_ptr, 1 col_idx */

@@ -71,8 +71,7 @@ _CUDA_FLOATS = _req("dtype float32, float16 or bfloat16", lambda a: a["dtype"] i
 
 _PREDICATES = {
     "cuda": {
-        "sparse_aggregate": [_ON_CUDA, _req("dtype float32 (fp16/bf16 arrive with the tuned kernel)",
-                                            lambda a: a["dtype"] == "float32")],
+        "sparse_aggregate": [_ON_CUDA, _CUDA_FLOATS],
         "edge_features": [_ON_CUDA, _CUDA_FLOATS],
         "norm_residual": [_ON_CUDA, _CUDA_FLOATS],
         "graph_bce": [_ON_CUDA, _CUDA_FLOATS],

@@ -280,3 +280,34 @@ def test_jax_gpu_round_trip(rng):
     assert t.data_ptr == j_args[3].unsafe_buffer_pointer()
     raw = _C.sparse_aggregate_raw(*j_args)
     assert jax.dlpack.from_dlpack(raw).unsafe_buffer_pointer() == raw.data_ptr
+
+
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("heads,dim", [(8, 32), (4, 64), (3, 5)])
+def test_half_precision(rng, dtype, heads, dim):
+    args = random_inputs(rng, 2000, 1500, heads, dim)
+    t = to_cuda(args)
+    t[2], t[3] = t[2].to(getattr(torch, dtype)), t[3].to(getattr(torch, dtype))
+    out = qkernels.sparse_aggregate(*t)
+    assert out.dtype == t[3].dtype
+    ref = sparse_aggregate_ref(args[0], args[1], t[2].double().cpu().numpy(), t[3].double().cpu().numpy())
+    # naive same precision: messages and their sum in the storage dtype
+    naive = torch.zeros_like(out).index_add_(0, torch.repeat_interleave(torch.arange(2000, device="cuda"),
+                                                                          torch.diff(t[0])),
+                                             t[2][:, :, None] * t[3][t[1]])
+    e_ours = np.abs(out.double().cpu().numpy() - ref).max()
+    e_naive = np.abs(naive.double().cpu().numpy() - ref).max()
+    assert e_ours <= 2 * e_naive + 1e-6, (e_ours, e_naive)
+
+
+@needs_torch_cuda
+def test_long_rows_split_deterministically(rng):
+    degrees = rng.integers(0, 3, size=30000)
+    degrees[[0, 1, 7, 29999]] = [513, 5000, 1_000_000, 1200]  # just over the split, and hubs
+    args = random_inputs(rng, 30000, 20000, 2, 64, degrees=degrees)
+    t = to_cuda(args)
+    a = qkernels.sparse_aggregate(*t)
+    b = qkernels.sparse_aggregate(*t)
+    assert torch.equal(a, b)
+    assert rel_err(a.cpu().numpy(), sparse_aggregate_ref(*args)) < 4 * float(np.sqrt(1e6)) * 2.0**-24

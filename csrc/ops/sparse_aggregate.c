@@ -23,8 +23,10 @@ static int sa_check(qk_view *in) {
                      qk_dtype_name(in[ROW_PTR].dtype), qk_dtype_name(in[COL_IDX].dtype));
         return -1;
     }
-    if (in[NODE_FEAT].dtype != QK_F32) {
-        PyErr_Format(PyExc_TypeError, OP ": node_feat must be float32, got %s", qk_dtype_name(in[NODE_FEAT].dtype));
+    const int dt = in[NODE_FEAT].dtype, cuda = in[NODE_FEAT].device_type == kDLCUDA;
+    if (!(dt == QK_F32 || (cuda && (dt == QK_F16 || dt == QK_BF16)))) {
+        PyErr_Format(PyExc_TypeError, OP ": node_feat must be float32%s, got %s", cuda ? ", float16 or bfloat16" : "",
+                     qk_dtype_name(dt));
         return -1;
     }
     if (in[EDGE_WEIGHT].dtype != in[NODE_FEAT].dtype) {
