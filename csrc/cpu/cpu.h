@@ -5,6 +5,14 @@
 
 #include "../../kernels/qk_launch.h"
 
+/* Hot loops are compiled for AVX-512 and AVX2 besides the x86-64 baseline, the best picked at
+ * load time (GCC function multiversioning); PyTorch's CPU kernels dispatch the same way. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define QK_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define QK_MULTIVERSION
+#endif
+
 int qk_sparse_aggregate_cpu(qk_sparse_aggregate_args *a, void *stream);
 int qk_edge_features_cpu(qk_edge_features_args *a, void *stream);
 int qk_norm_residual_cpu(qk_norm_residual_args *a, void *stream);

@@ -5,7 +5,7 @@
 
 #include <math.h>
 
-static void ef_worker(void *p, int tid, int nthreads) {
+QK_MULTIVERSION static void ef_worker(void *p, int tid, int nthreads) {
     const qk_edge_features_args *a = p;
     const float *x = a->x, *ea = a->edge_attr;
     float *out = a->out;

@@ -74,7 +74,7 @@ static void nr_row_strided(const qk_norm_residual_args *a, int64_t r) {
     }
 }
 
-static void nr_worker(void *p, int tid, int nthreads) {
+QK_MULTIVERSION static void nr_worker(void *p, int tid, int nthreads) {
     const qk_norm_residual_args *a = p;
     const int contiguous = a->x_stride[1] == 1 && a->res_stride[1] == 1 && a->out_stride[1] == 1 &&
                            a->gamma_stride == 1 && a->beta_stride == 1;

@@ -3,7 +3,9 @@
  * Rows are split between threads by cost (edges + rows, a prefix sum that row_ptr already is), so
  * one huge row next to millions of small ones does not stall the others beyond its own share.
  * Each row is summed by one thread in edge order in fp32: the result is independent of the
- * thread count.  Indices are validated as they are read; the first bad one is reported. */
+ * thread count.  Indices are validated as they are read; the first bad one is reported.
+ * Feature rows are gathered at random, so the rows of the next few edges are prefetched while
+ * the current one is accumulated. */
 #include "cpu.h"
 
 #include <stdlib.h>
@@ -30,7 +32,7 @@ static int64_t sa_row_at(const sa_job *j, int64_t target) {
     return lo;
 }
 
-static void sa_worker(void *p, int tid, int nthreads) {
+QK_MULTIVERSION static void sa_worker(void *p, int tid, int nthreads) {
     sa_job *j = p;
     const qk_sparse_aggregate_args *a = j->a;
     const int64_t H = a->num_heads, D = a->head_dim;
@@ -46,11 +48,21 @@ static void sa_worker(void *p, int tid, int nthreads) {
     const float *ew = a->edge_weight, *nf = a->node_feat;
     float *out = a->out;
     const int nf_unit = a->nf_stride[2] == 1;
+    /* bytes of one gathered row when its H*D values are contiguous (else prefetch the first line) */
+    const int64_t row_bytes = nf_unit && a->nf_stride[1] == D ? H * D * (int64_t)sizeof(float) : 64;
+    enum { AHEAD = 4 };
     for (int64_t row = r0; row < r1; row++) {
         const int64_t begin = qk_index(a->row_ptr, a->index_dtype, row, a->row_ptr_stride);
         const int64_t end = qk_index(a->row_ptr, a->index_dtype, row + 1, a->row_ptr_stride);
         memset(acc, 0, sizeof(float) * (size_t)(H * D));
         for (int64_t e = begin; e < end; e++) {
+            if (e + AHEAD < end) {
+                const int64_t ahead = qk_index(a->col_idx, a->index_dtype, e + AHEAD, a->col_idx_stride);
+                if (ahead >= 0 && ahead < a->num_src) {
+                    const char *line = (const char *)(nf + ahead * a->nf_stride[0]);
+                    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(line + off);
+                }
+            }
             const int64_t src = qk_index(a->col_idx, a->index_dtype, e, a->col_idx_stride);
             if (src < 0 || src >= a->num_src) {
                 j->bad_pos[tid] = e;
