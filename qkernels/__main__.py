@@ -36,7 +36,45 @@ def _numpy_sparse_aggregate(row_ptr, col_idx, ew, nf):
     return out
 
 
-SAMPLES = {"sparse_aggregate": (_sample_sparse_aggregate, _numpy_sparse_aggregate)}
+def _sample_edge_features(rng, n=2000, e=16000, h=32):
+    return (rng.standard_normal((n, h)).astype(np.float32), rng.integers(0, n, (2, e)),
+            rng.standard_normal((e, h)).astype(np.float32))
+
+
+def _numpy_edge_features(x, ei, ea):
+    s, d = x[ei[0]].astype(np.float64), x[ei[1]].astype(np.float64)
+    return np.concatenate([s + d, np.abs(s - d), ea], axis=1)
+
+
+def _sample_norm_residual(rng, n=2000, h=128):
+    return (rng.standard_normal((n, h)).astype(np.float32), rng.standard_normal((n, h)).astype(np.float32),
+            (1 + 0.1 * rng.standard_normal(h)).astype(np.float32), (0.1 * rng.standard_normal(h)).astype(np.float32))
+
+
+def _numpy_norm_residual(x, res, g, b):
+    x = x.astype(np.float64)
+    mean = x.mean(1, keepdims=True)
+    y = (x - mean) / np.sqrt(((x - mean) ** 2).mean(1, keepdims=True) + 1e-5)
+    return y * g + b + res
+
+
+def _sample_graph_bce(rng, n=2000, e=50000, g=32):
+    return ((3 * rng.standard_normal(e)).astype(np.float32), (rng.random(e) < 0.3).astype(np.float32),
+            np.sort(rng.integers(0, g, e)), g)
+
+
+def _numpy_graph_bce(lg, t, eg, g):
+    lg, t = lg.astype(np.float64), t.astype(np.float64)
+    v = np.maximum(lg, 0) - lg * t + np.log1p(np.exp(-np.abs(lg)))
+    return np.array(np.mean(np.bincount(eg, v, g) / np.maximum(np.bincount(eg, minlength=g), 1)))
+
+
+SAMPLES = {
+    "sparse_aggregate": (_sample_sparse_aggregate, _numpy_sparse_aggregate),
+    "fused_edge_features": (_sample_edge_features, _numpy_edge_features),
+    "fused_norm_residual": (_sample_norm_residual, _numpy_norm_residual),
+    "graph_norm_bce": (_sample_graph_bce, _numpy_graph_bce),
+}
 
 
 def _device_framework():
@@ -54,13 +92,14 @@ def _device_framework():
 
 
 def _to_device(arrays, fw):
+    """Arrays to CUDA tensors of fw; plain Python values (num_graphs) pass through."""
     if fw == "torch":
         import torch
 
-        return tuple(torch.from_numpy(a).cuda() for a in arrays)
+        return tuple(torch.from_numpy(a).cuda() if isinstance(a, np.ndarray) else a for a in arrays)
     import cupy
 
-    return tuple(cupy.asarray(a) for a in arrays)
+    return tuple(cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in arrays)
 
 
 def _to_numpy(x):
@@ -116,10 +155,19 @@ def selfcheck():
             ref, against = numpy_ref(*host), "float64 NumPy"
         else:
             ref, against = fn(*host, backend="cpu"), "cpu backend"
+        ref = np.asarray(ref, dtype=np.float64)
         err = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
         passed = bool(np.isfinite(out).all() and err < 1e-5)
         ok &= passed
         print(f"  {op:<20} {best:<5} vs {against:<14} rel err {err:.2e}  {'PASS' if passed else 'FAIL'}")
+    if fw:  # the dropout mask must be the same on both backends for one seed
+        host = _sample_norm_residual(rng)
+        a = _to_numpy(qkernels.fused_norm_residual(*_to_device(host, fw), p=0.3, training=True, seed=7))
+        b = qkernels.fused_norm_residual(*host, p=0.3, training=True, seed=7, backend="cpu")
+        same = bool(np.array_equal(a - host[1] != 0, b - host[1] != 0))
+        ok &= same
+        print(f"  {'dropout mask':<20} cuda  vs cpu backend    {'identical' if same else 'DIFFERENT'}      "
+              f"{'PASS' if same else 'FAIL'}")
     return ok
 
 
@@ -150,7 +198,7 @@ def explain(op):
     if op not in SAMPLES:
         sys.exit(f"--explain: unknown op {op!r}; ops: {', '.join(SAMPLES)}")
     fw = _device_framework()
-    host = SAMPLES[op][0](np.random.default_rng(0), n=64)
+    host = SAMPLES[op][0](np.random.default_rng(0))
     args = _to_device(host, fw) if fw else host
     print(qkernels.explain(op, *args))
 
