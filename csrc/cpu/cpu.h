@@ -33,7 +33,7 @@ static inline void qk_share(int64_t n, int tid, int nthreads, int64_t *begin, in
 typedef void (*qk_worker_fn)(void *ctx, int tid, int nthreads);
 int qk_parallel_run(int nthreads, qk_worker_fn fn, void *ctx);
 
-/* Threads worth using for `work` multiply-adds: one per ~64k, at most max_threads. */
+/* Threads worth using for `work` multiply-adds: one per ~1M, at most max_threads. */
 int qk_threads_for(int64_t work, int max_threads);
 
 #endif
