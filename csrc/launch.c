@@ -134,6 +134,13 @@ int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_
     return 0;
 }
 
+PyObject *qk_op_finish(qk_launch *l, int launched, qk_output *o, qk_view *ov, int ok, qk_view *in, int n_in) {
+    if (launched) qk_launch_end(l);
+    PyObject *result = launched ? qk_output_finish(o, ov, ok) : NULL;
+    qk_views_release(in, n_in);
+    return result;
+}
+
 PyObject *qk_output_finish(qk_output *o, qk_view *ov, int ok) {
     qk_views_release(ov, 1);
     if (!ok) {

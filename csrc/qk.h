@@ -110,6 +110,21 @@ void qk_launch_end(qk_launch *l);
 int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_view *like, int dtype,
                       int ndim, const int64_t *shape, const qk_launch *l, qk_view *ov, qk_output *o);
 PyObject *qk_output_finish(qk_output *o, qk_view *ov, int ok);
+/* The common end of every op: restore the device, hand out (or drop) the output, release inputs. */
+PyObject *qk_op_finish(qk_launch *l, int launched, qk_output *o, qk_view *ov, int ok, qk_view *in, int n_in);
+
+/* Run an op's launcher where the data lives: the CUDA one on the launch stream, or the CPU one
+ * with the GIL released. */
+#define QK_RUN(status, l, cuda_launcher, cpu_launcher, args) \
+    do {                                                      \
+        if ((l)->device_type == kDLCUDA) {                    \
+            (status) = (l)->cuda->cuda_launcher((args), (l)->stream); \
+        } else {                                              \
+            Py_BEGIN_ALLOW_THREADS                            \
+            (status) = cpu_launcher((args), NULL);            \
+            Py_END_ALLOW_THREADS                              \
+        }                                                     \
+    } while (0)
 
 /* Shape/dtype checks raising ValueError/TypeError with the op and argument named. */
 int qk_check_ndim(const char *op, const char *arg, const qk_view *v, int ndim, const char *layout);

@@ -70,15 +70,7 @@ PyObject *qk_op_edge_features(PyObject *module, PyObject *const *args, Py_ssize_
     ef.dtype = in[0].dtype;
     ef.num_threads = st->num_threads;
     int status = QK_OK;
-    if (E > 0 && H > 0) {
-        if (cuda) {
-            status = l.cuda->edge_features(&ef, l.stream);
-        } else {
-            Py_BEGIN_ALLOW_THREADS
-            status = qk_edge_features_cpu(&ef, NULL);
-            Py_END_ALLOW_THREADS
-        }
-    }
+    if (E > 0 && H > 0) QK_RUN(status, &l, edge_features, qk_edge_features_cpu, &ef);
     if (status == QK_E_INDEX)
         PyErr_Format(PyExc_ValueError, OP ": edge_index[%d, %lld] = %lld is out of range for x with N = %lld",
                      ef.bad_row, (long long)ef.bad_pos, (long long)ef.bad_value, (long long)ef.num_nodes);
@@ -87,8 +79,5 @@ PyObject *qk_op_edge_features(PyObject *module, PyObject *const *args, Py_ssize_
     else
         ok = 1;
 done:
-    if (launched) qk_launch_end(&l);
-    PyObject *result = launched ? qk_output_finish(&o, &ov, ok) : NULL;
-    qk_views_release(in, n_in);
-    return result;
+    return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);
 }

@@ -81,13 +81,7 @@ PyObject *qk_op_graph_bce(PyObject *module, PyObject *const *args, Py_ssize_t na
     gb.index_dtype = in[2].dtype;
     gb.num_threads = st->num_threads;
     int status;
-    if (cuda) {
-        status = l.cuda->graph_bce(&gb, l.stream);
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        status = qk_graph_bce_cpu(&gb, NULL);
-        Py_END_ALLOW_THREADS
-    }
+    QK_RUN(status, &l, graph_bce, qk_graph_bce_cpu, &gb);
     if (status == QK_E_INDEX)
         PyErr_Format(PyExc_ValueError, OP ": edge_graph[%lld] = %lld is out of range for num_graphs = %lld",
                      (long long)gb.bad_pos, (long long)gb.bad_value, G);
@@ -96,8 +90,5 @@ PyObject *qk_op_graph_bce(PyObject *module, PyObject *const *args, Py_ssize_t na
     else
         ok = 1;
 done:
-    if (launched) qk_launch_end(&l);
-    PyObject *result = launched ? qk_output_finish(&o, &ov, ok) : NULL;
-    qk_views_release(in, n_in);
-    return result;
+    return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);
 }

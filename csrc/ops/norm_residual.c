@@ -128,20 +128,9 @@ PyObject *qk_op_norm_residual(PyObject *module, PyObject *const *args, Py_ssize_
     nr.dtype = in[0].dtype;
     nr.num_threads = st->num_threads;
     int status = QK_OK;
-    if (R > 0 && H > 0) {
-        if (cuda) {
-            status = l.cuda->norm_residual(&nr, l.stream);
-        } else {
-            Py_BEGIN_ALLOW_THREADS
-            status = qk_norm_residual_cpu(&nr, NULL);
-            Py_END_ALLOW_THREADS
-        }
-    }
+    if (R > 0 && H > 0) QK_RUN(status, &l, norm_residual, qk_norm_residual_cpu, &nr);
     if (status) qk_raise_status(OP, status);
     else ok = 1;
 done:
-    if (launched) qk_launch_end(&l);
-    PyObject *result = launched ? qk_output_finish(&o, &ov, ok) : NULL;
-    qk_views_release(in, n_in);
-    return result;
+    return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);
 }

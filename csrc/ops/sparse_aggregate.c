@@ -103,22 +103,13 @@ PyObject *qk_op_sparse_aggregate(PyObject *module, PyObject *const *args, Py_ssi
     sa.dtype = in[NODE_FEAT].dtype;
     sa.num_threads = st->num_threads;
 
-    int status;
-    if (l.device_type == kDLCUDA) {
-        status = st->check_indices ? l.cuda->sparse_aggregate_check(&sa, l.stream) : QK_OK;
-        if (status == QK_OK) status = l.cuda->sparse_aggregate(&sa, l.stream);
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        status = qk_sparse_aggregate_cpu(&sa, NULL);
-        Py_END_ALLOW_THREADS
-    }
+    int status = QK_OK;
+    if (l.device_type == kDLCUDA && st->check_indices) status = l.cuda->sparse_aggregate_check(&sa, l.stream);
+    if (status == QK_OK) QK_RUN(status, &l, sparse_aggregate, qk_sparse_aggregate_cpu, &sa);
     if (status == QK_E_INDEX) sa_raise_index(&sa);
     else if (status) qk_raise_status(OP, status);
     else ok = 1;
 done:
-    if (launched) qk_launch_end(&l);
-    PyObject *result = launched ? qk_output_finish(&o, &ov, ok) : NULL;
-    qk_views_release(in, n_in);
-    return result;
+    return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);
 }
 
