@@ -53,12 +53,6 @@ void qk_views_release(qk_view *v, int n) {
     qk_error_restore(e);
 }
 
-int64_t qk_numel(const qk_view *v) {
-    int64_t n = 1;
-    for (int i = 0; i < v->ndim; i++) n *= v->shape[i];
-    return n;
-}
-
 void qk_view_release(qk_view *v) {
     if (v->owner) {
         if (v->owner_versioned) {

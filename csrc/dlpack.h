@@ -12,7 +12,6 @@
 #define QK_DLPACK_MINOR 1
 
 #define QK_DLPACK_FLAG_READ_ONLY (1ULL << 0)
-#define QK_DLPACK_FLAG_IS_COPIED (1ULL << 1)
 
 /* PyCapsule names of the Python DLPack protocol. */
 #define QK_CAPSULE_LEGACY "dltensor"

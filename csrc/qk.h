@@ -62,7 +62,6 @@ int qk_import(qk_state *st, PyObject *obj, const char *op, const char *arg, void
 int qk_import_capsule(PyObject *capsule, const char *op, const char *arg, qk_view *v);
 void qk_view_release(qk_view *v);      /* any thread, no GIL needed */
 void qk_views_release(qk_view *v, int n); /* GIL held; keeps a pending exception */
-int64_t qk_numel(const qk_view *v);
 void qk_device_str(char *buf, size_t n, int device_type, int device_id);
 
 /* tensor.c */

@@ -61,9 +61,6 @@ inline int qk_grid_for(int64_t work, int per_block, int max_blocks = 65536) {
         if (qk_err_ != cudaSuccess) return (int)qk_err_;   \
     } while (0)
 
-// After a <<<>>> launch: configuration errors surface here, not at the next sync.
-#define QK_LAUNCH_CHECK() QK_CUDA_TRY(cudaGetLastError())
-
 // Launch `kernel` (a __global__ function's address) with its parameters in `args`, through the
 // driver's cuLaunchKernel and a context-independent kernel handle: on the H200 VM that costs
 // ~0.3 µs less host time per call than <<<>>> (benchmarks/probe/launch_cost.cu), which matters

@@ -107,7 +107,7 @@ typedef struct {
 } qk_graph_bce_args;
 
 /* The CUDA shared object exports one symbol, qk_cuda_get_api, returning this table. */
-#define QK_CUDA_ABI 2
+#define QK_CUDA_ABI 3
 
 typedef struct {
     int abi;
@@ -122,11 +122,8 @@ typedef struct {
     const char *(*error_string)(int status);
     int (*malloc)(void **ptr, size_t bytes);
     int (*free)(void *ptr);
-    int (*memcpy_async)(void *dst, const void *src, size_t bytes, void *stream);
     /* Make `consumer` wait for work already queued on `producer` (event record + wait; no device sync). */
     int (*stream_wait)(void *consumer, void *producer);
-    /* Pointer attributes: memory type (0 unregistered host, 1 host, 2 device, 3 managed) and device. */
-    int (*pointer_kind)(const void *ptr, int *kind, int *device);
     int (*sparse_aggregate)(const qk_sparse_aggregate_args *a, void *stream);
     /* Debug validation (QKERNELS_CHECK=1): synchronises the stream, fills bad_* on QK_E_INDEX. */
     int (*sparse_aggregate_check)(qk_sparse_aggregate_args *a, void *stream);

@@ -102,10 +102,6 @@ int device_props(int device, char *name, size_t name_len, int *cc, int *sm_count
 const char *error_string(int status) { return cudaGetErrorString((cudaError_t)status); }
 int qk_malloc(void **p, size_t n) { return (int)cudaMalloc(p, n ? n : 1); }
 int qk_free(void *p) { return (int)cudaFree(p); }
-int memcpy_async(void *dst, const void *src, size_t n, void *stream) {
-    return (int)cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, (cudaStream_t)stream);
-}
-
 int stream_wait(void *consumer, void *producer) {
     if (consumer == producer) return 0;
     cudaEvent_t ev;
@@ -116,20 +112,30 @@ int stream_wait(void *consumer, void *producer) {
     return (int)e;
 }
 
-int pointer_kind(const void *ptr, int *kind, int *device) {
-    cudaPointerAttributes at;
-    QK_CUDA_TRY(cudaPointerGetAttributes(&at, ptr));
-    *kind = (int)at.type;
-    *device = at.device;
-    return 0;
+// Filled by name: a positional table would silently call the wrong entry after a field moves.
+qk_cuda_api make_api() {
+    qk_cuda_api t = {};
+    t.abi = QK_CUDA_ABI;
+    t.archs = QK_ARCHS;
+    t.runtime_version = runtime_version;
+    t.driver_version = driver_version;
+    t.device_count = device_count;
+    t.get_device = get_device;
+    t.set_device = set_device;
+    t.device_props = device_props;
+    t.error_string = error_string;
+    t.malloc = qk_malloc;
+    t.free = qk_free;
+    t.stream_wait = stream_wait;
+    t.sparse_aggregate = qk_sparse_aggregate_cuda;
+    t.sparse_aggregate_check = qk_sparse_aggregate_check_cuda;
+    t.edge_features = qk_edge_features_cuda;
+    t.norm_residual = qk_norm_residual_cuda;
+    t.graph_bce = qk_graph_bce_cuda;
+    return t;
 }
 
-const qk_cuda_api api = {
-    QK_CUDA_ABI,     QK_ARCHS,      runtime_version, driver_version, device_count,
-    get_device,      set_device,    device_props,    error_string,   qk_malloc,
-    qk_free,         memcpy_async,  stream_wait,     pointer_kind,   qk_sparse_aggregate_cuda,
-    qk_sparse_aggregate_check_cuda, qk_edge_features_cuda, qk_norm_residual_cuda, qk_graph_bce_cuda,
-};
+const qk_cuda_api api = make_api();
 
 }  // namespace
 
