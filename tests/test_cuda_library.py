@@ -1,0 +1,32 @@
+"""The CUDA shared object's contract, checked without a GPU: it loads, answers only its own ABI
+version, and its table's first entries work (the CUDA runtime answers these without a driver)."""
+
+import ctypes
+
+import pytest
+
+import qkernels
+
+lib_path = qkernels._C.CUDA_LIBRARY
+pytestmark = pytest.mark.skipif(lib_path is None, reason="built without CUDA kernels")
+
+
+def test_table_by_abi_version():
+    lib = ctypes.CDLL(lib_path)
+    lib.qk_cuda_get_api.restype = ctypes.c_void_p
+    lib.qk_cuda_get_api.argtypes = [ctypes.c_int]
+    assert lib.qk_cuda_get_api(2) is None and lib.qk_cuda_get_api(4) is None
+    table = lib.qk_cuda_get_api(3)
+    assert table
+    abi = ctypes.c_int.from_address(table).value
+    words = (ctypes.c_void_p * 17).from_address(table)  # abi (padded), archs, 15 entries
+    archs = ctypes.cast(words[1], ctypes.c_char_p).value.decode()
+    assert abi == 3 and "sm_" in archs
+    assert all(words[2:17]), "every entry of the table is filled"
+    runtime_version = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int))(words[2])
+    v = ctypes.c_int()
+    assert runtime_version(ctypes.byref(v)) == 0 and v.value >= 12000
+    error_string = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_int)(words[8])
+    assert error_string(2) == b"out of memory"
+    if not qkernels.AVAILABLE:
+        assert qkernels.info()["cuda_reason"]  # and the reason is reported, never an import error
