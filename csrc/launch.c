@@ -84,7 +84,9 @@ int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_
             qk_device_str(got, sizeof got, ov->device_type, ov->device_id);
             PyErr_Format(PyExc_ValueError, "%s: out must be on %s like the inputs, got %s", op, want, got);
         } else {
-            for (int i = 0; i < ndim; i++) {
+            int empty = 0; /* an empty tensor's strides are arbitrary (NumPy exports 0s): nothing overlaps */
+            for (int i = 0; i < ndim; i++) empty |= ov->shape[i] == 0;
+            for (int i = 0; i < ndim && !empty; i++) {
                 if (ov->strides[i] == 0 && ov->shape[i] > 1) {
                     PyErr_Format(PyExc_ValueError,
                                  "%s: out has stride 0 in dimension %d, so its elements overlap; pass a writable "
