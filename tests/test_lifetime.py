@@ -1,0 +1,76 @@
+"""Long loops leave memory flat; many Python threads calling the CPU kernels at once (GIL
+released) all get right answers."""
+
+import gc
+import resource
+import threading
+import tracemalloc
+
+import numpy as np
+
+import qkernels
+from conftest import rel_err, random_inputs, sparse_aggregate_ref
+from graph_refs import graph_bce_ref, norm_residual_ref
+
+_C = qkernels._C
+
+
+def test_100k_calls_keep_memory_flat():
+    rng = np.random.default_rng(5)
+    args = random_inputs(rng, 8, 6, 2, 3)
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+    g = np.ones(8, np.float32)
+    out = np.zeros((8, 2, 3), np.float32)
+    for _ in range(2000):  # warm caches, allocators, the dispatcher
+        qkernels.sparse_aggregate(*args)
+    gc.collect()
+    live = _C._live_storages()
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for i in range(100_000):
+        if i % 3 == 0:
+            qkernels.sparse_aggregate(*args)
+        elif i % 3 == 1:
+            qkernels.sparse_aggregate(*args, out=out)
+        else:
+            qkernels.fused_norm_residual(x, x, g, g, p=0.1, training=True, seed=i)
+    gc.collect()
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(s.size_diff for s in after.compare_to(before, "filename") if s.size_diff > 0)
+    assert grown < 256 * 1024, f"Python heap grew by {grown} bytes over 1e5 calls"
+    assert _C._live_storages() == live
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    assert rss1 - rss0 < 32 * 1024, f"peak RSS grew by {rss1 - rss0} KiB"
+
+
+def test_eight_threads_at_once():
+    rng = np.random.default_rng(6)
+    cases = [random_inputs(rng, 3000, 1000, 4, 16, avg_degree=8) for _ in range(8)]
+    refs = [sparse_aggregate_ref(*c) for c in cases]
+    norm = [[rng.standard_normal((500, 64)).astype(np.float32) for _ in range(2)] + [np.ones(64, np.float32),
+            np.zeros(64, np.float32)] for _ in range(8)]
+    bce = [((3 * rng.standard_normal(20000)).astype(np.float32), (rng.random(20000) < 0.3).astype(np.float32),
+            np.sort(rng.integers(0, 16, 20000))) for _ in range(8)]
+    errors = []
+    start = threading.Barrier(8)
+
+    def work(i):
+        try:
+            start.wait()
+            for _ in range(5):
+                assert rel_err(qkernels.sparse_aggregate(*cases[i]), refs[i]) < 1e-5
+                assert rel_err(qkernels.fused_norm_residual(*norm[i]), norm_residual_ref(*norm[i])) < 1e-5
+                r = float(qkernels.graph_norm_bce(*bce[i], 16))
+                ref = graph_bce_ref(*bce[i], 16)
+                assert abs(r - ref) <= 1e-5 * ref
+        except Exception as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
