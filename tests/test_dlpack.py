@@ -292,7 +292,7 @@ def test_cpu_kernel_releases_the_gil(rng):
     # While one thread runs a large CPU sparse_aggregate, another keeps executing Python.
     import time
 
-    args = random_inputs(rng, 20000, 20000, 4, 64, avg_degree=32)
+    args = random_inputs(rng, 20000, 20000, 4, 64, avg_degree=96)
     inside = threading.Event()
     span = []
 
@@ -317,4 +317,4 @@ def test_cpu_kernel_releases_the_gil(rng):
     points = [t0] + [s for s in stamps if t0 < s < t1] + [t1]
     largest_gap = max(b - a for a, b in zip(points, points[1:]))
     # Holding the GIL for the call would leave one gap as long as the call itself.
-    assert t1 - t0 > 0.05 and largest_gap < 0.5 * (t1 - t0), (t1 - t0, largest_gap)
+    assert t1 - t0 > 0.03 and largest_gap < 0.5 * (t1 - t0), (t1 - t0, largest_gap)
