@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 device machine: build for sm_90, run the main job and every test (the
 # CUDA ones included), then the benchmarks.  Logs land in $OUT; a short table prints last.
+# QK_SANITIZE=1 adds a compute-sanitizer memcheck pass; QK_GRAPH_OPS=0 skips the graph-op table.
 set -uo pipefail
 OUT=${OUT:-/tmp/qkernels-out}
 mkdir -p "$OUT"
@@ -22,3 +23,7 @@ if [ "${QK_SANITIZE:-0}" = 1 ]; then
     tail -3 "$OUT/memcheck.log"
 fi
 cat "$OUT/overhead.log"
+if [ "${QK_GRAPH_OPS:-1}" = 1 ]; then  # the graph ops beside their anchors (~2 minutes, torch.compile included)
+    python3 benchmarks/graph_ops.py --markdown "$OUT/graph_ops.md" >"$OUT/graph_ops.log" 2>&1
+    tail -40 "$OUT/graph_ops.log" | cut -c1-150
+fi
