@@ -82,6 +82,21 @@ int qk_check_dim(const char *op, const char *arg, const qk_view *v, int dim, int
     return -1;
 }
 
+int qk_check_dtype_float(const char *op, const char *arg, const qk_view *v) {
+    const int cuda = v->device_type == kDLCUDA;
+    if (v->dtype == QK_F32 || (cuda && (v->dtype == QK_F16 || v->dtype == QK_BF16))) return 0;
+    PyErr_Format(PyExc_TypeError, "%s: %s must be float32%s, got %s", op, arg, cuda ? ", float16 or bfloat16" : "",
+                 qk_dtype_name(v->dtype));
+    return -1;
+}
+
+int qk_check_same_dtype(const char *op, const char *arg, const qk_view *v, const char *owner, const qk_view *ref) {
+    if (v->dtype == ref->dtype) return 0;
+    PyErr_Format(PyExc_TypeError, "%s: %s must have %s dtype (%s), got %s", op, arg, owner, qk_dtype_name(ref->dtype),
+                 qk_dtype_name(v->dtype));
+    return -1;
+}
+
 int qk_check_dtype_index(const char *op, const char *arg, const qk_view *v) {
     if (v->dtype == QK_I32 || v->dtype == QK_I64) return 0;
     PyErr_Format(PyExc_TypeError, "%s: %s must be int32 or int64, got %s", op, arg, qk_dtype_name(v->dtype));

@@ -128,6 +128,10 @@ PyObject *qk_op_finish(qk_launch *l, int launched, qk_output *o, qk_view *ov, in
 /* Shape/dtype checks raising ValueError/TypeError with the op and argument named. */
 int qk_check_ndim(const char *op, const char *arg, const qk_view *v, int ndim, const char *layout);
 int qk_check_dtype_index(const char *op, const char *arg, const qk_view *v);
+/* float32 anywhere; float16/bfloat16 too on cuda (fp32 arithmetic) */
+int qk_check_dtype_float(const char *op, const char *arg, const qk_view *v);
+/* v's dtype equals ref's; owner names ref in the message, e.g. "x's" */
+int qk_check_same_dtype(const char *op, const char *arg, const qk_view *v, const char *owner, const qk_view *ref);
 int qk_check_dim(const char *op, const char *arg, const qk_view *v, int dim, int64_t expected,
                  const char *layout);
 

@@ -4,13 +4,6 @@
 
 #define OP "fused_edge_features"
 
-static int ef_check_float(const qk_view *v, const char *arg, int cuda) {
-    if (v->dtype == QK_F32 || (cuda && (v->dtype == QK_F16 || v->dtype == QK_BF16))) return 0;
-    PyErr_Format(PyExc_TypeError, OP ": %s must be float32%s, got %s", arg, cuda ? ", float16 or bfloat16" : "",
-                 qk_dtype_name(v->dtype));
-    return -1;
-}
-
 PyObject *qk_op_edge_features(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"x", "edge_index", "edge_attr", "out", "stream", NULL};
     qk_state *st = qk_get_state(module);
@@ -28,10 +21,9 @@ PyObject *qk_op_edge_features(PyObject *module, PyObject *const *args, Py_ssize_
     for (; n_in < 2 + has_attr; n_in++)
         if (qk_import(st, a[n_in], OP, in_names[n_in], stream, &in[n_in]) < 0) goto done;
     if (qk_same_device(OP, in, in_names, n_in) < 0) goto done;
-    const int cuda = in[0].device_type == kDLCUDA;
     if (qk_check_ndim(OP, "x", &in[0], 2, "[N, H]") < 0 || qk_check_ndim(OP, "edge_index", &in[1], 2, "[2, E]") < 0 ||
         (has_attr && qk_check_ndim(OP, "edge_attr", &in[2], 2, "[E, H]") < 0) ||
-        qk_check_dtype_index(OP, "edge_index", &in[1]) < 0 || ef_check_float(&in[0], "x", cuda) < 0 ||
+        qk_check_dtype_index(OP, "edge_index", &in[1]) < 0 || qk_check_dtype_float(OP, "x", &in[0]) < 0 ||
         qk_check_dim(OP, "edge_index", &in[1], 0, 2, "[2, E]") < 0)
         goto done;
     const int64_t E = in[1].shape[1], H = in[0].shape[1];
@@ -39,13 +31,9 @@ PyObject *qk_op_edge_features(PyObject *module, PyObject *const *args, Py_ssize_
         char layout[96];
         snprintf(layout, sizeof layout, "[E, H] = [%lld, %lld]", (long long)E, (long long)H);
         if (qk_check_dim(OP, "edge_attr", &in[2], 0, E, layout) < 0 ||
-            qk_check_dim(OP, "edge_attr", &in[2], 1, H, layout) < 0)
+            qk_check_dim(OP, "edge_attr", &in[2], 1, H, layout) < 0 ||
+            qk_check_same_dtype(OP, "edge_attr", &in[2], "x's", &in[0]) < 0)
             goto done;
-        if (in[2].dtype != in[0].dtype) {
-            PyErr_Format(PyExc_TypeError, OP ": edge_attr must have x's dtype (%s), got %s", qk_dtype_name(in[0].dtype),
-                         qk_dtype_name(in[2].dtype));
-            goto done;
-        }
     }
     if (qk_launch_begin(st, OP, &in[0], stream, stream_given, &l) < 0) goto done;
     launched = 1;

@@ -42,20 +42,12 @@ PyObject *qk_op_graph_bce(PyObject *module, PyObject *const *args, Py_ssize_t na
     for (; n_in < 3; n_in++)
         if (qk_import(st, a[n_in], OP, in_names[n_in], stream, &in[n_in]) < 0) goto done;
     if (qk_same_device(OP, in, in_names, 3) < 0) goto done;
-    const int cuda = in[0].device_type == kDLCUDA;
     if (qk_check_ndim(OP, "logits", &in[0], 1, "[E]") < 0 || qk_check_ndim(OP, "target", &in[1], 1, "[E]") < 0 ||
         qk_check_ndim(OP, "edge_graph", &in[2], 1, "[E]") < 0 || qk_check_dtype_index(OP, "edge_graph", &in[2]) < 0)
         goto done;
-    if (!(in[0].dtype == QK_F32 || (cuda && (in[0].dtype == QK_F16 || in[0].dtype == QK_BF16)))) {
-        PyErr_Format(PyExc_TypeError, OP ": logits must be float32%s, got %s", cuda ? ", float16 or bfloat16" : "",
-                     qk_dtype_name(in[0].dtype));
+    if (qk_check_dtype_float(OP, "logits", &in[0]) < 0 ||
+        qk_check_same_dtype(OP, "target", &in[1], "logits'", &in[0]) < 0)
         goto done;
-    }
-    if (in[1].dtype != in[0].dtype) {
-        PyErr_Format(PyExc_TypeError, OP ": target must have logits' dtype (%s), got %s", qk_dtype_name(in[0].dtype),
-                     qk_dtype_name(in[1].dtype));
-        goto done;
-    }
     const int64_t E = in[0].shape[0];
     char layout[64];
     snprintf(layout, sizeof layout, "[E] = [%lld]", (long long)E);

@@ -74,22 +74,12 @@ PyObject *qk_op_norm_residual(PyObject *module, PyObject *const *args, Py_ssize_
     for (; n_in < 4; n_in++)
         if (qk_import(st, a[n_in], OP, in_names[n_in], stream, &in[n_in]) < 0) goto done;
     if (qk_same_device(OP, in, in_names, 4) < 0) goto done;
-    const int cuda = in[0].device_type == kDLCUDA;
     if (qk_check_ndim(OP, "x", &in[0], 2, "[R, H]") < 0 || qk_check_ndim(OP, "residual", &in[1], 2, "[R, H]") < 0 ||
         qk_check_ndim(OP, "gamma", &in[2], 1, "[H]") < 0 || qk_check_ndim(OP, "beta", &in[3], 1, "[H]") < 0)
         goto done;
-    if (!(in[0].dtype == QK_F32 || (cuda && (in[0].dtype == QK_F16 || in[0].dtype == QK_BF16)))) {
-        PyErr_Format(PyExc_TypeError, OP ": x must be float32%s, got %s", cuda ? ", float16 or bfloat16" : "",
-                     qk_dtype_name(in[0].dtype));
-        goto done;
-    }
-    for (int i = 1; i < 4; i++) {
-        if (in[i].dtype != in[0].dtype) {
-            PyErr_Format(PyExc_TypeError, OP ": %s must have x's dtype (%s), got %s", in_names[i],
-                         qk_dtype_name(in[0].dtype), qk_dtype_name(in[i].dtype));
-            goto done;
-        }
-    }
+    if (qk_check_dtype_float(OP, "x", &in[0]) < 0) goto done;
+    for (int i = 1; i < 4; i++)
+        if (qk_check_same_dtype(OP, in_names[i], &in[i], "x's", &in[0]) < 0) goto done;
     const int64_t R = in[0].shape[0], H = in[0].shape[1];
     char layout[96];
     snprintf(layout, sizeof layout, "[R, H] = [%lld, %lld]", (long long)R, (long long)H);

@@ -23,17 +23,9 @@ static int sa_check(qk_view *in) {
                      qk_dtype_name(in[ROW_PTR].dtype), qk_dtype_name(in[COL_IDX].dtype));
         return -1;
     }
-    const int dt = in[NODE_FEAT].dtype, cuda = in[NODE_FEAT].device_type == kDLCUDA;
-    if (!(dt == QK_F32 || (cuda && (dt == QK_F16 || dt == QK_BF16)))) {
-        PyErr_Format(PyExc_TypeError, OP ": node_feat must be float32%s, got %s", cuda ? ", float16 or bfloat16" : "",
-                     qk_dtype_name(dt));
+    if (qk_check_dtype_float(OP, "node_feat", &in[NODE_FEAT]) < 0 ||
+        qk_check_same_dtype(OP, "edge_weight", &in[EDGE_WEIGHT], "node_feat's", &in[NODE_FEAT]) < 0)
         return -1;
-    }
-    if (in[EDGE_WEIGHT].dtype != in[NODE_FEAT].dtype) {
-        PyErr_Format(PyExc_TypeError, OP ": edge_weight must have node_feat's dtype (%s), got %s",
-                     qk_dtype_name(in[NODE_FEAT].dtype), qk_dtype_name(in[EDGE_WEIGHT].dtype));
-        return -1;
-    }
     if (in[ROW_PTR].shape[0] < 1) {
         PyErr_SetString(PyExc_ValueError, OP ": row_ptr must have shape [N_dst + 1] with at least one element, got [0]");
         return -1;
