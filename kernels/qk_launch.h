@@ -106,8 +106,84 @@ typedef struct {
     int64_t bad_pos, bad_value; /* QK_E_INDEX: edge_graph[bad_pos] = bad_value outside [0, num_graphs) */
 } qk_graph_bce_args;
 
+/* attn_decode and attn_paged_decode: one query token per sequence,
+ *   out[b,h,:] = sum_j softmax_j(scale * q[b,h,:].k_j) v_j   over the kept keys j of sequence b,
+ * with kv head h / (Hq / Hkv) for query head h (GQA).  fp32 scores, softmax and accumulation;
+ * a sequence with no kept key gives 0.  All strides are in elements; the last dim of q, k, v,
+ * out, new_k and new_v is unit-stride (the binding checks).
+ *
+ * Contiguous (paged == 0): k, v [B, Lkv, Hkv, D] with strides {b, l, h}; sequence b keeps keys
+ *   j < min(kv_lens[b], Lkv) (all Lkv when kv_lens is NULL; negative lengths count as 0) for which
+ *   mask[b, j] != 0 (when mask is given).
+ * Paged (paged == 1): k, v are token pools [S, Hkv, D] with strides {0, s, h}; sequence b has
+ *   len_b = kv_indptr[b+1] - kv_indptr[b] tokens, token j in slot
+ *   req_to_token[req_pool_indices[b], j].  When new_k/new_v are given they are first written to
+ *   the slot of position len_b - 1 (so the pools are written) and used as that position's K/V.
+ *   mask, when given, is [B, max_ctx].
+ * Index checks: the CPU launcher returns QK_E_INDEX with bad_* filled for a pool row outside
+ *   [0, num_requests), a length outside [0, max_ctx], or a slot outside [0, pool_size).  The CUDA
+ *   launcher clamps lengths to [0, max_ctx] and skips out-of-range rows and slots (never reads or
+ *   writes outside the tensors).
+ * CUDA graph safety: the CUDA launcher reads nothing on the host and sizes its grid from shapes
+ *   only (B, Hkv, Lkv or max_ctx), so captured graphs replay correctly when lengths change. */
+typedef struct {
+    const void *q;   /* [B, Hq, D]; strides {b, h} */
+    void *out;       /* [B, Hq, D]; strides {b, h} */
+    void *k, *v;     /* see above; written only when paged with new_k/new_v */
+    const void *mask; /* bool as uint8, or NULL; strides {b, j} */
+    const void *kv_lens; /* contiguous: [B] or NULL, kv_lens_dtype */
+    /* paged only */
+    const void *req_to_token;     /* [num_requests, max_ctx], r2t_dtype */
+    const void *req_pool_indices; /* [B], rpi_dtype */
+    const void *kv_indptr;        /* [B + 1], indptr_dtype */
+    const void *new_k, *new_v;    /* [B, Hkv, D] or NULL; strides {b, h} */
+    int64_t B, Hq, Hkv, D;
+    int64_t Lkv;                  /* contiguous: keys per sequence */
+    int64_t num_requests, max_ctx, pool_size; /* paged */
+    int64_t q_stride[2], out_stride[2], k_stride[3], v_stride[3], mask_stride[2];
+    int64_t kv_lens_stride, r2t_stride[2], rpi_stride, indptr_stride, new_k_stride[2], new_v_stride[2];
+    float scale;
+    int paged;
+    int dtype;        /* QK_BF16, QK_F16; cpu also QK_F32 */
+    int kv_lens_dtype, r2t_dtype, rpi_dtype, indptr_dtype; /* QK_I32 or QK_I64 */
+    int num_threads;
+    /* Filled on QK_E_INDEX: bad_arg 0 req_pool_indices, 1 kv_indptr (a length), 2 req_to_token (a slot) */
+    int bad_arg;
+    int64_t bad_pos, bad_value;
+} qk_attn_decode_args;
+
+/* rotary_emb: for each token (b, s), head h and pair i < D/2, with (c, s') = freqs[b, s, i, :]:
+ *   interleaved: (x[2i], x[2i+1])       -> (x[2i] c - x[2i+1] s', x[2i] s' + x[2i+1] c)
+ *   rotate-half: (x[i], x[i + D/2])     -> the same formula on that pair (NeoX)
+ * computed in fp32, rounded once.  A 3-D input [T, H, D] is B = 1, S = T.  out may be x (in place).
+ * Strides in elements; x's and out's last dim and each (cos, sin) pair are unit-stride. */
+typedef struct {
+    const void *x;
+    void *out;
+    const float *freqs;            /* [B, S, D/2, 2] */
+    int64_t B, S, H, D;
+    int64_t x_stride[3], out_stride[3]; /* {b, s, h} */
+    int64_t f_stride[3];                /* {b, s, i} */
+    int interleaved, dtype, num_threads;
+} qk_rotary_args;
+
+/* linear: out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]), fp32 accumulation, bias added in fp32, one
+ *   rounding.  swiglu: out[m, n] = (x w_up[n]) * silu(x w_gate[n]) with w = up, gate = gate weight,
+ *   fp32 throughout, one rounding.  Rows of x, w, gate and out are unit-stride along k / n. */
+typedef struct {
+    const void *x;      /* [M, K] */
+    const void *w;      /* [N, K] (swiglu: up) */
+    const void *gate;   /* swiglu: [N, K]; linear: NULL */
+    const void *bias;   /* linear: [N] or NULL */
+    void *out;          /* [M, N] */
+    int64_t M, N, K;
+    int64_t x_stride, w_stride, gate_stride, bias_stride, out_stride; /* row strides; bias element stride */
+    int dtype;          /* QK_BF16, QK_F16; cpu also QK_F32 */
+    int num_threads;
+} qk_linear_args;
+
 /* The CUDA shared object exports one symbol, qk_cuda_get_api, returning this table. */
-#define QK_CUDA_ABI 3
+#define QK_CUDA_ABI 4
 
 typedef struct {
     int abi;
@@ -130,6 +206,10 @@ typedef struct {
     int (*edge_features)(const qk_edge_features_args *a, void *stream);
     int (*norm_residual)(const qk_norm_residual_args *a, void *stream);
     int (*graph_bce)(const qk_graph_bce_args *a, void *stream);
+    int (*attn_decode)(const qk_attn_decode_args *a, void *stream);
+    int (*rotary)(const qk_rotary_args *a, void *stream);
+    int (*linear)(const qk_linear_args *a, void *stream);
+    int (*swiglu)(const qk_linear_args *a, void *stream);
 } qk_cuda_api;
 
 typedef const qk_cuda_api *(*qk_cuda_get_api_fn)(int abi);

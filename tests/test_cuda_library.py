@@ -2,6 +2,8 @@
 version, and its table's first entries work (the CUDA runtime answers these without a driver)."""
 
 import ctypes
+import pathlib
+import re
 
 import pytest
 
@@ -11,18 +13,24 @@ lib_path = qkernels._C.CUDA_LIBRARY
 pytestmark = pytest.mark.skipif(lib_path is None, reason="built without CUDA kernels")
 
 
+HEADER = (pathlib.Path(__file__).parents[1] / "kernels" / "qk_launch.h").read_text()
+ABI = int(re.search(r"#define QK_CUDA_ABI (\d+)", HEADER).group(1))
+# the function pointers declared in the table's struct
+ENTRIES = len(re.findall(r"\(\*\w+\)\(", HEADER.split("} qk_cuda_api;")[0].rsplit("typedef struct {", 1)[1]))
+
+
 def test_table_by_abi_version():
     lib = ctypes.CDLL(lib_path)
     lib.qk_cuda_get_api.restype = ctypes.c_void_p
     lib.qk_cuda_get_api.argtypes = [ctypes.c_int]
-    assert lib.qk_cuda_get_api(2) is None and lib.qk_cuda_get_api(4) is None
-    table = lib.qk_cuda_get_api(3)
+    assert lib.qk_cuda_get_api(ABI - 1) is None and lib.qk_cuda_get_api(ABI + 1) is None
+    table = lib.qk_cuda_get_api(ABI)
     assert table
     abi = ctypes.c_int.from_address(table).value
-    words = (ctypes.c_void_p * 17).from_address(table)  # abi (padded), archs, 15 entries
+    words = (ctypes.c_void_p * (2 + ENTRIES)).from_address(table)  # abi (padded), archs, entries
     archs = ctypes.cast(words[1], ctypes.c_char_p).value.decode()
-    assert abi == 3 and "sm_" in archs
-    assert all(words[2:17]), "every entry of the table is filled"
+    assert abi == ABI and "sm_" in archs and ENTRIES >= 15
+    assert all(words[2:]), "every entry of the table is filled"
     runtime_version = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int))(words[2])
     v = ctypes.c_int()
     assert runtime_version(ctypes.byref(v)) == 0 and v.value >= 12000
