@@ -67,6 +67,9 @@ inline int qk_grid_for(int64_t work, int per_block, int max_blocks = 65536) {
 // for decode-sized calls.  Falls back to cudaLaunchKernel.  Returns a status (runtime.cu).
 int qk_launch(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, void **args);
 
+// The current device's SM count (cached), for grids sized to one resident wave.
+int qk_sm_count(int *count);
+
 template <typename Index>
 __device__ __forceinline__ int64_t qk_load_index(const void *base, int64_t pos, int64_t stride) {
     return (int64_t)__ldg(static_cast<const Index *>(base) + pos * stride);

@@ -61,6 +61,22 @@ int qk_launch(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream
                           (CUstream)stream, args, nullptr);
 }
 
+int qk_sm_count(int *count) {
+    // Cached per device: persistent-grid launchers ask on every call.
+    static int cached[64];
+    int d;
+    QK_CUDA_TRY(cudaGetDevice(&d));
+    if (d >= 0 && d < 64 && cached[d] > 0) {
+        *count = cached[d];
+        return 0;
+    }
+    int n;
+    QK_CUDA_TRY(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, d));
+    if (d >= 0 && d < 64) cached[d] = n;
+    *count = n;
+    return 0;
+}
+
 extern "C" int qk_sparse_aggregate_cuda(const qk_sparse_aggregate_args *a, void *stream);
 extern "C" int qk_sparse_aggregate_check_cuda(qk_sparse_aggregate_args *a, void *stream);
 extern "C" int qk_edge_features_cuda(const qk_edge_features_args *a, void *stream);

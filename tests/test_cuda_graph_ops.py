@@ -152,6 +152,31 @@ def test_graph_bce(rng, sorted_, e, g, pos_weight):
     assert abs(r.item() - ref) <= 1e-5 * abs(ref)
 
 
+@pytest.mark.parametrize("shape", ["three", "uniform", "skewed"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "int32"])
+def test_graph_bce_large_sorted(rng, shape, layout):
+    """Large enough that each block owns several chunks: graphs continue across chunks inside a
+    block, across blocks, span many blocks, or are empty, next to one-edge graphs."""
+    if shape == "three":
+        g, eg = 3, np.sort(rng.integers(0, 3, 1_500_001))
+    elif shape == "uniform":
+        g, eg = 1000, np.sort(rng.integers(0, 1000, 1_500_000))
+    else:  # heavy-tailed sizes: a third empty, a sixth with one edge, ~15 above 1e4 edges
+        sizes = np.minimum((rng.pareto(1.1, 200_000) * 2).astype(np.int64), 200_000)
+        g, eg = 200_000, np.repeat(np.arange(200_000), sizes)
+    e = len(eg)
+    lg_h, t_h = (3 * rng.standard_normal(e)).astype(np.float32), (rng.random(e) < 0.3).astype(np.float32)
+    if layout == "strided":  # every other element of a buffer twice as long: the scalar loads
+        lg = cuda(np.repeat(lg_h, 2))[::2]
+        t = cuda(np.repeat(t_h, 2))[::2]
+        egd = cuda(np.repeat(eg, 2))[::2]
+    else:
+        lg, t, egd = cuda(lg_h), cuda(t_h), cuda(eg.astype(np.int32 if layout == "int32" else np.int64))
+    r = qkernels.graph_norm_bce(lg, t, egd, g, pos_weight=2.0).item()
+    ref = graph_bce_ref(lg_h, t_h, eg, g, 2.0)
+    assert abs(r - ref) <= 1e-5 * abs(ref)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_graph_bce_half(rng, dtype):
     lg, t, eg = bce_args(rng, 20_000, 16, dtype=dtype, idx=np.int32)
