@@ -102,3 +102,21 @@ int qk_check_dtype_index(const char *op, const char *arg, const qk_view *v) {
     PyErr_Format(PyExc_TypeError, "%s: %s must be int32 or int64, got %s", op, arg, qk_dtype_name(v->dtype));
     return -1;
 }
+
+int qk_check_dtype_llm(const char *op, const char *arg, const qk_view *v) {
+    const int cuda = v->device_type == kDLCUDA;
+    if (v->dtype == QK_BF16 || v->dtype == QK_F16 || (!cuda && v->dtype == QK_F32)) return 0;
+    PyErr_Format(PyExc_TypeError, "%s: %s must be bfloat16 or float16%s, got %s", op, arg,
+                 cuda ? " on cuda (float32 runs on the cpu backend)" : " or float32", qk_dtype_name(v->dtype));
+    return -1;
+}
+
+int qk_check_inner_unit(const char *op, const char *arg, const qk_view *v) {
+    const int d = v->ndim - 1;
+    if (d < 0 || v->shape[d] <= 1 || v->strides[d] == 1) return 0;
+    for (int i = 0; i < v->ndim; i++)
+        if (v->shape[i] == 0) return 0; /* an empty tensor's strides are arbitrary (NumPy exports 0s) */
+    PyErr_Format(PyExc_ValueError, "%s: %s must be unit-stride in its last dimension, got stride %lld; pass a "
+                 "contiguous copy", op, arg, (long long)v->strides[d]);
+    return -1;
+}

@@ -73,3 +73,8 @@ QK_PUBLIC(qk_public_sparse_aggregate, "sparse_aggregate", 3, qk_op_sparse_aggreg
 QK_PUBLIC(qk_public_edge_features, "fused_edge_features", 0, qk_op_edge_features)
 QK_PUBLIC(qk_public_norm_residual, "fused_norm_residual", 0, qk_op_norm_residual)
 QK_PUBLIC(qk_public_graph_bce, "graph_norm_bce", 0, qk_op_graph_bce)
+QK_PUBLIC(qk_public_rotary, "rotary_emb", 0, qk_op_rotary)
+QK_PUBLIC(qk_public_linear, "linear", 0, qk_op_linear)
+QK_PUBLIC(qk_public_swiglu, "swiglu", 0, qk_op_swiglu)
+QK_PUBLIC(qk_public_attn_decode, "attn_decode", 0, qk_op_attn_decode)
+QK_PUBLIC(qk_public_attn_paged_decode, "attn_paged_decode", 0, qk_op_attn_paged_decode)

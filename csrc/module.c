@@ -168,6 +168,17 @@ static PyObject *qk_live_storages(PyObject *module, PyObject *Py_UNUSED(ignored)
     "on cpu; on cuda an out-of-range index is never followed outside the tensors (QKERNELS_CHECK=1\n"      \
     "validates sparse_aggregate's)."
 
+#define QK_ATTN_DOC                                                                                        \
+    "bfloat16/float16 on cuda (head_dim 32, 64, 128 or 256), also float32 on cpu; fp32 scores, softmax and\n" \
+    "accumulation, one rounding; scale defaults to 1/sqrt(D); a sequence with no kept key gives 0.\n"         \
+    "backend= picks cuda, flash (attn_decode without mask) or cpu (see qkernels.explain).  Index values\n"    \
+    "are checked on cpu; on cuda lengths are clamped and out-of-range slots skipped."
+
+#define QK_DENSE_DOC                                                                                       \
+    "bfloat16/float16 on cuda, also float32 on cpu; all tensors but freqs_cis of one dtype.  Inner\n"      \
+    "dimensions must be unit-stride; rows may be strided.  backend= picks cuda or cpu (see\n"            \
+    "qkernels.explain)."
+
 static PyMethodDef qk_methods[] = {
     {"sparse_aggregate_raw", (PyCFunction)(void (*)(void))qk_op_sparse_aggregate, METH_FASTCALL | METH_KEYWORDS,
      "sparse_aggregate_raw(row_ptr, col_idx, edge_weight, node_feat, *, out=None, stream=None)\n--\n\n" QK_RAW_DOC},
@@ -205,6 +216,50 @@ static PyMethodDef qk_methods[] = {
      "bce = max(l, 0) - l*t + log1p(exp(-|l|)), times 1 + (pos_weight - 1)*t when pos_weight is given.\n"
      "Graphs without edges contribute 0 but count.  Sorted edge_graph (PyG batches) is the fast path;\n"
      "unsorted is right too.  Deterministic: the same inputs give the same bits.\n" QK_GRAPH_DOC},
+    {"attn_decode_raw", (PyCFunction)(void (*)(void))qk_op_attn_decode, METH_FASTCALL | METH_KEYWORDS,
+     "attn_decode_raw(q, k, v, *, kv_lens=None, mask=None, scale=None, out=None, stream=None)\n--\n\n" QK_RAW_DOC},
+    {"attn_decode", (PyCFunction)(void (*)(void))qk_public_attn_decode, METH_FASTCALL | METH_KEYWORDS,
+     "attn_decode(q, k, v, *, kv_lens=None, mask=None, scale=None, out=None, backend=None)\n--\n\n"
+     "Decode attention: one query token per sequence against its KV cache.\n\n"
+     "q [B, 1, Hq, D], k and v [B, Lkv, Hkv, D] -> [B, 1, Hq, D], out[b,0,h] = softmax(scale * q.k_j) v_j\n"
+     "over the kept keys j of sequence b, with kv head h // (Hq / Hkv) (GQA).  kv_lens [B] (int32 or\n"
+     "int64) keeps keys j < min(kv_lens[b], Lkv); mask bool [B, Lkv] or [B, 1, Lkv], True = keep.\n"
+     QK_ATTN_DOC},
+    {"attn_paged_decode_raw", (PyCFunction)(void (*)(void))qk_op_attn_paged_decode, METH_FASTCALL | METH_KEYWORDS,
+     "attn_paged_decode_raw(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, *, new_k=None, "
+     "new_v=None, mask=None, scale=None, out=None, stream=None)\n--\n\n" QK_RAW_DOC},
+    {"attn_paged_decode", (PyCFunction)(void (*)(void))qk_public_attn_paged_decode, METH_FASTCALL | METH_KEYWORDS,
+     "attn_paged_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, *, new_k=None, "
+     "new_v=None, mask=None, scale=None, out=None, backend=None)\n--\n\n"
+     "Decode attention over a token-pool KV cache.\n\n"
+     "q [B, Hq, D]; k_cache, v_cache [S, Hkv, D] token pools; req_to_token [R, max_ctx] maps (request,\n"
+     "position) to a pool slot; sequence b is request req_pool_indices[b] with kv_indptr[b+1] - kv_indptr[b]\n"
+     "tokens (the new one included) -> [B, Hq, D].  new_k, new_v [B, Hkv, D] (both or neither) are first\n"
+     "written into the pools at position len_b - 1 and used there.  mask bool [B, max_ctx], True = keep.\n"
+     QK_ATTN_DOC},
+    {"rotary_emb_raw", (PyCFunction)(void (*)(void))qk_op_rotary, METH_FASTCALL | METH_KEYWORDS,
+     "rotary_emb_raw(x, freqs_cis, *, interleaved=True, out=None, stream=None)\n--\n\n" QK_RAW_DOC},
+    {"rotary_emb", (PyCFunction)(void (*)(void))qk_public_rotary, METH_FASTCALL | METH_KEYWORDS,
+     "rotary_emb(x, freqs_cis, *, interleaved=True, out=None, backend=None)\n--\n\n"
+     "Rotary position embedding.\n\n"
+     "x [T, H, D] or [B, S, H, D] (D even), freqs_cis float32 [T, D/2, 2] or [B, S, D/2, 2] holding\n"
+     "(cos, sin) per pair.  interleaved=True rotates pairs (x[2i], x[2i+1]); False the rotate-half (NeoX)\n"
+     "pairs (x[i], x[i + D/2]): (xe*c - xo*s, xe*s + xo*c) in fp32, rounded once.  In place with out=x.\n"
+     QK_DENSE_DOC},
+    {"linear_raw", (PyCFunction)(void (*)(void))qk_op_linear, METH_FASTCALL | METH_KEYWORDS,
+     "linear_raw(x, weight, bias=None, *, out=None, stream=None)\n--\n\n" QK_RAW_DOC},
+    {"linear", (PyCFunction)(void (*)(void))qk_public_linear, METH_FASTCALL | METH_KEYWORDS,
+     "linear(x, weight, bias=None, *, out=None, backend=None)\n--\n\n"
+     "x @ weight^T + bias.\n\n"
+     "x [M, K] (or [K], giving [N]), weight [N, K], bias [N] -> [M, N]; fp32 accumulation, bias added in\n"
+     "fp32, one rounding.\n" QK_DENSE_DOC},
+    {"swiglu_raw", (PyCFunction)(void (*)(void))qk_op_swiglu, METH_FASTCALL | METH_KEYWORDS,
+     "swiglu_raw(x, up_weight, gate_weight, *, out=None, stream=None)\n--\n\n" QK_RAW_DOC},
+    {"swiglu", (PyCFunction)(void (*)(void))qk_public_swiglu, METH_FASTCALL | METH_KEYWORDS,
+     "swiglu(x, up_weight, gate_weight, *, out=None, backend=None)\n--\n\n"
+     "The gated MLP's first half in one pass: linear(x, up_weight) * silu(linear(x, gate_weight)).\n\n"
+     "x [M, K] (or [K]), up_weight and gate_weight [N, K] -> [M, N] (or [N]); fp32 throughout\n"
+     "(silu(g) = g / (1 + exp(-g))), one rounding.\n" QK_DENSE_DOC},
     {"_install_dispatch", (PyCFunction)(void (*)(void))qk_install_dispatch, METH_FASTCALL | METH_KEYWORDS,
      "_install_dispatch(context, direct_ops, direct_types, fallbacks)\n--\n\n"
      "Hand the Python dispatcher's state to the public entry points (called by qkernels at import)."},

@@ -134,6 +134,10 @@ int qk_check_dtype_float(const char *op, const char *arg, const qk_view *v);
 int qk_check_same_dtype(const char *op, const char *arg, const qk_view *v, const char *owner, const qk_view *ref);
 int qk_check_dim(const char *op, const char *arg, const qk_view *v, int dim, int64_t expected,
                  const char *layout);
+/* the LLM ops: bfloat16 or float16 anywhere, float32 too on cpu */
+int qk_check_dtype_llm(const char *op, const char *arg, const qk_view *v);
+/* the last dimension is unit-stride (or has at most one element) */
+int qk_check_inner_unit(const char *op, const char *arg, const qk_view *v);
 
 /* dispatch.c: the public entry points' zero-lookup path */
 PyObject *qk_install_dispatch(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
@@ -147,6 +151,16 @@ PyObject *qk_public_sparse_aggregate(PyObject *module, PyObject *const *args, Py
 PyObject *qk_public_edge_features(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *qk_public_norm_residual(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *qk_public_graph_bce(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *qk_public_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *qk_public_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *qk_op_rotary(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *qk_op_linear(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *qk_op_swiglu(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *qk_public_rotary(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *qk_public_linear(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *qk_public_swiglu(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 
 /* Keep a pending exception across calls that may run Python code (3.12 deprecates PyErr_Fetch). */
 #if PY_VERSION_HEX >= 0x030C0000

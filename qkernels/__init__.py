@@ -29,6 +29,8 @@ from ._dispatch import (
     use_backend,
 )
 from .ops import fused_edge_features, fused_norm_residual, graph_norm_bce, sparse_aggregate
+from .ops import attn_decode, attn_paged_decode
+from .ops import linear, rotary_emb, swiglu
 
 __version__ = "0.1.0"
 
@@ -36,6 +38,8 @@ __all__ = [
     "AVAILABLE", "BACKENDS", "FAMILIES", "Decision", "ExplicitSelectionError", "FallbackWarning", "Tensor",
     "__version__", "explain", "from_dlpack", "fused_edge_features", "fused_norm_residual", "graph_norm_bce", "info",
     "reload_env", "resolve", "sparse_aggregate", "use_backend",
+    "attn_decode", "attn_paged_decode",
+    "linear", "rotary_emb", "swiglu",
 ]
 
 

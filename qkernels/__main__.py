@@ -69,12 +69,92 @@ def _numpy_graph_bce(lg, t, eg, g):
     return np.array(np.mean(np.bincount(eg, v, g) / np.maximum(np.bincount(eg, minlength=g), 1)))
 
 
+def _sample_rotary_emb(rng, t=64, h=8, d=128):
+    angles = rng.standard_normal((t, d // 2))
+    return (rng.standard_normal((t, h, d)).astype(np.float32),
+            np.stack([np.cos(angles), np.sin(angles)], -1).astype(np.float32))
+
+
+def _numpy_rotary_emb(x, freqs):
+    x = x.astype(np.float64)
+    c, s = freqs[:, None, :, 0], freqs[:, None, :, 1]  # [T, 1, D/2]
+    xe, xo = x[..., 0::2], x[..., 1::2]
+    return np.stack([xe * c - xo * s, xe * s + xo * c], -1).reshape(x.shape)
+
+
+def _sample_linear(rng, m=16, n=1024, k=1024):
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+    return rng.standard_normal((m, k)).astype(np.float32), w, rng.standard_normal(n).astype(np.float32)
+
+
+def _numpy_linear(x, w, b):
+    return x.astype(np.float64) @ w.T.astype(np.float64) + b
+
+
+def _sample_swiglu(rng, m=16, n=2048, k=1024):
+    return tuple(_sample_linear(rng, m, n, k)[:2]) + ((rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32),)
+
+
+def _numpy_swiglu(x, up, gate):
+    u, g = _numpy_linear(x, up, 0.0), _numpy_linear(x, gate, 0.0)
+    return u * g / (1 + np.exp(-g))
+
+
+def _sample_attn_decode(rng, b=4, l=1024, hq=32, hkv=8, d=128):
+    return tuple(rng.standard_normal(shape).astype(np.float32) for shape in ((b, 1, hq, d), (b, l, hkv, d), (b, l, hkv, d)))
+
+
+def _numpy_attn_decode(q, k, v):
+    g = q.shape[2] // k.shape[2]
+    k, v = (np.repeat(a.astype(np.float64), g, axis=2) for a in (k, v))
+    s = np.einsum("bhd,blhd->bhl", q[:, 0].astype(np.float64), k) / np.sqrt(q.shape[-1])
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (np.einsum("bhl,blhd->bhd", p, v) / p.sum(-1, keepdims=True))[:, None]
+
+
+def _sample_attn_paged_decode(rng, b=4, hq=32, hkv=8, d=128, max_ctx=1024):
+    """Sequence i is request rpi[i]; its tokens sit at randomly permuted slots of the pool."""
+    lens = rng.integers(1, max_ctx + 1, b)
+    slots, rpi = rng.permutation(int(lens.sum())), rng.permutation(b)
+    r2t = np.zeros((b, max_ctx), np.int32)
+    indptr = np.concatenate([[0], np.cumsum(lens)])
+    for i in range(b):
+        r2t[rpi[i], :lens[i]] = slots[indptr[i]:indptr[i + 1]]
+    pool = (len(slots), hkv, d)
+    return (rng.standard_normal((b, hq, d)).astype(np.float32), rng.standard_normal(pool).astype(np.float32),
+            rng.standard_normal(pool).astype(np.float32), r2t, rpi.astype(np.int32), indptr.astype(np.int32))
+
+
+def _numpy_attn_paged_decode(q, kc, vc, r2t, rpi, indptr):
+    out = np.zeros(q.shape)
+    for i in range(len(q)):
+        slots = r2t[rpi[i], :indptr[i + 1] - indptr[i]]
+        out[i] = _numpy_attn_decode(q[i:i + 1, None], kc[slots][None], vc[slots][None])[0, 0]
+    return out
+
+
 SAMPLES = {
     "sparse_aggregate": (_sample_sparse_aggregate, _numpy_sparse_aggregate),
     "fused_edge_features": (_sample_edge_features, _numpy_edge_features),
     "fused_norm_residual": (_sample_norm_residual, _numpy_norm_residual),
     "graph_norm_bce": (_sample_graph_bce, _numpy_graph_bce),
+    "rotary_emb": (_sample_rotary_emb, _numpy_rotary_emb),
+    "linear": (_sample_linear, _numpy_linear),
+    "swiglu": (_sample_swiglu, _numpy_swiglu),
+    "attn_decode": (_sample_attn_decode, _numpy_attn_decode),
+    "attn_paged_decode": (_sample_attn_paged_decode, _numpy_attn_paged_decode),
 }
+
+# Ops whose CUDA kernels take 16-bit floats: the dtype of each argument on the device (None: as
+# sampled; CuPy has no bfloat16, so it gets float16), and the self-check's tolerance there.
+DEVICE_DTYPES = {
+    "rotary_emb": ("bfloat16", None),
+    "linear": ("bfloat16",) * 3,
+    "swiglu": ("bfloat16",) * 3,
+    "attn_decode": ("bfloat16",) * 3,
+    "attn_paged_decode": ("bfloat16",) * 3 + (None,) * 3,
+}
+DEVICE_TOLERANCE = 2e-2  # bfloat16 inputs and output: ~2^-9 relative each
 
 
 def _device_framework():
@@ -91,22 +171,30 @@ def _device_framework():
     return None
 
 
-def _to_device(arrays, fw):
-    """Arrays to CUDA tensors of fw; plain Python values (num_graphs) pass through."""
+def _to_device(arrays, fw, dtypes=None):
+    """Arrays to CUDA tensors of fw (cast to dtypes[i] where given); plain Python values
+    (num_graphs) pass through."""
+    dtypes = dtypes or (None,) * len(arrays)
     if fw == "torch":
         import torch
 
-        return tuple(torch.from_numpy(a).cuda() if isinstance(a, np.ndarray) else a for a in arrays)
+        def move(a, dt):
+            t = torch.from_numpy(a).cuda()
+            return t.to(getattr(torch, dt)) if dt else t
+
+        return tuple(move(a, dt) if isinstance(a, np.ndarray) else a for a, dt in zip(arrays, dtypes))
     import cupy
 
-    return tuple(cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in arrays)
+    return tuple(cupy.asarray(a).astype(dt.replace("bfloat16", "float16") if dt else a.dtype)
+                 if isinstance(a, np.ndarray) else a for a, dt in zip(arrays, dtypes))
 
 
 def _to_numpy(x):
     if hasattr(x, "get"):
         return x.get()
     if type(x).__module__.startswith("torch"):
-        return x.cpu().numpy()
+        x = x.cpu()
+        return (x.float() if x.dtype.itemsize == 2 and x.is_floating_point() else x).numpy()
     return np.asarray(x)
 
 
@@ -148,16 +236,22 @@ def selfcheck():
     for op, (make, numpy_ref) in SAMPLES.items():
         fn = getattr(qkernels, op)
         host = make(rng)
-        args = _to_device(host, fw) if fw else host
+        half = bool(fw) and op in DEVICE_DTYPES
+        args = _to_device(host, fw, DEVICE_DTYPES.get(op)) if fw else host
         best = _dispatch.resolve(op, *args).winner
-        out = _to_numpy(fn(*args))
-        if best == "cpu":
+        try:
+            out = _to_numpy(fn(*args))
+        except Exception as e:  # a missing kernel fails this op, not the whole check
+            ok = False
+            print(f"  {op:<20} {best:<5} raised {type(e).__name__}: {e}  FAIL")
+            continue
+        if best == "cpu" and not half:
             ref, against = numpy_ref(*host), "float64 NumPy"
         else:
             ref, against = fn(*host, backend="cpu"), "cpu backend"
         ref = np.asarray(ref, dtype=np.float64)
         err = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-        passed = bool(np.isfinite(out).all() and err < 1e-5)
+        passed = bool(np.isfinite(out).all() and err < (DEVICE_TOLERANCE if half else 1e-5))
         ok &= passed
         print(f"  {op:<20} {best:<5} vs {against:<14} rel err {err:.2e}  {'PASS' if passed else 'FAIL'}")
     if fw:  # the dropout mask must be the same on both backends for one seed
@@ -181,9 +275,13 @@ def timing(repeats=20):
         host = make(rng)
         runs = [("cpu", host, None)]
         if fw:
-            runs.insert(0, ("cuda", _to_device(host, fw), fw))
+            runs.insert(0, ("cuda", _to_device(host, fw, DEVICE_DTYPES.get(op)), fw))
         for backend, args, sync_fw in runs:
-            fn(*args, backend=backend)
+            try:
+                fn(*args, backend=backend)
+            except Exception as e:
+                print(f"  {op:<20} {backend:<8} {sync_fw or 'numpy':<8} {type(e).__name__}: {e}")
+                continue
             times = []
             for _ in range(repeats):
                 _sync(sync_fw)
@@ -199,7 +297,7 @@ def explain(op):
         sys.exit(f"--explain: unknown op {op!r}; ops: {', '.join(SAMPLES)}")
     fw = _device_framework()
     host = SAMPLES[op][0](np.random.default_rng(0))
-    args = _to_device(host, fw) if fw else host
+    args = _to_device(host, fw, DEVICE_DTYPES.get(op)) if fw else host
     print(qkernels.explain(op, *args))
 
 

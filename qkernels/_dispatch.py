@@ -35,7 +35,29 @@ OPS = {
     "fused_edge_features": ("edge_features", 0, "x", True),
     "fused_norm_residual": ("norm_residual", 0, "x", True),
     "graph_norm_bce": ("graph_bce", 0, "logits", True),
+    # cuda takes bfloat16/float16 only, so float32 on a GPU goes to cpu: the chain is not the device
+    "rotary_emb": ("rotary", 0, "x", False),
+    "linear": ("linear", 0, "x", False),
+    "swiglu": ("swiglu", 0, "x", False),
+    # cuda, flash or cpu by head_dim, mask and dtype: the chain is not the device either
+    "attn_decode": ("attention", 0, "q", False),
+    "attn_paged_decode": ("attention", 0, "q", False),
 }
+
+
+def _attention_axes(paged):
+    def axes(args, kwargs):
+        q = args[0] if args else kwargs.get("q")
+        shape = getattr(q, "shape", None)  # a raw capsule has none: the kernel layer checks it
+        return (("head_dim", int(shape[-1]) if shape else "unknown"), ("has_mask", kwargs.get("mask") is not None),
+                ("paged", paged))
+
+    return axes
+
+
+# Axes a predicate needs beyond the deciding tensor's framework, device and dtype, read from the
+# call's arguments: op -> fn(args, kwargs) -> ((name, value), ...).  They are part of the cache key.
+CALL_AXES = {"attn_decode": _attention_axes(False), "attn_paged_decode": _attention_axes(True)}
 
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "bool")
 
@@ -61,8 +83,9 @@ def framework_name(x):
 
 # ---- backends: availability and per-family predicates ---------------------------------------
 
-def _req(description, test):
-    return (description, test)
+def _req(description, test, failure=None):
+    """A predicate term; a failing call is reported as `failure` when given, else "requires ...; got ..."."""
+    return (description, test, failure)
 
 
 _ON_CUDA = _req("inputs on a CUDA device", lambda a: a["device"] == "cuda")
@@ -77,14 +100,36 @@ _PREDICATES = {
         "graph_bce": [_ON_CUDA, _CUDA_FLOATS],
     },
     "flash": {
+        # flash_attn.flash_attn_with_kvcache: contiguous [B, Lkv, Hkv, D] caches with cache_seqlens
         "attention": [
+            _req("no token-pool paging", lambda a: not a.get("paged"),
+                 "token-pool paging (req_to_token) is not supported by flash_attn_with_kvcache"),
             _req("torch tensors", lambda a: a["framework"] == "torch"),
             _req("inputs on a CUDA device", lambda a: a["device"] == "cuda"),
             _req("dtype float16 or bfloat16", lambda a: a["dtype"] in ("float16", "bfloat16")),
+            _req("head_dim <= 256 and a multiple of 8",
+                 lambda a: isinstance(a.get("head_dim"), int) and a["head_dim"] <= 256 and a["head_dim"] % 8 == 0),
+            _req("no mask", lambda a: not a.get("has_mask"),
+                 "a bool mask is not supported by flash_attn_with_kvcache (kv_lens is)"),
         ],
     },
     "cpu": {family: [_FLOAT32] for family in GRAPH_FAMILIES},
 }
+
+# The dense LLM ops: our CUDA kernels take bfloat16/float16, the C CPU kernels float32 too.
+_HALVES = _req("dtype float16 or bfloat16", lambda a: a["dtype"] in ("float16", "bfloat16"))
+for _family in ("rotary", "linear", "swiglu"):
+    _PREDICATES["cuda"][_family] = [_ON_CUDA, _HALVES]
+    _PREDICATES["cpu"][_family] = [_CUDA_FLOATS]
+
+# Attention: our CUDA kernels take bfloat16/float16 at head_dim 32/64/128/256 (an unknown head_dim,
+# from a raw capsule, is left to the kernel layer to check); the C CPU kernels float32 too, any D.
+_PREDICATES["cuda"]["attention"] = [
+    _ON_CUDA,
+    _req("dtype float16 or bfloat16", lambda a: a["dtype"] in ("float16", "bfloat16")),
+    _req("head_dim 32, 64, 128 or 256", lambda a: a.get("head_dim") in (32, 64, 128, 256, "unknown")),
+]
+_PREDICATES["cpu"]["attention"] = [_CUDA_FLOATS]
 
 _availability = {}
 _describe = _C.describe
@@ -112,9 +157,12 @@ def _check(backend, family, axes):
     preds = _PREDICATES[backend].get(family)
     if preds is None:
         return f"no {backend} kernel for family '{family}'"
-    for description, test in preds:
+    for description, test, *failure in preds:
         if not test(axes):
-            return f"requires {description}; got {axes['framework']} {axes['device']} {axes['dtype']}"
+            if failure and failure[0]:
+                return failure[0]
+            got = " ".join(str(v) if k in ("framework", "device", "dtype") else f"{k}={v}" for k, v in axes.items())
+            return f"requires {description}; got {got}"
     return None
 
 
@@ -258,9 +306,10 @@ class Decision:
     __repr__ = __str__
 
 
-def _decide(op, x, explicit):
+def _decide(op, x, explicit, extra=()):
     family = OPS[op][0]
     axes = _axes_from_code(_C.describe(x), framework_name(x))
+    axes.update(extra)
     d = Decision(op=op, family=family, axes=axes)
     for b in BACKENDS:
         ok, why = backend_available(b)
@@ -306,7 +355,8 @@ def resolve(op, *args, backend=None, **kwargs):
     x = args[idx] if len(args) > idx else kwargs.get(arg)
     if x is None:
         raise TypeError(f"resolve: {op} needs its argument {arg!r} to decide")
-    return _decide(op, x, backend)
+    axes = CALL_AXES.get(op)
+    return _decide(op, x, backend, axes(args, kwargs) if axes else ())
 
 
 def explain(op, *args, backend=None, **kwargs):
@@ -338,16 +388,16 @@ def _is_direct(x, staged):
     return hasattr(type(x), "__dlpack_c_exchange_api__") and _C._configure()["use_exchange_api"]
 
 
-def choose(op, x, explicit):
-    """Hot path: the Plan for a call whose deciding tensor is x."""
-    key = (op, type(x), _describe(x), explicit, _ctx.get()[1])
+def choose(op, x, explicit, extra=()):
+    """Hot path: the Plan for a call whose deciding tensor is x (extra: the CALL_AXES values)."""
+    key = (op, type(x), _describe(x), explicit, _ctx.get()[1], extra)
     hit = _cache.get(key)
     if hit is not None:
         return hit
-    d = _decide(op, x, explicit)
+    d = _decide(op, x, explicit, extra)
     if d.winner is None:
         raise ExplicitSelectionError(d.error)
-    hit = Plan((d.winner, d.staged, _is_direct(x, d.staged)))
+    hit = Plan((d.winner, d.staged, d.winner != "flash" and _is_direct(x, d.staged)))
     if hit.direct:
         direct_types.add(type(x))
     if len(_cache) > 4096:

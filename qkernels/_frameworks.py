@@ -38,6 +38,10 @@ class Framework:
     def from_host(self, arr, like, out):
         raise TypeError(f"cannot stage {type(like).__name__} through host memory")
 
+    def copy_back(self, dev, host):
+        """Write a staged input that the op changed (host) back into the device tensor dev."""
+        raise TypeError(f"cannot write {type(dev).__name__} back from host memory")
+
 
 class Torch(Framework):
     name = "torch"
@@ -58,6 +62,9 @@ class Torch(Framework):
     def from_host(self, arr, like, out):
         r = self.torch.from_dlpack(arr).to(like.device, non_blocking=True)
         return out.copy_(r) if out is not None else r
+
+    def copy_back(self, dev, host):
+        dev.copy_(host)
 
 
 class Numpy(Framework):
@@ -89,6 +96,9 @@ class Cupy(Framework):
             out[...] = r
             return out
         return r
+
+    def copy_back(self, dev, host):
+        dev[...] = self.cupy.asarray(host)
 
 
 class Jax(Framework):
@@ -128,14 +138,15 @@ def framework_of(x):
     return fw
 
 
-def run(op, fn, args, kwargs, like, staged):
-    """Run fn(*args, **kwargs, stream=...) and hand the result back in like's framework."""
+def run(op, fn, args, kwargs, like, staged, written=()):
+    """Run fn(*args, **kwargs, stream=...) and hand the result back in like's framework.  written:
+    the (position, name) of inputs the op changes, copied back when staged."""
     fw = framework_of(like)
     out = kwargs.get("out")
     if out is not None:
         fw.check_out(out)
     if staged:
-        return _run_staged(op, fw, fn, args, kwargs, like)
+        return _run_staged(op, fw, fn, args, kwargs, like, written)
     stream = fw.stream(like)
     r = fn(*args, **kwargs) if stream is None else fn(*args, **kwargs, stream=stream)
     return fw.wrap(r, like) if type(r) is Tensor else r
@@ -144,12 +155,17 @@ def run(op, fn, args, kwargs, like, staged):
 _staging_warned = set()
 
 
-def _run_staged(op, fw, fn, args, kwargs, like):
+def _run_staged(op, fw, fn, args, kwargs, like, written):
     if (op, fw.name) not in _staging_warned:
         _staging_warned.add((op, fw.name))
         warnings.warn(f"{op}: the cpu backend runs this call on {fw.name} device tensors by copying them "
                       f"through host memory; this is slow", FallbackWarning, stacklevel=4)
     host = [fw.to_host(a) for a in args]
-    kw = {k: v for k, v in kwargs.items() if k != "out"}
+    kw = {k: fw.to_host(v) for k, v in kwargs.items() if k != "out"}  # masks, lengths, new_k
     r = fn(*host, **kw)
+    for position, name in written:
+        if position < len(args):
+            fw.copy_back(args[position], host[position])
+        else:
+            fw.copy_back(kwargs[name], kw[name])
     return fw.from_host(r, like, kwargs.get("out"))

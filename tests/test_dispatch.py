@@ -168,3 +168,180 @@ def test_decision_is_cached_and_explain_prints(env, args, capsys):
 def test_resolve_validates_op():
     with pytest.raises(ValueError, match="unknown op 'spmm'"):
         qkernels.resolve("spmm")
+
+
+# ---- the attention family: head_dim/mask/paging axes and the flash backend ------------------
+
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+
+class FakeCudaTensor:
+    """What the dispatcher sees of a torch CUDA tensor (framework, device, dtype, shape), without a
+    GPU: enough to decide, and for the flash backend to pass it on."""
+
+    def __init__(self, shape, dtype="bfloat16"):
+        self.shape = tuple(shape)
+        self.dtype = f"torch.{dtype}"
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def stride(self, dim):
+        return 1
+
+
+FakeCudaTensor.__module__ = "torch.fake"  # framework "torch"
+
+
+def fake_decode(B=2, L=16, Hq=8, Hkv=2, D=128, dtype="bfloat16"):
+    return (FakeCudaTensor((B, 1, Hq, D), dtype), FakeCudaTensor((B, L, Hkv, D), dtype),
+            FakeCudaTensor((B, L, Hkv, D), dtype))
+
+
+@pytest.fixture
+def fake_flash(monkeypatch):
+    """A flash_attn module whose flash_attn_with_kvcache records its calls; the dispatcher probes it
+    as installed."""
+    calls = []
+    mod = types.ModuleType("flash_attn")
+    mod.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
+
+    def flash_attn_with_kvcache(q, k_cache, v_cache, **kw):
+        calls.append((q, k_cache, v_cache, kw))
+        return "flash result"
+
+    mod.flash_attn_with_kvcache = flash_attn_with_kvcache
+    monkeypatch.setitem(sys.modules, "flash_attn", mod)
+    monkeypatch.delitem(_dispatch._availability, "flash", raising=False)
+    _dispatch._cache.clear()
+    yield calls
+    monkeypatch.undo()
+    _dispatch._cache.clear()
+
+
+def statuses(d):
+    return {b: (s, why) for b, s, why in d.candidates}
+
+
+def test_attention_axes_and_cpu_chain(env):
+    env()
+    q, k, v = (np.zeros(s, np.float32) for s in ((2, 1, 8, 40), (2, 5, 2, 40), (2, 5, 2, 40)))
+    d = qkernels.resolve("attn_decode", q, k, v, mask=np.ones((2, 5), bool))
+    assert d.axes == {"framework": "numpy", "device": "cpu", "dtype": "float32", "head_dim": 40, "has_mask": True,
+                      "paged": False}
+    assert d.winner == "cpu" and statuses(d)["cpu"][0] == "MATCH"
+    assert "head_dim=40 has_mask=True paged=False" in str(d)
+    d = qkernels.resolve("attn_paged_decode", q[:, 0], k[0], v[0], None, None, None)
+    assert d.axes["paged"] is True and d.axes["has_mask"] is False and d.winner == "cpu"
+
+
+def test_astr_backend_selects_attention(env, monkeypatch):
+    q, k, v = (np.zeros(s, np.float32) for s in ((1, 1, 2, 8), (1, 3, 1, 8), (1, 3, 1, 8)))
+    env(ASTR_BACKEND="cpu")
+    d = qkernels.resolve("attn_decode", q, k, v)
+    assert d.winner == "cpu" and d.origin == "env ASTR_BACKEND"
+    env(ASTR_BACKEND="cuda")
+    with pytest.raises(ExplicitSelectionError, match="attn_decode: backend 'cuda' selected by env ASTR_BACKEND cannot "
+                                                     "run family 'attention'"):
+        qkernels.attn_decode(q, k, v)
+    monkeypatch.delenv("ASTR_BACKEND")
+    env(QECDEC_BACKEND="cuda")  # the graph variable leaves attention alone
+    assert qkernels.resolve("attn_decode", q, k, v).origin == "chain"
+
+
+def test_flash_predicate_reasons(env, fake_flash):
+    env()
+    d = qkernels.resolve("attn_decode", *fake_decode())
+    assert statuses(d)["flash"] == ("MATCH", "")
+    cuda_ok = qkernels.backend_available("cuda")[0]
+    assert d.winner == ("cuda" if cuda_ok else "flash")  # chain order: cuda, flash, cpu
+    reasons = {
+        "mask": ({"mask": FakeCudaTensor((2, 16), "bool")},
+                 "a bool mask is not supported by flash_attn_with_kvcache (kv_lens is)"),
+        "head_dim": ({}, "requires head_dim <= 256 and a multiple of 8; got torch cuda bfloat16 head_dim=36 "
+                         "has_mask=False paged=False"),
+        "dtype": ({}, "requires dtype float16 or bfloat16; got torch cuda float32"),
+    }
+    d = qkernels.resolve("attn_decode", *fake_decode(), **reasons["mask"][0])
+    assert statuses(d)["flash"] == ("reject", reasons["mask"][1])
+    d = qkernels.resolve("attn_decode", *fake_decode(D=36))
+    assert statuses(d)["flash"] == ("reject", reasons["head_dim"][1])
+    assert statuses(d)["cuda"][0] in ("unavailable", "reject")
+    if cuda_ok:
+        assert "requires head_dim 32, 64, 128 or 256" in statuses(d)["cuda"][1]
+    d = qkernels.resolve("attn_decode", *fake_decode(dtype="float32"))
+    assert statuses(d)["flash"][1].startswith(reasons["dtype"][1])
+    d = qkernels.resolve("attn_decode", *(np.zeros((2, 1, 8, 64), np.float32),) * 3)
+    assert statuses(d)["flash"][1].startswith("requires torch tensors; got numpy cpu float32")
+    # paging is what flash_attn_with_kvcache lacks, whatever the tensors
+    q, k, v = fake_decode()
+    d = qkernels.resolve("attn_paged_decode", FakeCudaTensor((2, 8, 128)), k, v, None, None, None)
+    assert statuses(d)["flash"] == ("reject", "token-pool paging (req_to_token) is not supported by "
+                                              "flash_attn_with_kvcache")
+    assert "flash  reject: token-pool paging" in str(d)
+
+
+def test_flash_receives_the_call(env, fake_flash):
+    env()
+    q, k, v = fake_decode(D=96)  # not a cuda head_dim: the chain goes to flash on any machine
+    assert qkernels.resolve("attn_decode", q, k, v).winner == "flash"
+    assert qkernels.attn_decode(q, k, v) == "flash result"
+    (cq, ck, cv, kw), = fake_flash
+    assert cq is q and ck is k and cv is v and kw == {"cache_seqlens": None, "softmax_scale": None}
+
+    class Out:
+        def copy_(self, src):
+            self.got = src
+
+    out = Out()
+    assert qkernels.attn_decode(*fake_decode(), out=out, scale=0.5, backend="flash") is out
+    assert out.got == "flash result" and fake_flash[-1][3]["softmax_scale"] == 0.5
+    with qkernels.use_backend(llm="flash"):
+        qkernels.attn_decode(*fake_decode(D=128))
+    assert len(fake_flash) == 3
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_flash_kv_lens_are_clamped_int32(env, fake_flash):
+    import torch
+
+    env(ASTR_BACKEND="flash")
+    qkernels.attn_decode(*fake_decode(L=16), kv_lens=torch.tensor([3, 100, -2]))
+    seqlens = fake_flash[-1][3]["cache_seqlens"]
+    assert seqlens.dtype == torch.int32 and seqlens.tolist() == [3, 16, 0]
+
+
+def test_flash_strict_selection_names_the_reason(env, fake_flash):
+    env(ASTR_BACKEND="flash")
+    q, k, v = fake_decode()
+    with pytest.raises(ExplicitSelectionError, match=r"attn_paged_decode: backend 'flash' selected by env ASTR_BACKEND "
+                                                     r"cannot run family 'attention' for this call: token-pool paging "
+                                                     r"\(req_to_token\) is not supported by flash_attn_with_kvcache"):
+        qkernels.attn_paged_decode(FakeCudaTensor((2, 8, 128)), k, v, None, None, None)
+    with pytest.raises(ExplicitSelectionError, match="a bool mask is not supported by flash_attn_with_kvcache"):
+        qkernels.attn_decode(q, k, v, mask=FakeCudaTensor((2, 16), "bool"))
+    with pytest.raises(ExplicitSelectionError, match="'flash' selected by explicit .*requires torch tensors"):
+        qkernels.attn_decode(*(np.zeros((1, 1, 2, 64), np.float32),) * 3, backend="flash")
+    assert not fake_flash  # nothing reached flash_attn
+
+
+def test_flash_decisions_are_cached_per_axes(env, fake_flash):
+    env()
+    q, k, v = fake_decode(D=96)
+    _dispatch._cache.clear()
+    qkernels.attn_decode(q, k, v)
+    assert len(_dispatch._cache) == 1 and len(fake_flash) == 1
+    # the same tensors with a mask are another decision, not the cached one
+    with pytest.raises(ExplicitSelectionError, match="a bool mask is not supported"):
+        qkernels.attn_decode(q, k, v, mask=FakeCudaTensor((2, 16), "bool"), backend="flash")
+    assert len(fake_flash) == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash_attn is installed here")
+def test_flash_unavailable_without_the_package(env):
+    env()
+    d = qkernels.resolve("attn_decode", *fake_decode())
+    assert statuses(d)["flash"] == ("unavailable", "the flash_attn package is not installed")

@@ -149,3 +149,133 @@ def test_tensor_dlpack_arguments():
         t.__dlpack__(max_version=1)
     with pytest.raises(TypeError):
         qkernels.Tensor()
+
+
+# ---- attn_decode / attn_paged_decode --------------------------------------------------------
+
+def decode_args(B=2, L=5, Hq=4, Hkv=2, D=8):
+    rng = np.random.default_rng(5)
+    return [rng.standard_normal((B, 1, Hq, D)).astype(np.float32),
+            rng.standard_normal((B, L, Hkv, D)).astype(np.float32),
+            rng.standard_normal((B, L, Hkv, D)).astype(np.float32)]
+
+
+@pytest.mark.parametrize("pos,value,exc,msg", [
+    (0, np.ones((2, 1, 4, 8), np.float64), TypeError, "attn_decode: q must be bfloat16 or float16 or float32, got float64"),
+    (1, np.ones((2, 5, 2, 8), np.float16), TypeError, r"attn_decode: k must have q's dtype \(float32\), got float16"),
+    (2, np.ones((2, 5, 2, 8), np.int32), TypeError, r"attn_decode: v must have q's dtype \(float32\), got int32"),
+    (0, np.ones((2, 4, 8), np.float32), ValueError, r"attn_decode: q must have 4 dimensions \[B, 1, Hq, D\], got shape \[2, 4, 8\]"),
+    (0, np.ones((2, 2, 4, 8), np.float32), ValueError, r"attn_decode: q must have shape \[B, 1, Hq, D\] = \[2, 1, 4, 8\] with size 1 in dimension 1"),
+    (1, np.ones((3, 5, 2, 8), np.float32), ValueError, r"attn_decode: k must have shape \[B, Lkv, Hkv, D\] = \[2, 5, 2, 8\] with size 2 in dimension 0"),
+    (1, np.ones((2, 5, 2, 6), np.float32), ValueError, r"attn_decode: k must have shape .* with size 8 in dimension 3"),
+    (2, np.ones((2, 6, 2, 8), np.float32), ValueError, r"attn_decode: v must have shape \[B, Lkv, Hkv, D\] = \[2, 5, 2, 8\] with size 5 in dimension 1"),
+    ((1, 2), np.ones((2, 5, 3, 8), np.float32), ValueError, r"attn_decode: the query heads of q \(Hq = 4\) must be a multiple of the kv heads of k \(Hkv = 3"),
+    (0, np.ones((2, 1, 4, 16), np.float32)[..., ::2], ValueError, r"attn_decode: q must be unit-stride in its last dimension.*got stride 2"),
+    (1, np.ones((2, 5, 2, 16), np.float32)[..., 1::2], ValueError, r"attn_decode: k must be unit-stride in its last dimension"),
+    (2, "v", TypeError, "attn_decode: v must be a tensor supporting DLPack"),
+])
+def test_decode_bad_argument(pos, value, exc, msg):
+    args = decode_args()
+    for p in pos if isinstance(pos, tuple) else (pos,):
+        args[p] = value
+    with pytest.raises(exc, match=msg):
+        qkernels.attn_decode(*args)
+
+
+@pytest.mark.parametrize("kw,exc,msg", [
+    (dict(kv_lens=np.ones(2, np.float32)), TypeError, "attn_decode: kv_lens must be int32 or int64, got float32"),
+    (dict(kv_lens=np.ones(3, np.int32)), ValueError, r"attn_decode: kv_lens must have shape \[B\] = \[2\]"),
+    (dict(kv_lens=np.ones((2, 1), np.int32)), ValueError, r"attn_decode: kv_lens must have 1 dimensions \[B\]"),
+    (dict(mask=np.ones((2, 5), np.float32)), TypeError, r"attn_decode: mask must be bool \(True = keep\), got float32"),
+    (dict(mask=np.ones((2, 5), np.uint8)), TypeError, "attn_decode: mask has an unsupported dtype"),
+    (dict(mask=np.ones((2, 4), bool)), ValueError, r"attn_decode: mask must have shape \[B, Lkv\] = \[2, 5\] with size 5 in dimension 1"),
+    (dict(mask=np.ones((2, 2, 5), bool)), ValueError, r"attn_decode: mask must have shape \[B, 1, Lkv\] = \[2, 1, 5\] with size 1 in dimension 1"),
+    (dict(mask=np.ones(5, bool)), ValueError, r"attn_decode: mask must have 2 dimensions \[B, Lkv\] or \[B, 1, Lkv\]"),
+    (dict(scale="x"), TypeError, "attn_decode: scale must be a float or None, got str"),
+    (dict(scale=float("nan")), ValueError, "attn_decode: scale must be finite"),
+    (dict(out=np.zeros((2, 1, 4, 8), np.float64)), TypeError, "attn_decode: out must be float32, got float64"),
+    (dict(out=np.zeros((2, 4, 8), np.float32)), ValueError, r"attn_decode: out must have shape \[2, 1, 4, 8\], got \[2, 4, 8\]"),
+    (dict(out=np.zeros((2, 1, 4, 16), np.float32)[..., ::2]), ValueError, "attn_decode: out must be unit-stride in its last dimension"),
+    (dict(kv_lenz=None), TypeError, r"attn_decode\(\) got an unexpected keyword argument 'kv_lenz'"),
+])
+def test_decode_bad_keyword(kw, exc, msg):
+    with pytest.raises(exc, match=msg):
+        qkernels.attn_decode(*decode_args(), **kw)
+
+
+def test_decode_read_only_out_and_mixed_devices():
+    args = decode_args()
+    out = np.zeros((2, 1, 4, 8), np.float32)
+    out.flags.writeable = False
+    with pytest.raises(BufferError, match="attn_decode: out is read-only"):
+        qkernels.attn_decode(*args, out=out)
+    cuda_k = Handmade(args[1], device_type=2, device_id=0)  # alive until its deleter has run
+    with pytest.raises(ValueError, match="attn_decode: all tensors must be on one device; q is on cpu but k is on cuda:0"):
+        qkernels._C.attn_decode_raw(args[0], cuda_k.capsule(), args[2])
+    cuda_mask = Handmade(np.ones((2, 5), bool), device_type=2, device_id=0)
+    with pytest.raises(ValueError, match="q is on cpu but mask is on cuda:0"):
+        qkernels._C.attn_decode_raw(*args, mask=cuda_mask.capsule())
+    assert cuda_k.deleted == 1 and cuda_mask.deleted == 1
+
+
+def test_decode_cuda_only_checks_on_a_claimed_cuda_tensor():
+    # float32 and head_dim 40 are cpu-only; the checks come before any device access.
+    # The Handmade owners outlive the tensors: their deleters run when the tensors go.
+    f32 = [Handmade(a, device_type=2) for a in decode_args(D=40)]
+    f16 = [Handmade(np.ones(a.shape, np.float16), device_type=2) for a in decode_args(D=40)]
+    with pytest.raises(TypeError, match="attn_decode: q must be bfloat16 or float16 on cuda"):
+        qkernels._C.attn_decode_raw(*[h.capsule() for h in f32])
+    with pytest.raises(ValueError, match="attn_decode: head_dim D = 40 is not supported on cuda; expected 32, 64, 128 or 256"):
+        qkernels._C.attn_decode_raw(*[h.capsule() for h in f16])
+    assert [h.deleted for h in f32 + f16] == [1] * 6
+
+
+def paged_args(B=2, S=10, R=3, max_ctx=6, Hq=4, Hkv=2, D=8):
+    rng = np.random.default_rng(6)
+    return [rng.standard_normal((B, Hq, D)).astype(np.float32), rng.standard_normal((S, Hkv, D)).astype(np.float32),
+            rng.standard_normal((S, Hkv, D)).astype(np.float32), np.zeros((R, max_ctx), np.int32),
+            np.array([2, 0], np.int64), np.array([0, 3, 5], np.int32)]
+
+
+@pytest.mark.parametrize("pos,value,exc,msg", [
+    (0, np.ones((2, 1, 4, 8), np.float32), ValueError, r"attn_paged_decode: q must have 3 dimensions \[B, Hq, D\]"),
+    (1, np.ones((10, 2, 8), np.float16), TypeError, r"attn_paged_decode: k_cache must have q's dtype \(float32\), got float16"),
+    (2, np.ones((10, 2, 4), np.float32), ValueError, r"attn_paged_decode: v_cache must have shape \[S, Hkv, D\] = \[10, 2, 8\] with size 8 in dimension 2"),
+    ((1, 2), np.ones((10, 3, 8), np.float32), ValueError, r"attn_paged_decode: the query heads of q \(Hq = 4\) must be a multiple of the kv heads of k_cache \(Hkv = 3"),
+    (3, np.zeros((3, 6), np.float32), TypeError, "attn_paged_decode: req_to_token must be int32 or int64, got float32"),
+    (3, np.zeros(6, np.int32), ValueError, r"attn_paged_decode: req_to_token must have 2 dimensions \[R, max_ctx\]"),
+    (4, np.array([0, 1, 2]), ValueError, r"attn_paged_decode: req_pool_indices must have shape \[B\] = \[2\]"),
+    (5, np.array([0, 3]), ValueError, r"attn_paged_decode: kv_indptr must have shape \[B \+ 1\] = \[3\]"),
+    (5, np.array([0., 3., 5.]), TypeError, "attn_paged_decode: kv_indptr must be int32 or int64, got float64"),
+    (1, np.ones((10, 2, 16), np.float32)[..., ::2], ValueError, "attn_paged_decode: k_cache must be unit-stride in its last dimension"),
+])
+def test_paged_bad_argument(pos, value, exc, msg):
+    args = paged_args()
+    for p in pos if isinstance(pos, tuple) else (pos,):
+        args[p] = value
+    with pytest.raises(exc, match=msg):
+        qkernels.attn_paged_decode(*args)
+
+
+def test_paged_new_kv_checks():
+    args = paged_args()
+    new = np.ones((2, 2, 8), np.float32)
+    with pytest.raises(TypeError, match="attn_paged_decode: new_k and new_v must be given together"):
+        qkernels.attn_paged_decode(*args, new_k=new)
+    with pytest.raises(ValueError, match=r"attn_paged_decode: new_v must have shape \[B, Hkv, D\] = \[2, 2, 8\]"):
+        qkernels.attn_paged_decode(*args, new_k=new, new_v=np.ones((2, 1, 8), np.float32))
+    with pytest.raises(TypeError, match=r"attn_paged_decode: new_k must have q's dtype \(float32\), got float16"):
+        qkernels.attn_paged_decode(*args, new_k=new.astype(np.float16), new_v=new)
+    with pytest.raises(ValueError, match=r"attn_paged_decode: mask must have shape \[B, max_ctx\] = \[2, 6\]"):
+        qkernels.attn_paged_decode(*args, mask=np.ones((2, 5), bool))
+    for i, name in ((1, "k_cache"), (2, "v_cache")):
+        a = list(args)
+        a[i] = a[i].copy()
+        a[i].flags.writeable = False
+        qkernels.attn_paged_decode(*a)  # read-only pools are fine when nothing is appended
+        with pytest.raises(BufferError, match=f"attn_paged_decode: {name} is read-only, but new_k/new_v are written into it"):
+            qkernels.attn_paged_decode(*a, new_k=new, new_v=new)
+    cuda_idx = Handmade(args[4], device_type=2, device_id=0)
+    with pytest.raises(ValueError, match="q is on cpu but req_pool_indices is on cuda:0"):
+        qkernels._C.attn_paged_decode_raw(*args[:4], cuda_idx.capsule(), args[5])
+    assert cuda_idx.deleted == 1

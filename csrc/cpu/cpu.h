@@ -17,6 +17,10 @@ int qk_sparse_aggregate_cpu(qk_sparse_aggregate_args *a, void *stream);
 int qk_edge_features_cpu(qk_edge_features_args *a, void *stream);
 int qk_norm_residual_cpu(qk_norm_residual_args *a, void *stream);
 int qk_graph_bce_cpu(qk_graph_bce_args *a, void *stream);
+int qk_attn_decode_cpu(qk_attn_decode_args *a, void *stream); /* both ops (a->paged) */
+int qk_rotary_cpu(qk_rotary_args *a, void *stream);
+int qk_linear_cpu(qk_linear_args *a, void *stream);
+int qk_swiglu_cpu(qk_linear_args *a, void *stream);
 
 static inline int64_t qk_index(const void *base, int dtype, int64_t pos, int64_t stride) {
     return dtype == QK_I32 ? (int64_t)((const int32_t *)base)[pos * stride] : ((const int64_t *)base)[pos * stride];

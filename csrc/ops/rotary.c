@@ -1,0 +1,87 @@
+/* rotary_emb(x, freqs_cis, *, interleaved=True, out=None, stream=None): argument checks, then the
+ * CPU or CUDA launcher by device.  In place when out is x. */
+#include "../qk.h"
+#include "../cpu/cpu.h"
+
+#define OP "rotary_emb"
+
+PyObject *qk_op_rotary(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"x", "freqs_cis", "interleaved", "out", "stream", NULL};
+    static const char *const in_names[] = {"x", "freqs_cis"};
+    qk_state *st = qk_get_state(module);
+    PyObject *a[5] = {NULL};
+    if (qk_parse_args(OP, args, nargs, kwnames, names, 2, 2, a) < 0) return NULL;
+    void *stream;
+    int stream_given;
+    if (qk_stream_arg(OP, a[4], &stream, &stream_given) < 0) return NULL;
+    const int interleaved = a[2] ? PyObject_IsTrue(a[2]) : 1;
+    if (interleaved < 0) return NULL;
+
+    qk_view in[2] = {{0}}, ov = {0};
+    qk_output o = {0};
+    qk_launch l = {0};
+    int ok = 0, launched = 0, n_in = 0;
+    for (; n_in < 2; n_in++)
+        if (qk_import(st, a[n_in], OP, in_names[n_in], stream, &in[n_in]) < 0) goto done;
+    if (qk_same_device(OP, in, in_names, 2) < 0) goto done;
+    qk_view *x = &in[0], *f = &in[1];
+    const int batched = x->ndim == 4;
+    if (x->ndim != 3 && x->ndim != 4) {
+        char got[160];
+        qk_shape_str(got, sizeof got, x->shape, x->ndim);
+        PyErr_Format(PyExc_ValueError, OP ": x must have 3 or 4 dimensions [T, H, D] or [B, S, H, D], got shape %s",
+                     got);
+        goto done;
+    }
+    if (qk_check_dtype_llm(OP, "x", x) < 0) goto done;
+    if (f->dtype != QK_F32) {
+        PyErr_Format(PyExc_TypeError, OP ": freqs_cis must be float32, got %s", qk_dtype_name(f->dtype));
+        goto done;
+    }
+    const int64_t B = batched ? x->shape[0] : 1, S = x->shape[x->ndim - 3], H = x->shape[x->ndim - 2],
+                  D = x->shape[x->ndim - 1];
+    if (D % 2) {
+        PyErr_Format(PyExc_ValueError, OP ": x's last dimension D = %lld must be even (pairs are rotated)",
+                     (long long)D);
+        goto done;
+    }
+    char layout[128];
+    if (batched)
+        snprintf(layout, sizeof layout, "[B, S, D/2, 2] = [%lld, %lld, %lld, 2]", (long long)B, (long long)S,
+                 (long long)(D / 2));
+    else
+        snprintf(layout, sizeof layout, "[T, D/2, 2] = [%lld, %lld, 2]", (long long)S, (long long)(D / 2));
+    if (qk_check_ndim(OP, "freqs_cis", f, x->ndim, layout) < 0) goto done;
+    const int64_t want[4] = {B, S, D / 2, 2};
+    for (int i = 0; i < f->ndim; i++)
+        if (qk_check_dim(OP, "freqs_cis", f, i, want[4 - f->ndim + i], layout) < 0) goto done;
+    if (qk_check_inner_unit(OP, "x", x) < 0 || qk_check_inner_unit(OP, "freqs_cis", f) < 0) goto done;
+    if (qk_launch_begin(st, OP, x, stream, stream_given, &l) < 0) goto done;
+    launched = 1;
+    if (qk_output_prepare(st, OP, a[3], x, x->dtype, x->ndim, x->shape, &l, &ov, &o) < 0) goto done;
+    if (qk_check_inner_unit(OP, "out", &ov) < 0) goto done;
+
+    qk_rotary_args ra = {0};
+    ra.x = x->data;
+    ra.out = ov.data;
+    ra.freqs = (const float *)f->data;
+    ra.B = B;
+    ra.S = S;
+    ra.H = H;
+    ra.D = D;
+    const int lead = batched ? 0 : 1; /* a 3-D x is one batch: its b stride is never used */
+    for (int i = 0; i < 3; i++) {
+        ra.x_stride[i] = i < lead ? 0 : x->strides[i - lead];
+        ra.out_stride[i] = i < lead ? 0 : ov.strides[i - lead];
+        ra.f_stride[i] = i < lead ? 0 : f->strides[i - lead];
+    }
+    ra.interleaved = interleaved;
+    ra.dtype = x->dtype;
+    ra.num_threads = st->num_threads;
+    int status = QK_OK;
+    if (B > 0 && S > 0 && H > 0 && D > 0) QK_RUN(status, &l, rotary, qk_rotary_cpu, &ra);
+    if (status) qk_raise_status(OP, status);
+    else ok = 1;
+done:
+    return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);
+}

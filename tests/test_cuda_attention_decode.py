@@ -1,0 +1,240 @@
+"""attn_decode and attn_paged_decode on CUDA through the public API: float64 references, fp16/bf16
+against a naive same-precision torch computation (flash-attention's rule), kv_lens and masks,
+non-contiguous views, the token pool with new_k/new_v appended, bad indices contained, the cpu
+backend staging device tensors, CUDA-graph replay with lengths changed on the device, and the real
+flash_attn where installed.  Skipped without a GPU."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+import qkernels
+from qkernels import _frameworks
+from attn_refs import attn_decode_ref, attn_paged_decode_ref, decode_inputs, paged_inputs
+from conftest import requires_cuda
+
+pytestmark = [requires_cuda,
+              pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
+
+if importlib.util.find_spec("torch"):
+    import torch
+
+HALVES = ["bfloat16", "float16"]
+
+
+def cuda(a, dtype=None):
+    t = torch.from_numpy(np.ascontiguousarray(a)).cuda()
+    return t.to(getattr(torch, dtype)) if dtype else t
+
+
+def f64(t):
+    return t.double().cpu().numpy()
+
+
+def naive_decode(q, k, v, keep, scale):
+    """Decode attention in the inputs' own precision: the yardstick for our fp16/bf16 error."""
+    G = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
+    s = torch.einsum("bhd,blhd->bhl", q[:, 0], kk) * scale
+    s = s.masked_fill(~keep[:, None, :], float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return torch.einsum("bhl,blhd->bhd", p, vv)[:, None]
+
+
+def close_to_naive(ours, naive, ref):
+    e_ours = np.abs(f64(ours) - ref).max()
+    e_naive = np.abs(f64(naive) - ref).max()
+    assert e_ours <= 2 * e_naive + 1e-6, (e_ours, e_naive)
+
+
+def keep_of(B, L, kv_lens=None, mask=None):
+    keep = torch.ones(B, L, dtype=torch.bool, device="cuda")
+    if kv_lens is not None:
+        keep &= torch.arange(L, device="cuda")[None, :] < kv_lens.long()[:, None]
+    if mask is not None:
+        keep &= mask.reshape(B, L)
+    return keep
+
+
+# ---- attn_decode ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("ratio", [1, 4, 5, 8])
+@pytest.mark.parametrize("D", [32, 64, 128, 256])
+@pytest.mark.parametrize("B,L", [(1, 1), (3, 7), (17, 129), (1, 4097), (3, 4097)])
+def test_decode(rng, dtype, B, L, D, ratio):
+    q, k, v = (cuda(a, dtype) for a in decode_inputs(rng, B, L, 2, ratio, D))
+    out = qkernels.attn_decode(q, k, v)
+    assert out.dtype == q.dtype and out.shape == q.shape and out.is_cuda
+    ref = attn_decode_ref(f64(q), f64(k), f64(v))
+    close_to_naive(out, naive_decode(q, k, v, keep_of(B, L), D ** -0.5), ref)
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("mask_shape", [None, "2d", "3d"])
+def test_decode_kv_lens_and_mask(rng, dtype, mask_shape):
+    B, L, D = 6, 300, 128
+    q, k, v = (cuda(a, dtype) for a in decode_inputs(rng, B, L, 8, 4, D))
+    kv_lens = cuda(np.array([0, 1, 150, 299, 300, 5000], np.int32))
+    mask = None
+    if mask_shape:
+        m = rng.random((B, L)) < 0.7
+        m[4] = False  # fully masked: 0
+        mask = cuda(m if mask_shape == "2d" else m[:, None, :])
+    out = qkernels.attn_decode(q, k, v, kv_lens=kv_lens, mask=mask)
+    ref = attn_decode_ref(f64(q), f64(k), f64(v), np.minimum(kv_lens.cpu().numpy(), L),
+                          None if mask is None else mask.cpu().numpy())
+    close_to_naive(out, naive_decode(q, k, v, keep_of(B, L, kv_lens, mask), D ** -0.5), ref)
+    assert torch.all(out[0] == 0)
+    if mask_shape:
+        assert torch.all(out[4] == 0)
+    out64 = qkernels.attn_decode(q, k, v, kv_lens=kv_lens.long(), mask=mask)
+    assert torch.equal(out, out64)
+
+
+def test_decode_strided_and_poisoned_out(rng):
+    B, L, Hkv, ratio, D = 3, 200, 2, 4, 128
+    q = cuda(rng.standard_normal((B, 1, Hkv * ratio, 2 * D)).astype(np.float32), "bfloat16")[..., D:]
+    k = cuda(rng.standard_normal((L, B, Hkv, D)).astype(np.float32), "bfloat16").transpose(0, 1)
+    v = cuda(rng.standard_normal((B, Hkv, L, D)).astype(np.float32), "bfloat16").transpose(1, 2)
+    out = torch.full((B, 1, Hkv * ratio, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert qkernels.attn_decode(q, k, v, out=out) is out
+    assert not out.isnan().any()
+    ref = attn_decode_ref(f64(q), f64(k), f64(v))
+    close_to_naive(out, naive_decode(q, k, v, keep_of(B, L), D ** -0.5), ref)
+    k2 = torch.zeros(B, L, Hkv, 2 * D, dtype=torch.bfloat16, device="cuda")[..., ::2]
+    with pytest.raises(ValueError, match="attn_decode: k must be unit-stride in its last dimension, got stride 2"):
+        qkernels.attn_decode(q, k2, v)
+
+
+def test_decode_cuda_checks(rng):
+    q, k, v = (cuda(a) for a in decode_inputs(rng, 2, 5, 2, 4, 64))  # float32 on cuda
+    with pytest.raises(TypeError, match="attn_decode: q must be bfloat16 or float16 on cuda"):
+        qkernels._C.attn_decode_raw(q, k, v)
+    with pytest.raises(qkernels.ExplicitSelectionError, match="requires dtype float16 or bfloat16"):
+        qkernels.attn_decode(q, k, v, backend="cuda")
+    _frameworks._staging_warned.clear()  # the warning comes once per op and framework
+    with pytest.warns(qkernels.FallbackWarning):  # the chain stages float32 through the cpu backend
+        out = qkernels.attn_decode(q, k, v)
+    assert out.is_cuda and np.abs(f64(out) - attn_decode_ref(f64(q), f64(k), f64(v))).max() < 1e-5
+    q, k, v = (cuda(a, "bfloat16") for a in decode_inputs(rng, 2, 5, 2, 4, 40))
+    with pytest.raises(qkernels.ExplicitSelectionError, match="requires head_dim 32, 64, 128 or 256"):
+        qkernels.attn_decode(q, k, v, backend="cuda")
+
+
+# ---- attn_paged_decode ----------------------------------------------------------------------
+
+def paged_cuda(host, dtype):
+    return [cuda(a, dtype) if i < 3 else cuda(a) for i, a in enumerate(host)]
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("D,ratio", [(32, 1), (64, 4), (128, 5), (256, 8), (128, 8)])
+def test_paged(rng, dtype, D, ratio):
+    lens = [0, 1, 7, 129, 4097, 33]
+    args = paged_cuda(paged_inputs(rng, lens, 2, ratio, D), dtype)
+    new_k = cuda(rng.standard_normal((len(lens), 2, D)).astype(np.float32), dtype)
+    new_v = cuda(rng.standard_normal((len(lens), 2, D)).astype(np.float32), dtype)
+    host = [f64(a) if i < 3 else a.cpu().numpy() for i, a in enumerate(args)]
+    ref, k_ref, v_ref = attn_paged_decode_ref(*host, new_k=f64(new_k), new_v=f64(new_v))
+    out = qkernels.attn_paged_decode(*args, new_k=new_k, new_v=new_v)
+    assert out.dtype == args[0].dtype and out.shape == args[0].shape
+    assert np.array_equal(f64(args[1]), k_ref) and np.array_equal(f64(args[2]), v_ref)  # appended
+    assert torch.all(out[0] == 0)
+    # the naive yardstick: gather each sequence from the (updated) pool, then decode
+    r2t, rpi = args[3].long(), args[4].long()
+    naive = torch.zeros_like(out)
+    for b, n in enumerate(lens):
+        slots = r2t[rpi[b], :n]
+        keep = torch.ones(1, n, dtype=torch.bool, device="cuda")
+        naive[b] = naive_decode(args[0][b:b + 1, None], args[1][slots][None], args[2][slots][None], keep,
+                                D ** -0.5)[0, 0]
+    close_to_naive(out, naive, ref)
+
+
+def test_paged_mask_and_int64_indices(rng):
+    lens = [5, 64, 0, 17]
+    host = paged_inputs(rng, lens, 2, 4, 128, index_dtype=np.int64)
+    args = paged_cuda(host, "bfloat16")
+    mask = rng.random((len(lens), host[3].shape[1])) < 0.6
+    mask[3] = False
+    out = qkernels.attn_paged_decode(*args, mask=cuda(mask))
+    h = [f64(a) if i < 3 else a.cpu().numpy() for i, a in enumerate(args)]
+    ref, _, _ = attn_paged_decode_ref(*h, mask=mask)
+    assert torch.all(out[3] == 0)
+    assert np.abs(f64(out) - ref).max() < 2e-2
+
+
+def test_paged_bad_indices_are_contained(rng):
+    # Normal cuda mode does not check indices: lengths are clamped, out-of-range rows and slots
+    # skipped; nothing outside the tensors is touched and the context survives.
+    lens = [3, 5]
+    args = paged_cuda(paged_inputs(rng, lens, 2, 4, 64, index_dtype=np.int64), "float16")
+    guard = torch.full((1 << 20,), 7.0, device="cuda")
+    args[4][1] = 1 << 40
+    args[3][args[4][0], 1] = -(1 << 40)
+    args[5][2] = 1 << 40
+    out = qkernels.attn_paged_decode(*args, new_k=args[0][:, :2], new_v=args[0][:, :2])
+    torch.cuda.synchronize()
+    assert out.shape == args[0].shape and torch.all(guard == 7.0)
+
+
+def test_cpu_backend_stages_paged_append(rng):
+    lens = [4, 9]
+    args = paged_cuda(paged_inputs(rng, lens, 2, 4, 64), "bfloat16")
+    new_k = cuda(rng.standard_normal((2, 2, 64)).astype(np.float32), "bfloat16")
+    h = [f64(a) if i < 3 else a.cpu().numpy() for i, a in enumerate(args)]
+    ref, k_ref, _ = attn_paged_decode_ref(*h, new_k=f64(new_k), new_v=f64(new_k))
+    _frameworks._staging_warned.clear()
+    with pytest.warns(qkernels.FallbackWarning):
+        out = qkernels.attn_paged_decode(*args, new_k=new_k, new_v=new_k, backend="cpu")
+    assert out.is_cuda and np.array_equal(f64(args[1]), k_ref)  # the device pool got the new tokens
+    assert np.abs(f64(out) - ref).max() < 2e-2
+
+
+# ---- CUDA graphs: lengths live on the device ------------------------------------------------
+
+def test_capture_and_replay_with_new_lengths(rng):
+    B, L, D = 4, 512, 128
+    q, k, v = (cuda(a, "bfloat16") for a in decode_inputs(rng, B, L, 8, 4, D))
+    kv_lens = cuda(np.array([512, 100, 1, 0], np.int32))
+    host = paged_inputs(rng, [300, 2, 77, 1], 8, 4, D)
+    pargs = paged_cuda(host, "bfloat16")
+    calls = lambda: (qkernels.attn_decode(q, k, v, kv_lens=kv_lens),  # noqa: E731
+                     qkernels.attn_paged_decode(*pargs))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        calls()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = calls()
+    for lens, indptr in (([7, 512, 0, 300], [0, 150, 152, 229, 230]), ([1, 2, 3, 4], [0, 300, 300, 301, 302])):
+        kv_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        pargs[5].copy_(torch.tensor(indptr, dtype=pargs[5].dtype))  # shorter than the pool rows hold
+        q.copy_(torch.randn_like(q))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = attn_decode_ref(f64(q), f64(k), f64(v), np.array(lens))
+        assert np.abs(f64(outs[0]) - ref).max() < 2e-2
+        h = [f64(a) if i < 3 else a.cpu().numpy() for i, a in enumerate(pargs)]
+        pref, _, _ = attn_paged_decode_ref(*h)
+        assert np.abs(f64(outs[1]) - pref).max() < 2e-2
+
+
+# ---- the real flash_attn --------------------------------------------------------------------
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash_attn is not installed")
+@pytest.mark.parametrize("dtype", HALVES)
+def test_flash_backend(rng, dtype):
+    B, L, D = 3, 1000, 128
+    q, k, v = (cuda(a, dtype) for a in decode_inputs(rng, B, L, 8, 4, D))
+    kv_lens = cuda(np.array([1000, 3, 0], np.int32))
+    d = qkernels.resolve("attn_decode", q, k, v, backend="flash")
+    assert d.winner == "flash"
+    out = torch.full_like(q, float("nan"))
+    qkernels.attn_decode(q, k, v, kv_lens=kv_lens, out=out, backend="flash")
+    ref = attn_decode_ref(f64(q), f64(k), f64(v), kv_lens.cpu().numpy())
+    close_to_naive(out, naive_decode(q, k, v, keep_of(B, L, kv_lens), D ** -0.5), ref)

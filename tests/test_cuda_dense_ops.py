@@ -1,0 +1,282 @@
+"""rotary_emb, linear and swiglu on the cuda backend (torch CUDA tensors, the public API): float64
+references computed on the GPU, bfloat16/float16 held to twice a naive same-precision torch
+computation's error (cuBLAS's F.linear, the unfused silu chain), the full M x K x N grid of issue
+6, bitwise determinism run to run, poisoned and strided outputs, non-contiguous inputs, the
+caller's stream, CUDA-graph capture and replay, and the dispatcher.  Skipped without a GPU."""
+
+import functools
+import importlib.util
+import warnings
+
+import numpy as np
+import pytest
+
+import qkernels
+from conftest import requires_cuda
+
+pytestmark = [requires_cuda,
+              pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
+
+if importlib.util.find_spec("torch"):
+    import torch
+    import torch.nn.functional as F
+
+HALF = ["bfloat16", "float16"]
+MS = [1, 2, 7, 8, 9, 16, 33, 64, 65, 300]
+KS = [7, 100, 1536, 4096]
+NS = [1, 129, 4096, 14336]
+
+
+def tdtype(name):
+    return getattr(torch, name)
+
+
+def randn(*shape, dtype="bfloat16", scale=1.0, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (scale * torch.randn(*shape, device="cuda", generator=g)).to(tdtype(dtype))
+
+
+@functools.lru_cache(maxsize=8)
+def weights(n, k, dtype):
+    """(up, gate, bias) for one size, shared by the M cases (the 14336 x 4096 ones are 117 MB each)."""
+    return (randn(n, k, dtype=dtype, scale=k ** -0.5, seed=n * 7 + k), randn(n, k, dtype=dtype, scale=2 * k ** -0.5,
+            seed=n * 11 + k), randn(n, dtype=dtype, seed=n + k))
+
+
+def linear_ref(x, w, b=None):
+    out = x.double() @ w.double().T
+    return out if b is None else out + b.double()
+
+
+def swiglu_ref(x, up, gate):
+    u, g = linear_ref(x, up), linear_ref(x, gate)
+    return u * g / (1 + torch.exp(-g))
+
+
+def rotary_ref(x, f, interleaved=True):
+    x, f = x.double(), f.double()
+    c, s = f[..., 0].unsqueeze(-2), f[..., 1].unsqueeze(-2)
+    half = x.shape[-1] // 2
+    xe, xo = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+    ye, yo = xe * c - xo * s, xe * s + xo * c
+    return torch.stack([ye, yo], -1).flatten(-2) if interleaved else torch.cat([ye, yo], -1)
+
+
+def rotary_naive(x, f, interleaved=True):
+    """The same formula in x's dtype: cos and sin rounded to it, every product and sum rounded."""
+    c, s = f[..., 0].unsqueeze(-2).to(x.dtype), f[..., 1].unsqueeze(-2).to(x.dtype)
+    half = x.shape[-1] // 2
+    xe, xo = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+    ye, yo = xe * c - xo * s, xe * s + xo * c
+    return torch.stack([ye, yo], -1).flatten(-2) if interleaved else torch.cat([ye, yo], -1)
+
+
+def freqs_for(lead, d, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ang = 10 * torch.rand(*lead, d // 2, device="cuda", dtype=torch.float64, generator=g)
+    return torch.stack([ang.cos(), ang.sin()], -1).float()
+
+
+def close_to_naive(ours, naive, ref):
+    """flash-attention's rule: our error at most twice a naive same-precision implementation's."""
+    assert torch.isfinite(ours).all(), "non-finite output (an element was not written?)"
+    e_ours = (ours.double() - ref).abs().max().item()
+    e_naive = (naive.double() - ref).abs().max().item()
+    scale = max(ref.abs().max().item(), 1.0)
+    assert e_ours <= 2 * e_naive + 1e-5 * scale, (e_ours, e_naive)
+
+
+# ---- linear and swiglu over issue 6's grid --------------------------------------------------
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("m", MS)
+def test_linear(dtype, m, k, n):
+    w, _, b = weights(n, k, dtype)
+    x = randn(m, k, dtype=dtype, seed=m)
+    out = qkernels.linear(x, w, b)
+    assert out.is_cuda and out.dtype == x.dtype and out.shape == (m, n)
+    close_to_naive(out, F.linear(x, w, b), linear_ref(x, w, b))
+    if m in (1, 65):
+        close_to_naive(qkernels.linear(x, w), F.linear(x, w), linear_ref(x, w))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("m", MS)
+def test_swiglu(dtype, m, k, n):
+    up, gate, _ = weights(n, k, dtype)
+    x = randn(m, k, dtype=dtype, seed=m)
+    out = qkernels.swiglu(x, up, gate)
+    assert out.is_cuda and out.dtype == x.dtype and out.shape == (m, n)
+    close_to_naive(out, F.linear(x, up) * F.silu(F.linear(x, gate)), swiglu_ref(x, up, gate))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_one_dimensional_x_and_empty(dtype):
+    w, g, b = weights(129, 100, dtype)
+    x = randn(100, dtype=dtype)
+    out = qkernels.linear(x, w, b)
+    assert out.shape == (129,)
+    close_to_naive(out, F.linear(x, w, b), linear_ref(x, w, b))
+    assert qkernels.swiglu(x, w, g).shape == (129,)
+    assert qkernels.linear(randn(0, 100, dtype=dtype), w, b).shape == (0, 129)
+    assert qkernels.swiglu(randn(0, 100, dtype=dtype), w, g).shape == (0, 129)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 4096), (16, 4096, 14336), (64, 1536, 4096), (300, 4096, 4096)])
+def test_bitwise_determinism(m, k, n):
+    up, gate, b = weights(n, k, "bfloat16")
+    x = randn(m, k, seed=m)
+    first = qkernels.linear(x, up, b), qkernels.swiglu(x, up, gate)
+    for _ in range(3):
+        again = qkernels.linear(x, up, b), qkernels.swiglu(x, up, gate)
+        assert all(torch.equal(p, q) for p, q in zip(first, again))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_poisoned_strided_out_and_strided_rows(dtype):
+    m, k, n = 33, 1536, 4096
+    up, gate, b = weights(n, k, dtype)
+    xb = randn(m, k + 64, dtype=dtype, seed=5)
+    x = xb[:, 32:32 + k]  # row stride k + 64
+    wb = torch.cat([up, gate], 1)  # [n, 2k]: rows of up and gate with stride 2k
+    ws, gs = wb[:, :k], wb[:, k:]
+    big = torch.full((m, n + 16), float("nan"), device="cuda", dtype=tdtype(dtype))
+    out = big[:, 8:8 + n]
+    assert qkernels.linear(x, ws, b, out=out) is out
+    close_to_naive(out, F.linear(x, ws, b), linear_ref(x, ws, b))
+    assert torch.isnan(big[:, :8]).all() and torch.isnan(big[:, 8 + n:]).all()
+    big.fill_(float("nan"))
+    qkernels.swiglu(x, ws, gs, out=out)
+    close_to_naive(out, F.linear(x, ws) * F.silu(F.linear(x, gs)), swiglu_ref(x, ws, gs))
+    assert torch.isnan(big[:, :8]).all() and torch.isnan(big[:, 8 + n:]).all()
+    bs = torch.stack([b, b], 1)[:, 0]  # bias with element stride 2
+    close_to_naive(qkernels.linear(x, ws, bs), F.linear(x, ws, b), linear_ref(x, ws, b))
+
+
+def test_inner_strided_rejected():
+    x, w = randn(4, 64), randn(8, 64)
+    with pytest.raises(ValueError, match="linear: x must be unit-stride in its last dimension, got stride 2"):
+        qkernels.linear(randn(4, 128)[:, ::2], w)
+    with pytest.raises(ValueError, match="swiglu: gate_weight must be unit-stride in its last dimension"):
+        qkernels.swiglu(x, w, randn(64, 8).t())
+    with pytest.raises(ValueError, match="rotary_emb: x must be unit-stride in its last dimension"):
+        qkernels.rotary_emb(randn(5, 2, 16)[..., ::2], freqs_for((5,), 8))
+
+
+# ---- rotary_emb -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("shape", [(1, 1, 64), (19, 3, 6), (7, 32, 64), (33, 8, 128), (4096, 32, 128),
+                                   (2, 5, 3, 6), (3, 9, 2, 128), (2, 512, 8, 256)])
+def test_rotary(dtype, interleaved, shape):
+    x = randn(*shape, dtype=dtype, seed=len(shape))
+    f = freqs_for(shape[:-2], shape[-1])
+    out = qkernels.rotary_emb(x, f, interleaved=interleaved)
+    assert out.is_cuda and out.dtype == x.dtype and out.shape == x.shape
+    close_to_naive(out, rotary_naive(x, f, interleaved), rotary_ref(x, f, interleaved))
+    y = x.clone()
+    assert qkernels.rotary_emb(y, f, interleaved=interleaved, out=y) is y  # in place
+    assert torch.equal(y, out)
+    assert torch.equal(qkernels.rotary_emb(x, f, interleaved=interleaved), out)  # deterministic
+
+
+def test_rotary_strided_views_and_poisoned_out():
+    t, h, d = 300, 8, 128
+    qkv = randn(t, 3 * h, d, seed=3)
+    q = qkv[:, :h]  # token stride 3hd
+    f = freqs_for((t,), d)
+    big = torch.full((t, h, d + 16), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = big[..., 8:8 + d]
+    qkernels.rotary_emb(q, f, out=out)
+    close_to_naive(out, rotary_naive(q, f), rotary_ref(q, f))
+    assert torch.isnan(big[..., :8]).all() and torch.isnan(big[..., 8 + d:]).all()
+    before = qkv.clone()
+    qkernels.rotary_emb(q, f, interleaved=False, out=q)  # in place inside the fused buffer
+    close_to_naive(qkv[:, :h], rotary_naive(before[:, :h], f, False), rotary_ref(before[:, :h], f, False))
+    assert torch.equal(qkv[:, h:], before[:, h:])
+    x = randn(4, t, h, d)
+    fb = f.expand(4, t, d // 2, 2)  # one table for the whole batch: stride 0
+    close_to_naive(qkernels.rotary_emb(x, fb), rotary_naive(x, fb), rotary_ref(x, fb))
+
+
+# ---- streams, graphs, dispatch ----------------------------------------------------------------
+
+def test_runs_on_the_callers_current_stream():
+    w, g, b = weights(4096, 4096, "bfloat16")
+    x = randn(16, 4096)
+    new_x = randn(16, 4096, seed=9)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # hold the side stream back ~0.1 s
+        x.copy_(new_x)
+        out = qkernels.linear(x, w, b)  # must queue behind the copy, on `side`
+        out2 = qkernels.swiglu(x, w, g)
+    side.synchronize()
+    close_to_naive(out, F.linear(new_x, w, b), linear_ref(new_x, w, b))
+    close_to_naive(out2, F.linear(new_x, w) * F.silu(F.linear(new_x, g)), swiglu_ref(new_x, w, g))
+
+
+def test_cuda_graph_capture_and_replay():
+    w, g, b = weights(4096, 4096, "bfloat16")
+    x = randn(8, 4096)
+    q = randn(8, 32, 128)
+    f = freqs_for((8,), 128)
+    calls = lambda: (qkernels.linear(x, w, b), qkernels.swiglu(x, w, g),  # noqa: E731
+                     qkernels.rotary_emb(q, f), qkernels.rotary_emb(q, f, interleaved=False))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        calls()  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = calls()
+    for i in range(3):
+        x.copy_(randn(8, 4096, seed=100 + i))
+        q.copy_(randn(8, 32, 128, seed=200 + i))
+        f.copy_(freqs_for((8,), 128, seed=300 + i))
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = calls()
+        assert all(torch.equal(o, e) for o, e in zip(outs, eager))
+        close_to_naive(outs[0], F.linear(x, w, b), linear_ref(x, w, b))
+        close_to_naive(outs[2], rotary_naive(q, f), rotary_ref(q, f))
+
+
+def test_dispatch_and_float32_on_gpu(monkeypatch):
+    x, w = randn(4, 64), randn(8, 64)
+    d = qkernels.resolve("linear", x, w)
+    assert d.winner == "cuda" and d.origin == "chain"
+    monkeypatch.setenv("ASTR_BACKEND", "cpu")
+    qkernels.reload_env()
+    try:
+        assert qkernels.resolve("swiglu", x, w, w).winner == "cpu"
+        qkernels._frameworks._staging_warned.clear()
+        with pytest.warns(qkernels.FallbackWarning):
+            out = qkernels.linear(x, w)
+        assert out.is_cuda and out.dtype == torch.bfloat16
+    finally:
+        monkeypatch.delenv("ASTR_BACKEND")
+        qkernels.reload_env()
+    # float32 on the GPU: the cuda kernels take 16-bit floats, so the chain stages through cpu
+    x32, w32 = x.float(), w.float()
+    assert qkernels.resolve("linear", x32, w32).winner == "cpu"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qkernels.FallbackWarning)
+        out = qkernels.linear(x32, w32)
+    assert out.is_cuda and torch.allclose(out.double(), linear_ref(x32, w32), rtol=1e-5, atol=1e-5)
+    with pytest.raises(qkernels.ExplicitSelectionError, match="requires dtype float16 or bfloat16"):
+        qkernels.linear(x32, w32, backend="cuda")
+    with pytest.raises(TypeError, match=r"linear: x must be bfloat16 or float16 on cuda \(float32 runs on the cpu "
+                                        r"backend\), got float32"):
+        qkernels._C.linear_raw(x32, w32)
+    with pytest.raises(ValueError, match="all tensors must be on one device; x is on cuda:0 but weight is on cpu"):
+        qkernels.linear(x, w.cpu())
