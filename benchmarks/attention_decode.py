@@ -1,0 +1,665 @@
+"""Decode attention beside torch SDPA: time, KV bandwidth and speed-up per case (issue 4).
+
+What is measured.  Head config Hq=32, Hkv=8 (GQA 4), D=128, bfloat16, one query token per sequence.
+  contiguous  qkernels.attn_decode(q [B,1,Hq,D], k/v [B,L,Hkv,D], backend="cuda") beside
+              torch.nn.functional.scaled_dot_product_attention(enable_gqa=True) with the default
+              backend choice and with each of FLASH_ATTENTION, EFFICIENT_ATTENTION and CUDNN_ATTENTION
+              forced (torch.nn.attention.sdpa_kernel).  SDPA gets its preferred layout: q [B,Hq,1,D]
+              and k/v [B,Hkv,L,D], contiguous copies of the same data made once per input set, outside
+              the timed region.  A backend that refuses enable_gqa is retried on k/v with the kv heads
+              repeated (repeat_interleave, made outside the timed region; it reads Hq/Hkv times the KV
+              bytes) and labelled so; a backend that refuses both reads n/a.
+              B in {1, 8, 32, 64} x L in {1k, 4k, 32k}, plus B=64 L=8k.
+  paged       qkernels.attn_paged_decode(q [B,Hq,D], k/v pools [S,Hkv,D], req_to_token int32 [R,L],
+              req_pool_indices int32 [B] (a random permutation of the rows), kv_indptr int32 [B+1],
+              uniform lengths L, page size 1, every token at a randomly permuted pool slot) beside
+              (a) our contiguous kernel on the equivalent contiguous KV (the pool gathered once, outside
+                  the timing) and
+              (b) gather + SDPA: req_to_token rows picked by index_select, the pool gathered by
+                  index_select into [B,L,Hkv,D] and handed to SDPA as the [B,Hkv,L,D] view (no extra
+                  transposing copy: the fastest form of this anchor; a backend that refuses the strided
+                  view is retried on a contiguous copy, timed too), both steps inside the timed region,
+                  with each forced SDPA backend; the best one is the anchor.
+              B in {1, 8, 32} at L=4k, plus B=8 L=32k.
+Every result is first checked against SDPA's math backend in float32 on the same (bf16) data, with
+the GQA groups folded into the query axis so no kv head is repeated: max|out - ref| / max|ref| below
+2e-2 is PASS.  An impl that raises (as qkernels' cuda backend does for attention until its kernel
+lands) shows the error in the check column and is not timed; the anchors go on.
+
+How.  As benchmarks/graph_ops.py: N calls are captured in one CUDA graph after warm-up on the
+capture stream, replays are timed with CUDA events, the figure is the median per-call time over
+the replays: device time, host launch cost out (per-call Python timing makes SDPA look several
+times slower than it is at B=1).  Outputs are allocated by the ops (torch's graph pool).  Call i
+reads input set i mod K; the K sets span at least 1 GiB (17x the 60 MB L2), so the KV is cold at
+every call; a set of 1 GiB or more is used alone (each call streams all of it, so the next call
+finds none of its start in L2).  All inputs are random normal (never zeros).
+
+GB/s = minimal bytes / time: K and V read once, q read once, the output written once (paged: plus
+the req_to_token entries, req_pool_indices and kv_indptr).  The copy ceiling is a 2 GiB
+device-to-device copy timed the same way in the same run (bytes read + written); "% copy" is a
+row's GB/s as a share of it.  anchor/ours = anchor time / qkernels time (>1: qkernels faster).
+Targets (issue 4): ours >= 1.0x the best SDPA backend on every contiguous case (on the best SDPA
+row); <= 5 us at B=1 L=1k and <= 7 us at B=1 L=4k; >= 4.4 TB/s when the KV is >= 1 GB; paged >= 85%
+of our contiguous kernel's GB/s (on that row) and >= 3x the best gather + SDPA.
+
+    python3 benchmarks/attention_decode.py [--quick] [--cases contiguous,paged] [--markdown FILE] [--samples N]
+"""
+
+import argparse
+import gc
+import math
+import os
+import statistics
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+import qkernels  # noqa: E402
+
+CASE_KINDS = ("contiguous", "paged")
+
+HQ, HKV, D = 32, 8, 128
+GROUP = HQ // HKV
+DTYPE = torch.bfloat16
+ELEM = 2  # bytes per bf16 element
+IDX = 4  # bytes per int32 index
+K = 1024
+DEVICE = "cuda"
+
+# The input sets one graph cycles through span at least this much: 17x the H200's 60 MB L2.
+COLD_FOOTPRINT_BYTES = 1 << 30
+MAX_INPUT_SETS = 256  # B=1 L=1k: 4.2 MB of KV per set, 256 sets span 1.07 GB
+DEVICE_BUDGET_BYTES = 40e9  # a case whose input sets (all layouts) need more is skipped
+REPEAT_BUDGET_BYTES = 24e9  # the repeated-kv-heads fallback anchor is skipped beyond this
+REF_CHUNK_BYTES = 1 << 30  # float32 K+V per chunk of batch rows in the reference
+WARMUP_CALLS = 3
+GRAPH_WORK_US = 4000.0  # device work captured per graph: the replay's own launch stays well under 1%
+MAX_CALLS_PER_GRAPH = 512
+GPU_COPY_BYTES = 2 << 30
+REL_TOL = 2e-2  # max|err| / max|ref|, bf16 inputs and output against a float32 reference
+
+SDPA_BACKENDS = (("FLASH", SDPBackend.FLASH_ATTENTION), ("EFFICIENT", SDPBackend.EFFICIENT_ATTENTION),
+                 ("CUDNN", SDPBackend.CUDNN_ATTENTION))
+
+
+@dataclass
+class Impl:
+    name: str
+    fn: Callable[[dict], torch.Tensor]  # one call on one input set; any output that reshapes to [B,Hq,D]
+    ours: bool = False
+    prepare: Optional[Callable[[list], list]] = None  # derives this impl's input sets (outside the timing)
+    fallback: Optional["Impl"] = None  # tried when this one raises at the check
+    nbytes: Optional[int] = None  # minimal bytes of one call when not the case's
+    group: Optional[str] = None  # the bar applies to the fastest row of the group
+    min_ratio: Optional[float] = None  # target: (best of group) anchor time / ours >= min_ratio
+    min_share: Optional[float] = None  # target: ours GB/s / this anchor's GB/s >= min_share
+    max_us: Optional[float] = None  # target (ours): time <= max_us
+    min_gbps: Optional[float] = None  # target (ours): GB/s >= min_gbps
+
+
+@dataclass
+class Case:
+    kind: str
+    label: str
+    make_inputs: Callable[[torch.Generator], dict]  # one random input set on the device
+    reference: Callable[[dict], torch.Tensor]  # float32 [B,Hq,D] for one input set
+    nbytes: int  # minimal bytes moved by one call
+    impls: list
+
+
+@dataclass
+class Row:
+    kind: str
+    case: str
+    impl: str
+    us: Optional[float]
+    gbps: Optional[float]
+    pct_copy: Optional[float]
+    ratio: Optional[float]
+    target: str
+    check: str
+    verdict: Optional[bool]  # whether the row's targets are met (None: no target or not measured)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def generator(seed):
+    gen = torch.Generator(device=DEVICE)
+    gen.manual_seed(seed)
+    return gen
+
+
+def randn(gen, *shape):
+    return torch.randn(shape, generator=gen, device=DEVICE, dtype=DTYPE)
+
+
+def length_label(n):
+    return f"{n // K}k" if n % K == 0 else str(n)
+
+
+def storage_bytes(inputs):
+    """Device bytes held by one input set: views of one storage count once."""
+    seen = {}
+    for t in inputs.values():
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def input_sets(case, seed):
+    """Enough random input sets that cycling through them spans COLD_FOOTPRINT_BYTES of what one call reads."""
+    n_sets = min(MAX_INPUT_SETS, max(1, math.ceil(COLD_FOOTPRINT_BYTES / case.nbytes)))
+    first = case.make_inputs(generator(seed))
+    need = n_sets * storage_bytes(first)
+    if need > DEVICE_BUDGET_BYTES:
+        raise MemoryError(f"{n_sets} input set(s) would hold {need / 1e9:.1f} GB (budget {DEVICE_BUDGET_BYTES / 1e9:.0f})")
+    return [first] + [case.make_inputs(generator(seed + k)) for k in range(1, n_sets)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference and anchors
+
+
+def reference_decode(q, k, v):
+    """float32 [B,Hq,D]: SDPA's math backend on the bf16 data upcast, q [B,..,Hq,D], k/v [B,L,Hkv,D].
+
+    q head h uses kv head h // GROUP, so the GROUP query heads of one kv head become the query axis
+    of an ordinary (non-causal) attention against that head: no kv head is repeated.  Batch rows go
+    in chunks so the float32 copies of K and V stay near REF_CHUNK_BYTES.
+    """
+    B, L, Hkv, Dh = k.shape
+    q = q.reshape(B, Hkv, -1, Dh)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    step = max(1, REF_CHUNK_BYTES // (2 * L * Hkv * Dh * 4))
+    with sdpa_kernel([SDPBackend.MATH]):
+        for b0 in range(0, B, step):
+            rows = slice(b0, b0 + step)
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].float(), k[rows].float().transpose(1, 2), v[rows].float().transpose(1, 2))
+    return out.reshape(B, -1, Dh)
+
+
+def sdpa(backend, q, k, v, enable_gqa=True):
+    """One SDPA call, with `backend` forced (None: torch's default choice)."""
+    if backend is None:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa)
+    with sdpa_kernel([backend]):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa)
+
+
+def sdpa_impls(group, min_ratio, kv_bytes):
+    """SDPA with the default choice and each backend forced, on the SDPA layout of each set;
+    a backend that refuses enable_gqa gets a fallback on kv heads repeated GROUP times."""
+
+    def repeated_sets(sets):
+        need = len(sets) * GROUP * kv_bytes
+        if need > REPEAT_BUDGET_BYTES:
+            raise MemoryError(f"repeated kv heads would take {need / 1e9:.0f} GB")
+        return [{"q_s": s["q_s"], "k_s": s["k_s"].repeat_interleave(GROUP, dim=1),
+                 "v_s": s["v_s"].repeat_interleave(GROUP, dim=1)} for s in sets]
+
+    impls = [Impl("SDPA default (enable_gqa)", lambda s: sdpa(None, s["q_s"], s["k_s"], s["v_s"]),
+                  group=group, min_ratio=min_ratio)]
+    for label, backend in SDPA_BACKENDS:
+        repeated = Impl(f"SDPA {label}, kv heads repeated x{GROUP}",
+                        lambda s, b=backend: sdpa(b, s["q_s"], s["k_s"], s["v_s"], enable_gqa=False),
+                        prepare=repeated_sets, group=group, min_ratio=min_ratio)
+        impls.append(Impl(f"SDPA {label} (enable_gqa)", lambda s, b=backend: sdpa(b, s["q_s"], s["k_s"], s["v_s"]),
+                          fallback=repeated, group=group, min_ratio=min_ratio))
+    return impls
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases
+
+
+def kv_bytes_of(B, L):
+    return 2 * B * L * HKV * D * ELEM
+
+
+def contiguous_case(B, L):
+    kv_bytes = kv_bytes_of(B, L)
+    # Minimal bytes: K and V read once, q read once, the output written once.
+    nbytes = kv_bytes + 2 * B * HQ * D * ELEM
+
+    def make_inputs(gen):
+        q, k, v = randn(gen, B, 1, HQ, D), randn(gen, B, L, HKV, D), randn(gen, B, L, HKV, D)
+        return {"q": q, "k": k, "v": v,
+                # SDPA's layout: [B,H,L,D] contiguous (q's length-1 axis moves without a copy)
+                "q_s": q.transpose(1, 2).contiguous(),
+                "k_s": k.transpose(1, 2).contiguous(), "v_s": v.transpose(1, 2).contiguous()}
+
+    def ours(s):
+        return qkernels.attn_decode(s["q"], s["k"], s["v"], backend="cuda")
+
+    max_us = {1 * K: 5.0, 4 * K: 7.0}.get(L) if B == 1 else None
+    min_gbps = 4400.0 if kv_bytes >= 1e9 else None
+    impls = [Impl("qkernels attn_decode", ours, ours=True, max_us=max_us, min_gbps=min_gbps)]
+    impls += sdpa_impls("SDPA", 1.0, kv_bytes)
+    label = f"B={B} L={length_label(L)} KV {kv_bytes / 1e6:.0f} MB"
+    return Case("contiguous", label, make_inputs, lambda s: reference_decode(s["q"], s["k"], s["v"]), nbytes, impls)
+
+
+def gather_sdpa(backend, contiguous):
+    """Gather + SDPA: the rows of req_to_token, the pool gathered at those slots, then SDPA."""
+
+    def fn(s):
+        B = s["req_pool_indices"].numel()
+        L = s["req_to_token"].shape[1]
+        slots = s["req_to_token"].index_select(0, s["req_pool_indices"]).reshape(-1)  # uniform lengths L
+        k = s["k_cache"].index_select(0, slots).view(B, L, HKV, D).transpose(1, 2)
+        v = s["v_cache"].index_select(0, slots).view(B, L, HKV, D).transpose(1, 2)
+        if contiguous:
+            k, v = k.contiguous(), v.contiguous()
+        return sdpa(backend, s["q_s"], k, v)
+
+    return fn
+
+
+def paged_case(B, L):
+    kv_bytes = kv_bytes_of(B, L)
+    S = B * L + 1  # one spare slot, as pools keep a padding slot
+    # Minimal bytes: K and V read once, one req_to_token entry per token, q, req_pool_indices and
+    # kv_indptr read once, the output written once.
+    nbytes = kv_bytes + B * L * IDX + 2 * B * HQ * D * ELEM + B * IDX + (B + 1) * IDX
+    contiguous_nbytes = kv_bytes + 2 * B * HQ * D * ELEM
+
+    def make_inputs(gen):
+        q = randn(gen, B, HQ, D)
+        k_cache, v_cache = randn(gen, S, HKV, D), randn(gen, S, HKV, D)
+        slots = torch.randperm(S, generator=gen, device=DEVICE)[:B * L]
+        rows = torch.randperm(B, generator=gen, device=DEVICE)
+        req_to_token = torch.empty(B, L, dtype=torch.int32, device=DEVICE)
+        req_to_token[rows] = slots.view(B, L).to(torch.int32)  # sequence b's tokens live in row rows[b]
+        gathered = slots.view(B * L)
+        return {"q": q, "k_cache": k_cache, "v_cache": v_cache, "req_to_token": req_to_token,
+                "req_pool_indices": rows.to(torch.int32),
+                "kv_indptr": (torch.arange(B + 1, device=DEVICE) * L).to(torch.int32),
+                "q4": q.unsqueeze(1), "q_s": q.unsqueeze(2),  # [B,1,Hq,D] and SDPA's [B,Hq,1,D]: views
+                # the same KV as one contiguous cache [B,L,Hkv,D], for our contiguous kernel and the reference
+                "k": k_cache.index_select(0, gathered).view(B, L, HKV, D),
+                "v": v_cache.index_select(0, gathered).view(B, L, HKV, D)}
+
+    def ours(s):
+        return qkernels.attn_paged_decode(s["q"], s["k_cache"], s["v_cache"], s["req_to_token"],
+                                          s["req_pool_indices"], s["kv_indptr"], backend="cuda")
+
+    def ours_contiguous(s):
+        return qkernels.attn_decode(s["q4"], s["k"], s["v"], backend="cuda")
+
+    impls = [Impl("qkernels attn_paged_decode", ours, ours=True),
+             Impl("qkernels attn_decode, contiguous KV", ours_contiguous, nbytes=contiguous_nbytes, min_share=0.85)]
+    for label, backend in SDPA_BACKENDS:
+        copy = Impl(f"gather + SDPA {label}, contiguous copy", gather_sdpa(backend, True),
+                    group="gather + SDPA", min_ratio=3.0)
+        impls.append(Impl(f"gather + SDPA {label}", gather_sdpa(backend, False), fallback=copy,
+                          group="gather + SDPA", min_ratio=3.0))
+    label = f"B={B} L={length_label(L)} KV {kv_bytes / 1e6:.0f} MB"
+    return Case("paged", label, make_inputs, lambda s: reference_decode(s["q"], s["k"], s["v"]), nbytes, impls)
+
+
+def contiguous_shapes(quick):
+    if quick:
+        return [(1, 1 * K), (1, 4 * K), (8, 4 * K)]
+    shapes = [(B, L) for B in (1, 8, 32, 64) for L in (1 * K, 4 * K, 32 * K)]
+    shapes.insert(shapes.index((64, 32 * K)), (64, 8 * K))  # the issue quotes B=64 L=8k
+    return shapes
+
+
+def paged_shapes(quick):
+    return [(1, 4 * K), (8, 4 * K)] if quick else [(1, 4 * K), (8, 4 * K), (32, 4 * K), (8, 32 * K)]
+
+
+def build_cases(kinds, quick):
+    cases = []
+    if "contiguous" in kinds:
+        cases += [contiguous_case(B, L) for B, L in contiguous_shapes(quick)]
+    if "paged" in kinds:
+        cases += [paged_case(B, L) for B, L in paged_shapes(quick)]
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def calls_per_graph(estimate_us, n_sets):
+    """Enough calls for GRAPH_WORK_US of work, in whole passes over the input sets."""
+    wanted = min(MAX_CALLS_PER_GRAPH, max(1, math.ceil(GRAPH_WORK_US / max(estimate_us, 1e-3))))
+    return n_sets * math.ceil(wanted / n_sets)
+
+
+def gpu_replay_time_us(fn, sets, replays):
+    """Device time per call: N calls captured in a CUDA graph, replays timed with CUDA events."""
+    capture_stream = torch.cuda.Stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # Warm up on the stream the capture will use: lazy initialisation (library handles, cuDNN
+    # execution plans, workspaces) must happen before capture, where it cannot run.
+    capture_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(capture_stream):
+        for i in range(WARMUP_CALLS):
+            fn(sets[i % len(sets)])
+        start.record()
+        fn(sets[0])
+        end.record()
+    end.synchronize()
+    calls = calls_per_graph(start.elapsed_time(end) * 1e3, len(sets))
+    torch.cuda.current_stream().wait_stream(capture_stream)
+
+    # The inputs are static tensors the graph reads at replay; each call's output and temporaries
+    # come from the graph's private pool, where a block freed by one call is reused by the next.
+    graph = torch.cuda.CUDAGraph()
+    caller_stream = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, stream=capture_stream):
+            for i in range(calls):
+                fn(sets[i % len(sets)])
+    finally:
+        torch.cuda.set_stream(caller_stream)  # a capture_end that raises leaves the capture stream current
+    graph.replay()  # the first replay uploads the graph
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(per_call)
+
+
+def copy_ceiling_gbps(samples):
+    """Bytes read + written per second by one large copy: the bandwidth a streaming op can hope for."""
+    src = torch.rand(GPU_COPY_BYTES // 4, device=DEVICE)
+    dst = torch.empty_like(src)
+    # Under graph capture copy_ becomes a memcpy node on a copy engine; an elementwise kernel moves
+    # the same bytes through the SMs, as the kernels do: take the faster.
+    us = min(gpu_replay_time_us(lambda _: dst.copy_(src), [{}], samples),
+             gpu_replay_time_us(lambda _: torch.mul(src, 1.0, out=dst), [{}], samples))
+    del src, dst
+    release_memory()
+    return 2 * GPU_COPY_BYTES / us / 1e3
+
+
+def release_memory():
+    gc.collect()
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    except RuntimeError:
+        pass  # a sticky CUDA error, reported where it happened: the rest reads n/a, the table still prints
+
+
+# ---------------------------------------------------------------------------------------------
+# One case: check, time, rows
+
+
+def first_line(exc):
+    text = str(exc).strip().splitlines()
+    return text[0][:120] if text else type(exc).__name__
+
+
+def failure_text(exc, width=None):
+    text = f"n/a: {type(exc).__name__}: {first_line(exc)}"
+    return text if width is None or len(text) <= width else text[:width - 3] + "..."
+
+
+def check(impl, inputs, want):
+    """'PASS 3.1e-03' / 'FAIL ...' against the float32 reference; raises what the impl raises.
+
+    SDPA explains a refused backend in UserWarnings before raising; the first such reason is
+    attached to the exception for the progress line.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            got = impl.fn(inputs)
+            torch.cuda.synchronize()
+        except Exception as exc:
+            reasons = [str(w.message).strip().splitlines()[0] for w in caught if "not used because" in str(w.message)]
+            try:
+                exc.sdpa_reasons = reasons
+            except AttributeError:  # an exception type without a __dict__
+                pass
+            raise
+    got = got.reshape(want.shape).float()
+    err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    ok = math.isfinite(err) and bool(torch.isfinite(got).all()) and err < REL_TOL
+    return f"{'PASS' if ok else 'FAIL'} {err:.1e}"
+
+
+def run_case(case, seed, samples, copy_gbps):
+    print(f"\n{case.kind} | {case.label} | {case.nbytes / 1e6:.1f} MB minimal per call", flush=True)
+    sets = input_sets(case, seed)
+    print(f"  {len(sets)} input set(s), {len(sets) * storage_bytes(sets[0]) / 1e9:.2f} GB on the device", flush=True)
+    want = case.reference(sets[0])
+    release_memory()
+
+    results = []  # (impl, us, verdict text, failure)
+    queue = list(case.impls)
+    while queue:
+        impl = queue.pop(0)
+        us, verdict, failure = None, "", None
+        isets = sets
+        try:
+            if impl.prepare is not None:
+                isets = impl.prepare(sets)
+            verdict = check(impl, isets[0], want)
+        except Exception as exc:  # not implemented yet, a backend refusing the case, memory: report, go on
+            failure = exc
+            if impl.fallback is not None:
+                queue.insert(0, impl.fallback)
+        release_memory()
+        if failure is None:
+            try:
+                us = gpu_replay_time_us(impl.fn, isets, samples)
+            except Exception as exc:  # capture refused (a host sync inside), ...
+                failure = exc
+        del isets
+        release_memory()
+        results.append((impl, us, verdict, failure))
+        report_progress(case, impl, us, verdict, failure)
+    del sets, want
+    release_memory()
+    return case_rows(case, results, copy_gbps)
+
+
+def report_progress(case, impl, us, verdict, failure):
+    if failure is not None:
+        reasons = getattr(failure, "sdpa_reasons", None)
+        why = f" [{reasons[0][:160]}]" if reasons else ""
+        print(f"  {impl.name:<40} {failure_text(failure)}{why}", flush=True)
+    else:
+        nbytes = impl.nbytes or case.nbytes
+        print(f"  {impl.name:<40} {us:>10.2f} µs {nbytes / us / 1e3:>7.0f} GB/s  {verdict}", flush=True)
+
+
+def met(ok):
+    return "met" if ok else "MISSED"
+
+
+def case_rows(case, results, copy_gbps):
+    ours = next(((impl, us) for impl, us, _, _ in results if impl.ours), (None, None))
+    ours_us = ours[1]
+    ours_gbps = case.nbytes / ours_us / 1e3 if ours_us else None
+    # The fastest timed row of each group carries the group's bar.
+    best_of_group = {}
+    for impl, us, _, _ in results:
+        if impl.group and us is not None and (impl.group not in best_of_group or us < best_of_group[impl.group][1]):
+            best_of_group[impl.group] = (impl, us)
+    first_of_group = {}
+    for impl, _, _, _ in results:
+        if impl.group:
+            first_of_group.setdefault(impl.group, impl)
+
+    rows = []
+    for impl, us, verdict, failure in results:
+        nbytes = impl.nbytes or case.nbytes
+        gbps = nbytes / us / 1e3 if us else None
+        ratio = us / ours_us if us and ours_us and not impl.ours else None
+        bars, verdicts = [], []
+        if impl.group and impl.min_ratio is not None:
+            best = best_of_group.get(impl.group)
+            if best is not None and best[0] is impl:
+                bar = f">={impl.min_ratio:.1f}x (best {impl.group})"
+                if ratio is not None:
+                    verdicts.append(ratio >= impl.min_ratio)
+                    bar += f" {met(verdicts[-1])}"
+                bars.append(bar)
+            elif best is None and first_of_group[impl.group] is impl:
+                bars.append(f">={impl.min_ratio:.1f}x (best {impl.group}) n/a: no {impl.group} ran")
+        if impl.min_share is not None:
+            bar = f"paged >={impl.min_share:.0%} of this GB/s"
+            if gbps and ours_gbps:
+                share = ours_gbps / gbps
+                verdicts.append(share >= impl.min_share)
+                bar += f": {share:.0%} {met(verdicts[-1])}"
+            bars.append(bar)
+        if impl.max_us is not None:
+            bar = f"<={impl.max_us:.0f} µs"
+            if us is not None:
+                verdicts.append(us <= impl.max_us)
+                bar += f" {met(verdicts[-1])}"
+            bars.append(bar)
+        if impl.min_gbps is not None:
+            bar = f">={impl.min_gbps / 1e3:.1f} TB/s"
+            if gbps is not None:
+                verdicts.append(gbps >= impl.min_gbps)
+                bar += f" {met(verdicts[-1])}"
+            bars.append(bar)
+        check_text = "; ".join(t for t in (verdict, failure_text(failure, 90) if failure is not None else "") if t)
+        rows.append(Row(case.kind, case.label, impl.name, us, gbps, 100.0 * gbps / copy_gbps if gbps else None,
+                        ratio, ", ".join(bars), check_text, all(verdicts) if verdicts else None))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def fmt_us(us):
+    if us is None:
+        return "n/a"
+    return f"{us:.2f}" if us < 10 else f"{us:.1f}" if us < 1000 else f"{us:.0f}"
+
+
+def row_cells(row):
+    return [row.kind, row.case, row.impl, fmt_us(row.us),
+            "" if row.gbps is None else f"{row.gbps:.0f}",
+            "" if row.pct_copy is None else f"{row.pct_copy:.0f}%",
+            "" if row.ratio is None else f"{row.ratio:.2f}x",
+            row.target, row.check]
+
+
+COLUMNS = ["kind", "case", "impl", "µs", "GB/s", "% copy", "anchor/ours", "target", "check"]
+NUMERIC = {3, 4, 5, 6}
+
+
+def text_table(rows):
+    cells = [row_cells(row) for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(COLUMNS)]
+    lines = []
+    previous = (None, None)
+    for r, row in zip([COLUMNS] + cells, [None] + rows):
+        if row is not None and (row.kind, row.case) == previous:
+            r = ["", ""] + r[2:]  # kind and case once per group
+        if row is not None:
+            previous = (row.kind, row.case)
+        lines.append("  ".join(c.rjust(w) if i in NUMERIC else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    return lines
+
+
+def markdown_table(rows):
+    lines = ["| " + " | ".join(COLUMNS) + " |",
+             "|" + "|".join("---:" if i in NUMERIC else "---" for i in range(len(COLUMNS))) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in row_cells(row)) + " |" for row in rows]
+    return lines
+
+
+def summary_lines(rows, failed_cases):
+    judged = [row for row in rows if row.target]
+    missed = [f"{row.case} / {row.impl}" for row in judged if row.verdict is False]
+    unmeasured = [row for row in judged if row.verdict is None]
+    checks = [row.check.split()[0] for row in rows if row.check.startswith(("PASS", "FAIL"))]
+    lines = [f"targets: {sum(row.verdict is True for row in judged)} met, {len(missed)} MISSED, "
+             f"{len(unmeasured)} not measured; checks: {checks.count('PASS')} PASS, {checks.count('FAIL')} FAIL"]
+    if missed:
+        lines.append("MISSED: " + "; ".join(missed))
+    if failed_cases:
+        lines.append("cases that failed: " + "; ".join(failed_cases))
+    return lines
+
+
+def header_lines(copy_gbps, samples, quick):
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return [
+        f"decode attention: qkernels {qkernels.__version__} vs torch SDPA on {torch.cuda.get_device_name()} "
+        f"(CUDA {torch.version.cuda}, cuDNN {cudnn}); torch {torch.__version__}",
+        f"copy ceiling: {copy_gbps:.0f} GB/s ({GPU_COPY_BYTES >> 30} GiB device-to-device copy, bytes read + written)",
+        f"Hq={HQ} Hkv={HKV} D={D} bf16; CUDA-graph replay, median of {samples} replays; inputs cycled to span "
+        f">= {COLD_FOOTPRINT_BYTES >> 30} GiB" + (" (--quick)" if quick else ""),
+        "GB/s: (K+V + q + out [+ indices]) bytes / time; anchor/ours > 1: qkernels faster; "
+        f"check: max|err|/max|ref| vs float32 SDPA math < {REL_TOL:g}",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a few small cases (smoke run)")
+    p.add_argument("--cases", default=",".join(CASE_KINDS), help=f"comma list from {', '.join(CASE_KINDS)}")
+    p.add_argument("--markdown", help="also write the final table to this file")
+    p.add_argument("--samples", type=int, default=15, help="replays per figure (default 15)")
+    args = p.parse_args()
+    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in args.cases if c not in CASE_KINDS]
+    if unknown:
+        p.error(f"unknown case kind(s) {', '.join(unknown)}; expected some of {', '.join(CASE_KINDS)}")
+    if args.samples < 1:
+        p.error("--samples must be at least 1")
+    if not torch.cuda.is_available():
+        p.error("no CUDA device visible to torch: this benchmark times CUDA kernels")
+    return args
+
+
+def main():
+    args = parse_args()
+    if not qkernels.AVAILABLE:
+        print(f"warning: qkernels CUDA backend unavailable ({qkernels.info()['cuda_reason']}); our rows will be n/a")
+
+    copy_gbps = copy_ceiling_gbps(args.samples)
+    header = header_lines(copy_gbps, args.samples, args.quick)
+    print("\n".join(header), flush=True)
+
+    rows, failed_cases = [], []
+    for case_no, case in enumerate(build_cases(args.cases, args.quick)):
+        try:
+            rows += run_case(case, 1000 * case_no, args.samples, copy_gbps)
+        except Exception as exc:  # the inputs or the reference failed (memory, ...): report, go on
+            print(f"  case failed: {type(exc).__name__}: {first_line(exc)}", flush=True)
+            failed_cases.append(f"{case.kind} {case.label}: {type(exc).__name__}: {first_line(exc)}")
+            release_memory()
+
+    footer = summary_lines(rows, failed_cases)
+    print("\n" + "\n".join(header + [""] + text_table(rows) + [""] + footer))
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("\n\n".join(header + ["\n".join(markdown_table(rows))] + footer) + "\n")
+
+
+if __name__ == "__main__":
+    main()
