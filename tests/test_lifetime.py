@@ -74,3 +74,22 @@ def test_eight_threads_at_once():
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_fork_after_the_thread_pool_started():
+    """The CPU kernels' worker pool lives in the parent; a forked child starts its own and gets
+    the same bits (a child that hung waiting for the parent's workers would fail the timeout)."""
+    import os
+    import signal
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((40_000, 64)).astype(np.float32)
+    g = rng.standard_normal(64).astype(np.float32)
+    first = np.asarray(qkernels.fused_norm_residual(x, x, g, g, backend="cpu"))
+    pid = os.fork()
+    if pid == 0:  # the child: exit code 0 when the result matches
+        signal.alarm(20)
+        again = np.asarray(qkernels.fused_norm_residual(x, x, g, g, backend="cpu"))
+        os._exit(0 if np.array_equal(first, again) else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

@@ -1,9 +1,83 @@
-/* A minimal fork-join over pthreads for the CPU kernels. */
+/* Fork-join for the CPU kernels over a persistent pool of pthreads.
+ *
+ * Starting threads per call cost tens of µs each (more on VMs: the 16-core H200 host took 4 ms
+ * for a 16k-edge sparse_aggregate spread over 16 fresh threads), so workers are started once and
+ * wait for jobs: a short spin on the job counter, then a condition variable.  One job runs at a
+ * time; a call that finds the pool busy (another Python thread inside a CPU op, the GIL released)
+ * starts its own threads as before, so concurrent calls never wait on each other.  After fork()
+ * the child forgets the parent's workers (they do not exist there) and starts its own. */
 #include "cpu.h"
 
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 
+#define QK_POOL_MAX 64
+#define QK_SPIN 2000 /* pause-loop iterations before sleeping: ~0.1 ms */
+
+#if defined(__x86_64__) || defined(__i386__)
+#define qk_relax() __builtin_ia32_pause()
+#else
+#define qk_relax() ((void)0)
+#endif
+
+static struct {
+    pthread_mutex_t owner; /* held by the caller running a job */
+    pthread_mutex_t mu;    /* with cv: sleeping workers */
+    pthread_cond_t cv;
+    int nworkers;
+    atomic_ulong gen; /* bumped once per job */
+    atomic_int remaining;
+    qk_worker_fn fn;
+    void *ctx;
+    int nthreads;
+    unsigned long start_gen[QK_POOL_MAX];
+} pool = {.owner = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+static void pool_after_fork_child(void) {
+    pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t c = PTHREAD_COND_INITIALIZER;
+    pool.owner = m;
+    pool.mu = m;
+    pool.cv = c;
+    pool.nworkers = 0; /* the parent's workers were not copied */
+}
+
+static void pool_init(void) { pthread_atfork(NULL, NULL, pool_after_fork_child); }
+
+static void *pool_worker(void *arg) {
+    const int id = (int)(intptr_t)arg; /* runs share id + 1 */
+    unsigned long seen = pool.start_gen[id];
+    for (;;) {
+        unsigned long g;
+        int spins = 0;
+        while ((g = atomic_load_explicit(&pool.gen, memory_order_acquire)) == seen) {
+            if (++spins < QK_SPIN) {
+                qk_relax();
+                continue;
+            }
+            pthread_mutex_lock(&pool.mu);
+            while ((g = atomic_load_explicit(&pool.gen, memory_order_acquire)) == seen)
+                pthread_cond_wait(&pool.cv, &pool.mu);
+            pthread_mutex_unlock(&pool.mu);
+            break;
+        }
+        seen = g;
+        /* fn, ctx and nthreads were written before gen (release) and read after it (acquire); the
+         * next job cannot start before every participant of this one has counted itself done. */
+        if (id + 1 < pool.nthreads) {
+            pool.fn(pool.ctx, id + 1, pool.nthreads);
+            atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_release);
+        }
+    }
+    return NULL;
+}
+
+/* Threads started for this call only: the path for a busy pool. */
 typedef struct {
     qk_worker_fn fn;
     void *ctx;
@@ -16,11 +90,7 @@ static void *qk_job_main(void *p) {
     return NULL;
 }
 
-int qk_parallel_run(int nthreads, qk_worker_fn fn, void *ctx) {
-    if (nthreads <= 1) {
-        fn(ctx, 0, 1);
-        return QK_OK;
-    }
+static int spawn_run(int nthreads, qk_worker_fn fn, void *ctx) {
     pthread_t *threads = malloc(sizeof(pthread_t) * nthreads);
     qk_job *jobs = malloc(sizeof(qk_job) * nthreads);
     char *started = calloc(nthreads, 1);
@@ -44,10 +114,49 @@ int qk_parallel_run(int nthreads, qk_worker_fn fn, void *ctx) {
     return QK_OK;
 }
 
+int qk_parallel_run(int nthreads, qk_worker_fn fn, void *ctx) {
+    if (nthreads <= 1) {
+        fn(ctx, 0, 1);
+        return QK_OK;
+    }
+    if (nthreads > QK_POOL_MAX) return spawn_run(nthreads, fn, ctx);
+    pthread_once(&pool_once, pool_init);
+    if (pthread_mutex_trylock(&pool.owner) != 0) return spawn_run(nthreads, fn, ctx);
+    while (pool.nworkers < nthreads - 1) {
+        pthread_attr_t attr;
+        pthread_t t;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pool.start_gen[pool.nworkers] = atomic_load(&pool.gen);
+        const int ok = pthread_create(&t, &attr, pool_worker, (void *)(intptr_t)pool.nworkers) == 0;
+        pthread_attr_destroy(&attr);
+        if (!ok) break;
+        pool.nworkers++;
+    }
+    if (pool.nworkers < nthreads - 1) { /* could not grow the pool */
+        pthread_mutex_unlock(&pool.owner);
+        return spawn_run(nthreads, fn, ctx);
+    }
+    pool.fn = fn;
+    pool.ctx = ctx;
+    pool.nthreads = nthreads;
+    atomic_store_explicit(&pool.remaining, nthreads - 1, memory_order_relaxed);
+    pthread_mutex_lock(&pool.mu);
+    atomic_fetch_add_explicit(&pool.gen, 1, memory_order_release);
+    pthread_cond_broadcast(&pool.cv);
+    pthread_mutex_unlock(&pool.mu);
+    fn(ctx, 0, nthreads);
+    for (int spins = 0; atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0; spins++) {
+        if (spins < QK_SPIN) qk_relax();
+        else sched_yield(); /* few cores: let the workers run */
+    }
+    pthread_mutex_unlock(&pool.owner);
+    return QK_OK;
+}
+
 int qk_threads_for(int64_t work, int max_threads) {
-    /* Workers are started per call (no pool yet), which costs tens of µs each and more on VMs:
-     * the 16-core H200 host took 4 ms for a 16k-edge sparse_aggregate spread over 16 threads. */
-    int64_t t = work / (1 << 20);
+    /* Pooled workers cost a few µs to wake, so a thread pays off from ~256k units of work. */
+    int64_t t = work / (1 << 18);
     if (t < 1) t = 1;
     return (int)(t < max_threads ? t : max_threads);
 }
