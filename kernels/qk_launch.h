@@ -183,7 +183,7 @@ typedef struct {
 } qk_linear_args;
 
 /* The CUDA shared object exports one symbol, qk_cuda_get_api, returning this table. */
-#define QK_CUDA_ABI 4
+#define QK_CUDA_ABI 5
 
 typedef struct {
     int abi;
@@ -210,6 +210,10 @@ typedef struct {
     int (*rotary)(const qk_rotary_args *a, void *stream);
     int (*linear)(const qk_linear_args *a, void *stream);
     int (*swiglu)(const qk_linear_args *a, void *stream);
+    /* Debug validation (QKERNELS_CHECK=1), synchronises the stream: the first of n indices
+     * p[i * stride] (dtype QK_I32/QK_I64) outside [lo, hi) -> QK_E_INDEX with *bad_pos, *bad_value. */
+    int (*index_check)(const void *p, int dtype, int64_t n, int64_t stride, int64_t lo, int64_t hi,
+                       int64_t *bad_pos, int64_t *bad_value, void *stream);
 } qk_cuda_api;
 
 typedef const qk_cuda_api *(*qk_cuda_get_api_fn)(int abi);

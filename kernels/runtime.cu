@@ -86,6 +86,8 @@ extern "C" int qk_attn_decode_cuda(const qk_attn_decode_args *a, void *stream);
 extern "C" int qk_rotary_cuda(const qk_rotary_args *a, void *stream);
 extern "C" int qk_linear_cuda(const qk_linear_args *a, void *stream);
 extern "C" int qk_swiglu_cuda(const qk_linear_args *a, void *stream);
+extern "C" int qk_index_check_cuda(const void *p, int dtype, int64_t n, int64_t stride, int64_t lo, int64_t hi,
+                                   int64_t *bad_pos, int64_t *bad_value, void *stream);
 
 #ifndef QK_ARCHS
 #define QK_ARCHS "unknown"
@@ -156,6 +158,7 @@ qk_cuda_api make_api() {
     t.rotary = qk_rotary_cuda;
     t.linear = qk_linear_cuda;
     t.swiglu = qk_swiglu_cuda;
+    t.index_check = qk_index_check_cuda;
     return t;
 }
 

@@ -180,6 +180,18 @@ def test_paged_bad_indices_are_contained(rng):
     assert out.shape == args[0].shape and torch.all(guard == 7.0)
 
 
+def test_paged_checked_pool_rows(rng):
+    args = paged_cuda(paged_inputs(rng, [3, 5], 2, 4, 64), "bfloat16")
+    R = args[3].shape[0]
+    args[4][1] = R
+    old = qkernels._C._configure(check_indices=True)
+    try:
+        with pytest.raises(ValueError, match=rf"req_pool_indices\[1\] = {R} is out of range"):
+            qkernels.attn_paged_decode(*args)
+    finally:
+        qkernels._C._configure(check_indices=old["check_indices"])
+
+
 def test_cpu_backend_stages_paged_append(rng):
     lens = [4, 9]
     args = paged_cuda(paged_inputs(rng, lens, 2, 4, 64), "bfloat16")

@@ -232,3 +232,27 @@ def test_graph_ops_capture_and_replay(rng):
         assert rel_err(f64(outs[1]), ref) < 1e-5
         bref = graph_bce_ref(lg.cpu().numpy(), t.cpu().numpy(), eg.cpu().numpy(), 16, 1.5)
         assert abs(outs[2].item() - bref) <= 1e-5 * bref
+
+
+# ---- QKERNELS_CHECK=1 on cuda ---------------------------------------------------------------
+
+def test_checked_indices_on_cuda(rng):
+    old = qkernels._C._configure(check_indices=True)
+    try:
+        x = cuda(rng.standard_normal((50, 8)).astype(np.float32))
+        ei = rng.integers(0, 50, (2, 300))
+        ei[1, 123] = 50
+        with pytest.raises(ValueError, match=r"edge_index\[1, 123\] = 50 is out of range for x with N = 50"):
+            qkernels.fused_edge_features(x, cuda(ei))
+        ei[1, 123] = 3
+        ei[0, 7] = -1
+        with pytest.raises(ValueError, match=r"edge_index\[0, 7\] = -1 is out of range"):
+            qkernels.fused_edge_features(x, cuda(ei.astype(np.int32)))
+        lg, t, eg = bce_args(rng, 5000, 8)
+        eg[4000] = 8
+        with pytest.raises(ValueError, match=r"edge_graph\[4000\] = 8 is out of range for num_graphs = 8"):
+            qkernels.graph_norm_bce(lg, t, eg, 8)
+        eg[4000] = 7
+        assert np.isfinite(qkernels.graph_norm_bce(lg, t, eg, 8).item())
+    finally:
+        qkernels._C._configure(check_indices=old["check_indices"])

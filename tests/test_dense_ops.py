@@ -79,8 +79,13 @@ def test_linear_fp32(rng, m, k, n):
     x, w, b = randn(rng, m, k), randn(rng, n, k, scale=k ** -0.5), randn(rng, n)
     out = qkernels.linear(x, w, b)
     assert out.shape == (m, n) and out.dtype == np.float32
-    assert rel_err(out, linear_ref(x, w, b)) < fp32_sum_tol(k)
-    assert rel_err(qkernels.linear(x, w), linear_ref(x, w)) < fp32_sum_tol(k)
+    # Error against the sum of |terms|, not the result: one output (m = n = 1) can cancel to
+    # near zero, which no fixed relative tolerance survives.
+    scale = np.linalg.norm(np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64) + np.abs(b))
+    assert np.linalg.norm(np.asarray(out, np.float64) - linear_ref(x, w, b)) / scale < fp32_sum_tol(k)
+    assert not np.isnan(np.asarray(out)).any()
+    out = qkernels.linear(x, w)
+    assert np.linalg.norm(np.asarray(out, np.float64) - linear_ref(x, w)) / scale < fp32_sum_tol(k)
 
 
 @pytest.mark.parametrize("m", [1, 9, 65])

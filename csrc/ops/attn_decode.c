@@ -324,7 +324,12 @@ PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ss
     ad.dtype = in[Q].dtype;
     ad.num_threads = st->num_threads;
     int status = QK_OK;
-    if (B > 0) QK_RUN(status, &l, attn_decode, qk_attn_decode_cpu, &ad);
+    if (B > 0 && l.device_type == kDLCUDA && st->check_indices) { /* QKERNELS_CHECK=1: the pool rows */
+        status = l.cuda->index_check(ad.req_pool_indices, ad.rpi_dtype, B, ad.rpi_stride, 0, R, &ad.bad_pos,
+                                     &ad.bad_value, l.stream);
+        ad.bad_arg = 0;
+    }
+    if (B > 0 && status == QK_OK) QK_RUN(status, &l, attn_decode, qk_attn_decode_cpu, &ad);
     if (status == QK_E_INDEX) ad_raise_index(&ad);
     else if (status) qk_raise_status(OP, status);
     else ok = 1;

@@ -58,7 +58,14 @@ PyObject *qk_op_edge_features(PyObject *module, PyObject *const *args, Py_ssize_
     ef.dtype = in[0].dtype;
     ef.num_threads = st->num_threads;
     int status = QK_OK;
-    if (E > 0 && H > 0) QK_RUN(status, &l, edge_features, qk_edge_features_cpu, &ef);
+    if (l.device_type == kDLCUDA && st->check_indices) /* QKERNELS_CHECK=1: both rows, before the kernel */
+        for (int row = 0; row < 2 && status == QK_OK; row++) {
+            status = l.cuda->index_check((const char *)ef.edge_index + row * ef.ei_stride[0] * qk_dtype_size(ef.index_dtype),
+                                         ef.index_dtype, E, ef.ei_stride[1], 0, ef.num_nodes, &ef.bad_pos, &ef.bad_value,
+                                         l.stream);
+            ef.bad_row = row;
+        }
+    if (status == QK_OK && E > 0 && H > 0) QK_RUN(status, &l, edge_features, qk_edge_features_cpu, &ef);
     if (status == QK_E_INDEX)
         PyErr_Format(PyExc_ValueError, OP ": edge_index[%d, %lld] = %lld is out of range for x with N = %lld",
                      ef.bad_row, (long long)ef.bad_pos, (long long)ef.bad_value, (long long)ef.num_nodes);

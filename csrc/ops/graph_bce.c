@@ -73,7 +73,11 @@ PyObject *qk_op_graph_bce(PyObject *module, PyObject *const *args, Py_ssize_t na
     gb.index_dtype = in[2].dtype;
     gb.num_threads = st->num_threads;
     int status;
-    QK_RUN(status, &l, graph_bce, qk_graph_bce_cpu, &gb);
+    status = QK_OK;
+    if (l.device_type == kDLCUDA && st->check_indices) /* QKERNELS_CHECK=1 */
+        status = l.cuda->index_check(gb.edge_graph, gb.index_dtype, E, gb.graph_stride, 0, G, &gb.bad_pos,
+                                     &gb.bad_value, l.stream);
+    if (status == QK_OK) QK_RUN(status, &l, graph_bce, qk_graph_bce_cpu, &gb);
     if (status == QK_E_INDEX)
         PyErr_Format(PyExc_ValueError, OP ": edge_graph[%lld] = %lld is out of range for num_graphs = %lld",
                      (long long)gb.bad_pos, (long long)gb.bad_value, G);
