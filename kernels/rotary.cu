@@ -1,8 +1,215 @@
-// rotary_emb.  Placeholder until the kernel lands: the binding and the CPU path come first.
+// rotary_emb: rotate each (x_e, x_o) pair of every (token, head) row by that token's (cos, sin):
+//   (x_e c - x_o s, x_e s + x_o c), fp32 arithmetic, one rounding; interleaved pairs (2i, 2i+1) or
+//   rotate-half pairs (i, i + D/2).  In place when out == x: every thread reads all the pairs it
+//   owns before writing them, and no two threads own the same element.
+//
+// Work decomposition: a 256-thread block owns `tpb` tokens; inside it a thread owns one chunk j of
+// a row (16 bytes = 4 interleaved pairs, or 8 rotate-half pairs as two 16-byte pieces; one pair on
+// the scalar path) and walks the heads h = hs, hs + hpar, ... two at a time, so it loads that
+// chunk's (cos, sin) once per token and has two heads' loads in flight.  The thread's (j, hs, token)
+// split is computed once; blocks then stride over token groups, and blockIdx.y over the batch.  Grid
+// from shapes and the SM count only (CUDA-graph safe).
+// Bytes: read x, write out, read the table once per token: T*H*D*2*2 + T*D*4; T=32k, H=32, D=128
+// bf16: 554 MB, 140 µs at 4 TB/s.
 #include "common.cuh"
 
+namespace {
+
+constexpr int kThreads = 256;
+
+enum { kScalar = 0, kVecInterleaved = 1, kVecHalf = 2 };
+
+// 16 bytes of x as four words of two values, through the coherent path (not __ldg): out may be x.
+// The values are unpacked and packed by bit operations on the words: a local qk_vec<T> copied to
+// a uint4 was stored as eight 2-byte stores.
+__device__ __forceinline__ uint4 ro_load16(const void *p) { return *static_cast<const uint4 *>(p); }
+__device__ __forceinline__ void ro_store16(void *p, uint4 v) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+template <typename T> __device__ __forceinline__ float ro_half(uint32_t w, int hi);
+template <> __device__ __forceinline__ float ro_half<__nv_bfloat16>(uint32_t w, int hi) {
+    return __uint_as_float(hi ? w & 0xffff0000u : w << 16);
+}
+template <> __device__ __forceinline__ float ro_half<__half>(uint32_t w, int hi) {
+    return __half2float(__ushort_as_half((unsigned short)(hi ? w >> 16 : w & 0xffffu)));
+}
+template <typename T> __device__ __forceinline__ uint32_t ro_bits(float v);
+template <> __device__ __forceinline__ uint32_t ro_bits<__nv_bfloat16>(float v) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+template <> __device__ __forceinline__ uint32_t ro_bits<__half>(float v) { return __half_as_ushort(__float2half_rn(v)); }
+template <typename T> __device__ __forceinline__ uint32_t ro_pack(float lo, float hi) {
+    return ro_bits<T>(lo) | (ro_bits<T>(hi) << 16);
+}
+__device__ __forceinline__ uint32_t &ro_word(uint4 &v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// Rotate the four interleaved pairs of one 16-byte chunk (word p holds pair p).
+template <typename T>
+__device__ __forceinline__ void ro_rotate_pairs(uint4 &v, const float (&c)[4], const float (&sn)[4]) {
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        uint32_t &w = ro_word(v, p);
+        const float e = ro_half<T>(w, 0), o = ro_half<T>(w, 1);
+        w = ro_pack<T>(e * c[p] - o * sn[p], e * sn[p] + o * c[p]);
+    }
+}
+
+// Rotate the eight rotate-half pairs (lo[p], hi[p]) of two 16-byte chunks.
+template <typename T>
+__device__ __forceinline__ void ro_rotate_halves(uint4 &lo, uint4 &hi, const float (&c)[8], const float (&sn)[8]) {
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        uint32_t &wl = ro_word(lo, q), &wh = ro_word(hi, q);
+        const float e0 = ro_half<T>(wl, 0), o0 = ro_half<T>(wh, 0), e1 = ro_half<T>(wl, 1), o1 = ro_half<T>(wh, 1);
+        const int p = 2 * q;
+        wl = ro_pack<T>(e0 * c[p] - o0 * sn[p], e1 * c[p + 1] - o1 * sn[p + 1]);
+        wh = ro_pack<T>(e0 * sn[p] + o0 * c[p], e1 * sn[p + 1] + o1 * c[p + 1]);
+    }
+}
+
+// (cos, sin) of pairs i0 .. i0 + P - 1 of one token row of the table.
+template <int P, bool kFVec>
+__device__ __forceinline__ void ro_load_freqs(const float *f, int64_t i0, int64_t fs, float (&c)[P], float (&s)[P]) {
+    if (kFVec) {  // pairs contiguous (fs == 2) and 16-byte aligned: P/2 float4 loads
+        const float4 *q = reinterpret_cast<const float4 *>(f + 2 * i0);
+#pragma unroll
+        for (int k = 0; k < P / 2; k++) {
+            const float4 v = __ldg(q + k);
+            c[2 * k] = v.x;
+            s[2 * k] = v.y;
+            c[2 * k + 1] = v.z;
+            s[2 * k + 1] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < P; k++) {
+            c[k] = __ldg(f + (i0 + k) * fs);
+            s[k] = __ldg(f + (i0 + k) * fs + 1);
+        }
+    }
+}
+
+template <typename T, int kMode, bool kFVec>
+__global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4) ro_kernel(qk_rotary_args a, int nc, int nct, int hpar, int tpb,
+                                                      int64_t ngroups) {
+    const int tid = threadIdx.x;
+    const int jt = tid % nct, r = tid / nct;
+    const int hs = r % hpar, tl = r / hpar;
+    if (tl >= tpb) return;
+    const T *x = static_cast<const T *>(a.x);
+    T *out = static_cast<T *>(a.out);
+    const int64_t H = a.H, half = a.D / 2;
+    for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
+        for (int64_t grp = blockIdx.x; grp < ngroups; grp += gridDim.x) {
+            const int64_t s = grp * tpb + tl;
+            if (s >= a.S) continue;
+            const T *xt = x + b * a.x_stride[0] + s * a.x_stride[1];
+            T *ot = out + b * a.out_stride[0] + s * a.out_stride[1];
+            const float *ft = a.freqs + b * a.f_stride[0] + s * a.f_stride[1];
+            for (int j = jt; j < nc; j += nct) {
+                if (kMode == kScalar) {
+                    const float c = __ldg(ft + j * a.f_stride[2]), sn = __ldg(ft + j * a.f_stride[2] + 1);
+                    const int64_t ie = a.interleaved ? 2 * j : j, io = a.interleaved ? 2 * j + 1 : j + half;
+                    for (int64_t h = hs; h < H; h += hpar) {
+                        const T *xr = xt + h * a.x_stride[2];
+                        T *orow = ot + h * a.out_stride[2];
+                        const float xe = qk_to_float(xr[ie]), xo = qk_to_float(xr[io]);
+                        orow[ie] = qk_from_float<T>(xe * c - xo * sn);
+                        orow[io] = qk_from_float<T>(xe * sn + xo * c);
+                    }
+                } else if (kMode == kVecInterleaved) {
+                    float c[4], sn[4];
+                    ro_load_freqs<4, kFVec>(ft, 4 * (int64_t)j, a.f_stride[2], c, sn);
+                    for (int64_t h = hs; h < H; h += 2 * hpar) {
+                        const bool two = h + hpar < H;
+                        // Both heads' loads before any store: out may alias x, so the compiler
+                        // could not hoist the second load above the first store itself.
+                        uint4 v0 = ro_load16(xt + h * a.x_stride[2] + 8 * j), v1 = v0;
+                        if (two) v1 = ro_load16(xt + (h + hpar) * a.x_stride[2] + 8 * j);
+                        ro_rotate_pairs<T>(v0, c, sn);
+                        ro_rotate_pairs<T>(v1, c, sn);
+                        ro_store16(ot + h * a.out_stride[2] + 8 * j, v0);
+                        if (two) ro_store16(ot + (h + hpar) * a.out_stride[2] + 8 * j, v1);
+                    }
+                } else {  // kVecHalf: pairs 8j .. 8j+7 are x[8j ..] and x[half + 8j ..]
+                    float c[8], sn[8];
+                    ro_load_freqs<8, kFVec>(ft, 8 * (int64_t)j, a.f_stride[2], c, sn);
+                    for (int64_t h = hs; h < H; h += 2 * hpar) {
+                        const bool two = h + hpar < H;
+                        const T *x0 = xt + h * a.x_stride[2] + 8 * j, *x1 = xt + (h + hpar) * a.x_stride[2] + 8 * j;
+                        uint4 lo0 = ro_load16(x0), hi0 = ro_load16(x0 + half), lo1 = lo0, hi1 = hi0;
+                        if (two) {
+                            lo1 = ro_load16(x1);
+                            hi1 = ro_load16(x1 + half);
+                        }
+                        ro_rotate_halves<T>(lo0, hi0, c, sn);
+                        ro_rotate_halves<T>(lo1, hi1, c, sn);
+                        T *o0p = ot + h * a.out_stride[2] + 8 * j, *o1p = ot + (h + hpar) * a.out_stride[2] + 8 * j;
+                        ro_store16(o0p, lo0);
+                        ro_store16(o0p + half, hi0);
+                        if (two) {
+                            ro_store16(o1p, lo1);
+                            ro_store16(o1p + half, hi1);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+template <typename T>
+int ro_launch(const qk_rotary_args *a, cudaStream_t stream) {
+    constexpr int V = 8;  // 16 bytes of a 2-byte type
+    bool strides_vec = qk_aligned16(a->x) && qk_aligned16(a->out);
+    for (int i = 0; i < 3; i++) strides_vec = strides_vec && a->x_stride[i] % V == 0 && a->out_stride[i] % V == 0;
+    int mode = kScalar;
+    if (strides_vec && a->interleaved && a->D % 8 == 0) mode = kVecInterleaved;
+    if (strides_vec && !a->interleaved && a->D % 16 == 0) mode = kVecHalf;
+    const bool fvec = a->f_stride[2] == 2 && qk_aligned16(a->freqs) && a->f_stride[0] % 4 == 0 &&
+                      a->f_stride[1] % 4 == 0;
+    const int64_t nc64 = mode == kVecInterleaved ? a->D / 8 : mode == kVecHalf ? a->D / 16 : a->D / 2;
+    // Threads of a block: nct over chunks, then hpar over heads, then tpb tokens.
+    const int nct = (int)(nc64 < kThreads ? nc64 : kThreads);
+    const int per_token = kThreads / nct;
+    // Vector paths take two heads per thread where the heads allow: two rows' loads in flight and
+    // the chunk's (cos, sin) loaded once for both.
+    const int64_t heads = mode == kScalar ? a->H : (a->H + 1) / 2;
+    const int hpar = (int)(heads < per_token ? heads : per_token);
+    const int tpb = per_token / hpar;
+    const int64_t ngroups = (a->S + tpb - 1) / tpb;
+    int sms;
+    QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
+    // Three or four 256-thread blocks fill an SM; 32 per SM bound the grid-stride loop's tail.
+    const int64_t cap = (int64_t)sms * 32;
+    const int64_t by = a->B < 65535 ? a->B : 65535;
+    int64_t bx = (cap + by - 1) / by;
+    if (bx > ngroups) bx = ngroups;
+    if (bx < 1) bx = 1;
+    qk_rotary_args p = *a;
+    int nc = (int)nc64;
+    int64_t ng = ngroups;
+    int nct_ = nct, hpar_ = hpar, tpb_ = tpb;
+    void *args[] = {&p, &nc, &nct_, &hpar_, &tpb_, &ng};
+    const void *kernel;
+    if (mode == kVecInterleaved)
+        kernel = fvec ? (const void *)ro_kernel<T, kVecInterleaved, true> : (const void *)ro_kernel<T, kVecInterleaved, false>;
+    else if (mode == kVecHalf)
+        kernel = fvec ? (const void *)ro_kernel<T, kVecHalf, true> : (const void *)ro_kernel<T, kVecHalf, false>;
+    else
+        kernel = (const void *)ro_kernel<T, kScalar, false>;
+    return qk_launch(kernel, dim3((unsigned)bx, (unsigned)by), dim3(kThreads), 0, stream, args);
+}
+
+}  // namespace
+
 extern "C" int qk_rotary_cuda(const qk_rotary_args *a, void *stream) {
-    (void)a;
-    (void)stream;
-    return QK_E_UNSUPPORTED;
+    if (a->B <= 0 || a->S <= 0 || a->H <= 0 || a->D <= 0) return QK_OK;
+    if (a->D % 2) return QK_E_UNSUPPORTED;
+    switch (a->dtype) {
+    case QK_F16: return ro_launch<__half>(a, (cudaStream_t)stream);
+    case QK_BF16: return ro_launch<__nv_bfloat16>(a, (cudaStream_t)stream);
+    default: return QK_E_UNSUPPORTED;  // float32 on cuda is staged through the cpu backend
+    }
 }
