@@ -425,7 +425,7 @@ bool aligned_rows(const void *p, const int64_t *strides, int n) {
 
 extern "C" int qk_attn_decode_cuda(const qk_attn_decode_args *a, void *stream) {
     if (a->B == 0 || a->Hq == 0) return QK_OK;
-    if (a->Hkv <= 0 || a->Hq % a->Hkv) return QK_E_UNSUPPORTED;
+    if (a->Hkv <= 0 || a->Hq % a->Hkv || a->B > 65535 || a->Hq > 65535) return QK_E_UNSUPPORTED;  // grid y/z limits
     // 16-byte rows everywhere: q, out, k, v (and new_k/new_v).  The binding keeps the last dim
     // unit-stride; other layouts have no kernel.
     const int64_t ks[3] = {a->paged ? 0 : a->k_stride[0], a->k_stride[1], a->k_stride[2]};

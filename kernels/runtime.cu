@@ -22,7 +22,7 @@ PFN_cuLaunchKernel_v4000 resolve_cu_launch() {
 }
 
 // (kernel address -> handle) pairs; written under the mutex, read without it once published.
-constexpr int kMaxKernels = 256;
+constexpr int kMaxKernels = 1024;  // distinct kernels a process launches (template instances)
 struct KernelSlot {
     const void *fn;
     cudaKernel_t handle;
