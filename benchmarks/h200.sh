@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the H200 device machine: build for sm_90, run the main job and every test (the
 # CUDA ones included), then the benchmarks.  Logs land in $OUT; a short table prints last.
-# QK_SANITIZE=1 adds a compute-sanitizer memcheck pass; QK_GRAPH_OPS=0 skips the graph-op table.
+# QK_SANITIZE=<tool> (memcheck, racecheck, initcheck, synccheck; 1 = memcheck) adds a
+# compute-sanitizer pass over the CUDA tests (tests/cuda_sanitize.sh, QK_SANITIZE_K narrows them);
+# QK_BENCH picks the tables (default "graph,decode,dense"; empty: none).
 set -uo pipefail
 OUT=${OUT:-/tmp/qkernels-out}
 mkdir -p "$OUT"
@@ -16,14 +18,23 @@ python3 -m qkernels 2>&1 | tee "$OUT/main.log"
 # Host-overhead figures first, on a quiet machine (after the test suite they come out noisier).
 python3 benchmarks/overhead.py --markdown "$OUT/overhead.md" >"$OUT/overhead.log" 2>&1
 python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest.log" | tail -25
-if [ "${QK_SANITIZE:-0}" = 1 ]; then
-    timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -x tests/test_cuda.py \
-        -k "not stream and not graph" >"$OUT/memcheck.log" 2>&1
-    echo "memcheck exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/memcheck.log") clean summaries)"
-    tail -3 "$OUT/memcheck.log"
+if [ "${QK_SANITIZE:-0}" != 0 ]; then
+    tool=${QK_SANITIZE}; [ "$tool" = 1 ] && tool=memcheck
+    timeout 400 bash tests/cuda_sanitize.sh "$tool" ${QK_SANITIZE_K:+"$QK_SANITIZE_K"} >"$OUT/sanitize-$tool.log" 2>&1
+    echo "compute-sanitizer $tool: exit $?"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/sanitize-$tool.log" | tail -3
 fi
 cat "$OUT/overhead.log"
-if [ "${QK_GRAPH_OPS:-1}" = 1 ]; then  # the graph ops beside their anchors (~2 minutes, torch.compile included)
+bench=${QK_BENCH-graph,decode,dense}
+if [[ ",$bench," == *,graph,* ]]; then  # the graph ops beside their anchors (~2 minutes, torch.compile included)
     python3 benchmarks/graph_ops.py --markdown "$OUT/graph_ops.md" >"$OUT/graph_ops.log" 2>&1
     tail -40 "$OUT/graph_ops.log" | cut -c1-150
+fi
+if [[ ",$bench," == *,decode,* ]]; then  # decode attention beside the SDPA backends (~3 minutes)
+    python3 benchmarks/attention_decode.py --markdown "$OUT/attention_decode.md" >"$OUT/attention_decode.log" 2>&1
+    tail -45 "$OUT/attention_decode.log" | cut -c1-150
+fi
+if [[ ",$bench," == *,dense,* ]]; then  # linear, swiglu, rotary beside cuBLAS / eager / compile (~1 minute)
+    python3 benchmarks/dense_ops.py --markdown "$OUT/dense_ops.md" >"$OUT/dense_ops.log" 2>&1
+    tail -50 "$OUT/dense_ops.log" | cut -c1-150
 fi
