@@ -48,6 +48,12 @@ def capsule_name(cap):
     return _capsule_name(cap).decode()
 
 
+# Every Handmade that handed out a capsule, kept for the process: a capsule made from a
+# temporary (Handmade(...).capsule()) would otherwise point at freed ctypes memory, and its
+# deleter at a freed callback, by the time qkernels reads it.
+_ALIVE = []
+
+
 class Handmade:
     """Owns a buffer and a managed tensor describing it; counts deleter calls."""
 
@@ -80,6 +86,7 @@ class Handmade:
         self.deleted += 1
 
     def capsule(self):
+        _ALIVE.append(self)
         return _capsule_new(ctypes.addressof(self.managed), self.name, None)
 
 

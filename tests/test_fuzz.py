@@ -1,7 +1,9 @@
 """Property tests through the public API on the cpu backend: random valid shapes (0- and 1-sized
-dims included), int32/int64 indices, strided, reversed, offset and broadcast views, `out=` or
-not, all matched against the float64 references; and random invalid calls, run in a subprocess
-so that a crash fails the test instead of killing the run."""
+dims included), int32/int64 indices, strided, reversed, offset, transposed and broadcast views,
+float32 and float16 for the LLM ops, `out=` or not, all matched against the float64 references
+(graph_refs, attn_refs, test_dense_ops); a last dimension that is not unit-stride is rejected with
+a ValueError naming it; and random invalid calls, run in a subprocess so that a crash fails the
+test instead of killing the run."""
 
 import subprocess
 import sys
@@ -13,10 +15,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qkernels
-from conftest import rel_err, sparse_aggregate_ref
+from attn_refs import attn_decode_ref, attn_paged_decode_ref, decode_inputs, paged_inputs
+from conftest import fp32_sum_tol, rel_err, sparse_aggregate_ref
 from graph_refs import dropout_keep, edge_features_ref, graph_bce_ref, norm_residual_ref
+from test_dense_ops import freqs_for, linear_ref, rotary_ref, swiglu_ref
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+LLM_SETTINGS = settings(SETTINGS, max_examples=100)
 INDEX = st.sampled_from([np.int32, np.int64])
 
 
@@ -106,61 +111,385 @@ def test_graph_bce_property(seed, e, g, idx, layout, sorted_, pos_weight):
     assert abs(r - ref) <= 1e-5 * abs(ref) + 1e-12
 
 
+# ---- LLM ops: attn_decode, attn_paged_decode, rotary_emb, linear, swiglu ----------------------
+
+FLOAT = st.sampled_from([np.float32, np.float16])
+# views whose last dimension stays unit-stride (the LLM ops require it); "broadcast" repeats
+# index 0 of the first dimension (stride 0), so references are always taken from the views passed
+LLM_LAYOUT = st.sampled_from(["contiguous", "strided", "reversed", "offset", "transposed", "padded", "broadcast"])
+OUT_LAYOUT = st.sampled_from([None, "contiguous", "strided", "reversed", "offset", "transposed", "padded"])
+HALF_TOL = 2e-3  # float16: one rounding of the fp32 result (2**-11), inputs already in float16
+
+
+def llm_view(a, how, fill=0):
+    """a laid out as `how` with the same values (except "broadcast"), last dimension unit-stride;
+    whatever of the underlying buffer lies outside the view holds `fill`."""
+    outer = a.ndim - 1
+    if how == "strided" and outer > 0:  # every outer dimension stepped by 2
+        big = np.full(tuple(2 * n for n in a.shape[:-1]) + a.shape[-1:], fill, a.dtype)
+        sl = (slice(None, None, 2),) * outer
+        big[sl] = a
+        return big[sl]
+    if how == "reversed" and outer > 0:
+        return np.ascontiguousarray(a[::-1])[::-1]
+    if how == "offset" and a.size:
+        flat = np.concatenate([np.full(3, fill, a.dtype), a.ravel()])
+        return flat[3:].reshape(a.shape)
+    if how == "transposed" and outer > 1:  # outer dimensions in reverse memory order
+        perm = tuple(reversed(range(outer))) + (outer,)
+        return np.ascontiguousarray(a.transpose(perm)).transpose(perm)
+    if how == "padded" and a.ndim:  # rows of the last dimension inside longer rows
+        big = np.full(a.shape[:-1] + (a.shape[-1] + 3,), fill, a.dtype)
+        big[..., 1:1 + a.shape[-1]] = a
+        return big[..., 1:1 + a.shape[-1]]
+    if how == "broadcast" and outer > 0 and a.shape[0]:
+        return np.broadcast_to(a[:1], a.shape)
+    return a
+
+
+def poisoned_out(shape, dtype, how):
+    """A NaN-filled out= in layout `how`, or None."""
+    return None if how is None else llm_view(np.full(shape, np.nan, dtype), how, fill=np.nan)
+
+
+def check_out(r, out, shape, dtype):
+    """r is out (when given), has the shape and dtype, is finite, and nothing outside out's view
+    was written (its buffer's other elements are still NaN)."""
+    assert r.shape == shape and r.dtype == dtype
+    assert np.isfinite(r).all(), "NaN/inf in the result (an element was not written?)"
+    if out is not None:
+        assert r is out
+        base = out.base if out.base is not None else out
+        assert np.isnan(base).sum() == base.size - out.size, "written outside out's view"
+
+
+def err_vs(out, ref, scale):
+    """|out - ref| against a cancellation-free scale (the reference on the sums of |terms|)."""
+    e = np.linalg.norm(np.asarray(out, np.float64) - ref)
+    s = np.linalg.norm(scale)
+    return e / s if s > 0 else e
+
+
+def attn_tol(dtype, q, k, scale, n_keys):
+    """fp32 error of the scores grows with their magnitude (exp turns an absolute error in a
+    score into a relative one in its weight); float16 adds one rounding of the output."""
+    q64, k64 = np.abs(np.asarray(q, np.float64)), np.abs(np.asarray(k, np.float64))
+    s_abs = float((q64.max(initial=0) * k64.max(initial=0)) * q64.shape[-1] * scale)
+    tol = fp32_sum_tol(max(n_keys, 1)) + 4 * 2.0**-24 * s_abs
+    return tol + (HALF_TOL if dtype == np.float16 else 0)
+
+
+@LLM_SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), B=st.integers(0, 4), L=st.integers(0, 40), hkv=st.integers(1, 3),
+       ratio=st.integers(1, 4), D=st.sampled_from([1, 2, 3, 8, 32, 40, 64]), dtype=FLOAT, idx=INDEX,
+       layouts=st.tuples(LLM_LAYOUT, LLM_LAYOUT, LLM_LAYOUT), out_layout=OUT_LAYOUT,
+       lens=st.sampled_from([None, "random", "edges"]), mask=st.sampled_from([None, "2d", "3d", "strided"]),
+       scale=st.sampled_from([None, 0.3, 2.0]), mask_layout=LAYOUT)
+def test_attn_decode_property(seed, B, L, hkv, ratio, D, dtype, idx, layouts, out_layout, lens, mask, scale,
+                              mask_layout):
+    rng = np.random.default_rng(seed)
+    q, k, v = (llm_view(a, how) for a, how in zip(decode_inputs(rng, B, L, hkv, ratio, D, dtype), layouts))
+    kw = {"scale": scale}
+    kv_lens = m = None
+    if lens == "random":
+        kv_lens = rng.integers(-2, L + 3, B).astype(idx)
+    elif lens == "edges":  # 0, 1, L and beyond L
+        kv_lens = rng.choice([0, 1, L, L + 1, 10**6], B).astype(idx)
+    if kv_lens is not None:
+        kw["kv_lens"] = view(rng, kv_lens, mask_layout)
+    if mask:
+        m = rng.random((B, L)) < rng.random()
+        m[rng.random(B) < 0.3] = False  # all-False rows: 0, not NaN
+        kw["mask"] = m[:, None, :] if mask == "3d" else view(rng, m, "strided" if mask == "strided" else mask_layout)
+    out = poisoned_out(q.shape, dtype, out_layout)
+    r = qkernels.attn_decode(q, k, v, out=out, **kw)
+    check_out(r, out, (B, 1, hkv * ratio, D), dtype)
+    ref = attn_decode_ref(q, k, v, kv_lens, m, scale)
+    mag = attn_decode_ref(q, k, np.abs(np.asarray(v, np.float64)), kv_lens, m, scale)
+    sc = 1 / np.sqrt(D) if scale is None else scale
+    assert err_vs(r, ref, mag) < attn_tol(dtype, q, k, sc, L)
+    keep = np.ones((B, L), bool) if m is None else m.copy()
+    if kv_lens is not None:
+        keep &= np.arange(L)[None, :] < kv_lens.astype(np.int64)[:, None]
+    assert np.all(np.asarray(r)[~keep.any(1)] == 0)  # no kept key: exactly 0
+
+
+@LLM_SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), lens=st.lists(st.integers(0, 20), max_size=4), hkv=st.integers(1, 3),
+       ratio=st.integers(1, 3), D=st.sampled_from([1, 2, 5, 8, 32, 64]), dtype=FLOAT,
+       idx=st.tuples(INDEX, INDEX, INDEX), layouts=st.tuples(LLM_LAYOUT, LLM_LAYOUT, LLM_LAYOUT, LLM_LAYOUT),
+       idx_layouts=st.tuples(LAYOUT, LAYOUT, LAYOUT), new_kv=st.booleans(), mask=st.booleans(),
+       out_layout=OUT_LAYOUT, scale=st.sampled_from([None, 0.5]))
+def test_attn_paged_decode_property(seed, lens, hkv, ratio, D, dtype, idx, layouts, idx_layouts, new_kv, mask,
+                                    out_layout, scale):
+    rng = np.random.default_rng(seed)
+    q, kc, vc, r2t, rpi, indptr = paged_inputs(rng, lens, hkv, ratio, D, extra_slots=int(rng.integers(0, 4)),
+                                               index_dtype=np.int64, dtype=dtype)
+    B = len(lens)
+    pool_layouts = tuple("padded" if new_kv and h == "broadcast" else h for h in layouts[1:3])  # written
+    q = llm_view(q, layouts[0])
+    kc, vc = llm_view(kc, pool_layouts[0]), llm_view(vc, pool_layouts[1])
+    r2t, rpi, indptr = (view(rng, a.astype(t), how) for a, t, how in zip((r2t, rpi, indptr), idx, idx_layouts))
+    kw = {"scale": scale}
+    if new_kv:
+        kw["new_k"], kw["new_v"] = (llm_view(rng.standard_normal((B, hkv, D)).astype(dtype), layouts[3])
+                                    for _ in range(2))
+    m = None
+    if mask:
+        m = rng.random((B, r2t.shape[1])) < rng.random()
+        m[rng.random(B) < 0.3] = False
+        kw["mask"] = view(rng, m, idx_layouts[1])
+    ref, k_ref, v_ref = attn_paged_decode_ref(q, kc, vc, r2t, rpi, indptr, mask=m, scale=scale,
+                                              new_k=kw.get("new_k"), new_v=kw.get("new_v"))
+    out = poisoned_out(q.shape, dtype, out_layout)
+    r = qkernels.attn_paged_decode(q, kc, vc, r2t, rpi, indptr, out=out, **kw)
+    check_out(r, out, (B, hkv * ratio, D), dtype)
+    np.testing.assert_array_equal(kc, k_ref.astype(dtype))  # the new tokens written, nothing else
+    np.testing.assert_array_equal(vc, v_ref.astype(dtype))
+    v_abs = np.abs(v_ref)
+    mag, _, _ = attn_paged_decode_ref(q, kc, v_abs, r2t, rpi, indptr, mask=m, scale=scale)
+    sc = 1 / np.sqrt(D) if scale is None else scale
+    assert err_vs(r, ref, mag) < attn_tol(dtype, q, k_ref, sc, max(lens, default=0))
+    n = np.diff(np.asarray(indptr, np.int64))
+    empty = (n == 0) if m is None else ~(m & (np.arange(m.shape[1])[None, :] < n[:, None])).any(1)
+    assert np.all(np.asarray(r)[empty] == 0)
+
+
+@LLM_SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), lead=st.lists(st.integers(0, 5), min_size=1, max_size=2),
+       H=st.integers(0, 3), D=st.sampled_from([0, 2, 4, 6, 16, 64]), dtype=FLOAT, interleaved=st.booleans(),
+       x_layout=LLM_LAYOUT, f_layout=LLM_LAYOUT, out_layout=st.one_of(OUT_LAYOUT, st.just("inplace")))
+def test_rotary_emb_property(seed, lead, H, D, dtype, interleaved, x_layout, f_layout, out_layout):
+    rng = np.random.default_rng(seed)
+    lead = tuple(lead)
+    if out_layout == "inplace" and x_layout == "broadcast":
+        x_layout = "strided"
+    x = llm_view(rng.standard_normal(lead + (H, D)).astype(dtype), x_layout)
+    f = llm_view(freqs_for(rng, lead, D), f_layout)
+    ref = rotary_ref(x, f, interleaved)  # before an in-place call overwrites x
+    if out_layout == "inplace":
+        fresh = qkernels.rotary_emb(x, f, interleaved=interleaved)
+        r = qkernels.rotary_emb(x, f, interleaved=interleaved, out=x)
+        assert r is x and np.array_equal(x, fresh)
+    else:
+        out = poisoned_out(x.shape, dtype, out_layout)
+        r = qkernels.rotary_emb(x, f, interleaved=interleaved, out=out)
+        check_out(r, out, x.shape, dtype)
+    # a rotation keeps each pair's norm: no cancellation in the norm-wise relative error
+    assert rel_err(r, ref) < (1e-5 if dtype == np.float32 else HALF_TOL)
+
+
+@LLM_SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), M=st.integers(0, 9), K=st.integers(0, 40), N=st.integers(0, 12),
+       one_d=st.booleans(), dtype=FLOAT, swiglu=st.booleans(), bias=st.booleans(),
+       layouts=st.tuples(LLM_LAYOUT, LLM_LAYOUT, LLM_LAYOUT), bias_layout=LAYOUT, out_layout=OUT_LAYOUT)
+def test_linear_swiglu_property(seed, M, K, N, one_d, dtype, swiglu, bias, layouts, bias_layout, out_layout):
+    rng = np.random.default_rng(seed)
+    xs = (K,) if one_d else (M, K)
+    x = llm_view(rng.standard_normal(xs).astype(dtype), layouts[0])
+    w = llm_view((rng.standard_normal((N, K)) * max(K, 1) ** -0.5).astype(dtype), layouts[1])
+    shape = xs[:-1] + (N,)
+    out = poisoned_out(shape, dtype, out_layout)
+    ax, aw = np.abs(np.asarray(x, np.float64)), np.abs(np.asarray(w, np.float64))
+    tol = fp32_sum_tol(max(K, 1)) + (HALF_TOL if dtype == np.float16 else 0)
+    if swiglu:
+        g = llm_view((2 * rng.standard_normal((N, K)) * max(K, 1) ** -0.5).astype(dtype), layouts[2])
+        r = qkernels.swiglu(x, w, g, out=out)
+        check_out(r, out, shape, dtype)
+        ref = swiglu_ref(x, w, g)
+        # error of u * silu(g) from errors in u and g (|silu'| <= 1.1), each bounded by its |terms|
+        u, gg = linear_ref(x, w), linear_ref(x, g)
+        silu = gg / (1 + np.exp(-gg))
+        mag = np.abs(silu) * (ax @ aw.T) + 1.1 * np.abs(u) * (ax @ np.abs(np.asarray(g, np.float64)).T)
+        assert err_vs(r, ref, mag) <= 2 * tol * (np.linalg.norm(mag) > 0)
+    else:
+        b = view(rng, rng.standard_normal(N).astype(dtype), bias_layout) if bias else None
+        r = qkernels.linear(x, w, b, out=out)
+        check_out(r, out, shape, dtype)
+        ref = linear_ref(x, w, b)
+        mag = ax @ aw.T + (0 if b is None else np.abs(np.asarray(b, np.float64)))
+        assert err_vs(r, ref, mag) <= tol * (np.linalg.norm(mag) > 0)  # K = 0: exactly the bias (or 0)
+
+
+def _inner_strided(a):
+    """a with the same values and stride 2 in its last dimension."""
+    big = np.zeros(a.shape[:-1] + (2 * a.shape[-1],), a.dtype)
+    big[..., ::2] = a
+    return big[..., ::2]
+
+
+INNER_ARGS = {"attn_decode": ("q", "k", "v", "out"),
+              "attn_paged_decode": ("q", "k_cache", "v_cache", "new_k", "new_v", "out"),
+              "rotary_emb": ("x", "freqs_cis", "out"),
+              "linear": ("x", "weight", "out"),
+              "swiglu": ("x", "up_weight", "gate_weight", "out")}
+INNER_TARGETS = [(op, arg) for op, args in INNER_ARGS.items() for arg in args]
+
+
+@LLM_SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), target=st.sampled_from(INNER_TARGETS), n=st.integers(0, 3),
+       d=st.integers(1, 4), dtype=FLOAT)
+def test_llm_inner_stride_rejected_or_right(seed, target, n, d, dtype):
+    """One argument whose last dimension has stride 2: a ValueError naming the op and the argument,
+    unless that dimension has size 1 or the tensor is empty (then the right answer)."""
+    rng = np.random.default_rng(seed)
+    op, name = target
+    D = 2 * d
+    f32 = rng.standard_normal
+    q, k, v = decode_inputs(rng, n, 3, 1, 2, D, dtype)
+    pq, kc, vc, r2t, rpi, indptr = paged_inputs(rng, [1, 2, 0][:n], 1, 2, D, dtype=dtype)
+    nk = f32((n, 1, D)).astype(dtype)
+    x3, f = f32((n, 2, D)).astype(dtype), freqs_for(rng, (n,), D)
+    xl, w = f32((n, D)).astype(dtype), f32((3, D)).astype(dtype)
+    args, kw, oshape = {  # (named positional args, keyword args, output shape)
+        "attn_decode": ({"q": q, "k": k, "v": v}, {}, q.shape),
+        "attn_paged_decode": ({"q": pq, "k_cache": kc, "v_cache": vc, "req_to_token": r2t, "req_pool_indices": rpi,
+                               "kv_indptr": indptr}, {"new_k": nk, "new_v": nk}, pq.shape),
+        "rotary_emb": ({"x": x3, "freqs_cis": f}, {}, x3.shape),
+        "linear": ({"x": xl, "weight": w}, {}, (n, 3)),
+        "swiglu": ({"x": xl, "up_weight": w, "gate_weight": w}, {}, (n, 3)),
+    }[op]
+    fn = getattr(qkernels, op)
+    good = fn(*[a.copy() for a in args.values()], **{key: val.copy() for key, val in kw.items()})
+    if name == "out":
+        kw["out"] = bad = _inner_strided(np.zeros(oshape, dtype))
+    elif name in kw:
+        kw[name] = bad = _inner_strided(kw[name])
+    else:
+        args[name] = bad = _inner_strided(args[name])
+    if bad.size and bad.shape[-1] > 1:
+        with pytest.raises(ValueError, match=rf"{op}: {name} must be unit-stride in its last dimension, got stride 2"):
+            fn(*args.values(), **kw)
+    else:
+        assert np.array_equal(fn(*args.values(), **kw), good)
+
+
 INVALID_CALLS = textwrap.dedent('''
     import sys
     import numpy as np
     import qkernels
 
     rng = np.random.default_rng(int(sys.argv[1]))
-    GARBAGE = [None, 3, 2.5, "x", [1, 2], object(), np.float32(1.0), b"bytes"]
+    GARBAGE = [None, 3, 2.5, "x", [1, 2], object(), np.float32(1.0), b"bytes", np.array([1.0, 2.0]), np.array(1.0),
+               float("nan")]
     DTYPES = [np.float64, np.float16, np.int8, np.uint8, np.complex64, np.bool_, np.int32, np.int64]
+    B, L, HKV, G, D = 2, 5, 2, 2, 8  # LLM shapes: batch, keys, kv heads, query heads per kv head, head_dim
+    R, S, CTX = 3, 9, 4  # requests, pool slots, max_ctx
+
+    def ones(*shape, dtype=np.float32):
+        return np.ones(shape, dtype)
 
     def good():
+        # op -> (positional args, keyword args, output shape or None); every call valid
         e, n, h = 6, 4, 3
         rp = np.array([0, 2, 2, 5, 6]); col = rng.integers(0, n, e)
+        idx = [np.int32, np.int64][int(rng.integers(0, 2))]
+        r2t = rng.integers(0, S, (R, CTX)).astype(idx)
         return {
-            "sparse_aggregate": [rp, col, np.ones((e, h), np.float32), np.ones((n, h, 2), np.float32)],
-            "fused_edge_features": [np.ones((n, h), np.float32), rng.integers(0, n, (2, e)), np.ones((e, h), np.float32)],
-            "fused_norm_residual": [np.ones((n, h), np.float32), np.ones((n, h), np.float32), np.ones(h, np.float32),
-                                    np.ones(h, np.float32)],
-            "graph_norm_bce": [np.ones(e, np.float32), np.ones(e, np.float32), np.sort(rng.integers(0, 3, e)), 3],
+            "sparse_aggregate": ([rp, col, ones(e, h), ones(n, h, 2)], {}, (n, h, 2)),
+            "fused_edge_features": ([ones(n, h), rng.integers(0, n, (2, e)), ones(e, h)], {}, (e, 3 * h)),
+            "fused_norm_residual": ([ones(n, h), ones(n, h), ones(h), ones(h)], {"p": 0.1, "training": True, "seed": 3},
+                                    (n, h)),
+            "graph_norm_bce": ([ones(e), ones(e), np.sort(rng.integers(0, 3, e)), 3], {"pos_weight": 2.0}, None),
+            "attn_decode": ([ones(B, 1, HKV * G, D), ones(B, L, HKV, D), ones(B, L, HKV, D)],
+                            {"kv_lens": np.array([5, 2], idx), "mask": rng.random((B, L)) < 0.5, "scale": 0.5},
+                            (B, 1, HKV * G, D)),
+            "attn_paged_decode": ([ones(B, HKV * G, D), ones(S, HKV, D), ones(S, HKV, D), r2t, np.array([2, 0], idx),
+                                   np.array([0, 3, 4], idx)],
+                                  {"new_k": ones(B, HKV, D), "new_v": ones(B, HKV, D),
+                                   "mask": rng.random((B, CTX)) < 0.5, "scale": 0.5},
+                                  (B, HKV * G, D)),
+            "rotary_emb": ([ones(3, 2, D), ones(3, D // 2, 2)], {"interleaved": False}, (3, 2, D)),
+            "linear": ([ones(4, 6), ones(5, 6), ones(5)], {}, (4, 5)),
+            "swiglu": ([ones(4, 6), ones(5, 6), ones(5, 6)], {}, (4, 5)),
         }
 
-    def break_one(args):
-        i = int(rng.integers(0, len(args)))
-        a = args[i]
-        kind = rng.integers(0, 7)
+    OPS = list(good())
+
+    def break_tensor(a):
+        kind = rng.integers(0, 10)
         if kind == 0 or not isinstance(a, np.ndarray):
-            args[i] = GARBAGE[int(rng.integers(0, len(GARBAGE)))]
-        elif kind == 1:
-            args[i] = a.reshape(-1) if a.ndim > 1 else a.reshape(1, -1)
-        elif kind == 2:
-            args[i] = np.concatenate([a, a[:1]]) if a.size else np.ones(3)
-        elif kind == 3:
-            args[i] = a.astype(DTYPES[int(rng.integers(0, len(DTYPES)))])
-        elif kind == 4 and a.dtype.kind == "i":
-            b = a.copy(); b.flat[int(rng.integers(0, b.size))] = rng.choice([-1, 10**6]); args[i] = b
-        elif kind == 5:
-            args[i] = a[..., :0] if a.ndim else a
-        else:
-            args[i] = np.broadcast_to(a, (2,) + a.shape)
-        return args
+            return GARBAGE[int(rng.integers(0, len(GARBAGE)))]
+        if kind == 1:  # wrong rank
+            return a.reshape(-1) if a.ndim > 1 else a.reshape(1, -1)
+        if kind == 2:  # one more row
+            return np.concatenate([a, a[:1]]) if a.ndim and a.size else np.ones(3)
+        if kind == 3:  # wrong dtype
+            return a.astype(DTYPES[int(rng.integers(0, len(DTYPES)))])
+        if kind == 4 and a.dtype.kind == "i" and a.size:  # an index out of range
+            b = a.copy(); b.flat[int(rng.integers(0, b.size))] = rng.choice([-1, 10**6, -2**31]); return b
+        if kind == 5:  # an empty last dimension
+            return a[..., :0] if a.ndim else a
+        if kind == 6:  # an extra leading dimension (stride 0)
+            return np.broadcast_to(a, (2,) + a.shape)
+        if kind == 7 and a.ndim:  # one dimension one longer or shorter (Hq vs Hkv, K, odd D, freqs shape...)
+            shape = list(a.shape); d = int(rng.integers(0, a.ndim))
+            shape[d] = max(shape[d] + int(rng.choice([-1, 1])), 0)
+            return np.zeros(shape, a.dtype)
+        if kind == 8 and a.ndim:  # last dimension reversed or stepped
+            return a[..., ::-1] if rng.random() < 0.5 else np.repeat(a, 2, axis=-1)[..., ::2]
+        return np.asarray(a.flat[0] if a.size else 0, a.dtype)  # 0-d
 
     count = 0
-    for trial in range(400):
-        op = list(good())[trial % 4]
-        args = break_one(good()[op])
-        kw = {}
-        if op != "graph_norm_bce" and rng.random() < 0.2:
-            ro = np.zeros((1, 1), np.float32); ro.flags.writeable = False
+    for trial in range(100 * len(OPS)):
+        op = OPS[trial % len(OPS)]
+        args, kw, oshape = good()[op]
+        if kw and rng.random() < 0.3:  # a keyword argument broken, dropped, or unknown
+            key = list(kw)[int(rng.integers(0, len(kw)))]
+            r = rng.random()
+            if r < 0.15:
+                del kw[key]
+            elif r < 0.25:
+                kw["bogus"] = 1
+            else:
+                kw[key] = break_tensor(kw[key])
+        else:
+            i = int(rng.integers(0, len(args)))
+            args[i] = break_tensor(args[i])
+        if oshape is not None and rng.random() < 0.2:
+            ro = np.zeros((1, 1) if rng.random() < 0.5 else oshape, np.float32); ro.flags.writeable = False
             kw["out"] = ro
         try:
             getattr(qkernels, op)(*args, **kw)
         except (TypeError, ValueError, BufferError) as e:
             count += 1
-            assert op in str(e) or "()" in str(e), (op, repr(e))
+            assert op in str(e), (op, repr(e))
         except Exception as e:
             raise AssertionError(f"{op}: undocumented exception {e!r}")
+
+    # strict: a read-only out of the right shape, everything else valid
+    for op in OPS:
+        args, kw, oshape = good()[op]
+        if oshape is None:
+            continue
+        ro = np.zeros(oshape, np.float32); ro.flags.writeable = False
+        try:
+            getattr(qkernels, op)(*args, **kw, out=ro)
+            raise AssertionError(f"{op}: a read-only out was accepted")
+        except BufferError as e:
+            assert f"{op}: out is read-only" in str(e), (op, repr(e))
+        count += 1
+
+    # strict: the paged op's indices out of range -> ValueError naming the argument, pools untouched
+    for trial in range(100):
+        args, kw, _ = good()["attn_paged_decode"]
+        r2t, rpi, indptr = args[3], args[4], args[5]
+        b = int(rng.integers(0, B)); which = int(rng.integers(0, 3))
+        if which == 0:
+            rpi[b] = rng.choice([-1, R, 10**6, -2**31]); name = "req_pool_indices"
+        elif which == 1:
+            indptr[b + 1] = indptr[b] + rng.choice([-1, -5, CTX + 1, 10**6]); name = "kv_indptr"
+        else:
+            n = int(indptr[b + 1] - indptr[b])
+            r2t[rpi[b], int(rng.integers(0, n))] = rng.choice([-1, S, 10**6, -2**31]); name = "req_to_token"
+        before = [args[1].copy(), args[2].copy()]
+        try:
+            qkernels.attn_paged_decode(*args, **kw)
+            raise AssertionError(f"attn_paged_decode: bad {name} accepted")
+        except ValueError as e:
+            assert str(e).startswith("attn_paged_decode: ") and name in str(e), (name, repr(e))
+        assert np.array_equal(args[1], before[0]) and np.array_equal(args[2], before[1]), "pool written"
+        count += 1
     print("OK", count)
 ''')
 

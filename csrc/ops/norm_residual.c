@@ -54,7 +54,11 @@ PyObject *qk_op_norm_residual(PyObject *module, PyObject *const *args, Py_ssize_
         return NULL;
     }
     int training = a[5] ? PyObject_IsTrue(a[5]) : 0;
-    if (training < 0) return NULL;
+    if (training < 0) { /* e.g. a NumPy array of several elements: name the op and the argument */
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, OP ": training must be a bool, got %.200s", Py_TYPE(a[5])->tp_name);
+        return NULL;
+    }
     uint64_t seed = 0;
     if (a[7] && a[7] != Py_None) {
         if (!PyLong_Check(a[7])) {

@@ -15,7 +15,11 @@ PyObject *qk_op_rotary(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     int stream_given;
     if (qk_stream_arg(OP, a[4], &stream, &stream_given) < 0) return NULL;
     const int interleaved = a[2] ? PyObject_IsTrue(a[2]) : 1;
-    if (interleaved < 0) return NULL;
+    if (interleaved < 0) { /* e.g. a NumPy array of several elements: name the op and the argument */
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, OP ": interleaved must be a bool, got %.200s", Py_TYPE(a[2])->tp_name);
+        return NULL;
+    }
 
     qk_view in[2] = {{0}}, ov = {0};
     qk_output o = {0};
