@@ -319,7 +319,7 @@ def _decide(op, x, explicit, extra=()):
         reason = _check(b, family, axes)
         d.candidates.append((b, "MATCH", "") if reason is None else (b, "reject", reason))
     if explicit is not None:
-        d.requested, d.origin = _normalize(explicit, "backend="), "explicit"
+        d.requested, d.origin = _normalize(explicit, f"{op}: backend="), "explicit"
     else:
         ctx = _ctx.get()[0]
         if family in ctx:

@@ -52,7 +52,7 @@ def test_explicit_backend_is_strict(env, args):
     assert issubclass(ExplicitSelectionError, RuntimeError)
     qkernels.sparse_aggregate(*args, backend="cpu")
     qkernels.sparse_aggregate(*args, backend="auto")
-    with pytest.raises(ValueError, match="backend= must be one of cuda, flash, cpu, auto"):
+    with pytest.raises(ValueError, match="sparse_aggregate: backend= must be one of cuda, flash, cpu, auto"):
         qkernels.sparse_aggregate(*args, backend="gpu")
 
 
