@@ -228,6 +228,14 @@ def test_decode_cuda_only_checks_on_a_claimed_cuda_tensor():
     with pytest.raises(ValueError, match="attn_decode: head_dim D = 40 is not supported on cuda; expected 32, 64, 128 or 256"):
         qkernels._C.attn_decode_raw(*[h.capsule() for h in f16])
     assert [h.deleted for h in f32 + f16] == [1] * 6
+    # 16-byte rows on cuda: a k that starts 2 bytes into its buffer, or whose rows are 40 bytes apart
+    q, k, v = (np.ones(a.shape, np.float16) for a in decode_args(D=32))
+    shifted = np.zeros(k.size + 1, np.float16)[1:].reshape(k.shape)
+    padded = np.zeros(k.shape[:-1] + (k.shape[-1] + 4,), np.float16)[..., :32]
+    for bad in (shifted, padded):
+        hs = [Handmade(q, device_type=2), Handmade(bad, device_type=2), Handmade(v, device_type=2)]
+        with pytest.raises(ValueError, match="attn_decode: k must have 16-byte aligned rows on cuda"):
+            qkernels._C.attn_decode_raw(*[h.capsule() for h in hs])
 
 
 def paged_args(B=2, S=10, R=3, max_ctx=6, Hq=4, Hkv=2, D=8):

@@ -17,6 +17,28 @@ static int ad_check_unit(const char *op, const char *arg, const qk_view *v) {
     return qk_check_inner_unit(op, arg, v);
 }
 
+/* cuda reads rows as 16-byte vectors: the data pointer and the stride of every dimension but the
+ * last (when it holds more than one row) must be multiples of 16 bytes.  Other layouts are
+ * rejected here rather than by the kernel, so the message names the argument. */
+static int ad_check_rows16(const char *op, const char *arg, const qk_view *v) {
+    if (v->device_type != kDLCUDA) return 0;
+    for (int i = 0; i < v->ndim; i++)
+        if (v->shape[i] == 0) return 0;
+    const int64_t es = (int64_t)qk_dtype_size(v->dtype);
+    int ok = ((uintptr_t)v->data % 16) == 0;
+    for (int i = 0; i + 1 < v->ndim; i++)
+        if (v->shape[i] > 1 && (v->strides[i] * es) % 16) ok = 0;
+    if (!ok)
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s must have 16-byte aligned rows on cuda (data pointer and outer strides multiples of 16 "
+                     "bytes); make it contiguous",
+                     op, arg);
+    return ok ? 0 : -1;
+}
+
+/* A size-1 dimension's stride is never used; 0 keeps the kernel's alignment test off it. */
+static int64_t ad_stride(const qk_view *v, int dim) { return v->shape[dim] > 1 ? v->strides[dim] : 0; }
+
 static int ad_check_heads(const char *op, const char *q, const char *k, int64_t Hq, int64_t Hkv, int64_t D,
                           int cuda) {
     if (D < 1) {
@@ -139,6 +161,9 @@ PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t 
             goto done;
     }
     if (AD_GIVEN(a[MASK]) && ad_check_mask(OP, &in[MASK], B, Lkv, "Lkv", 1) < 0) goto done;
+    if (ad_check_rows16(OP, "q", &in[Q]) < 0 || ad_check_rows16(OP, "k", &in[K]) < 0 ||
+        ad_check_rows16(OP, "v", &in[V]) < 0)
+        goto done;
     float scale;
     if (ad_scale(OP, a[5], D, &scale) < 0) goto done;
     if (qk_launch_begin(st, OP, &in[Q], stream, stream_given, &l) < 0) goto done;
@@ -158,13 +183,13 @@ PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t 
     ad.Hkv = Hkv;
     ad.D = D;
     ad.Lkv = Lkv;
-    ad.q_stride[0] = in[Q].strides[0];
-    ad.q_stride[1] = in[Q].strides[2];
+    ad.q_stride[0] = ad_stride(&in[Q], 0);
+    ad.q_stride[1] = ad_stride(&in[Q], 2);
     ad.out_stride[0] = ov.strides[0];
     ad.out_stride[1] = ov.strides[2];
     for (int i = 0; i < 3; i++) {
-        ad.k_stride[i] = in[K].strides[i];
-        ad.v_stride[i] = in[V].strides[i];
+        ad.k_stride[i] = ad_stride(&in[K], i);
+        ad.v_stride[i] = ad_stride(&in[V], i);
     }
     if (AD_GIVEN(a[KV_LENS])) {
         ad.kv_lens = in[KV_LENS].data;
@@ -271,6 +296,10 @@ PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ss
         }
     }
     if (AD_GIVEN(a[MASK]) && ad_check_mask(OP, &in[MASK], B, max_ctx, "max_ctx", 0) < 0) goto done;
+    if (ad_check_rows16(OP, "q", &in[Q]) < 0 || ad_check_rows16(OP, "k_cache", &in[KC]) < 0 ||
+        ad_check_rows16(OP, "v_cache", &in[VC]) < 0 ||
+        (AD_GIVEN(a[NEW_K]) && (ad_check_rows16(OP, "new_k", &in[NEW_K]) < 0 || ad_check_rows16(OP, "new_v", &in[NEW_V]) < 0)))
+        goto done;
     float scale;
     if (ad_scale(OP, a[9], D, &scale) < 0) goto done;
     if (qk_launch_begin(st, OP, &in[Q], stream, stream_given, &l) < 0) goto done;
@@ -296,14 +325,14 @@ PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ss
     ad.num_requests = R;
     ad.max_ctx = max_ctx;
     ad.pool_size = S;
-    ad.q_stride[0] = in[Q].strides[0];
-    ad.q_stride[1] = in[Q].strides[1];
+    ad.q_stride[0] = ad_stride(&in[Q], 0);
+    ad.q_stride[1] = ad_stride(&in[Q], 1);
     ad.out_stride[0] = ov.strides[0];
     ad.out_stride[1] = ov.strides[1];
-    ad.k_stride[1] = in[KC].strides[0];
-    ad.k_stride[2] = in[KC].strides[1];
-    ad.v_stride[1] = in[VC].strides[0];
-    ad.v_stride[2] = in[VC].strides[1];
+    ad.k_stride[1] = ad_stride(&in[KC], 0);
+    ad.k_stride[2] = ad_stride(&in[KC], 1);
+    ad.v_stride[1] = ad_stride(&in[VC], 0);
+    ad.v_stride[2] = ad_stride(&in[VC], 1);
     ad.r2t_stride[0] = in[R2T].strides[0];
     ad.r2t_stride[1] = in[R2T].strides[1];
     ad.rpi_stride = in[RPI].strides[0];
@@ -315,8 +344,8 @@ PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ss
         ad.new_k = in[NEW_K].data;
         ad.new_v = in[NEW_V].data;
         for (int i = 0; i < 2; i++) {
-            ad.new_k_stride[i] = in[NEW_K].strides[i];
-            ad.new_v_stride[i] = in[NEW_V].strides[i];
+            ad.new_k_stride[i] = ad_stride(&in[NEW_K], i);
+            ad.new_v_stride[i] = ad_stride(&in[NEW_V], i);
         }
     }
     if (AD_GIVEN(a[MASK])) ad_set_mask(&ad, &in[MASK]);
