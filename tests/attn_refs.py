@@ -78,3 +78,16 @@ def paged_inputs(rng, lens, Hkv, ratio, D, R=None, extra_slots=5, index_dtype=np
     v_cache = rng.standard_normal((S, Hkv, D)).astype(dtype)
     return (q, k_cache, v_cache, req_to_token.astype(index_dtype), rows.astype(index_dtype),
             kv_indptr.astype(index_dtype))
+
+
+def naive_decode(q, k, v, keep, scale):
+    """Decode attention computed in the inputs' own precision (torch tensors), the yardstick for
+    fp16/bf16: q [B,1,Hq,D], k/v [B,L,Hkv,D], keep bool [B,L]."""
+    import torch
+
+    G = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
+    s = torch.einsum("bhd,blhd->bhl", q[:, 0], kk) * scale
+    s = s.masked_fill(~keep[:, None, :], float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return torch.einsum("bhl,blhd->bhd", p, vv)[:, None]

@@ -73,3 +73,27 @@ def rng(request):
     seed = np.random.SeedSequence().entropy % (2**32)
     request.node.user_properties.append(("seed", seed))
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """Set dispatcher env variables; the dispatcher re-reads them, and forgets them afterwards."""
+    for var in ("ASTR_BACKEND", "QECDEC_BACKEND", "QKERNELS_OPS"):
+        monkeypatch.delenv(var, raising=False)
+
+    def set_env(**kw):
+        for k, v in kw.items():
+            monkeypatch.setenv(k, v)
+        qkernels.reload_env()
+
+    yield set_env
+    monkeypatch.undo()
+    qkernels.reload_env()
+
+
+def close_to_naive(ours, naive, ref):
+    """flash-attention's rule: our error (torch tensors, any device, against a float64 NumPy
+    reference) at most twice a naive same-precision implementation's."""
+    e_ours = np.abs(ours.double().cpu().numpy() - ref).max()
+    e_naive = np.abs(naive.double().cpu().numpy() - ref).max()
+    assert e_ours <= 2 * e_naive + 1e-6, (e_ours, e_naive)

@@ -9,8 +9,8 @@ import pytest
 
 import qkernels
 from qkernels import _dispatch
-from attn_refs import attn_decode_ref, attn_paged_decode_ref, decode_inputs, paged_inputs
-from conftest import fp32_sum_tol, rel_err
+from attn_refs import attn_decode_ref, attn_paged_decode_ref, decode_inputs, naive_decode, paged_inputs
+from conftest import close_to_naive, fp32_sum_tol, rel_err
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 requires_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (bfloat16 on the CPU)")
@@ -153,23 +153,6 @@ def test_threads_do_not_change_bits(rng):
 
 
 # ---- float16 / bfloat16 ---------------------------------------------------------------------
-
-def naive_decode(q, k, v, keep, scale):
-    """Decode attention computed in the inputs' own precision (torch), the yardstick for fp16/bf16."""
-    G = q.shape[2] // k.shape[2]
-    kk, vv = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
-    s = torch.einsum("bhd,blhd->bhl", q[:, 0], kk) * scale
-    s = s.masked_fill(~keep[:, None, :], float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num(0.0)
-    return torch.einsum("bhl,blhd->bhd", p, vv)[:, None]
-
-
-def close_to_naive(ours, naive, ref):
-    """flash-attention's rule: our error at most twice a naive same-precision implementation's."""
-    e_ours = np.abs(ours.double().numpy() - ref).max()
-    e_naive = np.abs(naive.double().numpy() - ref).max()
-    assert e_ours <= 2 * e_naive + 1e-6, (e_ours, e_naive)
-
 
 @requires_torch
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -11,8 +11,8 @@ import pytest
 
 import qkernels
 from qkernels import _frameworks
-from attn_refs import attn_decode_ref, attn_paged_decode_ref, decode_inputs, paged_inputs
-from conftest import requires_cuda
+from attn_refs import attn_decode_ref, attn_paged_decode_ref, decode_inputs, naive_decode, paged_inputs
+from conftest import close_to_naive, requires_cuda
 
 pytestmark = [requires_cuda,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
@@ -30,22 +30,6 @@ def cuda(a, dtype=None):
 
 def f64(t):
     return t.double().cpu().numpy()
-
-
-def naive_decode(q, k, v, keep, scale):
-    """Decode attention in the inputs' own precision: the yardstick for our fp16/bf16 error."""
-    G = q.shape[2] // k.shape[2]
-    kk, vv = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
-    s = torch.einsum("bhd,blhd->bhl", q[:, 0], kk) * scale
-    s = s.masked_fill(~keep[:, None, :], float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num(0.0)
-    return torch.einsum("bhl,blhd->bhd", p, vv)[:, None]
-
-
-def close_to_naive(ours, naive, ref):
-    e_ours = np.abs(f64(ours) - ref).max()
-    e_naive = np.abs(f64(naive) - ref).max()
-    assert e_ours <= 2 * e_naive + 1e-6, (e_ours, e_naive)
 
 
 def keep_of(B, L, kv_lens=None, mask=None):

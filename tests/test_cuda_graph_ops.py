@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import qkernels
-from conftest import rel_err, requires_cuda
+from conftest import close_to_naive, rel_err, requires_cuda
 from graph_refs import dropout_keep, edge_features_ref, graph_bce_ref, norm_residual_ref
 
 pytestmark = [requires_cuda,
@@ -31,13 +31,6 @@ def cuda(a, dtype=None):
 
 def f64(t):
     return t.double().cpu().numpy()
-
-
-def close_to_naive(ours, naive, ref):
-    """flash-attention's rule: our error at most twice a naive same-precision implementation's."""
-    e_ours = np.abs(f64(ours) - ref).max()
-    e_naive = np.abs(f64(naive) - ref).max()
-    assert e_ours <= 2 * e_naive + 1e-6, (e_ours, e_naive)
 
 
 # ---- fused_edge_features --------------------------------------------------------------------

@@ -388,21 +388,6 @@ def test_linear_swiglu_errors(rng):
 
 # ---- through the dispatcher ----------------------------------------------------------------
 
-@pytest.fixture
-def env(monkeypatch):
-    for var in ("ASTR_BACKEND", "QECDEC_BACKEND", "QKERNELS_OPS"):
-        monkeypatch.delenv(var, raising=False)
-
-    def set_env(**kw):
-        for k, v in kw.items():
-            monkeypatch.setenv(k, v)
-        qkernels.reload_env()
-
-    yield set_env
-    monkeypatch.undo()
-    qkernels.reload_env()
-
-
 def test_dispatch_astr_backend(env, rng):
     x, w, f = randn(rng, 3, 8), randn(rng, 4, 8), freqs_for(rng, (3,), 8)
     env()

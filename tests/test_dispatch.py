@@ -12,22 +12,6 @@ from conftest import random_inputs
 
 
 @pytest.fixture
-def env(monkeypatch):
-    """Set dispatcher env variables; the dispatcher re-reads them, and forgets them afterwards."""
-    for var in ("ASTR_BACKEND", "QECDEC_BACKEND", "QKERNELS_OPS"):
-        monkeypatch.delenv(var, raising=False)
-
-    def set_env(**kw):
-        for k, v in kw.items():
-            monkeypatch.setenv(k, v)
-        qkernels.reload_env()
-
-    yield set_env
-    monkeypatch.undo()
-    qkernels.reload_env()
-
-
-@pytest.fixture
 def args():
     return random_inputs(np.random.default_rng(3), 10, 6, 2, 4)
 
