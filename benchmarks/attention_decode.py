@@ -46,10 +46,8 @@ of our contiguous kernel's GB/s (on that row) and >= 3x the best gather + SDPA.
 """
 
 import argparse
-import gc
 import math
 import os
-import statistics
 import sys
 import warnings
 from dataclasses import dataclass
@@ -62,6 +60,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import qkernels  # noqa: E402
+import common  # noqa: E402
+from common import (COLD_FOOTPRINT_BYTES, GPU_COPY_BYTES, gpu_copy_ceiling_gbps, gpu_replay_time_us,  # noqa: E402
+                    markdown_table, release_gpu_memory, text_table)
 
 CASE_KINDS = ("contiguous", "paged")
 
@@ -73,16 +74,11 @@ IDX = 4  # bytes per int32 index
 K = 1024
 DEVICE = "cuda"
 
-# The input sets one graph cycles through span at least this much: 17x the H200's 60 MB L2.
-COLD_FOOTPRINT_BYTES = 1 << 30
 MAX_INPUT_SETS = 256  # B=1 L=1k: 4.2 MB of KV per set, 256 sets span 1.07 GB
 DEVICE_BUDGET_BYTES = 40e9  # a case whose input sets (all layouts) need more is skipped
 REPEAT_BUDGET_BYTES = 24e9  # the repeated-kv-heads fallback anchor is skipped beyond this
 REF_CHUNK_BYTES = 1 << 30  # float32 K+V per chunk of batch rows in the reference
-WARMUP_CALLS = 3
 GRAPH_WORK_US = 4000.0  # device work captured per graph: the replay's own launch stays well under 1%
-MAX_CALLS_PER_GRAPH = 512
-GPU_COPY_BYTES = 2 << 30
 REL_TOL = 2e-2  # max|err| / max|ref|, bf16 inputs and output against a float32 reference
 
 SDPA_BACKENDS = (("FLASH", SDPBackend.FLASH_ATTENTION), ("EFFICIENT", SDPBackend.EFFICIENT_ATTENTION),
@@ -115,17 +111,11 @@ class Case:
 
 
 @dataclass
-class Row:
-    kind: str
-    case: str
-    impl: str
-    us: Optional[float]
-    gbps: Optional[float]
-    pct_copy: Optional[float]
-    ratio: Optional[float]
-    target: str
-    check: str
+class Row(common.Row):  # the first column (op) holds the case's kind
     verdict: Optional[bool]  # whether the row's targets are met (None: no target or not measured)
+
+
+COLUMNS = ["kind"] + common.COLUMNS[1:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,74 +323,6 @@ def build_cases(kinds, quick):
 # Timing
 
 
-def calls_per_graph(estimate_us, n_sets):
-    """Enough calls for GRAPH_WORK_US of work, in whole passes over the input sets."""
-    wanted = min(MAX_CALLS_PER_GRAPH, max(1, math.ceil(GRAPH_WORK_US / max(estimate_us, 1e-3))))
-    return n_sets * math.ceil(wanted / n_sets)
-
-
-def gpu_replay_time_us(fn, sets, replays):
-    """Device time per call: N calls captured in a CUDA graph, replays timed with CUDA events."""
-    capture_stream = torch.cuda.Stream()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    # Warm up on the stream the capture will use: lazy initialisation (library handles, cuDNN
-    # execution plans, workspaces) must happen before capture, where it cannot run.
-    capture_stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(capture_stream):
-        for i in range(WARMUP_CALLS):
-            fn(sets[i % len(sets)])
-        start.record()
-        fn(sets[0])
-        end.record()
-    end.synchronize()
-    calls = calls_per_graph(start.elapsed_time(end) * 1e3, len(sets))
-    torch.cuda.current_stream().wait_stream(capture_stream)
-
-    # The inputs are static tensors the graph reads at replay; each call's output and temporaries
-    # come from the graph's private pool, where a block freed by one call is reused by the next.
-    graph = torch.cuda.CUDAGraph()
-    caller_stream = torch.cuda.current_stream()
-    try:
-        with torch.cuda.graph(graph, stream=capture_stream):
-            for i in range(calls):
-                fn(sets[i % len(sets)])
-    finally:
-        torch.cuda.set_stream(caller_stream)  # a capture_end that raises leaves the capture stream current
-    graph.replay()  # the first replay uploads the graph
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        per_call.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return statistics.median(per_call)
-
-
-def copy_ceiling_gbps(samples):
-    """Bytes read + written per second by one large copy: the bandwidth a streaming op can hope for."""
-    src = torch.rand(GPU_COPY_BYTES // 4, device=DEVICE)
-    dst = torch.empty_like(src)
-    # Under graph capture copy_ becomes a memcpy node on a copy engine; an elementwise kernel moves
-    # the same bytes through the SMs, as the kernels do: take the faster.
-    us = min(gpu_replay_time_us(lambda _: dst.copy_(src), [{}], samples),
-             gpu_replay_time_us(lambda _: torch.mul(src, 1.0, out=dst), [{}], samples))
-    del src, dst
-    release_memory()
-    return 2 * GPU_COPY_BYTES / us / 1e3
-
-
-def release_memory():
-    gc.collect()
-    try:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-    except RuntimeError:
-        pass  # a sticky CUDA error, reported where it happened: the rest reads n/a, the table still prints
-
-
 # ---------------------------------------------------------------------------------------------
 # One case: check, time, rows
 
@@ -444,7 +366,7 @@ def run_case(case, seed, samples, copy_gbps):
     sets = input_sets(case, seed)
     print(f"  {len(sets)} input set(s), {len(sets) * storage_bytes(sets[0]) / 1e9:.2f} GB on the device", flush=True)
     want = case.reference(sets[0])
-    release_memory()
+    release_gpu_memory()
 
     results = []  # (impl, us, verdict text, failure)
     queue = list(case.impls)
@@ -460,18 +382,18 @@ def run_case(case, seed, samples, copy_gbps):
             failure = exc
             if impl.fallback is not None:
                 queue.insert(0, impl.fallback)
-        release_memory()
+        release_gpu_memory()
         if failure is None:
             try:
-                us = gpu_replay_time_us(impl.fn, isets, samples)
+                us = gpu_replay_time_us(impl.fn, isets, samples, GRAPH_WORK_US)
             except Exception as exc:  # capture refused (a host sync inside), ...
                 failure = exc
         del isets
-        release_memory()
+        release_gpu_memory()
         results.append((impl, us, verdict, failure))
         report_progress(case, impl, us, verdict, failure)
     del sets, want
-    release_memory()
+    release_gpu_memory()
     return case_rows(case, results, copy_gbps)
 
 
@@ -548,46 +470,6 @@ def case_rows(case, results, copy_gbps):
 # Report
 
 
-def fmt_us(us):
-    if us is None:
-        return "n/a"
-    return f"{us:.2f}" if us < 10 else f"{us:.1f}" if us < 1000 else f"{us:.0f}"
-
-
-def row_cells(row):
-    return [row.kind, row.case, row.impl, fmt_us(row.us),
-            "" if row.gbps is None else f"{row.gbps:.0f}",
-            "" if row.pct_copy is None else f"{row.pct_copy:.0f}%",
-            "" if row.ratio is None else f"{row.ratio:.2f}x",
-            row.target, row.check]
-
-
-COLUMNS = ["kind", "case", "impl", "µs", "GB/s", "% copy", "anchor/ours", "target", "check"]
-NUMERIC = {3, 4, 5, 6}
-
-
-def text_table(rows):
-    cells = [row_cells(row) for row in rows]
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(COLUMNS)]
-    lines = []
-    previous = (None, None)
-    for r, row in zip([COLUMNS] + cells, [None] + rows):
-        if row is not None and (row.kind, row.case) == previous:
-            r = ["", ""] + r[2:]  # kind and case once per group
-        if row is not None:
-            previous = (row.kind, row.case)
-        lines.append("  ".join(c.rjust(w) if i in NUMERIC else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(r, widths))).rstrip())
-    return lines
-
-
-def markdown_table(rows):
-    lines = ["| " + " | ".join(COLUMNS) + " |",
-             "|" + "|".join("---:" if i in NUMERIC else "---" for i in range(len(COLUMNS))) + "|"]
-    lines += ["| " + " | ".join(c.replace("|", "/") for c in row_cells(row)) + " |" for row in rows]
-    return lines
-
-
 def summary_lines(rows, failed_cases):
     judged = [row for row in rows if row.target]
     missed = [f"{row.case} / {row.impl}" for row in judged if row.verdict is False]
@@ -641,7 +523,7 @@ def main():
     if not qkernels.AVAILABLE:
         print(f"warning: qkernels CUDA backend unavailable ({qkernels.info()['cuda_reason']}); our rows will be n/a")
 
-    copy_gbps = copy_ceiling_gbps(args.samples)
+    copy_gbps = gpu_copy_ceiling_gbps(args.samples, GRAPH_WORK_US)
     header = header_lines(copy_gbps, args.samples, args.quick)
     print("\n".join(header), flush=True)
 
@@ -652,13 +534,13 @@ def main():
         except Exception as exc:  # the inputs or the reference failed (memory, ...): report, go on
             print(f"  case failed: {type(exc).__name__}: {first_line(exc)}", flush=True)
             failed_cases.append(f"{case.kind} {case.label}: {type(exc).__name__}: {first_line(exc)}")
-            release_memory()
+            release_gpu_memory()
 
     footer = summary_lines(rows, failed_cases)
-    print("\n" + "\n".join(header + [""] + text_table(rows) + [""] + footer))
+    print("\n" + "\n".join(header + [""] + text_table(rows, COLUMNS) + [""] + footer))
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write("\n\n".join(header + ["\n".join(markdown_table(rows))] + footer) + "\n")
+            f.write("\n\n".join(header + ["\n".join(markdown_table(rows, COLUMNS))] + footer) + "\n")
 
 
 if __name__ == "__main__":

@@ -29,10 +29,8 @@ column holds the issue's bar and whether it is met.
 """
 
 import argparse
-import gc
 import math
 import os
-import statistics
 import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -43,19 +41,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import qkernels  # noqa: E402
+from common import (COLD_FOOTPRINT_BYTES, F32, GPU_COPY_BYTES, Row, describe, gpu_copy_ceiling_gbps,  # noqa: E402
+                    gpu_replay_time_us, markdown_table, relative_error, release_gpu_memory, text_table)
 
 OPS = ("linear", "swiglu", "rotary_emb")
 
 BF16 = 2  # bytes per bfloat16 element
-F32 = 4
-# The input sets one graph cycles through span at least this much: 17x the H200's 60 MB L2.
-COLD_FOOTPRINT_BYTES = 1 << 30
 MAX_INPUT_SETS = 64
-WARMUP_CALLS = 3
-# Work captured per graph: the replay's own launch (a few µs) stays well under 1% of the figure.
-GRAPH_WORK_US = 5000.0
-MAX_CALLS_PER_GRAPH = 512
-GPU_COPY_BYTES = 2 << 30
 REL_TOL = 1e-2  # bfloat16 outputs: one rounding each side, ~1e-3 expected
 
 # The model shapes of issue 6 (Llama-3-8B-like: hidden 4096, MLP 14336; 28672 = fused up+gate).
@@ -82,19 +74,6 @@ class Case:
     make_inputs: Callable[[torch.Generator], dict]  # one random input set on the GPU
     nbytes: int  # minimal bytes moved by one call
     impls: list
-
-
-@dataclass
-class Row:
-    op: str
-    case: str
-    impl: str
-    us: Optional[float]
-    gbps: Optional[float]
-    pct_copy: Optional[float]
-    ratio: Optional[float]
-    target: str
-    check: str
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,85 +206,8 @@ CASE_BUILDERS = {"linear": linear_cases, "swiglu": swiglu_cases, "rotary_emb": r
 # Timing
 
 
-def calls_per_graph(estimate_us, n_sets):
-    """Enough calls for GRAPH_WORK_US of work, in whole passes over the input sets."""
-    wanted = min(MAX_CALLS_PER_GRAPH, max(1, math.ceil(GRAPH_WORK_US / max(estimate_us, 1e-3))))
-    return n_sets * math.ceil(wanted / n_sets)
-
-
-def replay_time_us(fn, sets, replays):
-    """Device time per call: N calls captured in a CUDA graph, replays timed with CUDA events."""
-    capture_stream = torch.cuda.Stream()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    # Warm up on the stream the capture will use: lazy initialisation (library handles, workspaces,
-    # compiled kernels, autotuning) must happen before capture, where it cannot run.
-    capture_stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(capture_stream):
-        for i in range(WARMUP_CALLS):
-            fn(sets[i % len(sets)])
-        start.record()
-        fn(sets[0])
-        end.record()
-    end.synchronize()
-    calls = calls_per_graph(start.elapsed_time(end) * 1e3, len(sets))
-    torch.cuda.current_stream().wait_stream(capture_stream)
-
-    # The inputs are static tensors the graph reads at replay; each call's output and temporaries
-    # come from the graph's private pool, where a block freed by one call is reused by the next.
-    graph = torch.cuda.CUDAGraph()
-    caller_stream = torch.cuda.current_stream()
-    try:
-        with torch.cuda.graph(graph, stream=capture_stream):
-            for i in range(calls):
-                fn(sets[i % len(sets)])
-    finally:
-        torch.cuda.set_stream(caller_stream)  # a capture_end that raises leaves the capture stream current
-    graph.replay()  # the first replay uploads the graph
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        per_call.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return statistics.median(per_call)
-
-
-def copy_ceiling_gbps(samples):
-    """Bytes read + written per second by one large copy: the bandwidth a streaming op can hope for."""
-    src = torch.rand(GPU_COPY_BYTES // F32, device="cuda")
-    dst = torch.empty_like(src)
-    # Under graph capture copy_ becomes a memcpy node on a copy engine; an elementwise kernel moves
-    # the same bytes through the SMs, as the ops do: take the faster.
-    us = min(replay_time_us(lambda _: dst.copy_(src), [{}], samples),
-             replay_time_us(lambda _: torch.mul(src, 1.0, out=dst), [{}], samples))
-    del src, dst
-    release_memory()
-    return 2 * GPU_COPY_BYTES / us / 1e3
-
-
-def release_memory():
-    gc.collect()
-    try:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-    except RuntimeError:
-        pass  # a sticky CUDA error, reported where it happened: the rest reads n/a, the table still prints
-
-
 # ---------------------------------------------------------------------------------------------
 # One case: check, time, rows
-
-
-def relative_error(got, want):
-    got, want = got.double(), want.double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-300))
-
-
-def describe(exc):
-    return f"n/a ({type(exc).__name__})"
 
 
 def first_line(exc):
@@ -339,18 +241,18 @@ def run_case(case, seed, copy_gbps, samples):
     sets = input_sets(case, seed)
     print(f"  {len(sets)} input set(s)", flush=True)
     verdicts, failures = check_results(case, sets[0])
-    release_memory()
+    release_gpu_memory()
     times = {}
     for impl in case.impls:
         if impl.name not in failures:
             try:
-                times[impl.name] = replay_time_us(impl.fn, sets, samples)
+                times[impl.name] = gpu_replay_time_us(impl.fn, sets, samples)
             except Exception as exc:  # capture refused (a host sync inside), compile failure, ...
                 failures[impl.name] = exc
-            release_memory()
+            release_gpu_memory()
         report_progress(case, impl, times.get(impl.name), verdicts.get(impl.name, ""), failures.get(impl.name))
     del sets
-    release_memory()
+    release_gpu_memory()
     return case_rows(case, times, verdicts, failures, copy_gbps)
 
 
@@ -390,46 +292,6 @@ def case_rows(case, times, verdicts, failures, copy_gbps):
 # Report
 
 
-def fmt_us(us):
-    if us is None:
-        return "n/a"
-    return f"{us:.2f}" if us < 10 else f"{us:.1f}" if us < 1000 else f"{us:.0f}"
-
-
-def row_cells(row):
-    return [row.op, row.case, row.impl, fmt_us(row.us),
-            "" if row.gbps is None else f"{row.gbps:.0f}",
-            "" if row.pct_copy is None else f"{row.pct_copy:.0f}%",
-            "" if row.ratio is None else f"{row.ratio:.2f}x",
-            row.target, row.check]
-
-
-COLUMNS = ["op", "case", "impl", "µs", "GB/s", "% copy", "anchor/ours", "target", "check"]
-NUMERIC = {3, 4, 5, 6}
-
-
-def text_table(rows):
-    cells = [row_cells(row) for row in rows]
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(COLUMNS)]
-    lines = []
-    previous = (None, None)
-    for r, row in zip([COLUMNS] + cells, [None] + rows):
-        if row is not None and (row.op, row.case) == previous:
-            r = ["", ""] + r[2:]  # op and case once per group
-        if row is not None:
-            previous = (row.op, row.case)
-        lines.append("  ".join(c.rjust(w) if i in NUMERIC else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(r, widths))).rstrip())
-    return lines
-
-
-def markdown_table(rows):
-    lines = ["| " + " | ".join(COLUMNS) + " |",
-             "|" + "|".join("---:" if i in NUMERIC else "---" for i in range(len(COLUMNS))) + "|"]
-    lines += ["| " + " | ".join(row_cells(row)) + " |" for row in rows]
-    return lines
-
-
 def header_lines(copy_gbps, quick, samples):
     machine = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
     scale = "--quick: a subset of the cases and 4k-token rotary (targets are for full sizes)" if quick else \
@@ -467,7 +329,7 @@ def main():
     if not qkernels.AVAILABLE:
         print(f"warning: qkernels CUDA backend unavailable ({qkernels.info()['cuda_reason']}); our rows will be n/a")
 
-    copy_gbps = copy_ceiling_gbps(args.samples)
+    copy_gbps = gpu_copy_ceiling_gbps(args.samples)
     header = header_lines(copy_gbps, args.quick, args.samples)
     print("\n".join(header), flush=True)
 
@@ -483,7 +345,7 @@ def main():
                 rows += run_case(case, seed, copy_gbps, args.samples)
             except Exception as exc:  # the reference itself or the inputs failed: report, go on
                 print(f"  case failed: {type(exc).__name__}: {first_line(exc)}", flush=True)
-                release_memory()
+                release_gpu_memory()
 
     footer = [f"skipped (not in qkernels yet): {', '.join(skipped)}"] if skipped else []
     print("\n" + "\n".join(header + [""] + text_table(rows) + footer))

@@ -49,20 +49,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import qkernels  # noqa: E402
+from common import (COLD_FOOTPRINT_BYTES, F32, GPU_COPY_BYTES, MAX_CALLS_PER_GRAPH, WARMUP_CALLS, Row,  # noqa: E402
+                    describe, gpu_replay_time_us, markdown_table, relative_error, release_gpu_memory, text_table)
 
 OPS = ("sparse_aggregate", "fused_edge_features", "fused_norm_residual", "graph_norm_bce")
 
-F32 = 4  # bytes per float32 element
-# The input sets one graph cycles through span at least this much: 17x the H200's 60 MB L2, so a
-# call never finds the inputs of the previous pass over the sets still cached.
-COLD_FOOTPRINT_BYTES = 1 << 30
 MAX_INPUT_SETS = 64
-WARMUP_CALLS = 3
-# Work captured per graph: the replay's own launch (a few µs) stays well under 1% of the figure.
-GRAPH_WORK_US = 5000.0
-MAX_CALLS_PER_GRAPH = 512
 CPU_BATCH_S = 0.05  # one CPU sample: long enough for perf_counter to resolve, short enough to take many
-GPU_COPY_BYTES = 2 << 30
 CPU_COPY_BYTES = 1 << 30  # far beyond any last-level cache, yet cheap to fill on a small host
 REL_TOL = 1e-4  # fp32 against fp32 with a different summation order: ~1e-6 expected
 EPS = 1e-5
@@ -106,19 +99,6 @@ class Case:
     nbytes: int  # minimal bytes moved by one call
     impls: list
     skip_check: Optional[str] = None  # why the results are not compared
-
-
-@dataclass
-class Row:
-    op: str
-    case: str
-    impl: str
-    us: Optional[float]
-    gbps: Optional[float]
-    pct_copy: Optional[float]
-    ratio: Optional[float]
-    target: str
-    check: str
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,52 +410,6 @@ def eager_and_compiled(setup, eager_fn, bind, compile_target):
 # Timing
 
 
-def calls_per_graph(estimate_us, n_sets):
-    """Enough calls for GRAPH_WORK_US of work, in whole passes over the input sets."""
-    wanted = min(MAX_CALLS_PER_GRAPH, max(1, math.ceil(GRAPH_WORK_US / max(estimate_us, 1e-3))))
-    return n_sets * math.ceil(wanted / n_sets)
-
-
-def gpu_replay_time_us(fn, sets, replays):
-    """Device time per call: N calls captured in a CUDA graph, replays timed with CUDA events."""
-    capture_stream = torch.cuda.Stream()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    # Warm up on the stream the capture will use: lazy initialisation (library handles, workspaces,
-    # compiled kernels, autotuning) must happen before capture, where it cannot run.
-    capture_stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(capture_stream):
-        for i in range(WARMUP_CALLS):
-            fn(sets[i % len(sets)])
-        start.record()
-        fn(sets[0])
-        end.record()
-    end.synchronize()
-    calls = calls_per_graph(start.elapsed_time(end) * 1e3, len(sets))
-    torch.cuda.current_stream().wait_stream(capture_stream)
-
-    # The inputs are static tensors the graph reads at replay; each call's output and temporaries
-    # come from the graph's private pool, where a block freed by one call is reused by the next.
-    graph = torch.cuda.CUDAGraph()
-    caller_stream = torch.cuda.current_stream()
-    try:
-        with torch.cuda.graph(graph, stream=capture_stream):
-            for i in range(calls):
-                fn(sets[i % len(sets)])
-    finally:
-        torch.cuda.set_stream(caller_stream)  # a capture_end that raises leaves the capture stream current
-    graph.replay()  # the first replay uploads the graph
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        per_call.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return statistics.median(per_call)
-
-
 def cpu_time_us(fn, sets, samples):
     """Wall time per call: warm-up, then the median over batches of calls cycling through the input sets."""
     for i in range(WARMUP_CALLS):
@@ -516,26 +450,14 @@ def copy_ceiling_gbps(setup):
 
 
 def release_memory(setup):
-    gc.collect()
     if setup.on_gpu:
-        try:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        except RuntimeError:
-            pass  # a sticky CUDA error, reported where it happened: the rest reads n/a, the table still prints
+        release_gpu_memory()
+    else:
+        gc.collect()
 
 
 # ---------------------------------------------------------------------------------------------
 # One case: check, time, rows
-
-
-def relative_error(got, want):
-    got, want = got.double(), want.double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-300))
-
-
-def describe(exc):
-    return f"n/a ({type(exc).__name__})"
 
 
 def first_line(exc):
@@ -617,46 +539,6 @@ def case_rows(case, times, verdicts, failures, copy_gbps):
 
 # ---------------------------------------------------------------------------------------------
 # Report
-
-
-def fmt_us(us):
-    if us is None:
-        return "n/a"
-    return f"{us:.2f}" if us < 10 else f"{us:.1f}" if us < 1000 else f"{us:.0f}"
-
-
-def row_cells(row):
-    return [row.op, row.case, row.impl, fmt_us(row.us),
-            "" if row.gbps is None else f"{row.gbps:.0f}",
-            "" if row.pct_copy is None else f"{row.pct_copy:.0f}%",
-            "" if row.ratio is None else f"{row.ratio:.2f}x",
-            row.target, row.check]
-
-
-COLUMNS = ["op", "case", "impl", "µs", "GB/s", "% copy", "anchor/ours", "target", "check"]
-NUMERIC = {3, 4, 5, 6}
-
-
-def text_table(rows):
-    cells = [row_cells(row) for row in rows]
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(COLUMNS)]
-    lines = []
-    previous = (None, None)
-    for r, row in zip([COLUMNS] + cells, [None] + rows):
-        if row is not None and (row.op, row.case) == previous:
-            r = ["", ""] + r[2:]  # op and case once per group
-        if row is not None:
-            previous = (row.op, row.case)
-        lines.append("  ".join(c.rjust(w) if i in NUMERIC else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(r, widths))).rstrip())
-    return lines
-
-
-def markdown_table(rows):
-    lines = ["| " + " | ".join(COLUMNS) + " |",
-             "|" + "|".join("---:" if i in NUMERIC else "---" for i in range(len(COLUMNS))) + "|"]
-    lines += ["| " + " | ".join(row_cells(row)) + " |" for row in rows]
-    return lines
 
 
 def cpu_model():
