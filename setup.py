@@ -9,6 +9,7 @@ Environment:
   QKERNELS_ASAN=1         build _C with AddressSanitizer (debug)
 """
 
+import concurrent.futures
 import glob
 import os
 import shutil
@@ -91,18 +92,26 @@ class BuildExt(build_ext):
         top = max(archs, key=int)
         gencode += ["-gencode", f"arch=compute_{top},code=compute_{top}"]
         arch_str = " ".join(f"sm_{a}" for a in archs) + f" +PTX(compute_{top})"
-        obj_dir = os.path.join(self.build_temp, "cuda")
+        # Objects are kept per architecture set and reused while newer than their source and the
+        # shared headers; the sources compile in parallel (nvcc is single-threaded).
+        obj_dir = os.path.join(self.build_temp, "cuda-" + "-".join(archs))
         os.makedirs(obj_dir, exist_ok=True)
         includes = [f"-I{d}" for d in cuda_include_dirs()]
         sources = sorted(glob.glob(os.path.join(HERE, "kernels", "*.cu")))
-        objects = []
-        log(f"compiling {len(sources)} CUDA sources with {nvcc} for {arch_str}")
+        headers = glob.glob(os.path.join(HERE, "kernels", "*.h")) + glob.glob(os.path.join(HERE, "kernels", "*.cuh"))
+        newest_header = max((os.path.getmtime(h) for h in headers), default=0)
+        objects, jobs = [], []
         for src in sources:
             obj = os.path.join(obj_dir, os.path.basename(src) + ".o")
-            cmd = [nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
-                   f'-DQK_ARCHS="{arch_str}"', "-lineinfo", *includes, *gencode]
-            subprocess.check_call(cmd)
             objects.append(obj)
+            if os.path.exists(obj) and os.path.getmtime(obj) > max(os.path.getmtime(src), newest_header):
+                continue
+            jobs.append([nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+                         f'-DQK_ARCHS="{arch_str}"', "-lineinfo", *includes, *gencode])
+        log(f"compiling {len(jobs)} of {len(sources)} CUDA sources with {nvcc} for {arch_str}")
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+            for fut in [pool.submit(subprocess.check_call, cmd) for cmd in jobs]:
+                fut.result()
         os.makedirs(out_dir, exist_ok=True)
         link = [nvcc, "-shared", "-o", target, *objects, *gencode]
         try:

@@ -234,7 +234,11 @@ def contiguous_case(B, L):
 
     max_us = {1 * K: 5.0, 4 * K: 7.0}.get(L) if B == 1 else None
     min_gbps = 4400.0 if kv_bytes >= 1e9 else None
-    impls = [Impl("qkernels attn_decode", ours, ours=True, max_us=max_us, min_gbps=min_gbps)]
+    def ours_hnd(s):  # the same call on SDPA's head-major memory, seen as [B,L,Hkv,D] views
+        return qkernels.attn_decode(s["q"], s["k_s"].transpose(1, 2), s["v_s"].transpose(1, 2), backend="cuda")
+
+    impls = [Impl("qkernels attn_decode", ours, ours=True, max_us=max_us, min_gbps=min_gbps),
+             Impl("qkernels attn_decode, KV head-major", ours_hnd)]
     impls += sdpa_impls("SDPA", 1.0, kv_bytes)
     label = f"B={B} L={length_label(L)} KV {kv_bytes / 1e6:.0f} MB"
     return Case("contiguous", label, make_inputs, lambda s: reference_decode(s["q"], s["k"], s["v"]), nbytes, impls)

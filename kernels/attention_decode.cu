@@ -1,25 +1,29 @@
 // attn_decode / attn_paged_decode: split-KV flash decoding for one query token per sequence.
 //
-// Work: one CTA per (split of the keys, kv head and group of up to kG query heads, sequence).
+// Work: one CTA per (split of the keys, kv head and group of up to 16 query heads, sequence).
 // Every K/V row of a kv head is read once for all the query heads that share it (GQA).  The
 // split count comes from the shapes only (B, Hkv, Lkv or max_ctx, SM count), never from the
 // lengths on the device, so a captured CUDA graph replays correctly when the lengths change;
 // splits past a sequence's length do no loads and leave an empty partial.
 //
-// Inside a CTA, each of the 4 warps streams its own tiles of the split (tile t of the split goes
-// to warp t % 4) through a private kStages-deep cp.async pipeline in shared memory: 4 KB of K+V
-// per tile (1024/D keys), so about 48 KB per warp are in flight - HBM latency is hidden without
-// block-wide barriers.  A key's row is spread over D/8 lanes (16 bytes each); a lane keeps its
-// 8 elements of q (pre-scaled by scale*log2 e) for the kG heads in registers, the dot products
-// are reduced across those lanes with shuffles, and an online softmax (exp2) updates the lane's
-// running max, sum and 8 output elements per head.  At the end the key slots of a warp, then the
-// 4 warps, are merged; with one split the CTA writes the output, otherwise fp32 partials
-// (max, sum, unnormalised output) go to a workspace and a second kernel combines the splits in a
-// fixed order.  Keys that are masked, past the length or at an out-of-range slot are not loaded
-// and get probability 0; a sequence with no kept key gives 0.
+// Tensor cores: the group's query heads are the 16 rows of mma.m16n8k16's A operand (with at
+// most 8 heads, rows 8-15 are zero registers), so S = q K^T is two n8 tiles per 16 keys and
+// O += P V takes P straight from the score fragments (FlashAttention-2's register reuse).  This
+// replaced a CUDA-core loop (one key per 16 lanes, shuffle reductions, a rescale per key) that
+// was instruction-bound at ~2.6 TB/s.
 //
-// Paged: key j of sequence b is pool slot req_to_token[req_pool_indices[b], j]; the slots of the
-// next tile are loaded one tile ahead so the index load does not stall the pipeline.  With
+// Inside a CTA, each of the 4 warps streams its own 16-key tiles of the split (tile t goes to
+// warp t % 4) through a private cp.async pipeline (stages<D>() deep; 8 KB of K+V per stage at
+// D=128, two CTAs per SM), so HBM latency is hidden without block-wide barriers.  Per tile: an
+// online softmax in exp2 units over the 16 keys, one rescale of the output fragments.  At the
+// end the 4 warps merge through shared memory; with one split the CTA writes the output,
+// otherwise fp32 partials (max, sum, unnormalised output) go to a workspace and a second kernel,
+// launched as a programmatic dependent, combines the splits in a fixed order.  Keys that are
+// masked, past the length or at an out-of-range slot are not loaded (zero-filled) and get
+// probability 0; a sequence with no kept key gives 0.
+//
+// Paged: key j of sequence b is pool slot req_to_token[req_pool_indices[b], j]; lane k of a warp
+// loads the slot of key k of the tile one tile ahead and the copies get it by shuffle.  With
 // new_k/new_v, position len_b - 1 is read from new_k/new_v, and the CTA owning it (head group 0)
 // also writes them into the pool.
 #include "common.cuh"
@@ -29,8 +33,18 @@
 namespace {
 
 constexpr int kWarps = 4, kThreads = 32 * kWarps;
-constexpr int kStages = 4;
-constexpr int kTileBytes = 2048;  // of K per tile (and as much of V)
+constexpr int kTile = 16;  // keys per tile: one k16 step of P.V, two n8 tiles of Q.K^T
+
+// Pipeline depth per warp: about 8 KB a stage for D=128 (3 stages: two CTAs fit an SM, 128 KB
+// in flight per SM), deeper for small heads whose tiles are small.
+template <int D> __host__ __device__ constexpr int stages() { return D <= 64 ? 4 : 3; }
+
+// Shared tiles are [rows][D] with 16-byte chunk c of row r at chunk index at(r, c): the XOR
+// spreads the 8 rows one ldmatrix reads at a fixed column over distinct banks.
+template <int D> __device__ __forceinline__ int at(int r, int c) {
+    constexpr int kChunks = D / 8, kRowsPer128 = kChunks >= 8 ? 1 : 8 / kChunks, kMask = kChunks >= 8 ? 7 : kChunks - 1;
+    return r * kChunks + (c ^ ((r / kRowsPer128) & kMask));
+}
 
 __device__ __forceinline__ int64_t clamp_len(int64_t v, int64_t hi) { return v < 0 ? 0 : (v > hi ? hi : v); }
 
@@ -39,13 +53,43 @@ __device__ __forceinline__ int64_t load_index(const void *p, int dtype, int64_t 
                            : (int64_t)__ldg(static_cast<const int32_t *>(p) + pos);
 }
 
+// 16 bytes global -> shared without waiting, L2 only, with a 256-byte L2 fetch (a K or V row of
+// D=128; measured 1-2% faster than without the hint at B=32..64).  src-size 0: nothing is read and
+// the 16 bytes are zero-filled.
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    // src-size 0: nothing is read and the 16 bytes are zero-filled.
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"((unsigned)__cvta_generic_to_shared(p))
+                 : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"((unsigned)__cvta_generic_to_shared(p))
+                 : "memory");
+}
+
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t *>(&v);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t *>(&v);
+}
+
+__device__ __forceinline__ int64_t shfl64(int64_t v, int src) {
+    const int lo = __shfl_sync(0xffffffffu, (int)(uint32_t)v, src), hi = __shfl_sync(0xffffffffu, (int)(v >> 32), src);
+    return (int64_t)(((uint64_t)(uint32_t)hi << 32) | (uint32_t)lo);
+}
 
 // Sequence b's length (keys before any mask).
 __device__ __forceinline__ int64_t seq_len(const qk_attn_decode_args &a, int64_t b, bool paged) {
@@ -58,28 +102,30 @@ __device__ __forceinline__ int64_t seq_len(const qk_attn_decode_args &a, int64_t
     return clamp_len(load_index(a.kv_lens, a.kv_lens_dtype, b * a.kv_lens_stride), a.Lkv);
 }
 
-// Where key j of the tile comes from: an element offset into k (and one into v), or new_k/new_v.
-struct KeySrc {
-    int64_t k_off, v_off;
-    bool ok;      // kept: inside the split, not masked, valid slot
-    bool fresh;   // read from new_k/new_v
-};
+constexpr int64_t kSkip = -1, kFresh = -2;  // key sources besides a row / pool slot
 
-template <typename T, int D, int kG, bool kPaged>
+// kM query heads (8 or 16; rows past the group's heads are zero) against one kv head's split.
+template <typename T, int D, int kM, bool kPaged>
 __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, float *ws, int nsplit, int64_t chunk) {
-    constexpr int kLanesPerKey = D / 8;                 // 16-byte chunks per row
-    constexpr int kKeysPerPass = 32 / kLanesPerKey;
-    constexpr int kTile = kTileBytes / (D * 2);         // keys per tile
-    constexpr int kPasses = kTile / kKeysPerPass;       // 4
-    constexpr int kRowsPerLane = kTile * kLanesPerKey / 32;  // = kPasses: rows a lane issues per tile
-    static_assert(kPasses == 4 && kRowsPerLane == 4, "tile geometry");
-    extern __shared__ __align__(16) unsigned char smem[];
+    constexpr int kChunks = D / 8;                       // 16-byte chunks per row
+    constexpr int kStages = stages<D>();
+    constexpr int kTileBytes = kTile * D * 2;            // of K (and as much of V)
+    constexpr int kStageBytes = 2 * kTileBytes + 16;     // K, V, keep flags
+    constexpr int kPerLane = kTile * kChunks / 32;       // chunks of K (and of V) a lane copies per tile
+    constexpr bool kQRegs = D <= 128;                    // q fragments held in registers
+    extern __shared__ __align__(128) unsigned char smem[];
+    T *sq = reinterpret_cast<T *>(smem);                 // [kM][D]
+    unsigned char *pipe = smem + kM * D * 2;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // The combine kernel may be scheduled now; it waits for this grid's end before reading.
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int split = blockIdx.x, b = blockIdx.z;
-    const int G = (int)(a.Hq / a.Hkv), groups = (G + kG - 1) / kG;
+    const int G = (int)(a.Hq / a.Hkv), groups = (G + kM - 1) / kM;
     const int hk = blockIdx.y / groups, grp = blockIdx.y % groups;
-    const int h0 = hk * G + grp * kG;                   // first query head of this CTA
-    const int nheads = min(kG, G - grp * kG);
+    const int h0 = hk * G + grp * kM;                    // first query head of this CTA
+    const int nheads = min(kM, G - grp * kM);
 
     const int64_t len = seq_len(a, b, kPaged);
     const int64_t ks0 = (int64_t)split * chunk, ks1 = min(ks0 + chunk, len);
@@ -106,33 +152,46 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
         }
     }
 
-    // q for this lane's 8 elements of every head of the group, pre-scaled for exp2.
-    const int slot_in_pass = lane / kLanesPerKey, chunk_id = lane % kLanesPerKey;
-    float q[kG][8];
-    const float qscale = a.scale * 1.4426950408889634f;
-#pragma unroll
-    for (int g = 0; g < kG; g++) {
-        if (g < nheads) {
-            const qk_vec<T> v = qk_load_vec(static_cast<const T *>(a.q) + b * a.q_stride[0] + (h0 + g) * a.q_stride[1] + chunk_id * 8);
-#pragma unroll
-            for (int i = 0; i < 8; i++) q[g][i] = qk_to_float(v.v[i]) * qscale;
+    // q rows of the group into shared memory; zero rows pad the group to kM.
+    for (int e = threadIdx.x; e < kM * kChunks; e += kThreads) {
+        const int r = e / kChunks, c = e % kChunks;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r < nheads) v = __ldg(reinterpret_cast<const uint4 *>(static_cast<const T *>(a.q) + b * a.q_stride[0] + (h0 + r) * a.q_stride[1] + c * 8));
+        *reinterpret_cast<uint4 *>(sq + at<D>(r, c) * 8) = v;
+    }
+    __syncthreads();
+    // A fragment of q for k-step kk (PTX m16n8k16 layout): rows g, g+8; columns 2t.., 2t+8...
+    // With kM = 8 the rows g+8 are zero registers.
+    const int g = lane >> 2, t4 = lane & 3;
+    auto q_frag = [&](int kk, uint32_t (&f)[4]) {
+        if constexpr (kM == 16) {
+            const int mi = lane >> 3;  // matrices: rows 0-7 | 8-15, chunk 2kk | 2kk+1
+            ldsm_x4(f, sq + at<D>((lane & 7) + 8 * (mi & 1), 2 * kk + (mi >> 1)) * 8);
         } else {
-#pragma unroll
-            for (int i = 0; i < 8; i++) q[g][i] = 0.f;
+            const int mi = (lane >> 3) & 1;  // rows 0-7, chunk 2kk | 2kk+1
+            uint32_t r[4];
+            ldsm_x4(r, sq + at<D>(lane & 7, 2 * kk + mi) * 8);
+            f[0] = r[0];
+            f[1] = 0;
+            f[2] = r[1];
+            f[3] = 0;
         }
-    }
-    float m[kG], l[kG], acc[kG][8];
+    };
+    uint32_t qreg[kQRegs ? D / 16 : 1][4];
+    if constexpr (kQRegs) {
 #pragma unroll
-    for (int g = 0; g < kG; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) acc[g][i] = 0.f;
+        for (int kk = 0; kk < D / 16; kk++) q_frag(kk, qreg[kk]);
     }
+    const float qscale = a.scale * 1.4426950408889634f;  // scores in log2 units for exp2
 
-    // This warp's pipeline: stage s holds K [kTile][D] then V [kTile][D], and kTile keep flags.
-    constexpr int kStageBytes = 2 * kTileBytes + 32;
-    unsigned char *wsmem = smem + warp * kStages * kStageBytes;
+    // Running max and sum of rows g and g+8 (the sum is this lane's share until the end), and
+    // the output fragments: o[n] holds rows g, g+8 x columns 8n + 2t, +1.
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+
+    unsigned char *wsmem = pipe + warp * kStages * kStageBytes;
     const int64_t span = ks1 > ks0 ? ks1 - ks0 : 0;
     const int64_t tiles_total = (span + kTile - 1) / kTile;
     const int ntiles = tiles_total > warp ? (int)((tiles_total - warp + kWarps - 1) / kWarps) : 0;
@@ -140,197 +199,223 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
     const int64_t kh = kPaged ? hk * a.k_stride[2] : b * a.k_stride[0] + hk * a.k_stride[2];
     const int64_t vh = kPaged ? hk * a.v_stride[2] : b * a.v_stride[0] + hk * a.v_stride[2];
     const uint8_t *mask = static_cast<const uint8_t *>(a.mask);
-
-    // The rows this lane issues for tile t: row r_i = (lane + 32 i) / kLanesPerKey, i < 4.
-    auto key_source = [&](int t, int i) -> KeySrc {
-        const int r = (lane + 32 * i) / kLanesPerKey;
-        const int64_t j = ks0 + ((int64_t)t * kWarps + warp) * kTile + r;
-        KeySrc s = {0, 0, false, false};
-        if (j >= ks1) return s;
-        if (mask && !mask[b * a.mask_stride[0] + j * a.mask_stride[1]]) return s;
-        if (kPaged) {
-            if (!row_ok) return s;
-            if (has_fresh && j == len - 1) {
-                s.ok = s.fresh = true;
-                return s;
-            }
-            const int64_t slot = load_index(a.req_to_token, a.r2t_dtype, pool_row * a.r2t_stride[0] + j * a.r2t_stride[1]);
-            if (slot < 0 || slot >= a.pool_size) return s;
-            s.k_off = slot * a.k_stride[1] + kh;
-            s.v_off = slot * a.v_stride[1] + vh;
-        } else {
-            s.k_off = j * a.k_stride[1] + kh;
-            s.v_off = j * a.v_stride[1] + vh;
-        }
-        s.ok = true;
-        return s;
-    };
     const T *fresh_k = has_fresh ? static_cast<const T *>(a.new_k) + b * a.new_k_stride[0] + hk * a.new_k_stride[1] : nullptr;
     const T *fresh_v = has_fresh ? static_cast<const T *>(a.new_v) + b * a.new_v_stride[0] + hk * a.new_v_stride[1] : nullptr;
-    auto issue = [&](int t, const KeySrc (&src)[kRowsPerLane]) {
+
+    // Where key (lane % 16) of this warp's tile t comes from: its row (contiguous) or pool slot
+    // (paged), kFresh for new_k/new_v, kSkip when it is outside the split, masked or at an
+    // out-of-range slot.  One index load per key; the copies get it by shuffle.
+    auto key_src = [&](int t) -> int64_t {
+        const int64_t j = ks0 + ((int64_t)t * kWarps + warp) * kTile + (lane & (kTile - 1));
+        if (j >= ks1) return kSkip;
+        if (mask && !mask[b * a.mask_stride[0] + j * a.mask_stride[1]]) return kSkip;
+        if (!kPaged) return j;
+        if (!row_ok) return kSkip;
+        if (has_fresh && j == len - 1) return kFresh;
+        const int64_t slot = load_index(a.req_to_token, a.r2t_dtype, pool_row * a.r2t_stride[0] + j * a.r2t_stride[1]);
+        return slot >= 0 && slot < a.pool_size ? slot : kSkip;
+    };
+    auto issue = [&](int t, int64_t src) {
         unsigned char *st = wsmem + (t % kStages) * kStageBytes;
         T *sk = reinterpret_cast<T *>(st), *sv = reinterpret_cast<T *>(st + kTileBytes);
-        uint8_t *keep = st + 2 * kTileBytes;
 #pragma unroll
-        for (int i = 0; i < kRowsPerLane; i++) {
-            const int idx = lane + 32 * i, r = idx / kLanesPerKey, c = idx % kLanesPerKey;
-            const T *gk = src[i].fresh ? fresh_k : kbase + src[i].k_off;
-            const T *gv = src[i].fresh ? fresh_v : vbase + src[i].v_off;
-            cp_async16(sk + r * D + c * 8, src[i].ok ? gk + c * 8 : kbase, src[i].ok);
-            cp_async16(sv + r * D + c * 8, src[i].ok ? gv + c * 8 : vbase, src[i].ok);
-            if (c == 0) keep[r] = src[i].ok;
+        for (int i = 0; i < kPerLane; i++) {
+            const int idx = lane + 32 * i, r = idx / kChunks, c = idx % kChunks;
+            const int64_t s = shfl64(src, r);
+            const bool ok = s != kSkip;
+            const T *gk = s == kFresh ? fresh_k : kbase + s * a.k_stride[1] + kh;
+            const T *gv = s == kFresh ? fresh_v : vbase + s * a.v_stride[1] + vh;
+            cp_async16(sk + at<D>(r, c) * 8, ok ? gk + c * 8 : kbase, ok);
+            cp_async16(sv + at<D>(r, c) * 8, ok ? gv + c * 8 : vbase, ok);
         }
+        if (lane < kTile) st[2 * kTileBytes + lane] = src != kSkip;
     };
 
-    KeySrc next[kRowsPerLane];
-    // Prologue: tiles 0 .. kStages-2 in flight; sources of tile kStages-1 loaded.
+    // Prologue: tiles 0 .. kStages-2 in flight; the sources of tile kStages-1 loaded.
 #pragma unroll
     for (int t = 0; t < kStages - 1; t++) {
-        if (t < ntiles) {
-            KeySrc src[kRowsPerLane];
-#pragma unroll
-            for (int i = 0; i < kRowsPerLane; i++) src[i] = key_source(t, i);
-            issue(t, src);
-        }
+        if (t < ntiles) issue(t, key_src(t));
         cp_async_commit();
     }
-#pragma unroll
-    for (int i = 0; i < kRowsPerLane; i++) next[i] = key_source(kStages - 1, i);
+    int64_t next = key_src(kStages - 1);
 
     for (int t = 0; t < ntiles; t++) {
         if (t + kStages - 1 < ntiles) issue(t + kStages - 1, next);
         cp_async_commit();
-        if (t + kStages < ntiles) {
-#pragma unroll
-            for (int i = 0; i < kRowsPerLane; i++) next[i] = key_source(t + kStages, i);
-        }
+        if (t + kStages < ntiles) next = key_src(t + kStages);
         cp_async_wait<kStages - 1>();
         __syncwarp();
         const unsigned char *st = wsmem + (t % kStages) * kStageBytes;
         const T *sk = reinterpret_cast<const T *>(st), *sv = reinterpret_cast<const T *>(st + kTileBytes);
         const uint8_t *keep = st + 2 * kTileBytes;
+
+        // S = q K^T for the 16 keys: s[n] holds rows g, g+8 x keys 8n + 2t, +1.
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-        for (int p = 0; p < kPasses; p++) {
-            const int r = p * kKeysPerPass + slot_in_pass;
-            const bool kept = keep[r];
-            const qk_vec<T> kv = *reinterpret_cast<const qk_vec<T> *>(sk + r * D + chunk_id * 8);
-            float kf[8];
+        for (int kk = 0; kk < D / 16; kk++) {
+            uint32_t qa[4], kb[4];
+            if constexpr (kQRegs) {
 #pragma unroll
-            for (int i = 0; i < 8; i++) kf[i] = qk_to_float(kv.v[i]);
-            float s[kG];
-#pragma unroll
-            for (int g = 0; g < kG; g++) {
-                float d = 0.f;
-#pragma unroll
-                for (int i = 0; i < 8; i++) d = fmaf(q[g][i], kf[i], d);
-#pragma unroll
-                for (int o = kLanesPerKey / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-                s[g] = d;
+                for (int i = 0; i < 4; i++) qa[i] = qreg[kk][i];
+            } else {
+                q_frag(kk, qa);
             }
-            if (!kept) continue;  // uniform over the key's lanes
-            const qk_vec<T> vv = *reinterpret_cast<const qk_vec<T> *>(sv + r * D + chunk_id * 8);
-            float vf[8];
+            const int mi = lane >> 3;  // matrices: keys 0-7 | 8-15, chunk 2kk | 2kk+1
+            ldsm_x4(kb, sk + at<D>((lane & 7) + 8 * (mi >> 1), 2 * kk + (mi & 1)) * 8);
+            qk_mma16816<T>(s[0], qa[0], qa[1], qa[2], qa[3], kb[0], kb[1]);
+            qk_mma16816<T>(s[1], qa[0], qa[1], qa[2], qa[3], kb[2], kb[3]);
+        }
+        // Online softmax over the tile, in log2 units; skipped keys get probability 0.
+        float mx[2] = {m[0], m[1]};
 #pragma unroll
-            for (int i = 0; i < 8; i++) vf[i] = qk_to_float(vv.v[i]);
+        for (int n = 0; n < 2; n++) {
+            const uint16_t kp = *reinterpret_cast<const uint16_t *>(keep + 8 * n + 2 * t4);
 #pragma unroll
-            for (int g = 0; g < kG; g++) {
-                const float mn = fmaxf(m[g], s[g]);
-                const float alpha = exp2f(m[g] - mn);  // m = -inf the first time: 0
-                const float pr = exp2f(s[g] - mn);
-                m[g] = mn;
-                l[g] = l[g] * alpha + pr;
-#pragma unroll
-                for (int i = 0; i < 8; i++) acc[g][i] = fmaf(pr, vf[i], acc[g][i] * alpha);
+            for (int e = 0; e < 4; e++) {
+                const bool kept = (kp >> (8 * (e & 1))) & 0xff;
+                s[n][e] = kept ? s[n][e] * qscale : -INFINITY;
+                mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
             }
+        }
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            const float ref = mx[h] == -INFINITY ? 0.f : mx[h];  // nothing kept yet: all p are 0
+            alpha[h] = exp2f(m[h] - ref);
+            m[h] = mx[h];
+            l[h] *= alpha[h];
+        }
+#pragma unroll
+        for (int n = 0; n < 2; n++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float ref = mx[e >> 1] == -INFINITY ? 0.f : mx[e >> 1];
+                s[n][e] = (kM == 16 || e < 2) ? exp2f(s[n][e] - ref) : 0.f;
+                l[e >> 1] += s[n][e];
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            o[n][0] *= alpha[0];
+            o[n][1] *= alpha[0];
+            if constexpr (kM == 16) {
+                o[n][2] *= alpha[1];
+                o[n][3] *= alpha[1];
+            }
+        }
+        // O += P V: P (16 x 16 keys) is the A fragment straight from the score fragments.
+        const uint32_t pa0 = pack2<T>(s[0][0], s[0][1]), pa1 = kM == 16 ? pack2<T>(s[0][2], s[0][3]) : 0u;
+        const uint32_t pa2 = pack2<T>(s[1][0], s[1][1]), pa3 = kM == 16 ? pack2<T>(s[1][2], s[1][3]) : 0u;
+#pragma unroll
+        for (int n = 0; n < D / 8; n += 2) {
+            uint32_t vb[4];
+            const int mi = lane >> 3;  // matrices: keys 0-7 | 8-15, chunk n | n+1 (transposed)
+            ldsm_x4_trans(vb, sv + at<D>((lane & 7) + 8 * (mi & 1), n + (mi >> 1)) * 8);
+            qk_mma16816<T>(o[n], pa0, pa1, pa2, pa3, vb[0], vb[1]);
+            qk_mma16816<T>(o[n + 1], pa0, pa1, pa2, pa3, vb[2], vb[3]);
         }
         __syncwarp();  // the stage is refilled by the next iteration's issue
     }
     cp_async_wait<0>();
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
 
-    // Merge the key slots of the warp (lanes with the same chunk hold the same elements).
-#pragma unroll
-    for (int o = kLanesPerKey; o < 32; o <<= 1) {
-#pragma unroll
-        for (int g = 0; g < kG; g++) {
-            const float mo = __shfl_xor_sync(0xffffffffu, m[g], o), lo = __shfl_xor_sync(0xffffffffu, l[g], o);
-            const float mn = fmaxf(m[g], mo);
-            const float x = mn == -INFINITY ? 0.f : exp2f(m[g] - mn), y = mn == -INFINITY ? 0.f : exp2f(mo - mn);
-            l[g] = l[g] * x + lo * y;
-#pragma unroll
-            for (int i = 0; i < 8; i++) acc[g][i] = acc[g][i] * x + __shfl_xor_sync(0xffffffffu, acc[g][i], o) * y;
-            m[g] = mn;
-        }
-    }
-    // Merge the warps through shared memory (the pipeline buffers are free now).
+    // Merge the warps through shared memory (q and the pipeline buffers are free now).
     __syncthreads();
-    float *red = reinterpret_cast<float *>(smem);  // [kWarps][kG][D + 2]
-    if (lane < kLanesPerKey) {
+    float *red = reinterpret_cast<float *>(smem);  // [kWarps][kM][D + 2]
 #pragma unroll
-        for (int g = 0; g < kG; g++) {
-            float *r = red + (warp * kG + g) * (D + 2);
+    for (int h = 0; h < kM / 8; h++) {
+        float *r = red + (warp * kM + g + 8 * h) * (D + 2);
 #pragma unroll
-            for (int i = 0; i < 8; i++) r[chunk_id * 8 + i] = acc[g][i];
-            if (chunk_id == 0) {
-                r[D] = m[g];
-                r[D + 1] = l[g];
-            }
+        for (int n = 0; n < D / 8; n++) {
+            r[8 * n + 2 * t4] = o[n][2 * h];
+            r[8 * n + 2 * t4 + 1] = o[n][2 * h + 1];
+        }
+        if (t4 == 0) {
+            r[D] = m[h];
+            r[D + 1] = l[h];
         }
     }
     __syncthreads();
-    // Thread x of the CTA finishes element (g, d) pairs in a fixed order.
-    for (int e = threadIdx.x; e < kG * D; e += kThreads) {
-        const int g = e / D, d = e % D;
-        if (g >= nheads) continue;
-        float mx = -INFINITY;
+    // Thread x of the CTA finishes (head, element) pairs in a fixed order.
+    for (int e = threadIdx.x; e < kM * D; e += kThreads) {
+        const int gh = e / D, d = e % D;
+        if (gh >= nheads) continue;
+        float mxw = -INFINITY;
 #pragma unroll
-        for (int w = 0; w < kWarps; w++) mx = fmaxf(mx, red[(w * kG + g) * (D + 2) + D]);
+        for (int w = 0; w < kWarps; w++) mxw = fmaxf(mxw, red[(w * kM + gh) * (D + 2) + D]);
         float sum = 0.f, val = 0.f;
-        if (mx != -INFINITY) {
+        if (mxw != -INFINITY) {
 #pragma unroll
             for (int w = 0; w < kWarps; w++) {
-                const float *r = red + (w * kG + g) * (D + 2);
-                const float f = exp2f(r[D] - mx);
+                const float *r = red + (w * kM + gh) * (D + 2);
+                const float f = exp2f(r[D] - mxw);
                 sum += r[D + 1] * f;
                 val += r[d] * f;
             }
         }
-        const int h = h0 + g;
+        const int h = h0 + gh;
         if (nsplit == 1) {
-            T *o = static_cast<T *>(a.out) + b * a.out_stride[0] + h * a.out_stride[1];
-            o[d] = qk_from_float<T>(sum > 0.f ? val / sum : 0.f);
+            T *out = static_cast<T *>(a.out) + b * a.out_stride[0] + h * a.out_stride[1];
+            out[d] = qk_from_float<T>(sum > 0.f ? val / sum : 0.f);
         } else {
             // Partials: [B][Hq][nsplit] x (D values, max, sum)
             float *p = ws + (((int64_t)b * a.Hq + h) * nsplit + split) * (D + 2);
             p[d] = val;
             if (d == 0) {
-                p[D] = mx;
+                p[D] = mxw;
                 p[D + 1] = sum;
             }
         }
     }
 }
 
-// One warp per (b, query head): the splits' partials in split order.
+// One warp per (b, query head): the splits' partials merged in split order.  Launched as a
+// programmatic dependent of decode_split (sm_90), so its launch overlaps the split kernel's tail;
+// griddepcontrol.wait returns once decode_split has finished and its writes are visible.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) decode_combine(qk_attn_decode_args a, const float *ws, int nsplit) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
     const int64_t row = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
     if (row >= a.B * a.Hq) return;
     const int lane = threadIdx.x & 31;
     const int64_t b = row / a.Hq, h = row % a.Hq;
     const float *p = ws + row * nsplit * (D + 2);
+    // The maxima lane-parallel (a split per lane), so no chain of dependent loads.
     float mx = -INFINITY;
-    for (int s = 0; s < nsplit; s++) mx = fmaxf(mx, p[s * (D + 2) + D]);
+    for (int s = lane; s < nsplit; s += 32) mx = fmaxf(mx, p[s * (D + 2) + D]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     constexpr int kPer = (D + 31) / 32;
     float val[kPer] = {}, sum = 0.f;
     if (mx != -INFINITY) {
-        for (int s = 0; s < nsplit; s++) {
-            const float *ps = p + s * (D + 2);
-            const float f = exp2f(ps[D] - mx);  // empty split: exp2(-inf) = 0
-            sum += ps[D + 1] * f;
+        for (int s0 = 0; s0 < nsplit; s0 += 32) {
+            // Lane j weighs split s0 + j (an empty split: exp2(-inf) = 0); the weights are broadcast.
+            float w = 0.f;
+            if (s0 + lane < nsplit) {
+                const float *ps = p + (s0 + lane) * (D + 2);
+                w = exp2f(ps[D] - mx);
+                sum += ps[D + 1] * w;
+            }
+            const int n = min(32, nsplit - s0);
+#pragma unroll 8
+            for (int j = 0; j < n; j++) {
+                const float wj = __shfl_sync(0xffffffffu, w, j);
+                const float *ps = p + (s0 + j) * (D + 2);
 #pragma unroll
-            for (int i = 0; i < kPer; i++)
-                if (lane + 32 * i < D) val[i] += ps[lane + 32 * i] * f;
+                for (int i = 0; i < kPer; i++)
+                    if (lane + 32 * i < D) val[i] += ps[lane + 32 * i] * wj;
+            }
         }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     }
     T *o = static_cast<T *>(a.out) + b * a.out_stride[0] + h * a.out_stride[1];
 #pragma unroll
@@ -338,14 +423,14 @@ __global__ void __launch_bounds__(kThreads) decode_combine(qk_attn_decode_args a
         if (lane + 32 * i < D) o[lane + 32 * i] = qk_from_float<T>(sum > 0.f ? val[i] / sum : 0.f);
 }
 
-template <typename T, int D, int kG, bool kPaged>
+template <typename T, int D, int kM, bool kPaged>
 int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
-    const int G = (int)(a->Hq / a->Hkv), groups = (G + kG - 1) / kG;
+    const int G = (int)(a->Hq / a->Hkv), groups = (G + kM - 1) / kM;
     const int64_t units = a->B * a->Hkv * groups;
     const int64_t lcap = a->paged ? a->max_ctx : a->Lkv;
-    constexpr int kTile = kTileBytes / (D * 2);
-    const size_t smem = (size_t)kWarps * kStages * (2 * kTileBytes + 32);
-    static_assert((size_t)kWarps * kG * (D + 2) * 4 <= (size_t)kWarps * kStages * (2 * kTileBytes + 32), "merge fits");
+    constexpr size_t row = D * 2;
+    constexpr size_t smem = kM * row + (size_t)kWarps * stages<D>() * (2 * kTile * row + 16);
+    static_assert((size_t)kWarps * kM * (D + 2) * 4 <= smem, "merge fits");
     // Per device (the attribute belongs to the device's module): the shared-memory opt-in and how
     // many CTAs fit on an SM.
     static int resident[64];
@@ -353,15 +438,15 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     QK_CUDA_TRY(cudaGetDevice(&dev));
     if (dev < 0 || dev >= 64) return QK_E_UNSUPPORTED;
     if (!resident[dev]) {
-        QK_CUDA_TRY(cudaFuncSetAttribute(decode_split<T, D, kG, kPaged>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        QK_CUDA_TRY(cudaFuncSetAttribute(decode_split<T, D, kM, kPaged>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         int n = 0;
-        QK_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_split<T, D, kG, kPaged>, kThreads, smem));
+        QK_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_split<T, D, kM, kPaged>, kThreads, smem));
         resident[dev] = n > 0 ? n : 1;
     }
     // Splits: enough CTAs to fill the chip, rounded so the last wave is nearly full (B=64 L=8k
-    // without splits is 512 CTAs on 396 slots: 1.3 waves), and each warp at least 2 tiles.
+    // without splits is 512 CTAs on 264 slots: 1.9 waves), and each warp at least one tile.
     const int64_t slots = (int64_t)resident[dev] * sms;
-    const int64_t max_split = lcap > 0 ? (lcap + 2 * kWarps * kTile - 1) / (2 * kWarps * kTile) : 1;
+    const int64_t max_split = lcap > 0 ? (lcap + kWarps * kTile - 1) / (kWarps * kTile) : 1;
     int64_t nsplit = (slots + units - 1) / units;
     if (nsplit > max_split) nsplit = max_split;
     for (int64_t ns = nsplit; ns <= max_split && ns <= 4 * nsplit && ns <= 1024; ns++) {
@@ -380,12 +465,12 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     int ns = (int)nsplit;
     int64_t ch = chunk;
     void *args[] = {&p, &ws, &ns, &ch};
-    int status = qk_launch((const void *)decode_split<T, D, kG, kPaged>,
+    int status = qk_launch((const void *)decode_split<T, D, kM, kPaged>,
                            dim3((unsigned)nsplit, (unsigned)(a->Hkv * groups), (unsigned)a->B), dim3(kThreads), smem, s, args);
     if (nsplit > 1) {
         if (!status) {
             void *cargs[] = {&p, &ws, &ns};
-            status = qk_launch((const void *)decode_combine<T, D>, dim3((unsigned)((a->B * a->Hq + kWarps - 1) / kWarps)),
+            status = qk_launch_dependent((const void *)decode_combine<T, D>, dim3((unsigned)((a->B * a->Hq + kWarps - 1) / kWarps)),
                                dim3(kThreads), 0, s, cargs);
         }
         const int freed = (int)cudaFreeAsync(ws, s);
@@ -397,10 +482,10 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
 template <typename T, int D, bool kPaged>
 int pick_group(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     const int64_t G = a->Hq / a->Hkv;
-    if (G <= 1) return launch<T, D, 1, kPaged>(a, s, sms);
-    if (G <= 2) return launch<T, D, 2, kPaged>(a, s, sms);
-    if (G <= 4) return launch<T, D, 4, kPaged>(a, s, sms);
-    return launch<T, D, 8, kPaged>(a, s, sms);
+    // The query heads of a kv head are the 16 rows of the mma's A operand: half of them when
+    // there are at most 8 (the other half are zero registers), else groups of 16.
+    if (G <= 8) return launch<T, D, 8, kPaged>(a, s, sms);
+    return launch<T, D, 16, kPaged>(a, s, sms);
 }
 
 template <typename T, bool kPaged>

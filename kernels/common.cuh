@@ -30,6 +30,27 @@ template <typename T> __device__ __forceinline__ void qk_store_vec(T *p, const q
     __stcs(reinterpret_cast<uint4 *>(p), *reinterpret_cast<const uint4 *>(&v));
 }
 
+// Tensor-core mma.sync m16n8k16 with fp32 accumulation, d += A * B: A row-major 16x16 in four
+// registers of two elements, B column-major 16x8 in two (PTX ISA "Matrix Fragments for
+// mma.m16n8k16").  Shared by linear and the decode attention kernels.
+template <typename T>
+__device__ __forceinline__ void qk_mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                            uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void qk_mma16816<__nv_bfloat16>(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                           uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void qk_mma16816<__half>(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                    uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 inline bool qk_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 // The one place runtime dtypes become template parameters.
@@ -66,6 +87,11 @@ inline int qk_grid_for(int64_t work, int per_block, int max_blocks = 65536) {
 // ~0.3 µs less host time per call than <<<>>> (benchmarks/probe/launch_cost.cu), which matters
 // for decode-sized calls.  Falls back to cudaLaunchKernel.  Returns a status (runtime.cu).
 int qk_launch(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, void **args);
+
+// The same, as a programmatic dependent of the previous kernel on the stream where the device
+// supports it (sm_90): the kernel may start before that one ends and must begin with
+// griddepcontrol.wait before reading its results.  Otherwise a plain launch.
+int qk_launch_dependent(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, void **args);
 
 // The current device's SM count (cached), for grids sized to one resident wave.
 int qk_sm_count(int *count);

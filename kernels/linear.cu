@@ -27,26 +27,6 @@
 
 namespace {
 
-template <typename T> struct lin_mma;
-template <> struct lin_mma<__nv_bfloat16> {
-    static __device__ __forceinline__ void run(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                               uint32_t b0, uint32_t b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-};
-template <> struct lin_mma<__half> {
-    static __device__ __forceinline__ void run(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                               uint32_t b0, uint32_t b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-};
-
 // Asynchronous 16-byte copies global -> shared (sm_80+).  Weights: L2 only (read once) with a
 // 256-byte L2 prefetch so the row's next steps are already in L2; x: through L1, which the
 // blocks of an SM share.
@@ -140,8 +120,8 @@ __device__ __forceinline__ void lin_step(float (&acc)[C::NW][C::kNT][C::kMT][4],
 #pragma unroll
             for (int mt = 0; mt < C::kMT; mt++) {
                 const uint4 lo = w[q][nt][0], hi = w[q][nt][1], xv = x[mt];
-                lin_mma<T>::run(acc[q][nt][mt], lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
-                lin_mma<T>::run(acc[q][nt][mt], lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+                qk_mma16816<T>(acc[q][nt][mt], lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+                qk_mma16816<T>(acc[q][nt][mt], lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
             }
 }
 

@@ -61,6 +61,34 @@ int qk_launch(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream
                           (CUstream)stream, args, nullptr);
 }
 
+int qk_launch_dependent(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, void **args) {
+    // Per device: programmatic dependent launch needs sm_90 (0 unknown, 1 no, 2 yes).
+    static int supported[64];
+    int dev = 0, major = 0;
+    QK_CUDA_TRY(cudaGetDevice(&dev));
+    if (dev >= 0 && dev < 64 && !supported[dev]) {
+        QK_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+        supported[dev] = major >= 9 ? 2 : 1;
+    }
+    if (dev >= 0 && dev < 64 && supported[dev] == 2) {
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.gridDim = grid;
+        cfg.blockDim = block;
+        cfg.dynamicSmemBytes = smem;
+        cfg.stream = stream;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        const cudaError_t e = cudaLaunchKernelExC(&cfg, kernel, args);
+        if (e == cudaSuccess) return 0;
+        if (e != cudaErrorNotSupported && e != cudaErrorInvalidValue) return (int)e;
+        cudaGetLastError();
+    }
+    return qk_launch(kernel, grid, block, smem, stream, args);
+}
+
 int qk_sm_count(int *count) {
     // Cached per device: persistent-grid launchers ask on every call.
     static int cached[64];
