@@ -152,6 +152,54 @@ typedef struct {
     int64_t bad_pos, bad_value;
 } qk_attn_decode_args;
 
+/* attn_prefill and attn_paged_prefill: many query tokens per sequence,
+ *   out[., i, h, :] = sum_j softmax_j(scale * q[., i, h, :].k_j) v_j   over the kept keys j,
+ * with kv head h / (Hq / Hkv) (GQA).  fp32 scores, softmax and accumulation; a query with no kept
+ * key gives 0.  All strides are in elements; the last dim of q, k, v and out is unit-stride.
+ * A sequence with q_len queries and kv_len keys places its queries at key positions
+ * kv_len - q_len .. kv_len - 1: with causal, query i (0-based) keeps keys j <= i + kv_len - q_len
+ * (bottom-right alignment).
+ *
+ * Dense (paged == 0): q, out [B, Lq, Hq, D] with strides {b, i, h}; k, v [B, Lkv, Hkv, D] with
+ *   strides {b, j, h}; q_len = Lq and kv_len = Lkv for every sequence.
+ *   mask_kind 0: none.  1: mask [B, Lkv], strides {b, j} in mask_stride[0], [3].
+ *   2: mask [B, Hm, Lq, Lkv] with Hm = 1 or Hq, strides {b, h, i, j} (h stride 0 when Hm = 1).
+ * Paged (paged == 1): q, out [total_q, Hq, D] with strides {0, t, h} (q_stride[0] unused); request
+ *   b's queries are rows qo_indptr[b] .. qo_indptr[b+1] - 1, its kv_len = kv_indptr[b+1] -
+ *   kv_indptr[b], key j in pool slot req_to_token[req_pool_indices[b], j]; k, v are token pools
+ *   [S, Hkv, D] with strides {0, s, h}.  mask_kind 1: mask [B, max_ctx] over each request's keys.
+ * Index checks: the CPU launcher returns QK_E_INDEX with bad_* filled for a pool row outside
+ *   [0, num_requests), a kv length outside [0, max_ctx], query rows outside [0, total_q] or not
+ *   ascending, q_len > kv_len, or a slot outside [0, pool_size).  The CUDA launcher never reads or
+ *   writes outside the tensors: it clamps lengths and row ranges and skips bad rows and slots.
+ * CUDA graph safety: nothing is read on the host; the grid comes from shapes only (for paged,
+ *   total_q and B), so captured graphs replay correctly when lengths change. */
+typedef struct {
+    const void *q;
+    void *out;
+    const void *k, *v;
+    const void *mask;             /* bool as uint8, or NULL */
+    /* paged only */
+    const void *req_to_token;     /* [num_requests, max_ctx], r2t_dtype */
+    const void *req_pool_indices; /* [B], rpi_dtype */
+    const void *kv_indptr;        /* [B + 1], kv_indptr_dtype */
+    const void *qo_indptr;        /* [B + 1], qo_indptr_dtype */
+    int64_t B, Lq, Lkv, Hq, Hkv, D; /* Lq, Lkv: dense only */
+    int64_t total_q, num_requests, max_ctx, pool_size; /* paged only */
+    int64_t q_stride[3], out_stride[3], k_stride[3], v_stride[3];
+    int64_t mask_stride[4];
+    int64_t r2t_stride[2], rpi_stride, kv_indptr_stride, qo_indptr_stride;
+    float scale;
+    int causal, paged, mask_kind;
+    int dtype;                    /* QK_BF16, QK_F16; cpu also QK_F32 */
+    int r2t_dtype, rpi_dtype, kv_indptr_dtype, qo_indptr_dtype; /* QK_I32 or QK_I64 */
+    int num_threads;
+    /* Filled on QK_E_INDEX: bad_arg 0 req_pool_indices, 1 kv_indptr (a length), 2 req_to_token
+     * (a slot), 3 qo_indptr (a row range, or q_len > kv_len) */
+    int bad_arg;
+    int64_t bad_pos, bad_value;
+} qk_attn_prefill_args;
+
 /* rotary_emb: for each token (b, s), head h and pair i < D/2, with (c, s') = freqs[b, s, i, :]:
  *   interleaved: (x[2i], x[2i+1])       -> (x[2i] c - x[2i+1] s', x[2i] s' + x[2i+1] c)
  *   rotate-half: (x[i], x[i + D/2])     -> the same formula on that pair (NeoX)
@@ -183,7 +231,7 @@ typedef struct {
 } qk_linear_args;
 
 /* The CUDA shared object exports one symbol, qk_cuda_get_api, returning this table. */
-#define QK_CUDA_ABI 5
+#define QK_CUDA_ABI 6
 
 typedef struct {
     int abi;
@@ -214,6 +262,7 @@ typedef struct {
      * p[i * stride] (dtype QK_I32/QK_I64) outside [lo, hi) -> QK_E_INDEX with *bad_pos, *bad_value. */
     int (*index_check)(const void *p, int dtype, int64_t n, int64_t stride, int64_t lo, int64_t hi,
                        int64_t *bad_pos, int64_t *bad_value, void *stream);
+    int (*attn_prefill)(const qk_attn_prefill_args *a, void *stream);
 } qk_cuda_api;
 
 typedef const qk_cuda_api *(*qk_cuda_get_api_fn)(int abi);

@@ -111,6 +111,7 @@ extern "C" int qk_edge_features_cuda(const qk_edge_features_args *a, void *strea
 extern "C" int qk_norm_residual_cuda(const qk_norm_residual_args *a, void *stream);
 extern "C" int qk_graph_bce_cuda(const qk_graph_bce_args *a, void *stream);
 extern "C" int qk_attn_decode_cuda(const qk_attn_decode_args *a, void *stream);
+extern "C" int qk_attn_prefill_cuda(const qk_attn_prefill_args *a, void *stream);
 extern "C" int qk_rotary_cuda(const qk_rotary_args *a, void *stream);
 extern "C" int qk_linear_cuda(const qk_linear_args *a, void *stream);
 extern "C" int qk_swiglu_cuda(const qk_linear_args *a, void *stream);
@@ -183,6 +184,7 @@ qk_cuda_api make_api() {
     t.norm_residual = qk_norm_residual_cuda;
     t.graph_bce = qk_graph_bce_cuda;
     t.attn_decode = qk_attn_decode_cuda;
+    t.attn_prefill = qk_attn_prefill_cuda;
     t.rotary = qk_rotary_cuda;
     t.linear = qk_linear_cuda;
     t.swiglu = qk_swiglu_cuda;
