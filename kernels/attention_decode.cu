@@ -26,11 +26,12 @@
 // loads the slot of key k of the tile one tile ahead and the copies get it by shuffle.  With
 // new_k/new_v, position len_b - 1 is read from new_k/new_v, and the CTA owning it (head group 0)
 // also writes them into the pool.
-#include "common.cuh"
+#include "attention_common.cuh"
 
 #include <math.h>
 
 namespace {
+using namespace qk_attn;
 
 constexpr int kWarps = 4, kThreads = 32 * kWarps;
 constexpr int kTile = 16;  // keys per tile: one k16 step of P.V, two n8 tiles of Q.K^T
@@ -38,58 +39,6 @@ constexpr int kTile = 16;  // keys per tile: one k16 step of P.V, two n8 tiles o
 // Pipeline depth per warp: about 8 KB a stage for D=128 (3 stages: two CTAs fit an SM, 128 KB
 // in flight per SM), deeper for small heads whose tiles are small.
 template <int D> __host__ __device__ constexpr int stages() { return D <= 64 ? 4 : 3; }
-
-// Shared tiles are [rows][D] with 16-byte chunk c of row r at chunk index at(r, c): the XOR
-// spreads the 8 rows one ldmatrix reads at a fixed column over distinct banks.
-template <int D> __device__ __forceinline__ int at(int r, int c) {
-    constexpr int kChunks = D / 8, kRowsPer128 = kChunks >= 8 ? 1 : 8 / kChunks, kMask = kChunks >= 8 ? 7 : kChunks - 1;
-    return r * kChunks + (c ^ ((r / kRowsPer128) & kMask));
-}
-
-__device__ __forceinline__ int64_t clamp_len(int64_t v, int64_t hi) { return v < 0 ? 0 : (v > hi ? hi : v); }
-
-__device__ __forceinline__ int64_t load_index(const void *p, int dtype, int64_t pos) {
-    return dtype == QK_I64 ? (int64_t)__ldg(static_cast<const int64_t *>(p) + pos)
-                           : (int64_t)__ldg(static_cast<const int32_t *>(p) + pos);
-}
-
-// 16 bytes global -> shared without waiting, L2 only, with a 256-byte L2 fetch (a K or V row of
-// D=128; measured 1-2% faster than without the hint at B=32..64).  src-size 0: nothing is read and
-// the 16 bytes are zero-filled.
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"((unsigned)__cvta_generic_to_shared(p))
-                 : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void *p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"((unsigned)__cvta_generic_to_shared(p))
-                 : "memory");
-}
-
-template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t *>(&v);
-}
-template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t *>(&v);
-}
-
-__device__ __forceinline__ int64_t shfl64(int64_t v, int src) {
-    const int lo = __shfl_sync(0xffffffffu, (int)(uint32_t)v, src), hi = __shfl_sync(0xffffffffu, (int)(v >> 32), src);
-    return (int64_t)(((uint64_t)(uint32_t)hi << 32) | (uint32_t)lo);
-}
 
 // Sequence b's length (keys before any mask).
 __device__ __forceinline__ int64_t seq_len(const qk_attn_decode_args &a, int64_t b, bool paged) {

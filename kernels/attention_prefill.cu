@@ -1,8 +1,363 @@
-// attn_prefill / attn_paged_prefill on tensor cores (work in progress: no kernel yet).
-#include "common.cuh"
+// attn_prefill / attn_paged_prefill: FlashAttention-2-style forward on tensor cores (mma.sync
+// m16n8k16, sm_80+).
+//
+// Work: one CTA per (tile of kBM = 64 queries, query head, sequence); 4 warps, 16 query rows each.
+// The CTA streams kBN-key tiles of K and V through a two-buffer cp.async ring shared by its warps
+// (one barrier per tile: the next tile's copies are issued right after it, so they overlap this
+// tile's math).  Per tile and warp: S = q K^T (q fragments in registers for D <= 128, else
+// re-read from shared memory), mask, online softmax in exp2 units (one rescale of the output per
+// tile), then O += P V with P taken straight from the score fragments.
+//
+// Causal (bottom-right): query i of a sequence with q_len queries and kv_len keys keeps keys
+// j <= i + kv_len - q_len.  Key tiles entirely above the CTA's diagonal are never loaded; tiles
+// entirely below it, inside kv_len and without a mask, skip the per-element checks.  The query
+// tiles are scheduled longest first (reverse order) so the causal triangle's long tiles do not
+// form the tail.
+//
+// Paged: request b's queries are rows qo_indptr[b] .. qo_indptr[b+1] - 1 of q, its keys pool
+// slots req_to_token[req_pool_indices[b], j].  The grid is sized from shapes only
+// (ceil(total_q / kBM) + B tiles bounds any split of total_q into B requests); each CTA finds its
+// (request, tile) with a scan over qo_indptr, so a captured graph replays correctly when the
+// lengths change.  CTAs past the last tile exit at once.
+//
+// Bad indices never address memory outside the tensors: lengths and row ranges are clamped, and
+// keys at an out-of-range pool row or slot are skipped (probability 0).
+#include "attention_common.cuh"
+
+#include <math.h>
+
+namespace {
+using namespace qk_attn;
+
+constexpr int kWarps = 4, kThreads = 32 * kWarps;
+constexpr int kBM = 16 * kWarps;  // queries per CTA
+
+template <int D> __host__ __device__ constexpr int key_tile() { return D <= 128 ? 64 : 32; }
+template <int D> __host__ __device__ constexpr size_t smem_bytes() {
+    return (size_t)kBM * D * 2 + 2 * (2 * (size_t)key_tile<D>() * D * 2) + 2 * key_tile<D>();
+}
+
+struct Seq {
+    int64_t b = -1;               // sequence (request); -1: this CTA has no work
+    int64_t q_row0 = 0;           // row of query 0 (dense: index into Lq; paged: into total_q)
+    int64_t q_len = 0, kv_len = 0;
+    int64_t tile = 0;             // query tile within the sequence
+    int64_t pool_row = 0;         // paged
+    bool row_ok = true;
+};
+
+// Paged: which (request, query tile) the CTA's linear tile index t falls in.  Requests are
+// scanned in chunks of kThreads with a block-wide prefix sum of their tile counts.
+__device__ Seq find_request(const qk_attn_prefill_args &a, int64_t t) {
+    __shared__ int64_t found_b, found_base, warp_sum[kWarps];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (tid == 0) found_b = -1;
+    __syncthreads();
+    int64_t base = 0;
+    for (int64_t c0 = 0; c0 < a.B; c0 += kThreads) {
+        const int64_t b = c0 + tid;
+        int64_t n = 0;
+        if (b < a.B) {
+            const int64_t lo = clamp_len(load_index(a.qo_indptr, a.qo_indptr_dtype, b * a.qo_indptr_stride), a.total_q);
+            const int64_t hi = clamp_len(load_index(a.qo_indptr, a.qo_indptr_dtype, (b + 1) * a.qo_indptr_stride), a.total_q);
+            n = hi > lo ? (hi - lo + kBM - 1) / kBM : 0;
+        }
+        int64_t incl = n;  // inclusive prefix within the warp, then across warps
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int64_t y = shfl64_up(incl, o);
+            if (lane >= o) incl += y;
+        }
+        if (lane == 31) warp_sum[warp] = incl;
+        __syncthreads();
+        int64_t before = base, total = 0;
+        for (int w = 0; w < kWarps; w++) {
+            if (w < warp) before += warp_sum[w];
+            total += warp_sum[w];
+        }
+        const int64_t excl = before + incl - n;
+        if (n > 0 && t >= excl && t < excl + n) {
+            found_b = b;
+            found_base = excl;
+        }
+        base += total;
+        __syncthreads();
+        if (found_b >= 0 || base > t) break;  // uniform: shared / identical values
+    }
+    Seq s;
+    const int64_t b = found_b;
+    if (b < 0) return s;
+    s.b = b;
+    s.tile = t - found_base;
+    s.q_row0 = clamp_len(load_index(a.qo_indptr, a.qo_indptr_dtype, b * a.qo_indptr_stride), a.total_q);
+    const int64_t q_end = clamp_len(load_index(a.qo_indptr, a.qo_indptr_dtype, (b + 1) * a.qo_indptr_stride), a.total_q);
+    s.q_len = q_end > s.q_row0 ? q_end - s.q_row0 : 0;
+    const int64_t k0 = load_index(a.kv_indptr, a.kv_indptr_dtype, b * a.kv_indptr_stride);
+    const int64_t k1 = load_index(a.kv_indptr, a.kv_indptr_dtype, (b + 1) * a.kv_indptr_stride);
+    s.kv_len = clamp_len(k1 - k0, a.max_ctx);
+    s.pool_row = load_index(a.req_pool_indices, a.rpi_dtype, b * a.rpi_stride);
+    s.row_ok = s.pool_row >= 0 && s.pool_row < a.num_requests;
+    return s;
+}
+
+template <typename T, int D, bool kPaged>
+__global__ void __launch_bounds__(kThreads, 2) prefill_fwd(qk_attn_prefill_args a) {
+    constexpr int kBN = key_tile<D>();
+    constexpr int kChunks = D / 8;
+    constexpr bool kQRegs = D <= 128;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T *sq = reinterpret_cast<T *>(smem);                       // [kBM][D]
+    T *sk = sq + kBM * D;                                      // [2][kBN][D]
+    T *sv = sk + 2 * kBN * D;                                  // [2][kBN][D]
+    uint8_t *kvalid = reinterpret_cast<uint8_t *>(sv + 2 * kBN * D);  // [2][kBN]
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int h = blockIdx.y, G = (int)(a.Hq / a.Hkv), hk = h / G;
+
+    Seq s;
+    if (kPaged) {
+        s = find_request(a, (int64_t)gridDim.x - 1 - blockIdx.x);  // later tiles first: see top
+        if (s.b < 0) return;
+    } else {
+        s.b = blockIdx.z;
+        s.q_len = a.Lq;
+        s.kv_len = a.Lkv;
+        s.tile = (int64_t)gridDim.x - 1 - blockIdx.x;
+    }
+    const int64_t b = s.b, q0 = s.tile * kBM;
+    if (q0 >= s.q_len) return;
+    const int64_t offset = s.kv_len - s.q_len;  // key position of query 0
+    int64_t key_end = s.kv_len;
+    if (a.causal) key_end = min(key_end, q0 + kBM - 1 + offset + 1);
+    if (kPaged && !s.row_ok) key_end = 0;
+    const int ntiles = key_end > 0 ? (int)((key_end + kBN - 1) / kBN) : 0;
+
+    const T *qbase = static_cast<const T *>(a.q) + (kPaged ? 0 : b * a.q_stride[0]) + h * a.q_stride[2];
+    const T *kbase = static_cast<const T *>(a.k), *vbase = static_cast<const T *>(a.v);
+    const int64_t kh = (kPaged ? 0 : b * a.k_stride[0]) + hk * a.k_stride[2];
+    const int64_t vh = (kPaged ? 0 : b * a.v_stride[0]) + hk * a.v_stride[2];
+    const uint8_t *mask = static_cast<const uint8_t *>(a.mask);
+
+    // q tile (rows past q_len zero-filled).
+    for (int e = tid; e < kBM * kChunks; e += kThreads) {
+        const int r = e / kChunks, c = e % kChunks;
+        const int64_t i = q0 + r;
+        const bool ok = i < s.q_len;
+        const T *src = ok ? qbase + (s.q_row0 + i) * a.q_stride[1] + c * 8 : qbase;
+        cp_async16(sq + at<D>(r, c) * 8, src, ok);
+    }
+    // K and V of key tile kt into buffer kt & 1, with each key's kept flag (inside kv_len, key
+    // mask, valid slot).
+    auto load_kv = [&](int kt) {
+        const int buf = kt & 1;
+        T *dk = sk + buf * kBN * D, *dv = sv + buf * kBN * D;
+        for (int e = tid; e < kBN * kChunks; e += kThreads) {
+            const int r = e / kChunks, c = e % kChunks;
+            const int64_t j = (int64_t)kt * kBN + r;
+            bool ok = j < key_end;
+            int64_t row = j;
+            if (ok && kPaged) {
+                row = load_index(a.req_to_token, a.r2t_dtype, s.pool_row * a.r2t_stride[0] + j * a.r2t_stride[1]);
+                ok = row >= 0 && row < a.pool_size;
+            }
+            if (ok && a.mask_kind == 1) ok = mask[b * a.mask_stride[0] + j * a.mask_stride[3]] != 0;
+            cp_async16(dk + at<D>(r, c) * 8, ok ? kbase + row * a.k_stride[1] + kh + c * 8 : kbase, ok);
+            cp_async16(dv + at<D>(r, c) * 8, ok ? vbase + row * a.v_stride[1] + vh + c * 8 : vbase, ok);
+            if (c == 0) kvalid[buf * kBN + r] = ok;
+        }
+    };
+    if (ntiles > 0) load_kv(0);
+    cp_async_commit();
+
+    // This warp's 16 query rows: fragments rows g and g + 8 of the m16 tile.
+    const int r0 = warp * 16;
+    auto q_frag = [&](int kk, uint32_t (&f)[4]) {
+        const int mi = lane >> 3;  // matrices: rows 0-7 | 8-15, chunk 2kk | 2kk+1
+        ldsm_x4(f, sq + at<D>(r0 + (lane & 7) + 8 * (mi & 1), 2 * kk + (mi >> 1)) * 8);
+    };
+    uint32_t qreg[kQRegs ? D / 16 : 1][4];
+    const float qscale = a.scale * 1.4426950408889634f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    const int64_t qi[2] = {q0 + r0 + g, q0 + r0 + g + 8};  // this thread's two query rows
+
+    for (int kt = 0; kt < ntiles; kt++) {
+        cp_async_wait<0>();
+        __syncthreads();  // tile kt (and q) landed; every warp is done with tile kt - 1
+        if (kt == 0 && kQRegs) {
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk++) q_frag(kk, qreg[kk]);
+        }
+        if (kt + 1 < ntiles) load_kv(kt + 1);
+        cp_async_commit();
+        const int buf = kt & 1;
+        const T *tk = sk + buf * kBN * D, *tv = sv + buf * kBN * D;
+
+        // S = q K^T: s[n] holds rows g, g+8 x keys 8n + 2t4, +1 of the tile.
+        float sc[kBN / 8][4];
+#pragma unroll
+        for (int n = 0; n < kBN / 8; n++) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            uint32_t qa[4];
+            if constexpr (kQRegs) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) qa[i] = qreg[kk][i];
+            } else {
+                q_frag(kk, qa);
+            }
+#pragma unroll
+            for (int p = 0; p < kBN / 16; p++) {
+                uint32_t kb[4];
+                const int mi = lane >> 3;  // matrices: keys 16p + 0-7 | 8-15, chunk 2kk | 2kk+1
+                ldsm_x4(kb, tk + at<D>(16 * p + (lane & 7) + 8 * (mi >> 1), 2 * kk + (mi & 1)) * 8);
+                qk_mma16816<T>(sc[2 * p], qa[0], qa[1], qa[2], qa[3], kb[0], kb[1]);
+                qk_mma16816<T>(sc[2 * p + 1], qa[0], qa[1], qa[2], qa[3], kb[2], kb[3]);
+            }
+        }
+        // Masking, only where the tile may hold a dropped key.
+        const int64_t j0 = (int64_t)kt * kBN;
+        const bool full = !kPaged && a.mask_kind == 0 && j0 + kBN <= s.kv_len &&
+                          (!a.causal || j0 + kBN - 1 <= q0 + offset);
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int n = 0; n < kBN / 8; n++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float v = sc[n][e] * qscale;
+                if (!full) {
+                    const int jj = 8 * n + 2 * t4 + (e & 1);
+                    const int64_t j = j0 + jj, i = qi[e >> 1];
+                    bool keep = kvalid[buf * kBN + jj] && i < s.q_len;
+                    if (a.causal) keep = keep && j <= i + offset;
+                    if (keep && a.mask_kind == 2)
+                        keep = mask[b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2] + j * a.mask_stride[3]] != 0;
+                    if (!keep) v = -INFINITY;
+                }
+                sc[n][e] = v;
+                mx[e >> 1] = fmaxf(mx[e >> 1], v);
+            }
+        }
+        float alpha[2], ref[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            ref[r] = mx[r] == -INFINITY ? 0.f : mx[r];  // nothing kept yet: every p is 0
+            alpha[r] = exp2f(m[r] - ref[r]);
+            m[r] = mx[r];
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int n = 0; n < kBN / 8; n++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                sc[n][e] = exp2f(sc[n][e] - ref[e >> 1]);
+                l[e >> 1] += sc[n][e];
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            o[n][0] *= alpha[0];
+            o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1];
+            o[n][3] *= alpha[1];
+        }
+        // O += P V, 16 keys per k-step; P's A fragment comes from two score n-tiles.
+#pragma unroll
+        for (int kk = 0; kk < kBN / 16; kk++) {
+            const uint32_t pa0 = pack2<T>(sc[2 * kk][0], sc[2 * kk][1]), pa1 = pack2<T>(sc[2 * kk][2], sc[2 * kk][3]);
+            const uint32_t pa2 = pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            const uint32_t pa3 = pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+#pragma unroll
+            for (int n = 0; n < D / 8; n += 2) {
+                uint32_t vb[4];
+                const int mi = lane >> 3;  // matrices: keys 16kk + 0-7 | 8-15, chunk n | n+1 (transposed)
+                ldsm_x4_trans(vb, tv + at<D>(16 * kk + (lane & 7) + 8 * (mi & 1), n + (mi >> 1)) * 8);
+                qk_mma16816<T>(o[n], pa0, pa1, pa2, pa3, vb[0], vb[1]);
+                qk_mma16816<T>(o[n + 1], pa0, pa1, pa2, pa3, vb[2], vb[3]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // Normalise and write this thread's rows (a row with no kept key gives 0).
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        const int64_t i = qi[r];
+        if (i >= s.q_len) continue;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        T *out = static_cast<T *>(a.out) + (kPaged ? 0 : b * a.out_stride[0]) + (s.q_row0 + i) * a.out_stride[1] +
+                 h * a.out_stride[2];
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+            *reinterpret_cast<uint32_t *>(out + 8 * n + 2 * t4) = pack2<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+    }
+}
+
+template <typename T, int D, bool kPaged>
+int launch(const qk_attn_prefill_args *a, cudaStream_t s) {
+    constexpr size_t smem = smem_bytes<D>();
+    static bool opted[64];
+    int dev;
+    QK_CUDA_TRY(cudaGetDevice(&dev));
+    if (dev < 0 || dev >= 64) return QK_E_UNSUPPORTED;
+    if (!opted[dev]) {
+        QK_CUDA_TRY(cudaFuncSetAttribute(prefill_fwd<T, D, kPaged>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        opted[dev] = true;
+    }
+    dim3 grid;
+    if (kPaged) {
+        const int64_t tiles = (a->total_q + kBM - 1) / kBM + a->B;  // any split into B requests fits
+        if (tiles > 0x7fffffff) return QK_E_UNSUPPORTED;
+        grid = dim3((unsigned)tiles, (unsigned)a->Hq, 1);
+    } else {
+        grid = dim3((unsigned)((a->Lq + kBM - 1) / kBM), (unsigned)a->Hq, (unsigned)a->B);
+    }
+    qk_attn_prefill_args p = *a;
+    void *args[] = {&p};
+    return qk_launch((const void *)prefill_fwd<T, D, kPaged>, grid, dim3(kThreads), smem, s, args);
+}
+
+template <typename T, bool kPaged> int pick_dim(const qk_attn_prefill_args *a, cudaStream_t s) {
+    switch (a->D) {
+    case 32: return launch<T, 32, kPaged>(a, s);
+    case 64: return launch<T, 64, kPaged>(a, s);
+    case 128: return launch<T, 128, kPaged>(a, s);
+    case 256: return launch<T, 256, kPaged>(a, s);
+    default: return QK_E_UNSUPPORTED;
+    }
+}
+
+bool aligned_rows(const void *p, const int64_t *strides, int n) {
+    if (!qk_aligned16(p)) return false;
+    for (int i = 0; i < n; i++)
+        if (strides[i] % 8) return false;  // in elements: 16 bytes of bf16/fp16
+    return true;
+}
+
+}  // namespace
 
 extern "C" int qk_attn_prefill_cuda(const qk_attn_prefill_args *a, void *stream) {
-    (void)a;
-    (void)stream;
-    return QK_E_UNSUPPORTED;
+    const int64_t nq = a->paged ? a->total_q : a->B * a->Lq;
+    if (nq == 0 || a->Hq == 0) return QK_OK;
+    if (a->Hkv <= 0 || a->Hq % a->Hkv || a->Hq > 65535 || (!a->paged && a->B > 65535)) return QK_E_UNSUPPORTED;
+    if (a->paged && a->B == 0) return QK_OK;
+    // 16-byte rows everywhere (the binding keeps the last dim unit-stride).
+    const int64_t qs[3] = {a->paged ? 0 : a->q_stride[0], a->q_stride[1], a->q_stride[2]};
+    const int64_t os[3] = {a->paged ? 0 : a->out_stride[0], a->out_stride[1], a->out_stride[2]};
+    const int64_t ks[3] = {a->paged ? 0 : a->k_stride[0], a->k_stride[1], a->k_stride[2]};
+    const int64_t vs[3] = {a->paged ? 0 : a->v_stride[0], a->v_stride[1], a->v_stride[2]};
+    if (!aligned_rows(a->q, qs, 3) || !aligned_rows(a->out, os, 3) || !aligned_rows(a->k, ks, 3) || !aligned_rows(a->v, vs, 3))
+        return QK_E_UNSUPPORTED;
+    cudaStream_t s = (cudaStream_t)stream;
+    switch (a->dtype) {
+    case QK_BF16: return a->paged ? pick_dim<__nv_bfloat16, true>(a, s) : pick_dim<__nv_bfloat16, false>(a, s);
+    case QK_F16: return a->paged ? pick_dim<__half, true>(a, s) : pick_dim<__half, false>(a, s);
+    default: return QK_E_UNSUPPORTED;
+    }
 }
