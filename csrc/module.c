@@ -171,8 +171,8 @@ static PyObject *qk_live_storages(PyObject *module, PyObject *Py_UNUSED(ignored)
 #define QK_ATTN_DOC                                                                                        \
     "bfloat16/float16 on cuda (head_dim 32, 64, 128 or 256), also float32 on cpu; fp32 scores, softmax and\n" \
     "accumulation, one rounding; scale defaults to 1/sqrt(D); a sequence with no kept key gives 0.\n"         \
-    "backend= picks cuda, flash (attn_decode without mask) or cpu (see qkernels.explain).  Index values\n"    \
-    "are checked on cpu; on cuda lengths are clamped and out-of-range slots skipped."
+    "backend= picks cuda, flash (attn_decode and attn_prefill without mask) or cpu (see qkernels.explain).\n"  \
+    "Index values are checked on cpu; on cuda lengths are clamped and out-of-range slots skipped."
 
 #define QK_DENSE_DOC                                                                                       \
     "bfloat16/float16 on cuda, also float32 on cpu; all tensors but freqs_cis of one dtype.  Inner\n"      \
@@ -236,6 +236,31 @@ static PyMethodDef qk_methods[] = {
      "position) to a pool slot; sequence b is request req_pool_indices[b] with kv_indptr[b+1] - kv_indptr[b]\n"
      "tokens (the new one included) -> [B, Hq, D].  new_k, new_v [B, Hkv, D] (both or neither) are first\n"
      "written into the pools at position len_b - 1 and used there.  mask bool [B, max_ctx], True = keep.\n"
+     QK_ATTN_DOC},
+    {"attn_prefill_raw", (PyCFunction)(void (*)(void))qk_op_attn_prefill, METH_FASTCALL | METH_KEYWORDS,
+     "attn_prefill_raw(q, k, v, *, is_causal=False, mask=None, scale=None, out=None, stream=None)\n--\n\n"
+     QK_RAW_DOC},
+    {"attn_prefill", (PyCFunction)(void (*)(void))qk_public_attn_prefill, METH_FASTCALL | METH_KEYWORDS,
+     "attn_prefill(q, k, v, *, is_causal=False, mask=None, scale=None, out=None, backend=None)\n--\n\n"
+     "Prefill attention: many query tokens per sequence against its keys.\n\n"
+     "q [B, Lq, Hq, D], k and v [B, Lkv, Hkv, D] -> [B, Lq, Hq, D], out[b,i,h] = softmax(scale * q.k_j) v_j\n"
+     "over the kept keys j, with kv head h // (Hq / Hkv) (GQA).  The queries are the last Lq of the Lkv\n"
+     "positions: is_causal keeps j <= i + Lkv - Lq (bottom-right aligned; with Lq > Lkv the first\n"
+     "Lq - Lkv queries keep nothing and give 0).  mask bool [B, Lkv] (per key) or [B, 1|Hq, Lq, Lkv]\n"
+     "(per query, shared by the heads or per head), True = keep; with is_causal both apply.\n"
+     QK_ATTN_DOC},
+    {"attn_paged_prefill_raw", (PyCFunction)(void (*)(void))qk_op_attn_paged_prefill, METH_FASTCALL | METH_KEYWORDS,
+     "attn_paged_prefill_raw(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, qo_indptr, *, "
+     "is_causal=False, mask=None, scale=None, out=None, stream=None)\n--\n\n" QK_RAW_DOC},
+    {"attn_paged_prefill", (PyCFunction)(void (*)(void))qk_public_attn_paged_prefill, METH_FASTCALL | METH_KEYWORDS,
+     "attn_paged_prefill(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, qo_indptr, *, "
+     "is_causal=False, mask=None, scale=None, out=None, backend=None)\n--\n\n"
+     "Prefill attention over a token-pool KV cache, a ragged batch.\n\n"
+     "q [total_q, Hq, D]: request b's queries are rows qo_indptr[b] .. qo_indptr[b+1] - 1 (q_len_b), the\n"
+     "last q_len_b of its kv_len_b = kv_indptr[b+1] - kv_indptr[b] keys (q_len_b <= kv_len_b); key j is\n"
+     "pool slot req_to_token[req_pool_indices[b], j] of k_cache, v_cache [S, Hkv, D] -> [total_q, Hq, D].\n"
+     "is_causal keeps j <= i + kv_len_b - q_len_b for query i of request b.  mask bool [B, max_ctx] over\n"
+     "each request's keys, True = keep.  Rows of q outside qo_indptr[0] .. qo_indptr[B] - 1 give 0.\n"
      QK_ATTN_DOC},
     {"rotary_emb_raw", (PyCFunction)(void (*)(void))qk_op_rotary, METH_FASTCALL | METH_KEYWORDS,
      "rotary_emb_raw(x, freqs_cis, *, interleaved=True, out=None, stream=None)\n--\n\n" QK_RAW_DOC},

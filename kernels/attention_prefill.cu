@@ -116,6 +116,19 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_fwd(qk_attn_prefill_args 
 
     Seq s;
     if (kPaged) {
+        // Rows of q before qo_indptr[0] or from qo_indptr[B] on belong to no request: 0, as on the
+        // cpu.  Every CTA zeroes a grid-stride share (usually there are none).
+        const int64_t lo = clamp_len(load_index(a.qo_indptr, a.qo_indptr_dtype, 0), a.total_q);
+        const int64_t hi = max(lo, clamp_len(load_index(a.qo_indptr, a.qo_indptr_dtype, a.B * a.qo_indptr_stride), a.total_q));
+        const int64_t per_row = a.Hq * (D / 8);
+        const int64_t n = (lo + a.total_q - hi) * per_row;
+        const int64_t nthreads = (int64_t)gridDim.x * gridDim.y * kThreads;
+        for (int64_t e = ((int64_t)blockIdx.y * gridDim.x + blockIdx.x) * kThreads + tid; e < n; e += nthreads) {
+            const int64_t r = e / per_row, hh = (e % per_row) / (D / 8), c = e % (D / 8);
+            const int64_t t = r < lo ? r : hi + (r - lo);
+            *reinterpret_cast<uint4 *>(static_cast<T *>(a.out) + t * a.out_stride[1] + hh * a.out_stride[2] + c * 8) =
+                make_uint4(0, 0, 0, 0);
+        }
         s = find_request(a, (int64_t)gridDim.x - 1 - blockIdx.x);  // later tiles first: see top
         if (s.b < 0) return;
     } else {
@@ -346,7 +359,6 @@ extern "C" int qk_attn_prefill_cuda(const qk_attn_prefill_args *a, void *stream)
     const int64_t nq = a->paged ? a->total_q : a->B * a->Lq;
     if (nq == 0 || a->Hq == 0) return QK_OK;
     if (a->Hkv <= 0 || a->Hq % a->Hkv || a->Hq > 65535 || (!a->paged && a->B > 65535)) return QK_E_UNSUPPORTED;
-    if (a->paged && a->B == 0) return QK_OK;
     // 16-byte rows everywhere (the binding keeps the last dim unit-stride).
     const int64_t qs[3] = {a->paged ? 0 : a->q_stride[0], a->q_stride[1], a->q_stride[2]};
     const int64_t os[3] = {a->paged ? 0 : a->out_stride[0], a->out_stride[1], a->out_stride[2]};

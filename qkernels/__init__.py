@@ -29,7 +29,7 @@ from ._dispatch import (
     use_backend,
 )
 from .ops import fused_edge_features, fused_norm_residual, graph_norm_bce, sparse_aggregate
-from .ops import attn_decode, attn_paged_decode
+from .ops import attn_decode, attn_paged_decode, attn_paged_prefill, attn_prefill
 from .ops import linear, rotary_emb, swiglu
 
 __version__ = "0.1.0"
@@ -38,7 +38,7 @@ __all__ = [
     "AVAILABLE", "BACKENDS", "FAMILIES", "Decision", "ExplicitSelectionError", "FallbackWarning", "Tensor",
     "__version__", "explain", "from_dlpack", "fused_edge_features", "fused_norm_residual", "graph_norm_bce", "info",
     "reload_env", "resolve", "sparse_aggregate", "use_backend",
-    "attn_decode", "attn_paged_decode",
+    "attn_decode", "attn_paged_decode", "attn_prefill", "attn_paged_prefill",
     "linear", "rotary_emb", "swiglu",
 ]
 

@@ -133,6 +133,49 @@ def _numpy_attn_paged_decode(q, kc, vc, r2t, rpi, indptr):
     return out
 
 
+def _sample_attn_prefill(rng, b=2, lq=256, lkv=384, hq=32, hkv=8, d=128):
+    """A prefix cache: the 256 queries are the last of 384 positions (causal, bottom-right)."""
+    return tuple(rng.standard_normal(shape).astype(np.float32)
+                 for shape in ((b, lq, hq, d), (b, lkv, hkv, d), (b, lkv, hkv, d)))
+
+
+def _numpy_attn_prefill(q, k, v, is_causal=False):
+    g = q.shape[2] // k.shape[2]
+    lq, lkv = q.shape[1], k.shape[1]
+    k, v = (np.repeat(a.astype(np.float64), g, axis=2).transpose(0, 2, 1, 3) for a in (k, v))  # [B, H, L, D]
+    s = q.astype(np.float64).transpose(0, 2, 1, 3) @ k.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1])
+    if is_causal:
+        s = np.where(np.arange(lkv)[None, :] <= np.arange(lq)[:, None] + lkv - lq, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return ((p @ v) / p.sum(-1, keepdims=True)).transpose(0, 2, 1, 3)
+
+
+def _sample_attn_paged_prefill(rng, hq=32, hkv=8, d=128, max_ctx=1024):
+    """A ragged batch over a token pool: requests with q_len <= kv_len (one a single query), at
+    randomly permuted slots."""
+    kv_lens = np.array([1000, 300, 64, 700])
+    q_lens = np.array([1, 300, 17, 128])
+    b = len(kv_lens)
+    slots, rpi = rng.permutation(int(kv_lens.sum())), rng.permutation(b)
+    r2t = np.zeros((b, max_ctx), np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)])
+    for i in range(b):
+        r2t[rpi[i], :kv_lens[i]] = slots[kv_indptr[i]:kv_indptr[i + 1]]
+    pool = (len(slots), hkv, d)
+    return (rng.standard_normal((int(q_lens.sum()), hq, d)).astype(np.float32),
+            rng.standard_normal(pool).astype(np.float32), rng.standard_normal(pool).astype(np.float32), r2t,
+            rpi.astype(np.int32), kv_indptr.astype(np.int32), np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
+
+
+def _numpy_attn_paged_prefill(q, kc, vc, r2t, rpi, kv_indptr, qo_indptr, is_causal=False):
+    out = np.zeros(q.shape)
+    for i in range(len(rpi)):
+        slots = r2t[rpi[i], :kv_indptr[i + 1] - kv_indptr[i]]
+        rows = slice(qo_indptr[i], qo_indptr[i + 1])
+        out[rows] = _numpy_attn_prefill(q[None, rows], kc[slots][None], vc[slots][None], is_causal)[0]
+    return out
+
+
 SAMPLES = {
     "sparse_aggregate": (_sample_sparse_aggregate, _numpy_sparse_aggregate),
     "fused_edge_features": (_sample_edge_features, _numpy_edge_features),
@@ -143,7 +186,12 @@ SAMPLES = {
     "swiglu": (_sample_swiglu, _numpy_swiglu),
     "attn_decode": (_sample_attn_decode, _numpy_attn_decode),
     "attn_paged_decode": (_sample_attn_paged_decode, _numpy_attn_paged_decode),
+    "attn_prefill": (_sample_attn_prefill, _numpy_attn_prefill),
+    "attn_paged_prefill": (_sample_attn_paged_prefill, _numpy_attn_paged_prefill),
 }
+
+# Keyword arguments of each sample call (the op and its NumPy computation alike).
+SAMPLE_KWARGS = {"attn_prefill": {"is_causal": True}, "attn_paged_prefill": {"is_causal": True}}
 
 # Ops whose CUDA kernels take 16-bit floats: the dtype of each argument on the device (None: as
 # sampled; CuPy has no bfloat16, so it gets float16), and the self-check's tolerance there.
@@ -153,6 +201,8 @@ DEVICE_DTYPES = {
     "swiglu": ("bfloat16",) * 3,
     "attn_decode": ("bfloat16",) * 3,
     "attn_paged_decode": ("bfloat16",) * 3 + (None,) * 3,
+    "attn_prefill": ("bfloat16",) * 3,
+    "attn_paged_prefill": ("bfloat16",) * 3 + (None,) * 4,
 }
 DEVICE_TOLERANCE = 2e-2  # bfloat16 inputs and output: ~2^-9 relative each
 
@@ -235,20 +285,20 @@ def selfcheck():
     print(f"\nself-check (best backend vs reference, random data{', on ' + fw + ' CUDA tensors' if fw else ''}):")
     for op, (make, numpy_ref) in SAMPLES.items():
         fn = getattr(qkernels, op)
-        host = make(rng)
+        host, kw = make(rng), SAMPLE_KWARGS.get(op, {})
         half = bool(fw) and op in DEVICE_DTYPES
         args = _to_device(host, fw, DEVICE_DTYPES.get(op)) if fw else host
-        best = _dispatch.resolve(op, *args).winner
+        best = _dispatch.resolve(op, *args, **kw).winner
         try:
-            out = _to_numpy(fn(*args))
+            out = _to_numpy(fn(*args, **kw))
         except Exception as e:  # a missing kernel fails this op, not the whole check
             ok = False
             print(f"  {op:<20} {best:<5} raised {type(e).__name__}: {e}  FAIL")
             continue
         if best == "cpu" and not half:
-            ref, against = numpy_ref(*host), "float64 NumPy"
+            ref, against = numpy_ref(*host, **kw), "float64 NumPy"
         else:
-            ref, against = fn(*host, backend="cpu"), "cpu backend"
+            ref, against = fn(*host, backend="cpu", **kw), "cpu backend"
         ref = np.asarray(ref, dtype=np.float64)
         err = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
         passed = bool(np.isfinite(out).all() and err < (DEVICE_TOLERANCE if half else 1e-5))
@@ -272,13 +322,13 @@ def timing(repeats=20):
     print(f"  {'op':<20} {'backend':<8} {'data':<8} {'time':>10}")
     for op, (make, _) in SAMPLES.items():
         fn = getattr(qkernels, op)
-        host = make(rng)
+        host, kw = make(rng), SAMPLE_KWARGS.get(op, {})
         runs = [("cpu", host, None)]
         if fw:
             runs.insert(0, ("cuda", _to_device(host, fw, DEVICE_DTYPES.get(op)), fw))
         for backend, args, sync_fw in runs:
             try:
-                fn(*args, backend=backend)
+                fn(*args, backend=backend, **kw)
             except Exception as e:
                 print(f"  {op:<20} {backend:<8} {sync_fw or 'numpy':<8} {type(e).__name__}: {e}")
                 continue
@@ -286,7 +336,7 @@ def timing(repeats=20):
             for _ in range(repeats):
                 _sync(sync_fw)
                 t0 = time.perf_counter()
-                fn(*args, backend=backend)
+                fn(*args, backend=backend, **kw)
                 _sync(sync_fw)
                 times.append(time.perf_counter() - t0)
             print(f"  {op:<20} {backend:<8} {sync_fw or 'numpy':<8} {statistics.median(times) * 1e6:>8.1f} µs")
@@ -298,7 +348,7 @@ def explain(op):
     fw = _device_framework()
     host = SAMPLES[op][0](np.random.default_rng(0))
     args = _to_device(host, fw, DEVICE_DTYPES.get(op)) if fw else host
-    print(qkernels.explain(op, *args))
+    print(qkernels.explain(op, *args, **SAMPLE_KWARGS.get(op, {})))
 
 
 def bench():

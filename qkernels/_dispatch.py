@@ -42,6 +42,8 @@ OPS = {
     # cuda, flash or cpu by head_dim, mask and dtype: the chain is not the device either
     "attn_decode": ("attention", 0, "q", False),
     "attn_paged_decode": ("attention", 0, "q", False),
+    "attn_prefill": ("attention", 0, "q", False),
+    "attn_paged_prefill": ("attention", 0, "q", False),
 }
 
 
@@ -57,7 +59,8 @@ def _attention_axes(paged):
 
 # Axes a predicate needs beyond the deciding tensor's framework, device and dtype, read from the
 # call's arguments: op -> fn(args, kwargs) -> ((name, value), ...).  They are part of the cache key.
-CALL_AXES = {"attn_decode": _attention_axes(False), "attn_paged_decode": _attention_axes(True)}
+CALL_AXES = {"attn_decode": _attention_axes(False), "attn_paged_decode": _attention_axes(True),
+             "attn_prefill": _attention_axes(False), "attn_paged_prefill": _attention_axes(True)}
 
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "bool")
 
@@ -84,13 +87,23 @@ def framework_name(x):
 # ---- backends: availability and per-family predicates ---------------------------------------
 
 def _req(description, test, failure=None):
-    """A predicate term; a failing call is reported as `failure` when given, else "requires ...; got ..."."""
+    """A predicate term; a failing call is reported as `failure` (a string, or a function of the op name)
+    when given, else "requires ...; got ..."."""
     return (description, test, failure)
 
 
 _ON_CUDA = _req("inputs on a CUDA device", lambda a: a["device"] == "cuda")
 _FLOAT32 = _req("dtype float32", lambda a: a["dtype"] == "float32")
 _CUDA_FLOATS = _req("dtype float32, float16 or bfloat16", lambda a: a["dtype"] in ("float32", "float16", "bfloat16"))
+
+# The flash_attn function each attention op calls (qkernels/_flash.py), and what it offers instead of
+# a mask: named in the flash predicate's reasons.
+_FLASH_CALLS = {
+    "attn_decode": ("flash_attn_with_kvcache", "kv_lens is"),
+    "attn_paged_decode": ("flash_attn_with_kvcache", "kv_lens is"),
+    "attn_prefill": ("flash_attn_func", "is_causal is"),
+    "attn_paged_prefill": ("flash_attn_func", "is_causal is"),
+}
 
 _PREDICATES = {
     "cuda": {
@@ -100,17 +113,18 @@ _PREDICATES = {
         "graph_bce": [_ON_CUDA, _CUDA_FLOATS],
     },
     "flash": {
-        # flash_attn.flash_attn_with_kvcache: contiguous [B, Lkv, Hkv, D] caches with cache_seqlens
+        # flash_attn_with_kvcache (decode: contiguous [B, Lkv, Hkv, D] caches with cache_seqlens) and
+        # flash_attn_func (prefill: dense [B, L, H, D]); neither takes a token pool or a bool mask
         "attention": [
             _req("no token-pool paging", lambda a: not a.get("paged"),
-                 "token-pool paging (req_to_token) is not supported by flash_attn_with_kvcache"),
+                 lambda op: f"token-pool paging (req_to_token) is not supported by {_FLASH_CALLS[op][0]}"),
             _req("torch tensors", lambda a: a["framework"] == "torch"),
             _req("inputs on a CUDA device", lambda a: a["device"] == "cuda"),
             _req("dtype float16 or bfloat16", lambda a: a["dtype"] in ("float16", "bfloat16")),
             _req("head_dim <= 256 and a multiple of 8",
                  lambda a: isinstance(a.get("head_dim"), int) and a["head_dim"] <= 256 and a["head_dim"] % 8 == 0),
             _req("no mask", lambda a: not a.get("has_mask"),
-                 "a bool mask is not supported by flash_attn_with_kvcache (kv_lens is)"),
+                 lambda op: "a bool mask is not supported by {} ({})".format(*_FLASH_CALLS[op])),
         ],
     },
     "cpu": {family: [_FLOAT32] for family in GRAPH_FAMILIES},
@@ -149,8 +163,8 @@ def backend_available(name):
     return _availability[name]
 
 
-def _check(backend, family, axes):
-    """None when backend can take the call, else the reason it cannot."""
+def _check(backend, family, axes, op):
+    """None when backend can take op's call, else the reason it cannot."""
     ok, why = backend_available(backend)
     if not ok:
         return f"unavailable: {why}"
@@ -160,7 +174,7 @@ def _check(backend, family, axes):
     for description, test, *failure in preds:
         if not test(axes):
             if failure and failure[0]:
-                return failure[0]
+                return failure[0](op) if callable(failure[0]) else failure[0]
             got = " ".join(str(v) if k in ("framework", "device", "dtype") else f"{k}={v}" for k, v in axes.items())
             return f"requires {description}; got {got}"
     return None
@@ -316,7 +330,7 @@ def _decide(op, x, explicit, extra=()):
         if not ok:
             d.candidates.append((b, "unavailable", why))
             continue
-        reason = _check(b, family, axes)
+        reason = _check(b, family, axes, op)
         d.candidates.append((b, "MATCH", "") if reason is None else (b, "reject", reason))
     if explicit is not None:
         d.requested, d.origin = _normalize(explicit, f"{op}: backend="), "explicit"
@@ -329,7 +343,7 @@ def _decide(op, x, explicit, extra=()):
             if env:
                 d.requested, d.origin = env
     if d.requested != "auto":
-        reason = _check(d.requested, family, axes)
+        reason = _check(d.requested, family, axes, op)
         if reason is not None:
             d.error = (f"{op}: backend '{d.requested}' selected by {d.origin} cannot run family '{family}' "
                        f"for this call: {reason}")

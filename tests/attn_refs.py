@@ -1,4 +1,5 @@
-"""float64 NumPy references for decode attention, and the random inputs the tests share."""
+"""float64 NumPy references for decode and prefill attention, the naive same-precision torch yardsticks,
+and the random inputs the tests share."""
 
 import numpy as np
 
@@ -57,9 +58,10 @@ def decode_inputs(rng, B, L, Hkv, ratio, D, dtype=np.float32):
     return q, k, v
 
 
-def paged_inputs(rng, lens, Hkv, ratio, D, R=None, extra_slots=5, index_dtype=np.int32, dtype=np.float32):
+def token_pool(rng, lens, Hkv, D, R=None, extra_slots=5, index_dtype=np.int32, dtype=np.float32):
     """A token pool with the tokens of each sequence at randomly permuted slots; sequence b is
-    request req_pool_indices[b] (a random, non-identity choice of rows of req_to_token)."""
+    request req_pool_indices[b] (a random, non-identity choice of rows of req_to_token).
+    -> (k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr)."""
     lens = np.asarray(lens, np.int64)
     B = len(lens)
     max_ctx = int(lens.max(initial=0)) + 3
@@ -73,11 +75,16 @@ def paged_inputs(rng, lens, Hkv, ratio, D, R=None, extra_slots=5, index_dtype=np
         req_to_token[rows[b], :lens[b]] = slots[start:start + lens[b]]
         start += lens[b]
     kv_indptr = np.concatenate([[0], np.cumsum(lens)])
-    q = rng.standard_normal((B, Hkv * ratio, D)).astype(dtype)
     k_cache = rng.standard_normal((S, Hkv, D)).astype(dtype)
     v_cache = rng.standard_normal((S, Hkv, D)).astype(dtype)
-    return (q, k_cache, v_cache, req_to_token.astype(index_dtype), rows.astype(index_dtype),
+    return (k_cache, v_cache, req_to_token.astype(index_dtype), rows.astype(index_dtype),
             kv_indptr.astype(index_dtype))
+
+
+def paged_inputs(rng, lens, Hkv, ratio, D, R=None, extra_slots=5, index_dtype=np.int32, dtype=np.float32):
+    """attn_paged_decode's arguments: q [B, Hq, D] and a token_pool."""
+    q = rng.standard_normal((len(lens), Hkv * ratio, D)).astype(dtype)
+    return (q,) + token_pool(rng, lens, Hkv, D, R, extra_slots, index_dtype, dtype)
 
 
 def naive_decode(q, k, v, keep, scale):
@@ -91,3 +98,82 @@ def naive_decode(q, k, v, keep, scale):
     s = s.masked_fill(~keep[:, None, :], float("-inf"))
     p = torch.softmax(s, -1).nan_to_num(0.0)
     return torch.einsum("bhl,blhd->bhd", p, vv)[:, None]
+
+
+# ---- prefill --------------------------------------------------------------------------------
+
+def prefill_keep(B, Hq, Lq, Lkv, is_causal=False, mask=None):
+    """bool [B, Hq, Lq, Lkv] (broadcast): query i sits at key position i + Lkv - Lq; causal keeps keys
+    j <= that (bottom-right); mask [B, Lkv] or [B, 1|Hq, Lq, Lkv], True = keep."""
+    keep = np.ones((1, 1, Lq, Lkv), bool)
+    if is_causal:
+        keep = keep & (np.arange(Lkv)[None, :] <= np.arange(Lq)[:, None] + (Lkv - Lq))
+    if mask is not None:
+        m = np.asarray(mask, bool)
+        keep = keep & (m[:, None, None, :] if m.ndim == 2 else m)
+    return np.broadcast_to(keep, (B, Hq, Lq, Lkv))
+
+
+def attn_prefill_ref(q, k, v, is_causal=False, mask=None, scale=None):
+    """q [B, Lq, Hq, D], k/v [B, Lkv, Hkv, D] -> [B, Lq, Hq, D] in float64; a query with no kept key
+    gives 0."""
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    B, Lq, Hq, D = q.shape
+    Lkv, Hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / np.sqrt(D) if scale is None else scale
+    keep = prefill_keep(B, Hq, Lq, Lkv, is_causal, mask)
+    k = np.repeat(k, Hq // Hkv, axis=2).transpose(0, 2, 3, 1)  # [B, Hq, D, Lkv]: head h uses kv head h // G
+    v = np.repeat(v, Hq // Hkv, axis=2).transpose(0, 2, 1, 3)  # [B, Hq, Lkv, D]
+    s = np.where(keep, (q.transpose(0, 2, 1, 3) @ k) * scale, -np.inf)
+    m = s.max(-1, keepdims=True, initial=-np.inf)
+    p = np.where(keep, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+    den = p.sum(-1, keepdims=True)
+    return ((p @ v) / np.where(den > 0, den, 1.0)).transpose(0, 2, 1, 3)
+
+
+def attn_paged_prefill_ref(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, qo_indptr,
+                           is_causal=False, mask=None, scale=None):
+    """q [total_q, Hq, D] -> [total_q, Hq, D] in float64: request b's rows qo_indptr[b] ..
+    qo_indptr[b+1] - 1 are the last queries of its keys; rows of no request are 0."""
+    q = np.asarray(q, dtype=np.float64)
+    r2t, rpi, kv_indptr, qo_indptr = (np.asarray(a, np.int64) for a in (req_to_token, req_pool_indices, kv_indptr,
+                                                                           qo_indptr))
+    out = np.zeros(q.shape)
+    for b in range(len(rpi)):
+        n = kv_indptr[b + 1] - kv_indptr[b]
+        slots = r2t[rpi[b], :n]
+        rows = slice(qo_indptr[b], qo_indptr[b + 1])
+        m = None if mask is None else np.asarray(mask, bool)[b:b + 1, :n]
+        out[rows] = attn_prefill_ref(q[None, rows], np.asarray(k_cache)[slots][None], np.asarray(v_cache)[slots][None],
+                                     is_causal, m, scale)[0]
+    return out
+
+
+def prefill_inputs(rng, B, Lq, Lkv, Hkv, ratio, D, dtype=np.float32):
+    q = rng.standard_normal((B, Lq, Hkv * ratio, D)).astype(dtype)
+    k = rng.standard_normal((B, Lkv, Hkv, D)).astype(dtype)
+    v = rng.standard_normal((B, Lkv, Hkv, D)).astype(dtype)
+    return q, k, v
+
+
+def paged_prefill_inputs(rng, q_lens, kv_lens, Hkv, ratio, D, index_dtype=np.int32, dtype=np.float32, lead=0,
+                         tail=0):
+    """attn_paged_prefill's arguments: a token_pool for kv_lens and q [total_q, Hq, D] whose rows
+    lead .. total_q - tail - 1 are the requests' queries, q_lens[b] of them for request b."""
+    k_cache, v_cache, r2t, rpi, kv_indptr = token_pool(rng, kv_lens, Hkv, D, index_dtype=index_dtype, dtype=dtype)
+    qo_indptr = (lead + np.concatenate([[0], np.cumsum(q_lens)])).astype(index_dtype)
+    q = rng.standard_normal((int(qo_indptr[-1]) + tail, Hkv * ratio, D)).astype(dtype)
+    return q, k_cache, v_cache, r2t, rpi, kv_indptr, qo_indptr
+
+
+def naive_prefill(q, k, v, keep, scale):
+    """Prefill attention computed in the inputs' own precision (torch tensors), the yardstick for
+    fp16/bf16: q [B, Lq, Hq, D], k/v [B, Lkv, Hkv, D], keep bool broadcastable to [B, Hq, Lq, Lkv]."""
+    import torch
+
+    G = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, kk) * scale
+    s = s.masked_fill(~torch.as_tensor(keep), float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return torch.einsum("bhij,bjhd->bihd", p, vv)

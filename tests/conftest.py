@@ -1,11 +1,16 @@
-"""Shared fixtures: float64 references, random graphs, and what this machine can run."""
+"""Shared fixtures: float64 references, random graphs, what this machine can run, and a stand-in for
+flash_attn."""
 
+import importlib.machinery
 import importlib.util
+import sys
+import types
 
 import numpy as np
 import pytest
 
 import qkernels
+from qkernels import _dispatch
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_JAX = importlib.util.find_spec("jax") is not None
@@ -97,3 +102,48 @@ def close_to_naive(ours, naive, ref):
     e_ours = np.abs(ours.double().cpu().numpy() - ref).max()
     e_naive = np.abs(naive.double().cpu().numpy() - ref).max()
     assert e_ours <= 2 * e_naive + 1e-6, (e_ours, e_naive)
+
+
+class FakeCudaTensor:
+    """What the dispatcher sees of a torch CUDA tensor (framework, device, dtype, shape), without a
+    GPU: enough to decide, and for the flash backend to pass it on."""
+
+    def __init__(self, shape, dtype="bfloat16"):
+        self.shape = tuple(shape)
+        self.dtype = f"torch.{dtype}"
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def stride(self, dim):
+        return 1
+
+
+FakeCudaTensor.__module__ = "torch.fake"  # framework "torch"
+
+
+@pytest.fixture
+def fake_flash(monkeypatch):
+    """A flash_attn module whose flash_attn_with_kvcache and flash_attn_func record their calls as
+    (q, k, v, keywords) and return "flash result" / "flash_attn_func result"; the dispatcher probes it
+    as installed."""
+    calls = []
+    mod = types.ModuleType("flash_attn")
+    mod.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
+
+    def flash_attn_with_kvcache(q, k_cache, v_cache, **kw):
+        calls.append((q, k_cache, v_cache, kw))
+        return "flash result"
+
+    def flash_attn_func(q, k, v, **kw):
+        calls.append((q, k, v, kw))
+        return "flash_attn_func result"
+
+    mod.flash_attn_with_kvcache = flash_attn_with_kvcache
+    mod.flash_attn_func = flash_attn_func
+    monkeypatch.setitem(sys.modules, "flash_attn", mod)
+    monkeypatch.delitem(_dispatch._availability, "flash", raising=False)
+    _dispatch._cache.clear()
+    yield calls
+    monkeypatch.undo()
+    _dispatch._cache.clear()

@@ -207,3 +207,18 @@ def test_paged_capture_and_replay_with_new_lengths(gen):
     g.replay()
     torch.cuda.synchronize()
     paged_check(out, q, kc, vc, r2t, rpi, kvp, qo, True)
+
+
+def test_paged_rows_of_no_request_are_zero(gen):
+    """Rows before qo_indptr[0] and from qo_indptr[B] on are written as 0 (as on the cpu), also
+    with no request at all."""
+    q, kc, vc, r2t, rpi, kvp, qo = paged_setup(gen, [15, 20], [30, 20], 4, 2, 64)
+    q = randn(gen, 50, 4, 64)
+    qo = torch.tensor([5, 20, 40], device="cuda", dtype=qo.dtype)
+    out = torch.full_like(q, float("nan"))
+    qkernels.attn_paged_prefill(q, kc, vc, r2t, rpi, kvp, qo, out=out)
+    assert torch.all(out[:5] == 0) and torch.all(out[40:] == 0) and not torch.isnan(out).any()
+    paged_check(out[5:], q[5:], kc, vc, r2t, rpi, kvp, qo - 5, False)
+    out.fill_(float("nan"))
+    qkernels.attn_paged_prefill(q, kc, vc, r2t, rpi[:0], kvp[:1], qo[:1], out=out)
+    assert torch.all(out == 0)

@@ -156,54 +156,14 @@ def test_resolve_validates_op():
 
 # ---- the attention family: head_dim/mask/paging axes and the flash backend ------------------
 
-import importlib.machinery
 import importlib.util
-import sys
-import types
 
-
-class FakeCudaTensor:
-    """What the dispatcher sees of a torch CUDA tensor (framework, device, dtype, shape), without a
-    GPU: enough to decide, and for the flash backend to pass it on."""
-
-    def __init__(self, shape, dtype="bfloat16"):
-        self.shape = tuple(shape)
-        self.dtype = f"torch.{dtype}"
-
-    def __dlpack_device__(self):
-        return (2, 0)
-
-    def stride(self, dim):
-        return 1
-
-
-FakeCudaTensor.__module__ = "torch.fake"  # framework "torch"
+from conftest import FakeCudaTensor
 
 
 def fake_decode(B=2, L=16, Hq=8, Hkv=2, D=128, dtype="bfloat16"):
     return (FakeCudaTensor((B, 1, Hq, D), dtype), FakeCudaTensor((B, L, Hkv, D), dtype),
             FakeCudaTensor((B, L, Hkv, D), dtype))
-
-
-@pytest.fixture
-def fake_flash(monkeypatch):
-    """A flash_attn module whose flash_attn_with_kvcache records its calls; the dispatcher probes it
-    as installed."""
-    calls = []
-    mod = types.ModuleType("flash_attn")
-    mod.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
-
-    def flash_attn_with_kvcache(q, k_cache, v_cache, **kw):
-        calls.append((q, k_cache, v_cache, kw))
-        return "flash result"
-
-    mod.flash_attn_with_kvcache = flash_attn_with_kvcache
-    monkeypatch.setitem(sys.modules, "flash_attn", mod)
-    monkeypatch.delitem(_dispatch._availability, "flash", raising=False)
-    _dispatch._cache.clear()
-    yield calls
-    monkeypatch.undo()
-    _dispatch._cache.clear()
 
 
 def statuses(d):

@@ -18,6 +18,7 @@ int qk_edge_features_cpu(qk_edge_features_args *a, void *stream);
 int qk_norm_residual_cpu(qk_norm_residual_args *a, void *stream);
 int qk_graph_bce_cpu(qk_graph_bce_args *a, void *stream);
 int qk_attn_decode_cpu(qk_attn_decode_args *a, void *stream); /* both ops (a->paged) */
+int qk_attn_prefill_cpu(qk_attn_prefill_args *a, void *stream); /* both ops (a->paged) */
 int qk_rotary_cpu(qk_rotary_args *a, void *stream);
 int qk_linear_cpu(qk_linear_args *a, void *stream);
 int qk_swiglu_cpu(qk_linear_args *a, void *stream);

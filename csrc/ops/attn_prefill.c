@@ -1,0 +1,224 @@
+/* attn_prefill(q, k, v, *, is_causal=False, mask=None, scale=None, out=None, stream=None)
+ * attn_paged_prefill(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, qo_indptr, *,
+ *                    is_causal=False, mask=None, scale=None, out=None, stream=None)
+ * One qk_attn_prefill_args serves both (paged flag); the CPU or CUDA launcher by device.  The checks
+ * shared with attn_decode.c are in attn_common.c. */
+#include "attn_common.h" /* first: Python.h before any system header */
+#include "../cpu/cpu.h"
+
+static int ap_causal(const char *op, PyObject *obj, int *causal) {
+    *causal = obj ? PyObject_IsTrue(obj) : 0;
+    if (*causal >= 0) return 0;
+    PyErr_Clear(); /* e.g. a NumPy array of several elements: name the op and the argument */
+    PyErr_Format(PyExc_TypeError, "%s: is_causal must be a bool, got %.200s", op, Py_TYPE(obj)->tp_name);
+    return -1;
+}
+
+/* attn_prefill's mask: [B, Lkv] (mask_kind 1, one row of keys per sequence) or [B, 1|Hq, Lq, Lkv]
+ * (mask_kind 2, per query, shared by the heads or per head). */
+static int ap_dense_mask(const char *op, const qk_view *m, int64_t B, int64_t Hq, int64_t Lq, int64_t Lkv,
+                         qk_attn_prefill_args *pa) {
+    if (qk_attn_check_bool(op, m) < 0) return -1;
+    if (m->ndim == 2) {
+        if (qk_attn_check_mask(op, m, B, Lkv, "Lkv", 0) < 0) return -1;
+        pa->mask_kind = 1;
+        pa->mask_stride[0] = qk_attn_stride(m, 0);
+        pa->mask_stride[3] = qk_attn_stride(m, 1);
+    } else if (m->ndim == 4) {
+        char layout[128];
+        snprintf(layout, sizeof layout, "[B, 1|Hq, Lq, Lkv] = [%lld, 1|%lld, %lld, %lld]", (long long)B, (long long)Hq,
+                 (long long)Lq, (long long)Lkv);
+        if (qk_check_dim(op, "mask", m, 0, B, layout) < 0 ||
+            (m->shape[1] != 1 && qk_check_dim(op, "mask", m, 1, Hq, layout) < 0) ||
+            qk_check_dim(op, "mask", m, 2, Lq, layout) < 0 || qk_check_dim(op, "mask", m, 3, Lkv, layout) < 0)
+            return -1;
+        pa->mask_kind = 2;
+        for (int d = 0; d < 4; d++) pa->mask_stride[d] = qk_attn_stride(m, d);
+    } else {
+        char got[160];
+        qk_shape_str(got, sizeof got, m->shape, m->ndim);
+        PyErr_Format(PyExc_ValueError, "%s: mask must be [B, Lkv] or [B, 1|Hq, Lq, Lkv] (2 or 4 dimensions), got shape "
+                     "%s", op, got);
+        return -1;
+    }
+    pa->mask = m->data;
+    return 0;
+}
+
+#undef OP
+#define OP "attn_prefill"
+
+PyObject *qk_op_attn_prefill(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"q", "k", "v", "mask", "is_causal", "scale", "out", "stream", NULL};
+    enum { Q, K, V, MASK, NUM_INPUTS };
+    qk_state *st = qk_get_state(module);
+    PyObject *a[8] = {NULL};
+    if (qk_parse_args(OP, args, nargs, kwnames, names, 3, 3, a) < 0) return NULL;
+    void *stream;
+    int stream_given, causal;
+    if (qk_stream_arg(OP, a[7], &stream, &stream_given) < 0 || ap_causal(OP, a[4], &causal) < 0) return NULL;
+
+    qk_view in[NUM_INPUTS] = {{0}}, ov = {0};
+    qk_output o = {0};
+    qk_launch l = {0};
+    qk_attn_prefill_args pa = {0};
+    int ok = 0, launched = 0, n_in = 0;
+    if (qk_attn_import(st, OP, a, names, NUM_INPUTS, stream, in, &n_in) < 0) goto done;
+    if (qk_check_ndim(OP, "q", &in[Q], 4, "[B, Lq, Hq, D]") < 0 || qk_check_dtype_llm(OP, "q", &in[Q]) < 0 ||
+        qk_attn_check_dense_kv(OP, &in[Q], &in[K], &in[V]) < 0)
+        goto done;
+    const int64_t B = in[Q].shape[0], Lq = in[Q].shape[1], Hq = in[Q].shape[2], D = in[Q].shape[3];
+    const int64_t Lkv = in[K].shape[1], Hkv = in[K].shape[2];
+    if (QK_GIVEN(a[MASK]) && ap_dense_mask(OP, &in[MASK], B, Hq, Lq, Lkv, &pa) < 0) goto done;
+    if (qk_attn_scale(OP, a[5], D, &pa.scale) < 0) goto done;
+    if (qk_launch_begin(st, OP, &in[Q], stream, stream_given, &l) < 0) goto done;
+    launched = 1;
+    const int64_t shape[4] = {B, Lq, Hq, D};
+    if (qk_output_prepare(st, OP, a[6], &in[Q], in[Q].dtype, 4, shape, &l, &ov, &o) < 0 ||
+        qk_attn_check_unit(OP, "out", &ov) < 0 || qk_attn_check_rows16(OP, "out", &ov) < 0)
+        goto done;
+
+    pa.q = in[Q].data;
+    pa.out = ov.data;
+    pa.k = in[K].data;
+    pa.v = in[V].data;
+    pa.B = B;
+    pa.Lq = Lq;
+    pa.Lkv = Lkv;
+    pa.Hq = Hq;
+    pa.Hkv = Hkv;
+    pa.D = D;
+    for (int i = 0; i < 3; i++) {
+        pa.q_stride[i] = qk_attn_stride(&in[Q], i);
+        pa.out_stride[i] = qk_attn_stride(&ov, i);
+        pa.k_stride[i] = qk_attn_stride(&in[K], i);
+        pa.v_stride[i] = qk_attn_stride(&in[V], i);
+    }
+    pa.causal = causal;
+    pa.dtype = in[Q].dtype;
+    pa.num_threads = st->num_threads;
+    int status = QK_OK;
+    if (B > 0 && Lq > 0 && Hq > 0) QK_RUN(status, &l, attn_prefill, qk_attn_prefill_cpu, &pa);
+    if (status) qk_raise_status(OP, status);
+    else ok = 1;
+done:
+    return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);
+}
+
+#undef OP
+#define OP "attn_paged_prefill"
+
+/* bad_arg 3: sequence bad_pos's query rows (read back here: the CPU launcher is the one that checks). */
+static void ap_raise_rows(const qk_attn_prefill_args *a) {
+    const int64_t b = a->bad_pos;
+    const int64_t q0 = qk_index(a->qo_indptr, a->qo_indptr_dtype, b, a->qo_indptr_stride);
+    const int64_t q1 = qk_index(a->qo_indptr, a->qo_indptr_dtype, b + 1, a->qo_indptr_stride);
+    const int64_t kv_len = qk_index(a->kv_indptr, a->kv_indptr_dtype, b + 1, a->kv_indptr_stride) -
+                           qk_index(a->kv_indptr, a->kv_indptr_dtype, b, a->kv_indptr_stride);
+    if (q0 < 0 || q1 < q0 || q1 > a->total_q)
+        PyErr_Format(PyExc_ValueError,
+                     OP ": qo_indptr gives sequence %lld the query rows qo_indptr[%lld] = %lld to qo_indptr[%lld] = "
+                        "%lld, not an ascending range within [0, total_q = %lld]",
+                     (long long)b, (long long)b, (long long)q0, (long long)b + 1, (long long)q1, (long long)a->total_q);
+    else
+        PyErr_Format(PyExc_ValueError,
+                     OP ": sequence %lld has q_len = %lld queries (qo_indptr) but kv_len = %lld keys (kv_indptr); its "
+                        "queries are the last q_len of its keys, so q_len must not exceed kv_len",
+                     (long long)b, (long long)(q1 - q0), (long long)kv_len);
+}
+
+PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"q", "k_cache", "v_cache", "req_to_token", "req_pool_indices", "kv_indptr",
+                                        "qo_indptr", "mask", "is_causal", "scale", "out", "stream", NULL};
+    enum { Q, KC, VC, R2T, RPI, KV_INDPTR, QO_INDPTR, MASK, NUM_INPUTS };
+    qk_state *st = qk_get_state(module);
+    PyObject *a[12] = {NULL};
+    if (qk_parse_args(OP, args, nargs, kwnames, names, 7, 7, a) < 0) return NULL;
+    void *stream;
+    int stream_given, causal;
+    if (qk_stream_arg(OP, a[11], &stream, &stream_given) < 0 || ap_causal(OP, a[8], &causal) < 0) return NULL;
+
+    qk_view in[NUM_INPUTS] = {{0}}, ov = {0};
+    qk_output o = {0};
+    qk_launch l = {0};
+    qk_attn_prefill_args pa = {0};
+    int ok = 0, launched = 0, n_in = 0;
+    if (qk_attn_import(st, OP, a, names, NUM_INPUTS, stream, in, &n_in) < 0) goto done;
+    if (qk_check_ndim(OP, "q", &in[Q], 3, "[total_q, Hq, D]") < 0 || qk_check_dtype_llm(OP, "q", &in[Q]) < 0 ||
+        qk_check_ndim(OP, "req_pool_indices", &in[RPI], 1, "[B]") < 0 ||
+        qk_attn_check_pool(OP, &in[Q], &in[KC], in[RPI].shape[0]) < 0)
+        goto done;
+    const int64_t total_q = in[Q].shape[0], Hq = in[Q].shape[1], D = in[Q].shape[2];
+    const int64_t S = in[KC].shape[0], Hkv = in[KC].shape[1];
+    const int64_t R = in[R2T].shape[0], max_ctx = in[R2T].shape[1], B = in[RPI].shape[0];
+    char layout[64];
+    snprintf(layout, sizeof layout, "[B + 1] = [%lld]", (long long)B + 1);
+    if (qk_check_ndim(OP, "qo_indptr", &in[QO_INDPTR], 1, "[B + 1]") < 0 ||
+        qk_check_dtype_index(OP, "qo_indptr", &in[QO_INDPTR]) < 0 ||
+        qk_check_dim(OP, "qo_indptr", &in[QO_INDPTR], 0, B + 1, layout) < 0)
+        goto done;
+    if (QK_GIVEN(a[MASK])) {
+        if (qk_attn_check_mask(OP, &in[MASK], B, max_ctx, "max_ctx", 0) < 0) goto done;
+        pa.mask = in[MASK].data;
+        pa.mask_kind = 1;
+        pa.mask_stride[0] = qk_attn_stride(&in[MASK], 0);
+        pa.mask_stride[3] = qk_attn_stride(&in[MASK], 1);
+    }
+    if (qk_attn_scale(OP, a[9], D, &pa.scale) < 0) goto done;
+    if (qk_launch_begin(st, OP, &in[Q], stream, stream_given, &l) < 0) goto done;
+    launched = 1;
+    const int64_t shape[3] = {total_q, Hq, D};
+    if (qk_output_prepare(st, OP, a[10], &in[Q], in[Q].dtype, 3, shape, &l, &ov, &o) < 0 ||
+        qk_attn_check_unit(OP, "out", &ov) < 0 || qk_attn_check_rows16(OP, "out", &ov) < 0)
+        goto done;
+
+    pa.paged = 1;
+    pa.q = in[Q].data;
+    pa.out = ov.data;
+    pa.k = in[KC].data;
+    pa.v = in[VC].data;
+    pa.req_to_token = in[R2T].data;
+    pa.req_pool_indices = in[RPI].data;
+    pa.kv_indptr = in[KV_INDPTR].data;
+    pa.qo_indptr = in[QO_INDPTR].data;
+    pa.B = B;
+    pa.Hq = Hq;
+    pa.Hkv = Hkv;
+    pa.D = D;
+    pa.total_q = total_q;
+    pa.num_requests = R;
+    pa.max_ctx = max_ctx;
+    pa.pool_size = S;
+    for (int i = 0; i < 2; i++) {
+        pa.q_stride[i + 1] = qk_attn_stride(&in[Q], i);
+        pa.out_stride[i + 1] = qk_attn_stride(&ov, i);
+        pa.k_stride[i + 1] = qk_attn_stride(&in[KC], i);
+        pa.v_stride[i + 1] = qk_attn_stride(&in[VC], i);
+        pa.r2t_stride[i] = in[R2T].strides[i];
+    }
+    pa.rpi_stride = in[RPI].strides[0];
+    pa.kv_indptr_stride = in[KV_INDPTR].strides[0];
+    pa.qo_indptr_stride = in[QO_INDPTR].strides[0];
+    pa.r2t_dtype = in[R2T].dtype;
+    pa.rpi_dtype = in[RPI].dtype;
+    pa.kv_indptr_dtype = in[KV_INDPTR].dtype;
+    pa.qo_indptr_dtype = in[QO_INDPTR].dtype;
+    pa.causal = causal;
+    pa.dtype = in[Q].dtype;
+    pa.num_threads = st->num_threads;
+    int status = QK_OK;
+    if (B > 0 && l.device_type == kDLCUDA && st->check_indices) { /* QKERNELS_CHECK=1: the pool rows */
+        status = l.cuda->index_check(pa.req_pool_indices, pa.rpi_dtype, B, pa.rpi_stride, 0, R, &pa.bad_pos,
+                                     &pa.bad_value, l.stream);
+        pa.bad_arg = 0;
+    }
+    /* B = 0 still runs when there are query rows: they belong to no request and are written as 0 */
+    if ((B > 0 || total_q > 0) && Hq > 0 && status == QK_OK)
+        QK_RUN(status, &l, attn_prefill, qk_attn_prefill_cpu, &pa);
+    if (status == QK_E_INDEX && pa.bad_arg == 3) ap_raise_rows(&pa);
+    else if (status == QK_E_INDEX) qk_attn_raise_pool_index(OP, pa.bad_arg, pa.bad_pos, pa.bad_value, R, max_ctx, S);
+    else if (status) qk_raise_status(OP, status);
+    else ok = 1;
+done:
+    return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);
+}
