@@ -144,7 +144,7 @@ def reference(s, causal):
     return out  # [B, H, Lq, D]
 
 
-def check(case, impl, s, ref):
+def check(impl, s, ref):
     B, H, Lq, D = ref.shape
     got = impl.fn(s).float()
     if got.dim() == 3:  # paged [total_q, H, D]
@@ -172,7 +172,7 @@ def run_case(case, gemm, samples):
     times, checks, fails = {}, {}, {}
     for impl in case.impls:
         try:
-            checks[impl.name] = check(case, impl, sets[0], ref)
+            checks[impl.name] = check(impl, sets[0], ref)
             times[impl.name] = common.gpu_replay_time_us(impl.fn, sets, samples)
         except Exception as exc:  # a backend that refuses the shape, a missing kernel: report and go on
             fails[impl.name] = f"n/a: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:80] if str(exc).strip() else ''}"
@@ -218,10 +218,10 @@ def main():
     for case in cases(args.quick):
         rows += run_case(case, gemm, args.samples)
     print("\n" + "\n".join(header) + "\n")
-    print(common.text_table(rows, COLUMNS))
+    print("\n".join(common.text_table(rows, COLUMNS)))
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write("\n\n".join(header) + "\n\n" + common.markdown_table(rows, COLUMNS) + "\n")
+            f.write("\n\n".join(header + ["\n".join(common.markdown_table(rows, COLUMNS))]) + "\n")
     return 0
 
 
