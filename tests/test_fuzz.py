@@ -1,10 +1,12 @@
 """Property tests through the public API on the cpu backend: random valid shapes (0- and 1-sized
 dims included), int32/int64 indices, strided, reversed, offset, transposed and broadcast views,
 float32 and float16 for the LLM ops, `out=` or not, all matched against the float64 references
-(graph_refs, attn_refs, test_dense_ops); a last dimension that is not unit-stride is rejected with
-a ValueError naming it; and random invalid calls, run in a subprocess so that a crash fails the
-test instead of killing the run."""
+(graph_refs, attn_refs, test_dense_ops), prefill attention also in bfloat16 (torch tensors, when
+torch is installed); a last dimension that is not unit-stride is rejected with a ValueError naming
+it; and random invalid calls, run in a subprocess so that a crash fails the test instead of killing
+the run."""
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -15,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qkernels
-from attn_refs import attn_decode_ref, attn_paged_decode_ref, decode_inputs, paged_inputs
+from attn_refs import (attn_decode_ref, attn_paged_decode_ref, attn_paged_prefill_ref, attn_prefill_ref, decode_inputs,
+                       paged_inputs, paged_prefill_inputs, prefill_inputs, prefill_keep)
 from conftest import fp32_sum_tol, rel_err, sparse_aggregate_ref
 from graph_refs import dropout_keep, edge_features_ref, graph_bce_ref, norm_residual_ref
 from test_dense_ops import freqs_for, linear_ref, rotary_ref, swiglu_ref
@@ -255,6 +258,142 @@ def test_attn_paged_decode_property(seed, lens, hkv, ratio, D, dtype, idx, layou
     assert np.all(np.asarray(r)[empty] == 0)
 
 
+# ---- attn_prefill, attn_paged_prefill: float32, float16 and bfloat16 (torch tensors) ---------
+
+torch = __import__("torch") if importlib.util.find_spec("torch") else None
+PREFILL_FLOAT = st.sampled_from([np.float32, np.float16] + (["bfloat16"] if torch else []))
+BF16_TOL = 1.6e-2  # bfloat16: one rounding of the fp32 result (2**-8), 4x as HALF_TOL is for float16
+
+
+def rounded(a, dtype):
+    """float32 a rounded to dtype; for bfloat16 kept as float32 holding bfloat16 values."""
+    if dtype == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(torch.bfloat16).float().numpy()
+    return a.astype(dtype)
+
+
+def bf16_layout(how):
+    """torch has no negative strides: "reversed" becomes "offset" for bfloat16."""
+    return "offset" if how == "reversed" else how
+
+
+def as_bf16(a):
+    """A float32 NumPy view (of bfloat16 values) as a torch bfloat16 tensor with the same shape, element
+    strides and offset over a bfloat16 copy of its whole buffer. -> (tensor, buffer)"""
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    assert root.flags.c_contiguous and root.dtype == np.float32 and min(a.strides, default=0) >= 0
+    buf = torch.from_numpy(root.reshape(-1)).to(torch.bfloat16)
+    offset = (a.__array_interface__["data"][0] - root.__array_interface__["data"][0]) // 4 if a.size else 0
+    return torch.as_strided(buf, a.shape, [s // 4 for s in a.strides], offset), buf
+
+
+def to_input(a, dtype):
+    return as_bf16(a)[0] if dtype == "bfloat16" else a
+
+
+def checked_result(r, out, buf, shape, dtype):
+    """check_out for every dtype (buf: out's whole bfloat16 buffer) -> the result as float64 NumPy."""
+    if dtype != "bfloat16":
+        check_out(r, out, shape, dtype)
+        return np.asarray(r, np.float64)
+    assert isinstance(r, torch.Tensor) and r.dtype == torch.bfloat16 and tuple(r.shape) == shape
+    assert bool(torch.isfinite(r).all()), "NaN/inf in the result (an element was not written?)"
+    if out is not None:
+        assert r is out
+        assert int(torch.isnan(buf).sum()) == buf.numel() - out.numel(), "written outside out's view"
+    return r.double().numpy()
+
+
+def prefill_out(shape, dtype, how):
+    """poisoned_out for every dtype -> (out, its whole buffer for bfloat16)."""
+    if dtype != "bfloat16" or how is None:
+        return poisoned_out(shape, dtype, how), None
+    return as_bf16(poisoned_out(shape, np.float32, bf16_layout(how)))
+
+
+def prefill_tol(dtype, q, k, scale, n_keys):
+    if dtype == "bfloat16":
+        return attn_tol(np.float32, q, k, scale, n_keys) + BF16_TOL
+    return attn_tol(dtype, q, k, scale, n_keys)
+
+
+@LLM_SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), B=st.integers(0, 3), Lq=st.integers(0, 20), Lkv=st.integers(0, 40),
+       hkv=st.integers(1, 3), ratio=st.integers(1, 4), D=st.sampled_from([1, 2, 3, 8, 32, 40, 64]), dtype=PREFILL_FLOAT,
+       layouts=st.tuples(LLM_LAYOUT, LLM_LAYOUT, LLM_LAYOUT), out_layout=OUT_LAYOUT, is_causal=st.booleans(),
+       mask=st.sampled_from([None, "keys", "shared", "per_head"]), scale=st.sampled_from([None, 0.3, 2.0]),
+       mask_layout=LAYOUT)
+def test_attn_prefill_property(seed, B, Lq, Lkv, hkv, ratio, D, dtype, layouts, out_layout, is_causal, mask, scale,
+                               mask_layout):
+    rng = np.random.default_rng(seed)
+    if dtype == "bfloat16":
+        layouts = tuple(map(bf16_layout, layouts))
+    q, k, v = (llm_view(rounded(a, dtype), how)
+               for a, how in zip(prefill_inputs(rng, B, Lq, Lkv, hkv, ratio, D), layouts))
+    Hq = hkv * ratio
+    kw = {"is_causal": is_causal, "scale": scale}
+    m = None
+    if mask:
+        m = rng.random((B, Lkv) if mask == "keys" else (B, 1 if mask == "shared" else Hq, Lq, Lkv)) < rng.random()
+        m[rng.random(B) < 0.3] = False  # all-False sequences: 0, not NaN
+        kw["mask"] = view(rng, m, mask_layout)
+    ref = attn_prefill_ref(q, k, v, is_causal, m, scale)
+    mag = attn_prefill_ref(q, k, np.abs(np.asarray(v, np.float64)), is_causal, m, scale)
+    out, buf = prefill_out(q.shape, dtype, out_layout)
+    r = qkernels.attn_prefill(*(to_input(a, dtype) for a in (q, k, v)), out=out, **kw)
+    res = checked_result(r, out, buf, (B, Lq, Hq, D), dtype)
+    sc = 1 / np.sqrt(D) if scale is None else scale
+    assert err_vs(res, ref, mag) < prefill_tol(dtype, q, k, sc, Lkv)
+    kept = prefill_keep(B, Hq, Lq, Lkv, is_causal, m).any(-1).transpose(0, 2, 1)  # [B, Lq, Hq]
+    assert np.all(res[~kept] == 0)
+
+
+@LLM_SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), reqs=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), max_size=4),
+       hkv=st.integers(1, 2), ratio=st.integers(1, 3), D=st.sampled_from([1, 2, 3, 8, 32, 64]), dtype=PREFILL_FLOAT,
+       idx=st.tuples(INDEX, INDEX, INDEX, INDEX), layouts=st.tuples(LLM_LAYOUT, LLM_LAYOUT, LLM_LAYOUT),
+       idx_layouts=st.tuples(LAYOUT, LAYOUT, LAYOUT, LAYOUT, LAYOUT), lead=st.integers(0, 2), tail=st.integers(0, 2),
+       is_causal=st.booleans(), mask=st.booleans(), out_layout=OUT_LAYOUT, scale=st.sampled_from([None, 0.5]))
+def test_attn_paged_prefill_property(seed, reqs, hkv, ratio, D, dtype, idx, layouts, idx_layouts, lead, tail,
+                                     is_causal, mask, out_layout, scale):
+    """reqs: (q_len, kv_len - q_len) per request (a prefix of 0..12 cached keys); query rows of no
+    request before (lead) and after (tail) theirs."""
+    rng = np.random.default_rng(seed)
+    q_lens = [nq for nq, _ in reqs]
+    kv_lens = [nq + extra for nq, extra in reqs]
+    q, kc, vc, r2t, rpi, kv_indptr, qo = paged_prefill_inputs(rng, q_lens, kv_lens, hkv, ratio, D,
+                                                              index_dtype=np.int64, lead=lead, tail=tail)
+    if dtype == "bfloat16":
+        layouts = tuple(map(bf16_layout, layouts))
+    q, kc, vc = (llm_view(rounded(a, dtype), how) for a, how in zip((q, kc, vc), layouts))
+    indices = [view(rng, a.astype(t), how) for a, t, how in zip((r2t, rpi, kv_indptr, qo), idx, idx_layouts)]
+    B, Hq = len(reqs), hkv * ratio
+    kw = {"is_causal": is_causal, "scale": scale}
+    m = None
+    if mask:
+        m = rng.random((B, r2t.shape[1])) < rng.random()
+        m[rng.random(B) < 0.3] = False
+        kw["mask"] = view(rng, m, idx_layouts[4])
+    ref = attn_paged_prefill_ref(q, kc, vc, *indices, is_causal=is_causal, mask=m, scale=scale)
+    mag = attn_paged_prefill_ref(q, kc, np.abs(np.asarray(vc, np.float64)), *indices, is_causal=is_causal, mask=m,
+                                 scale=scale)
+    out, buf = prefill_out(q.shape, dtype, out_layout)
+    pools = [to_input(a, dtype) for a in (kc, vc)]
+    r = qkernels.attn_paged_prefill(to_input(q, dtype), *pools, *indices, out=out, **kw)
+    res = checked_result(r, out, buf, q.shape, dtype)
+    for pool, before in zip(pools, (kc, vc)):  # the pools are only read
+        np.testing.assert_array_equal(np.asarray(pool.float() if dtype == "bfloat16" else pool), before)
+    sc = 1 / np.sqrt(D) if scale is None else scale
+    assert err_vs(res, ref, mag) < prefill_tol(dtype, q, kc, sc, max(kv_lens, default=0))
+    zero = np.ones(q.shape[:2], bool)  # rows of no request, and queries that keep no key, are 0
+    for b in range(B):
+        keep = prefill_keep(1, Hq, q_lens[b], kv_lens[b], is_causal, None if m is None else m[b:b + 1, :kv_lens[b]])
+        zero[qo[b]:qo[b + 1]] = ~keep.any(-1)[0].T
+    assert np.all(res[zero] == 0)
+
+
 @LLM_SETTINGS
 @given(seed=st.integers(0, 2**32 - 1), lead=st.lists(st.integers(0, 5), min_size=1, max_size=2),
        H=st.integers(0, 3), D=st.sampled_from([0, 2, 4, 6, 16, 64]), dtype=FLOAT, interleaved=st.booleans(),
@@ -320,6 +459,8 @@ def _inner_strided(a):
 
 INNER_ARGS = {"attn_decode": ("q", "k", "v", "out"),
               "attn_paged_decode": ("q", "k_cache", "v_cache", "new_k", "new_v", "out"),
+              "attn_prefill": ("q", "k", "v", "out"),
+              "attn_paged_prefill": ("q", "k_cache", "v_cache", "out"),
               "rotary_emb": ("x", "freqs_cis", "out"),
               "linear": ("x", "weight", "out"),
               "swiglu": ("x", "up_weight", "gate_weight", "out")}
@@ -339,12 +480,17 @@ def test_llm_inner_stride_rejected_or_right(seed, target, n, d, dtype):
     q, k, v = decode_inputs(rng, n, 3, 1, 2, D, dtype)
     pq, kc, vc, r2t, rpi, indptr = paged_inputs(rng, [1, 2, 0][:n], 1, 2, D, dtype=dtype)
     nk = f32((n, 1, D)).astype(dtype)
+    dq, dk, dv = prefill_inputs(rng, n, 2, 3, 1, 2, D, dtype)
+    paged = paged_prefill_inputs(rng, [1, 2, 0][:n], [1, 3, 2][:n], 1, 2, D, dtype=dtype)
     x3, f = f32((n, 2, D)).astype(dtype), freqs_for(rng, (n,), D)
     xl, w = f32((n, D)).astype(dtype), f32((3, D)).astype(dtype)
     args, kw, oshape = {  # (named positional args, keyword args, output shape)
         "attn_decode": ({"q": q, "k": k, "v": v}, {}, q.shape),
         "attn_paged_decode": ({"q": pq, "k_cache": kc, "v_cache": vc, "req_to_token": r2t, "req_pool_indices": rpi,
                                "kv_indptr": indptr}, {"new_k": nk, "new_v": nk}, pq.shape),
+        "attn_prefill": ({"q": dq, "k": dk, "v": dv}, {}, dq.shape),
+        "attn_paged_prefill": (dict(zip(("q", "k_cache", "v_cache", "req_to_token", "req_pool_indices", "kv_indptr",
+                                         "qo_indptr"), paged)), {}, paged[0].shape),
         "rotary_emb": ({"x": x3, "freqs_cis": f}, {}, x3.shape),
         "linear": ({"x": xl, "weight": w}, {}, (n, 3)),
         "swiglu": ({"x": xl, "up_weight": w, "gate_weight": w}, {}, (n, 3)),
@@ -399,6 +545,15 @@ INVALID_CALLS = textwrap.dedent('''
                                   {"new_k": ones(B, HKV, D), "new_v": ones(B, HKV, D),
                                    "mask": rng.random((B, CTX)) < 0.5, "scale": 0.5},
                                   (B, HKV * G, D)),
+            "attn_prefill": ([ones(B, 3, HKV * G, D), ones(B, L, HKV, D), ones(B, L, HKV, D)],
+                             {"is_causal": True, "scale": 0.5,
+                              "mask": rng.random((B, L) if rng.random() < 0.5 else (B, HKV * G, 3, L)) < 0.5},
+                             (B, 3, HKV * G, D)),
+            # two requests: 2 of 3 and 1 of 1 keys; query row 3 belongs to none
+            "attn_paged_prefill": ([ones(4, HKV * G, D), ones(S, HKV, D), ones(S, HKV, D), r2t, np.array([2, 0], idx),
+                                    np.array([0, 3, 4], idx), np.array([0, 2, 3], idx)],
+                                   {"is_causal": True, "mask": rng.random((B, CTX)) < 0.5, "scale": 0.5},
+                                   (4, HKV * G, D)),
             "rotary_emb": ([ones(3, 2, D), ones(3, D // 2, 2)], {"interleaved": False}, (3, 2, D)),
             "linear": ([ones(4, 6), ones(5, 6), ones(5)], {}, (4, 5)),
             "swiglu": ([ones(4, 6), ones(5, 6), ones(5, 6)], {}, (4, 5)),
@@ -489,6 +644,30 @@ INVALID_CALLS = textwrap.dedent('''
         except ValueError as e:
             assert str(e).startswith("attn_paged_decode: ") and name in str(e), (name, repr(e))
         assert np.array_equal(args[1], before[0]) and np.array_equal(args[2], before[1]), "pool written"
+        count += 1
+
+    # strict: attn_paged_prefill's indices or query rows out of range -> ValueError naming the argument, out
+    # untouched (everything is validated before anything is written)
+    for trial in range(100):
+        args, kw, oshape = good()["attn_paged_prefill"]
+        r2t, rpi, kv_indptr, qo_indptr = args[3:7]
+        b = int(rng.integers(0, B)); which = int(rng.integers(0, 4))
+        kv_len = int(kv_indptr[b + 1] - kv_indptr[b])
+        if which == 0:
+            rpi[b] = rng.choice([-1, R, 10**6, -2**31]); name = "req_pool_indices"
+        elif which == 1:
+            kv_indptr[b + 1] = kv_indptr[b] + rng.choice([-1, -5, CTX + 1, 10**6]); name = "kv_indptr"
+        elif which == 2:
+            r2t[rpi[b], int(rng.integers(0, kv_len))] = rng.choice([-1, S, 10**6, -2**31]); name = "req_to_token"
+        else:  # descending, past total_q, or more queries than keys
+            qo_indptr[b + 1] = qo_indptr[b] + rng.choice([-1, -5, kv_len + 1, 10**6]); name = "qo_indptr"
+        out = np.full(oshape, np.nan, np.float32)
+        try:
+            qkernels.attn_paged_prefill(*args, **kw, out=out)
+            raise AssertionError(f"attn_paged_prefill: bad {name} accepted")
+        except ValueError as e:
+            assert str(e).startswith("attn_paged_prefill: ") and name in str(e), (name, repr(e))
+        assert np.isnan(out).all(), "out written before the indices were checked"
         count += 1
     print("OK", count)
 ''')

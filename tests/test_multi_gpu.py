@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import qkernels
-from attn_refs import paged_inputs
+from attn_refs import paged_inputs, paged_prefill_inputs
 from conftest import random_inputs
 
 torch = __import__("torch") if importlib.util.find_spec("torch") else None
@@ -32,6 +32,10 @@ def host_inputs(op, rng):
         return [f32(2, 1, 8, 64), f32(2, 50, 2, 64), f32(2, 50, 2, 64)], {}
     if op == "attn_paged_decode":
         return list(paged_inputs(rng, [5, 40], 2, 4, 64)), {}
+    if op == "attn_prefill":
+        return [f32(2, 30, 8, 64), f32(2, 50, 2, 64), f32(2, 50, 2, 64)], {"is_causal": True}
+    if op == "attn_paged_prefill":
+        return list(paged_prefill_inputs(rng, [5, 30, 0], [40, 30, 7], 2, 4, 64)), {"is_causal": True}
     if op == "rotary_emb":
         ang = 10 * rng.random((10, 32))
         return [f32(10, 4, 64), np.stack([np.cos(ang), np.sin(ang)], -1).astype(np.float32)], {}
@@ -42,8 +46,8 @@ def host_inputs(op, rng):
     raise AssertionError(op)
 
 
-LLM = {"attn_decode", "attn_paged_decode", "rotary_emb", "linear", "swiglu"}
-FLOAT_ARGS = {"attn_paged_decode": 3, "rotary_emb": 1}  # leading float arguments in the op's dtype
+LLM = {"attn_decode", "attn_paged_decode", "attn_prefill", "attn_paged_prefill", "rotary_emb", "linear", "swiglu"}
+FLOAT_ARGS = {"attn_paged_decode": 3, "attn_paged_prefill": 3, "rotary_emb": 1}  # leading float arguments in the op's dtype
 
 
 def to_device(op, args, device):
@@ -61,7 +65,7 @@ def to_device(op, args, device):
 
 
 OPS = ["sparse_aggregate", "fused_edge_features", "fused_norm_residual", "graph_norm_bce", "attn_decode",
-       "attn_paged_decode", "rotary_emb", "linear", "swiglu"]
+       "attn_paged_decode", "attn_prefill", "attn_paged_prefill", "rotary_emb", "linear", "swiglu"]
 
 
 @pytest.mark.parametrize("op", OPS)
