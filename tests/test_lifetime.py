@@ -1,5 +1,5 @@
 """Long loops leave memory flat; many Python threads calling the CPU kernels at once (GIL
-released) all get right answers."""
+released) all get right answers.  Graph and LLM ops both."""
 
 import gc
 import resource
@@ -9,8 +9,11 @@ import tracemalloc
 import numpy as np
 
 import qkernels
+from attn_refs import (attn_decode_ref, attn_paged_prefill_ref, attn_prefill_ref, decode_inputs, paged_prefill_inputs,
+                       prefill_inputs)
 from conftest import rel_err, random_inputs, sparse_aggregate_ref
 from graph_refs import graph_bce_ref, norm_residual_ref
+from test_dense_ops import freqs_for, linear_ref, rotary_ref, swiglu_ref
 
 _C = qkernels._C
 
@@ -21,20 +24,32 @@ def test_100k_calls_keep_memory_flat():
     x = rng.standard_normal((4, 8)).astype(np.float32)
     g = np.ones(8, np.float32)
     out = np.zeros((8, 2, 3), np.float32)
+    dec = decode_inputs(rng, 2, 9, 1, 2, 8)
+    pre = prefill_inputs(rng, 1, 5, 7, 1, 2, 8)
+    paged = paged_prefill_inputs(rng, [3, 2], [4, 5], 1, 2, 8)
+    w = rng.standard_normal((6, 8)).astype(np.float32)
+    rot = (rng.standard_normal((5, 2, 8)).astype(np.float32), freqs_for(rng, (5,), 8))
+    llm = [lambda: qkernels.attn_decode(*dec), lambda: qkernels.attn_prefill(*pre, is_causal=True),
+           lambda: qkernels.attn_paged_prefill(*paged, is_causal=True), lambda: qkernels.linear(x, w),
+           lambda: qkernels.swiglu(x, w, w), lambda: qkernels.rotary_emb(*rot)]
     for _ in range(2000):  # warm caches, allocators, the dispatcher
         qkernels.sparse_aggregate(*args)
+        for call in llm:
+            call()
     gc.collect()
     live = _C._live_storages()
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     for i in range(100_000):
-        if i % 3 == 0:
+        if i % 4 == 0:
             qkernels.sparse_aggregate(*args)
-        elif i % 3 == 1:
+        elif i % 4 == 1:
             qkernels.sparse_aggregate(*args, out=out)
-        else:
+        elif i % 4 == 2:
             qkernels.fused_norm_residual(x, x, g, g, p=0.1, training=True, seed=i)
+        else:
+            llm[(i // 4) % len(llm)]()
     gc.collect()
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
@@ -53,6 +68,15 @@ def test_eight_threads_at_once():
             np.zeros(64, np.float32)] for _ in range(8)]
     bce = [((3 * rng.standard_normal(20000)).astype(np.float32), (rng.random(20000) < 0.3).astype(np.float32),
             np.sort(rng.integers(0, 16, 20000))) for _ in range(8)]
+    dec = [decode_inputs(rng, 3, 700, 2, 4, 64) for _ in range(8)]
+    pre = [prefill_inputs(rng, 2, 90, 200, 2, 4, 64) for _ in range(8)]
+    paged = [paged_prefill_inputs(rng, [50, 1, 30], [200, 90, 30], 2, 4, 64) for _ in range(8)]
+    lin = [(rng.standard_normal((5, 256)).astype(np.float32), rng.standard_normal((300, 256)).astype(np.float32))
+           for _ in range(8)]
+    rot = [(rng.standard_normal((40, 4, 64)).astype(np.float32), freqs_for(rng, (40,), 64)) for _ in range(8)]
+    llm_refs = [(attn_decode_ref(*dec[i]), attn_prefill_ref(*pre[i], is_causal=True),
+                 attn_paged_prefill_ref(*paged[i], is_causal=True), linear_ref(*lin[i]),
+                 swiglu_ref(lin[i][0], lin[i][1], lin[i][1]), rotary_ref(*rot[i])) for i in range(8)]
     errors = []
     start = threading.Barrier(8)
 
@@ -65,6 +89,11 @@ def test_eight_threads_at_once():
                 r = float(qkernels.graph_norm_bce(*bce[i], 16))
                 ref = graph_bce_ref(*bce[i], 16)
                 assert abs(r - ref) <= 1e-5 * ref
+                got = (qkernels.attn_decode(*dec[i]), qkernels.attn_prefill(*pre[i], is_causal=True),
+                       qkernels.attn_paged_prefill(*paged[i], is_causal=True), qkernels.linear(*lin[i]),
+                       qkernels.swiglu(lin[i][0], lin[i][1], lin[i][1]), qkernels.rotary_emb(*rot[i]))
+                for r, ref in zip(got, llm_refs[i]):
+                    assert rel_err(r, ref) < 1e-5
         except Exception as e:  # reported by the main thread
             errors.append(e)
 
