@@ -1,0 +1,78 @@
+"""Streams and CUDA graphs for every op (issue 8), on one GPU: each op captured in a torch CUDA
+graph recomputes from the new contents of its inputs at replay; each op runs on the caller's
+current torch stream, ordered after work already queued there, while another stream runs the same
+op on other inputs.  Inputs come from test_multi_gpu's table.  Skipped without a GPU."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+import qkernels
+from conftest import requires_cuda
+from test_multi_gpu import LLM, OPS, host_inputs, to_device
+
+torch = __import__("torch") if importlib.util.find_spec("torch") else None
+pytestmark = [requires_cuda, pytest.mark.skipif(torch is None, reason="torch is not installed")]
+
+
+def float_tensors(op, args):
+    """The arguments whose contents can change freely (not indices, not lengths)."""
+    return [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+
+
+def close(a, b, op):
+    a, b = a.float(), b.float()
+    tol = 1e-2 if op in LLM else 1e-5
+    return (a - b).abs().max().item() <= tol * max(1.0, b.abs().max().item())
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_graph_replay_recomputes_from_new_contents(op):
+    rng = np.random.default_rng(OPS.index(op))
+    host, kw = host_inputs(op, rng)
+    args = to_device(op, host, "cuda")
+    fn = getattr(qkernels, op)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(*args, backend="cuda", **kw)  # warm up outside capture (allocator pools, lazy init)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn(*args, backend="cuda", **kw)
+    g.replay()
+    torch.cuda.synchronize()
+    first = out.clone()
+    assert close(first, fn(*args, backend="cuda", **kw), op)
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(7)
+    for t in float_tensors(op, args):
+        t.copy_(torch.randn(t.shape, generator=gen, device="cuda").to(t.dtype))
+    g.replay()
+    torch.cuda.synchronize()
+    expected = fn(*args, backend="cuda", **kw)
+    assert close(out, expected, op), "the replay used the new contents"
+    assert not torch.equal(out, first), "the inputs changed, so must the result"
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_runs_on_the_callers_stream_beside_another(op):
+    rng = np.random.default_rng(100 + OPS.index(op))
+    host_a, kw = host_inputs(op, rng)
+    host_b, _ = host_inputs(op, rng)
+    a, b = to_device(op, host_a, "cuda"), to_device(op, host_b, "cuda")
+    fn = getattr(qkernels, op)
+    fresh = [torch.randn(t.shape, device="cuda").to(t.dtype) for t in float_tensors(op, a)]
+    torch.cuda.synchronize()
+    sa, sb = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(sa):
+        torch.cuda._sleep(20_000_000)  # ~10 ms: anything not ordered on sa would run first
+        for t, f in zip(float_tensors(op, a), fresh):
+            t.copy_(f)
+        out_a = fn(*a, backend="cuda", **kw)
+    with torch.cuda.stream(sb):
+        out_b = fn(*b, backend="cuda", **kw)
+    torch.cuda.synchronize()
+    assert close(out_a, fn(*a, backend="cuda", **kw), op), "ran after the copies queued on the caller's stream"
+    assert close(out_b, fn(*b, backend="cuda", **kw), op)
