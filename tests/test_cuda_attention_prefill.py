@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import qkernels
+from attn_refs import naive_prefill
 from conftest import close_to_naive, requires_cuda
 
 pytestmark = [requires_cuda,
@@ -34,21 +35,17 @@ def gen(request):
 
 
 def attend(q, k, v, causal, keep=None, scale=None, dtype=torch.float64):
-    """q [B,Lq,Hq,D], k/v [B,Lkv,Hkv,D] -> [B,Lq,Hq,D] in `dtype` (float64: the reference; the
-    inputs' dtype: the naive same-precision yardstick).  keep broadcasts to [B,Hq,Lq,Lkv]."""
-    B, Lq, Hq, D = q.shape
-    Lkv, G = k.shape[1], Hq // k.shape[2]
-    q, k, v = q.to(dtype), k.to(dtype).repeat_interleave(G, 2), v.to(dtype).repeat_interleave(G, 2)
-    s = torch.einsum("bihd,bjhd->bhij", q, k) * (D ** -0.5 if scale is None else scale)
-    allowed = torch.ones(B, Hq, Lq, Lkv, dtype=torch.bool, device=q.device)
+    """attn_refs.naive_prefill on the GPU in `dtype` (float64: the reference; the inputs' dtype:
+    the naive same-precision yardstick), with causal (bottom-right) folded into keep, which
+    broadcasts to [B,Hq,Lq,Lkv]."""
+    Lq, Lkv, D = q.shape[1], k.shape[1], q.shape[3]
+    allowed = torch.ones(1, 1, Lq, Lkv, dtype=torch.bool, device=q.device)
     if causal:
         allowed &= (torch.arange(Lkv, device=q.device)[None, :] <=
                     torch.arange(Lq, device=q.device)[:, None] + (Lkv - Lq))
     if keep is not None:
-        allowed &= keep
-    s = s.masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num(0.0)
-    return torch.einsum("bhij,bjhd->bihd", p, v)
+        allowed = allowed & keep
+    return naive_prefill(q.to(dtype), k.to(dtype), v.to(dtype), allowed, D ** -0.5 if scale is None else scale)
 
 
 def check(out, q, k, v, causal, keep=None, scale=None):
