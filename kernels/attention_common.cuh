@@ -62,4 +62,13 @@ __device__ __forceinline__ int64_t shfl64_up(int64_t v, int delta) {
     return (int64_t)(((uint64_t)(uint32_t)hi << 32) | (uint32_t)lo);
 }
 
+// Host: a bf16/fp16 tensor whose rows (the unit-stride last dim) all start 16-byte aligned, as
+// cp.async and the 16-byte loads need: the base pointer and every other stride (in elements).
+inline bool aligned_rows(const void *p, const int64_t *strides, int n) {
+    if (!qk_aligned16(p)) return false;
+    for (int i = 0; i < n; i++)
+        if (strides[i] % 8) return false;  // 16 bytes of bf16/fp16
+    return true;
+}
+
 }  // namespace qk_attn

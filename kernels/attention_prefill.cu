@@ -346,13 +346,6 @@ template <typename T, bool kPaged> int pick_dim(const qk_attn_prefill_args *a, c
     }
 }
 
-bool aligned_rows(const void *p, const int64_t *strides, int n) {
-    if (!qk_aligned16(p)) return false;
-    for (int i = 0; i < n; i++)
-        if (strides[i] % 8) return false;  // in elements: 16 bytes of bf16/fp16
-    return true;
-}
-
 }  // namespace
 
 extern "C" int qk_attn_prefill_cuda(const qk_attn_prefill_args *a, void *stream) {
