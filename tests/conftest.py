@@ -96,6 +96,22 @@ def env(monkeypatch):
     qkernels.reload_env()
 
 
+def capture_graph(calls):
+    """calls() warmed up on a side stream (lazy initialisation cannot run under capture), then
+    captured in a torch CUDA graph: -> (graph, what calls() returned inside the capture)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        calls()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = calls()
+    return graph, outs
+
+
 def close_to_naive(ours, naive, ref):
     """flash-attention's rule: our error (torch tensors, any device, against a float64 NumPy
     reference) at most twice a naive same-precision implementation's."""

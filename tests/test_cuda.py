@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import qkernels
-from conftest import fp32_sum_tol, random_inputs, rel_err, requires_cuda, sparse_aggregate_ref
+from conftest import capture_graph, fp32_sum_tol, random_inputs, rel_err, requires_cuda, sparse_aggregate_ref
 
 pytestmark = requires_cuda
 _C = qkernels._C
@@ -131,14 +131,7 @@ def test_cuda_graph_capture_and_replay(rng):
     args = random_inputs(rng, 500, 300, 4, 32)
     static = to_cuda(args)
     qkernels.sparse_aggregate(*static)  # warm-up outside capture
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        qkernels.sparse_aggregate(*static)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = qkernels.sparse_aggregate(*static)
+    g, out = capture_graph(lambda: qkernels.sparse_aggregate(*static))
     for _ in range(3):
         fresh = list(random_inputs(rng, 500, 300, 4, 32, degrees=np.diff(args[0])))
         fresh[0], fresh[1] = args[0], args[1]  # same graph structure, new weights and features

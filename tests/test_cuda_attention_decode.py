@@ -12,7 +12,7 @@ import pytest
 import qkernels
 from qkernels import _frameworks
 from attn_refs import attn_decode_ref, attn_paged_decode_ref, decode_inputs, naive_decode, paged_inputs
-from conftest import close_to_naive, requires_cuda
+from conftest import capture_graph, close_to_naive, requires_cuda
 
 pytestmark = [requires_cuda,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
@@ -199,14 +199,7 @@ def test_capture_and_replay_with_new_lengths(rng):
     pargs = paged_cuda(host, "bfloat16")
     calls = lambda: (qkernels.attn_decode(q, k, v, kv_lens=kv_lens),  # noqa: E731
                      qkernels.attn_paged_decode(*pargs))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        calls()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        outs = calls()
+    g, outs = capture_graph(calls)
     for lens, indptr in (([7, 512, 0, 300], [0, 150, 152, 229, 230]), ([1, 2, 3, 4], [0, 300, 300, 301, 302])):
         kv_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         pargs[5].copy_(torch.tensor(indptr, dtype=pargs[5].dtype))  # shorter than the pool rows hold

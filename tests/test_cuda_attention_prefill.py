@@ -12,7 +12,7 @@ import pytest
 
 import qkernels
 from attn_refs import naive_prefill
-from conftest import close_to_naive, requires_cuda
+from conftest import capture_graph, close_to_naive, requires_cuda
 
 pytestmark = [requires_cuda,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
@@ -190,11 +190,7 @@ def test_paged_capture_and_replay_with_new_lengths(gen):
     of the same total_q into requests (and the kv lengths) change on the device."""
     q, kc, vc, r2t, rpi, kvp, qo = paged_setup(gen, [100, 28], [300, 28], 4, 2, 128)
     out = torch.empty_like(q)
-    qkernels.attn_paged_prefill(q, kc, vc, r2t, rpi, kvp, qo, is_causal=True, out=out)  # warm up
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        qkernels.attn_paged_prefill(q, kc, vc, r2t, rpi, kvp, qo, is_causal=True, out=out)
+    g, _ = capture_graph(lambda: qkernels.attn_paged_prefill(q, kc, vc, r2t, rpi, kvp, qo, is_causal=True, out=out))
     g.replay()
     torch.cuda.synchronize()
     paged_check(out, q, kc, vc, r2t, rpi, kvp, qo, True)

@@ -8,11 +8,10 @@ import functools
 import importlib.util
 import warnings
 
-import numpy as np
 import pytest
 
 import qkernels
-from conftest import requires_cuda
+from conftest import capture_graph, requires_cuda
 
 pytestmark = [requires_cuda,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
@@ -229,14 +228,7 @@ def test_cuda_graph_capture_and_replay():
     f = freqs_for((8,), 128)
     calls = lambda: (qkernels.linear(x, w, b), qkernels.swiglu(x, w, g),  # noqa: E731
                      qkernels.rotary_emb(q, f), qkernels.rotary_emb(q, f, interleaved=False))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        calls()  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = calls()
+    graph, outs = capture_graph(calls)
     for i in range(3):
         x.copy_(randn(8, 4096, seed=100 + i))
         q.copy_(randn(8, 32, 128, seed=200 + i))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import qkernels
-from conftest import close_to_naive, rel_err, requires_cuda
+from conftest import capture_graph, close_to_naive, rel_err, requires_cuda
 from graph_refs import dropout_keep, edge_features_ref, graph_bce_ref, norm_residual_ref
 
 pytestmark = [requires_cuda,
@@ -206,14 +206,7 @@ def test_graph_ops_capture_and_replay(rng):
     calls = lambda: (qkernels.fused_edge_features(x, ei, ea),  # noqa: E731
                      qkernels.fused_norm_residual(*nargs, p=0.2, training=True, seed=7),
                      qkernels.graph_norm_bce(lg, t, eg, 16, pos_weight=1.5))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        calls()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        outs = calls()
+    g, outs = capture_graph(calls)
     for _ in range(2):
         x.copy_(torch.randn_like(x))
         nargs[0].copy_(torch.randn_like(nargs[0]))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import qkernels
-from conftest import requires_cuda
+from conftest import capture_graph, requires_cuda
 from test_multi_gpu import LLM, OPS, host_inputs, to_device
 
 torch = __import__("torch") if importlib.util.find_spec("torch") else None
@@ -33,14 +33,7 @@ def test_graph_replay_recomputes_from_new_contents(op):
     host, kw = host_inputs(op, rng)
     args = to_device(op, host, "cuda")
     fn = getattr(qkernels, op)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(*args, backend="cuda", **kw)  # warm up outside capture (allocator pools, lazy init)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn(*args, backend="cuda", **kw)
+    g, out = capture_graph(lambda: fn(*args, backend="cuda", **kw))
     g.replay()
     torch.cuda.synchronize()
     first = out.clone()
