@@ -161,24 +161,34 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_fwd(qk_attn_prefill_args 
     }
     // K and V of key tile kt into buffer kt & 1, with each key's kept flag (inside kv_len, key
     // mask, valid slot).
+    // Paged: the pool rows of a tile's keys are staged in shared memory one tile ahead (thread r
+    // loads key r's slot while the previous tile computes), so the copies never wait on an index
+    // load; -1 marks a key that is skipped (past the end, masked, out-of-range slot).
+    __shared__ int64_t sslot[2][kBN];
+    auto key_row = [&](int kt, int r) -> int64_t {
+        const int64_t j = (int64_t)kt * kBN + r;
+        if (j >= key_end) return -1;
+        if (a.mask_kind == 1 && !mask[b * a.mask_stride[0] + j * a.mask_stride[3]]) return -1;
+        if (!kPaged) return j;
+        const int64_t row = load_index(a.req_to_token, a.r2t_dtype, s.pool_row * a.r2t_stride[0] + j * a.r2t_stride[1]);
+        return row >= 0 && row < a.pool_size ? row : -1;
+    };
     auto load_kv = [&](int kt) {
         const int buf = kt & 1;
         T *dk = sk + buf * kBN * D, *dv = sv + buf * kBN * D;
         for (int e = tid; e < kBN * kChunks; e += kThreads) {
             const int r = e / kChunks, c = e % kChunks;
-            const int64_t j = (int64_t)kt * kBN + r;
-            bool ok = j < key_end;
-            int64_t row = j;
-            if (ok && kPaged) {
-                row = load_index(a.req_to_token, a.r2t_dtype, s.pool_row * a.r2t_stride[0] + j * a.r2t_stride[1]);
-                ok = row >= 0 && row < a.pool_size;
-            }
-            if (ok && a.mask_kind == 1) ok = mask[b * a.mask_stride[0] + j * a.mask_stride[3]] != 0;
+            const int64_t row = kPaged ? sslot[buf][r] : key_row(kt, r);
+            const bool ok = row >= 0;
             cp_async16(dk + at<D>(r, c) * 8, ok ? kbase + row * a.k_stride[1] + kh + c * 8 : kbase, ok);
             cp_async16(dv + at<D>(r, c) * 8, ok ? vbase + row * a.v_stride[1] + vh + c * 8 : vbase, ok);
             if (c == 0) kvalid[buf * kBN + r] = ok;
         }
     };
+    if (kPaged) {
+        for (int r = tid; r < 2 * kBN; r += kThreads) sslot[r / kBN][r % kBN] = r / kBN < ntiles ? key_row(r / kBN, r % kBN) : -1;
+        __syncthreads();
+    }
     if (ntiles > 0) load_kv(0);
     cp_async_commit();
 
@@ -205,6 +215,10 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_fwd(qk_attn_prefill_args 
         }
         if (kt + 1 < ntiles) load_kv(kt + 1);
         cp_async_commit();
+        // Slots of tile kt + 2, into the buffer tile kt's slots held (read by load_kv(kt) one
+        // iteration ago); stored after this tile's math so the load's latency hides behind it.
+        int64_t next_slot = -1;
+        if (kPaged && tid < kBN && kt + 2 < ntiles) next_slot = key_row(kt + 2, tid);
         const int buf = kt & 1;
         const T *tk = sk + buf * kBN * D, *tv = sv + buf * kBN * D;
 
@@ -293,6 +307,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_fwd(qk_attn_prefill_args 
                 qk_mma16816<T>(o[n + 1], pa0, pa1, pa2, pa3, vb[2], vb[3]);
             }
         }
+        if (kPaged && tid < kBN && kt + 2 < ntiles) sslot[kt & 1][tid] = next_slot;
     }
     cp_async_wait<0>();
 
