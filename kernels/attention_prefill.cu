@@ -1,7 +1,8 @@
 // attn_prefill / attn_paged_prefill: FlashAttention-2-style forward on tensor cores (mma.sync
 // m16n8k16, sm_80+).
 //
-// Work: one CTA per (tile of kBM = 64 queries, query head, sequence); 4 warps, 16 query rows each.
+// Work: one CTA per (tile of queries, query head, sequence); 4 warps of 32 query rows (D <= 128;
+// 16 for D = 256, where the output fragments take the registers).
 // The CTA streams kBN-key tiles of K and V through a two-buffer cp.async ring shared by its warps
 // (one barrier per tile: the next tile's copies are issued right after it, so they overlap this
 // tile's math).  Per tile and warp: S = q K^T (q fragments in registers for D <= 128, else
@@ -30,11 +31,14 @@ namespace {
 using namespace qk_attn;
 
 constexpr int kWarps = 4, kThreads = 32 * kWarps;
-constexpr int kBM = 16 * kWarps;  // queries per CTA
 
-template <int D> __host__ __device__ constexpr int key_tile() { return D <= 128 ? 64 : 32; }
+// m16 tiles of queries per warp: two for D <= 128 (each K/V fragment read from shared memory
+// serves 32 query rows, halving shared-memory traffic per flop), one for D = 256 (registers).
+template <int D> __host__ __device__ constexpr int mtiles() { return D <= 128 ? 2 : 1; }
+template <int D> __host__ __device__ constexpr int query_tile() { return 16 * kWarps * mtiles<D>(); }
+template <int D> __host__ __device__ constexpr int key_tile() { return D <= 64 ? 64 : 32; }
 template <int D> __host__ __device__ constexpr size_t smem_bytes() {
-    return (size_t)kBM * D * 2 + 2 * (2 * (size_t)key_tile<D>() * D * 2) + 2 * key_tile<D>();
+    return (size_t)query_tile<D>() * D * 2 + 2 * (2 * (size_t)key_tile<D>() * D * 2) + 2 * key_tile<D>();
 }
 
 struct Seq {
@@ -48,7 +52,7 @@ struct Seq {
 
 // Paged: which (request, query tile) the CTA's linear tile index t falls in.  Requests are
 // scanned in chunks of kThreads with a block-wide prefix sum of their tile counts.
-__device__ Seq find_request(const qk_attn_prefill_args &a, int64_t t) {
+template <int kBM> __device__ Seq find_request(const qk_attn_prefill_args &a, int64_t t) {
     __shared__ int64_t found_b, found_base, warp_sum[kWarps];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (tid == 0) found_b = -1;
@@ -102,9 +106,8 @@ __device__ Seq find_request(const qk_attn_prefill_args &a, int64_t t) {
 
 template <typename T, int D, bool kPaged>
 __global__ void __launch_bounds__(kThreads, 2) prefill_fwd(qk_attn_prefill_args a) {
-    constexpr int kBN = key_tile<D>();
+    constexpr int kBN = key_tile<D>(), kMT = mtiles<D>(), kBM = query_tile<D>();
     constexpr int kChunks = D / 8;
-    constexpr bool kQRegs = D <= 128;
     extern __shared__ __align__(128) unsigned char smem[];
     T *sq = reinterpret_cast<T *>(smem);                       // [kBM][D]
     T *sk = sq + kBM * D;                                      // [2][kBN][D]
@@ -129,7 +132,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_fwd(qk_attn_prefill_args 
             *reinterpret_cast<uint4 *>(static_cast<T *>(a.out) + t * a.out_stride[1] + hh * a.out_stride[2] + c * 8) =
                 make_uint4(0, 0, 0, 0);
         }
-        s = find_request(a, (int64_t)gridDim.x - 1 - blockIdx.x);  // later tiles first: see top
+        s = find_request<kBM>(a, (int64_t)gridDim.x - 1 - blockIdx.x);  // later tiles first: see top
         if (s.b < 0) return;
     } else {
         s.b = blockIdx.z;
@@ -161,154 +164,187 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_fwd(qk_attn_prefill_args 
     }
     // K and V of key tile kt into buffer kt & 1, with each key's kept flag (inside kv_len, key
     // mask, valid slot).
+    // Paged: the pool rows of a tile's keys are staged in shared memory one tile ahead (thread r
+    // loads key r's slot while the previous tile computes), so the copies never wait on an index
+    // load; -1 marks a key that is skipped (past the end, masked, out-of-range slot).
+    __shared__ int64_t sslot[2][kBN];
+    auto key_row = [&](int kt, int r) -> int64_t {
+        const int64_t j = (int64_t)kt * kBN + r;
+        if (j >= key_end) return -1;
+        if (a.mask_kind == 1 && !mask[b * a.mask_stride[0] + j * a.mask_stride[3]]) return -1;
+        if (!kPaged) return j;
+        const int64_t row = load_index(a.req_to_token, a.r2t_dtype, s.pool_row * a.r2t_stride[0] + j * a.r2t_stride[1]);
+        return row >= 0 && row < a.pool_size ? row : -1;
+    };
     auto load_kv = [&](int kt) {
         const int buf = kt & 1;
         T *dk = sk + buf * kBN * D, *dv = sv + buf * kBN * D;
         for (int e = tid; e < kBN * kChunks; e += kThreads) {
             const int r = e / kChunks, c = e % kChunks;
-            const int64_t j = (int64_t)kt * kBN + r;
-            bool ok = j < key_end;
-            int64_t row = j;
-            if (ok && kPaged) {
-                row = load_index(a.req_to_token, a.r2t_dtype, s.pool_row * a.r2t_stride[0] + j * a.r2t_stride[1]);
-                ok = row >= 0 && row < a.pool_size;
-            }
-            if (ok && a.mask_kind == 1) ok = mask[b * a.mask_stride[0] + j * a.mask_stride[3]] != 0;
+            const int64_t row = kPaged ? sslot[buf][r] : key_row(kt, r);
+            const bool ok = row >= 0;
             cp_async16(dk + at<D>(r, c) * 8, ok ? kbase + row * a.k_stride[1] + kh + c * 8 : kbase, ok);
             cp_async16(dv + at<D>(r, c) * 8, ok ? vbase + row * a.v_stride[1] + vh + c * 8 : vbase, ok);
             if (c == 0) kvalid[buf * kBN + r] = ok;
         }
     };
+    if (kPaged) {
+        for (int r = tid; r < 2 * kBN; r += kThreads) sslot[r / kBN][r % kBN] = r / kBN < ntiles ? key_row(r / kBN, r % kBN) : -1;
+        __syncthreads();
+    }
     if (ntiles > 0) load_kv(0);
     cp_async_commit();
 
-    // This warp's 16 query rows: fragments rows g and g + 8 of the m16 tile.
-    const int r0 = warp * 16;
-    auto q_frag = [&](int kk, uint32_t (&f)[4]) {
+    // This warp's 16 * kMT query rows: m-tile mt holds rows r0 + 16 mt + g and + 8.
+    const int r0 = warp * 16 * kMT;
+    auto q_frag = [&](int mt, int kk, uint32_t (&f)[4]) {
         const int mi = lane >> 3;  // matrices: rows 0-7 | 8-15, chunk 2kk | 2kk+1
-        ldsm_x4(f, sq + at<D>(r0 + (lane & 7) + 8 * (mi & 1), 2 * kk + (mi >> 1)) * 8);
+        ldsm_x4(f, sq + at<D>(r0 + 16 * mt + (lane & 7) + 8 * (mi & 1), 2 * kk + (mi >> 1)) * 8);
     };
-    uint32_t qreg[kQRegs ? D / 16 : 1][4];
     const float qscale = a.scale * 1.4426950408889634f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    float o[D / 8][4];
+    float m[kMT][2], l[kMT][2], o[kMT][D / 8][4];
+    int64_t qi[kMT][2];  // this thread's query rows
 #pragma unroll
-    for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    const int64_t qi[2] = {q0 + r0 + g, q0 + r0 + g + 8};  // this thread's two query rows
+    for (int mt = 0; mt < kMT; mt++) {
+        m[mt][0] = m[mt][1] = -INFINITY;
+        l[mt][0] = l[mt][1] = 0.f;
+        qi[mt][0] = q0 + r0 + 16 * mt + g;
+        qi[mt][1] = qi[mt][0] + 8;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+    }
 
     for (int kt = 0; kt < ntiles; kt++) {
         cp_async_wait<0>();
         __syncthreads();  // tile kt (and q) landed; every warp is done with tile kt - 1
-        if (kt == 0 && kQRegs) {
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++) q_frag(kk, qreg[kk]);
-        }
         if (kt + 1 < ntiles) load_kv(kt + 1);
         cp_async_commit();
+        // Slots of tile kt + 2, into the buffer tile kt's slots held (read by load_kv(kt) one
+        // iteration ago); stored after this tile's math so the load's latency hides behind it.
+        int64_t next_slot = -1;
+        if (kPaged && tid < kBN && kt + 2 < ntiles) next_slot = key_row(kt + 2, tid);
         const int buf = kt & 1;
         const T *tk = sk + buf * kBN * D, *tv = sv + buf * kBN * D;
 
-        // S = q K^T: s[n] holds rows g, g+8 x keys 8n + 2t4, +1 of the tile.
-        float sc[kBN / 8][4];
+        // S = q K^T: sc[mt][n] holds rows g, g+8 of m-tile mt x keys 8n + 2t4, +1 of the tile.
+        float sc[kMT][kBN / 8][4];
 #pragma unroll
-        for (int n = 0; n < kBN / 8; n++) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+        for (int mt = 0; mt < kMT; mt++)
+#pragma unroll
+            for (int n = 0; n < kBN / 8; n++) sc[mt][n][0] = sc[mt][n][1] = sc[mt][n][2] = sc[mt][n][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
-            uint32_t qa[4];
-            if constexpr (kQRegs) {
+            uint32_t qa[kMT][4];
 #pragma unroll
-                for (int i = 0; i < 4; i++) qa[i] = qreg[kk][i];
-            } else {
-                q_frag(kk, qa);
-            }
+            for (int mt = 0; mt < kMT; mt++) q_frag(mt, kk, qa[mt]);
 #pragma unroll
             for (int p = 0; p < kBN / 16; p++) {
                 uint32_t kb[4];
                 const int mi = lane >> 3;  // matrices: keys 16p + 0-7 | 8-15, chunk 2kk | 2kk+1
                 ldsm_x4(kb, tk + at<D>(16 * p + (lane & 7) + 8 * (mi >> 1), 2 * kk + (mi & 1)) * 8);
-                qk_mma16816<T>(sc[2 * p], qa[0], qa[1], qa[2], qa[3], kb[0], kb[1]);
-                qk_mma16816<T>(sc[2 * p + 1], qa[0], qa[1], qa[2], qa[3], kb[2], kb[3]);
+#pragma unroll
+                for (int mt = 0; mt < kMT; mt++) {
+                    qk_mma16816<T>(sc[mt][2 * p], qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], kb[0], kb[1]);
+                    qk_mma16816<T>(sc[mt][2 * p + 1], qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], kb[2], kb[3]);
+                }
             }
         }
-        // Masking, only where the tile may hold a dropped key.
+        // Masking, only where the tile may hold a dropped key (q0: the CTA's most restricted row).
         const int64_t j0 = (int64_t)kt * kBN;
         const bool full = !kPaged && a.mask_kind == 0 && j0 + kBN <= s.kv_len &&
                           (!a.causal || j0 + kBN - 1 <= q0 + offset);
-        float mx[2] = {m[0], m[1]};
 #pragma unroll
-        for (int n = 0; n < kBN / 8; n++) {
+        for (int mt = 0; mt < kMT; mt++) {
+            float mx[2] = {m[mt][0], m[mt][1]};
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float v = sc[n][e] * qscale;
-                if (!full) {
-                    const int jj = 8 * n + 2 * t4 + (e & 1);
-                    const int64_t j = j0 + jj, i = qi[e >> 1];
-                    bool keep = kvalid[buf * kBN + jj] && i < s.q_len;
-                    if (a.causal) keep = keep && j <= i + offset;
-                    if (keep && a.mask_kind == 2)
-                        keep = mask[b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2] + j * a.mask_stride[3]] != 0;
-                    if (!keep) v = -INFINITY;
+            for (int n = 0; n < kBN / 8; n++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float v = sc[mt][n][e] * qscale;
+                    if (!full) {
+                        const int jj = 8 * n + 2 * t4 + (e & 1);
+                        const int64_t j = j0 + jj, i = qi[mt][e >> 1];
+                        bool keep = kvalid[buf * kBN + jj] && i < s.q_len;
+                        if (a.causal) keep = keep && j <= i + offset;
+                        if (keep && a.mask_kind == 2)
+                            keep = mask[b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2] + j * a.mask_stride[3]] != 0;
+                        if (!keep) v = -INFINITY;
+                    }
+                    sc[mt][n][e] = v;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], v);
                 }
-                sc[n][e] = v;
-                mx[e >> 1] = fmaxf(mx[e >> 1], v);
+            }
+            float alpha[2], ref[2];
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                ref[r] = mx[r] == -INFINITY ? 0.f : mx[r];  // nothing kept yet: every p is 0
+                alpha[r] = exp2f(m[mt][r] - ref[r]);
+                m[mt][r] = mx[r];
+                l[mt][r] *= alpha[r];
+            }
+#pragma unroll
+            for (int n = 0; n < kBN / 8; n++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    sc[mt][n][e] = exp2f(sc[mt][n][e] - ref[e >> 1]);
+                    l[mt][e >> 1] += sc[mt][n][e];
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < D / 8; n++) {
+                o[mt][n][0] *= alpha[0];
+                o[mt][n][1] *= alpha[0];
+                o[mt][n][2] *= alpha[1];
+                o[mt][n][3] *= alpha[1];
             }
         }
-        float alpha[2], ref[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            ref[r] = mx[r] == -INFINITY ? 0.f : mx[r];  // nothing kept yet: every p is 0
-            alpha[r] = exp2f(m[r] - ref[r]);
-            m[r] = mx[r];
-            l[r] *= alpha[r];
-        }
-#pragma unroll
-        for (int n = 0; n < kBN / 8; n++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                sc[n][e] = exp2f(sc[n][e] - ref[e >> 1]);
-                l[e >> 1] += sc[n][e];
-            }
-        }
-#pragma unroll
-        for (int n = 0; n < D / 8; n++) {
-            o[n][0] *= alpha[0];
-            o[n][1] *= alpha[0];
-            o[n][2] *= alpha[1];
-            o[n][3] *= alpha[1];
-        }
-        // O += P V, 16 keys per k-step; P's A fragment comes from two score n-tiles.
+        // O += P V, 16 keys per k-step; P's A fragment comes from two score n-tiles; each V
+        // fragment serves every m-tile.
 #pragma unroll
         for (int kk = 0; kk < kBN / 16; kk++) {
-            const uint32_t pa0 = pack2<T>(sc[2 * kk][0], sc[2 * kk][1]), pa1 = pack2<T>(sc[2 * kk][2], sc[2 * kk][3]);
-            const uint32_t pa2 = pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-            const uint32_t pa3 = pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+            uint32_t pa[kMT][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; mt++) {
+                pa[mt][0] = pack2<T>(sc[mt][2 * kk][0], sc[mt][2 * kk][1]);
+                pa[mt][1] = pack2<T>(sc[mt][2 * kk][2], sc[mt][2 * kk][3]);
+                pa[mt][2] = pack2<T>(sc[mt][2 * kk + 1][0], sc[mt][2 * kk + 1][1]);
+                pa[mt][3] = pack2<T>(sc[mt][2 * kk + 1][2], sc[mt][2 * kk + 1][3]);
+            }
 #pragma unroll
             for (int n = 0; n < D / 8; n += 2) {
                 uint32_t vb[4];
                 const int mi = lane >> 3;  // matrices: keys 16kk + 0-7 | 8-15, chunk n | n+1 (transposed)
                 ldsm_x4_trans(vb, tv + at<D>(16 * kk + (lane & 7) + 8 * (mi & 1), n + (mi >> 1)) * 8);
-                qk_mma16816<T>(o[n], pa0, pa1, pa2, pa3, vb[0], vb[1]);
-                qk_mma16816<T>(o[n + 1], pa0, pa1, pa2, pa3, vb[2], vb[3]);
+#pragma unroll
+                for (int mt = 0; mt < kMT; mt++) {
+                    qk_mma16816<T>(o[mt][n], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[0], vb[1]);
+                    qk_mma16816<T>(o[mt][n + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[2], vb[3]);
+                }
             }
         }
+        if (kPaged && tid < kBN && kt + 2 < ntiles) sslot[kt & 1][tid] = next_slot;
     }
     cp_async_wait<0>();
 
     // Normalise and write this thread's rows (a row with no kept key gives 0).
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        const int64_t i = qi[r];
-        if (i >= s.q_len) continue;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        T *out = static_cast<T *>(a.out) + (kPaged ? 0 : b * a.out_stride[0]) + (s.q_row0 + i) * a.out_stride[1] +
-                 h * a.out_stride[2];
+    for (int mt = 0; mt < kMT; mt++) {
 #pragma unroll
-        for (int n = 0; n < D / 8; n++)
-            *reinterpret_cast<uint32_t *>(out + 8 * n + 2 * t4) = pack2<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+        for (int r = 0; r < 2; r++) {
+            float lr = l[mt][r];
+            lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+            lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+            const int64_t i = qi[mt][r];
+            if (i >= s.q_len) continue;
+            const float inv = lr > 0.f ? 1.f / lr : 0.f;
+            T *out = static_cast<T *>(a.out) + (kPaged ? 0 : b * a.out_stride[0]) + (s.q_row0 + i) * a.out_stride[1] +
+                     h * a.out_stride[2];
+#pragma unroll
+            for (int n = 0; n < D / 8; n++)
+                *reinterpret_cast<uint32_t *>(out + 8 * n + 2 * t4) = pack2<T>(o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv);
+        }
     }
 }
 
@@ -325,11 +361,12 @@ int launch(const qk_attn_prefill_args *a, cudaStream_t s) {
     }
     dim3 grid;
     if (kPaged) {
+        constexpr int kBM = query_tile<D>();
         const int64_t tiles = (a->total_q + kBM - 1) / kBM + a->B;  // any split into B requests fits
         if (tiles > 0x7fffffff) return QK_E_UNSUPPORTED;
         grid = dim3((unsigned)tiles, (unsigned)a->Hq, 1);
     } else {
-        grid = dim3((unsigned)((a->Lq + kBM - 1) / kBM), (unsigned)a->Hq, (unsigned)a->B);
+        grid = dim3((unsigned)((a->Lq + query_tile<D>() - 1) / query_tile<D>()), (unsigned)a->Hq, (unsigned)a->B);
     }
     qk_attn_prefill_args p = *a;
     void *args[] = {&p};
