@@ -380,21 +380,12 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     constexpr size_t row = D * 2;
     constexpr size_t smem = kM * row + (size_t)kWarps * stages<D>() * (2 * kTile * row + 16);
     static_assert((size_t)kWarps * kM * (D + 2) * 4 <= smem, "merge fits");
-    // Per device (the attribute belongs to the device's module): the shared-memory opt-in and how
-    // many CTAs fit on an SM.
-    static int resident[64];
-    int dev;
-    QK_CUDA_TRY(cudaGetDevice(&dev));
-    if (dev < 0 || dev >= 64) return QK_E_UNSUPPORTED;
-    if (!resident[dev]) {
-        QK_CUDA_TRY(cudaFuncSetAttribute(decode_split<T, D, kM, kPaged>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        int n = 0;
-        QK_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_split<T, D, kM, kPaged>, kThreads, smem));
-        resident[dev] = n > 0 ? n : 1;
-    }
+    int resident;
+    const int opt = qk_kernel_residency((const void *)decode_split<T, D, kM, kPaged>, kThreads, smem, &resident);
+    if (opt) return opt;
     // Splits: enough CTAs to fill the chip, rounded so the last wave is nearly full (B=64 L=8k
     // without splits is 512 CTAs on 264 slots: 1.9 waves), and each warp at least one tile.
-    const int64_t slots = (int64_t)resident[dev] * sms;
+    const int64_t slots = (int64_t)resident * sms;
     const int64_t max_split = lcap > 0 ? (lcap + kWarps * kTile - 1) / (kWarps * kTile) : 1;
     int64_t nsplit = (slots + units - 1) / units;
     if (nsplit > max_split) nsplit = max_split;

@@ -351,14 +351,8 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_fwd(qk_attn_prefill_args 
 template <typename T, int D, bool kPaged>
 int launch(const qk_attn_prefill_args *a, cudaStream_t s) {
     constexpr size_t smem = smem_bytes<D>();
-    static bool opted[64];
-    int dev;
-    QK_CUDA_TRY(cudaGetDevice(&dev));
-    if (dev < 0 || dev >= 64) return QK_E_UNSUPPORTED;
-    if (!opted[dev]) {
-        QK_CUDA_TRY(cudaFuncSetAttribute(prefill_fwd<T, D, kPaged>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        opted[dev] = true;
-    }
+    const int opt = qk_kernel_residency((const void *)prefill_fwd<T, D, kPaged>, kThreads, smem, nullptr);
+    if (opt) return opt;
     dim3 grid;
     if (kPaged) {
         constexpr int kBM = query_tile<D>();

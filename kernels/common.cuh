@@ -93,6 +93,11 @@ int qk_launch(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream
 // griddepcontrol.wait before reading its results.  Otherwise a plain launch.
 int qk_launch_dependent(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, void **args);
 
+// Raise `kernel`'s dynamic shared-memory limit to `smem` on the current device and report how many
+// CTAs of `threads` threads fit on one SM (*per_sm >= 1; per_sm may be null).  Once per kernel and device (the
+// attribute belongs to the device's module); later calls read a cache.  Returns a status.
+int qk_kernel_residency(const void *kernel, int threads, size_t smem, int *per_sm);
+
 // The current device's SM count (cached), for grids sized to one resident wave.
 int qk_sm_count(int *count);
 

@@ -318,19 +318,9 @@ int lin_cc_major(int *major) {
 template <class C, typename T, bool kVec>
 int lin_run(const qk_linear_args *a, cudaStream_t stream) {
     const void *kernel = (const void *)lin_kernel<C, T, kVec>;
-    // Once per device (the attribute belongs to the device's module): the ring needs more than
-    // the default 48 KB of dynamic shared memory.
-    static int per_device[64];
-    int dev;
-    QK_CUDA_TRY(cudaGetDevice(&dev));
-    if (dev < 0 || dev >= 64) return QK_E_UNSUPPORTED;
-    if (per_device[dev] == 0) {
-        QK_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::kSmem));
-        int v = 0;
-        QK_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, C::kThreads, C::kSmem));
-        per_device[dev] = v > 0 ? v : 1;
-    }
-    const int blocks_per_sm = per_device[dev];
+    // The ring needs more than the default 48 KB of dynamic shared memory.
+    int blocks_per_sm;
+    QK_CUDA_TRY((cudaError_t)qk_kernel_residency(kernel, C::kThreads, C::kSmem, &blocks_per_sm));
     int sms, major;
     QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
     QK_CUDA_TRY((cudaError_t)lin_cc_major(&major));

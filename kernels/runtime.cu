@@ -21,33 +21,44 @@ PFN_cuLaunchKernel_v4000 resolve_cu_launch() {
     return (PFN_cuLaunchKernel_v4000)fn;
 }
 
-// (kernel address -> handle) pairs; written under the mutex, read without it once published.
+// Per kernel: its driver handle and, per device, how many of its CTAs fit on an SM once its shared-
+// memory limit is raised (0: not yet).  Slots are written under the mutex and read without it once
+// published.
 constexpr int kMaxKernels = 1024;  // distinct kernels a process launches (template instances)
+constexpr int kMaxDevices = 64;
 struct KernelSlot {
     const void *fn;
     cudaKernel_t handle;
+    int per_sm[kMaxDevices];
 };
 KernelSlot g_slots[kMaxKernels];
 int g_num_slots;  // published with release semantics after the slot is filled
 std::mutex g_slots_mutex;
 
-cudaKernel_t kernel_handle(const void *fn) {
+// fn's slot, made on first use; nullptr when the table is full.
+KernelSlot *kernel_slot(const void *fn) {
     const int n = __atomic_load_n(&g_num_slots, __ATOMIC_ACQUIRE);
     for (int i = 0; i < n; i++)
-        if (g_slots[i].fn == fn) return g_slots[i].handle;
+        if (g_slots[i].fn == fn) return &g_slots[i];
     std::lock_guard<std::mutex> lock(g_slots_mutex);
     for (int i = 0; i < g_num_slots; i++)
-        if (g_slots[i].fn == fn) return g_slots[i].handle;
+        if (g_slots[i].fn == fn) return &g_slots[i];
+    if (g_num_slots >= kMaxKernels) return nullptr;
     cudaKernel_t h = nullptr;
     if (cudaGetKernel(&h, fn) != cudaSuccess) {
         cudaGetLastError();
         h = nullptr;
     }
-    if (g_num_slots < kMaxKernels) {
-        g_slots[g_num_slots] = {fn, h};
-        __atomic_store_n(&g_num_slots, g_num_slots + 1, __ATOMIC_RELEASE);
-    }
-    return h;
+    KernelSlot *slot = &g_slots[g_num_slots];
+    slot->fn = fn;
+    slot->handle = h;
+    __atomic_store_n(&g_num_slots, g_num_slots + 1, __ATOMIC_RELEASE);
+    return slot;
+}
+
+cudaKernel_t kernel_handle(const void *fn) {
+    const KernelSlot *slot = kernel_slot(fn);
+    return slot ? slot->handle : nullptr;
 }
 
 }  // namespace
@@ -87,6 +98,26 @@ int qk_launch_dependent(const void *kernel, dim3 grid, dim3 block, size_t smem, 
         cudaGetLastError();
     }
     return qk_launch(kernel, grid, block, smem, stream, args);
+}
+
+int qk_kernel_residency(const void *kernel, int threads, size_t smem, int *per_sm) {
+    int dev;
+    QK_CUDA_TRY(cudaGetDevice(&dev));
+    if (dev < 0 || dev >= kMaxDevices) return QK_E_UNSUPPORTED;
+    KernelSlot *slot = kernel_slot(kernel);
+    const int cached = slot ? __atomic_load_n(&slot->per_sm[dev], __ATOMIC_RELAXED) : 0;
+    if (cached > 0) {
+        if (per_sm) *per_sm = cached;
+        return 0;
+    }
+    // Idempotent: two threads racing here both set the same attribute and store the same count.
+    QK_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    int n = 0;
+    QK_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
+    if (n < 1) n = 1;
+    if (per_sm) *per_sm = n;
+    if (slot) __atomic_store_n(&slot->per_sm[dev], n, __ATOMIC_RELAXED);
+    return 0;
 }
 
 int qk_sm_count(int *count) {
