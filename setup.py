@@ -86,15 +86,20 @@ class BuildExt(build_ext):
                 os.remove(target)
             return
         archs = [a.strip() for a in os.environ.get("QKERNELS_CUDA_ARCH", "80;89;90").replace(",", ";").split(";") if a.strip()]
-        gencode = []
+        gencode, defines = [], []
         for a in archs:
-            gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+            # sm_90 machine code is built as sm_90a: the Hopper-only instructions (wgmma) of
+            # attention_prefill_sm90.cu need it, and it runs on every compute capability 9.0 GPU.
+            v = a + "a" if a == "90" else a
+            gencode += ["-gencode", f"arch=compute_{v},code=sm_{v}"]
+            if a == "90":
+                defines.append("-DQK_SM90A=1")
         top = max(archs, key=int)
         gencode += ["-gencode", f"arch=compute_{top},code=compute_{top}"]
-        arch_str = " ".join(f"sm_{a}" for a in archs) + f" +PTX(compute_{top})"
+        arch_str = " ".join(f"sm_{a}a" if a == "90" else f"sm_{a}" for a in archs) + f" +PTX(compute_{top})"
         # Objects are kept per architecture set and reused while newer than their source and the
         # shared headers; the sources compile in parallel (nvcc is single-threaded).
-        obj_dir = os.path.join(self.build_temp, "cuda-" + "-".join(archs))
+        obj_dir = os.path.join(self.build_temp, "cuda-" + "-".join(a + "a" if a == "90" else a for a in archs))
         os.makedirs(obj_dir, exist_ok=True)
         includes = [f"-I{d}" for d in cuda_include_dirs()]
         sources = sorted(glob.glob(os.path.join(HERE, "kernels", "*.cu")))
@@ -107,7 +112,7 @@ class BuildExt(build_ext):
             if os.path.exists(obj) and os.path.getmtime(obj) > max(os.path.getmtime(src), newest_header):
                 continue
             jobs.append([nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
-                         f'-DQK_ARCHS="{arch_str}"', "-lineinfo", *includes, *gencode])
+                         f'-DQK_ARCHS="{arch_str}"', *defines, "-lineinfo", *includes, *gencode])
         log(f"compiling {len(jobs)} of {len(sources)} CUDA sources with {nvcc} for {arch_str}")
         with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
             for fut in [pool.submit(subprocess.check_call, cmd) for cmd in jobs]:

@@ -23,7 +23,7 @@
 //
 // Bad indices never address memory outside the tensors: lengths and row ranges are clamped, and
 // keys at an out-of-range pool row or slot are skipped (probability 0).
-#include "attention_common.cuh"
+#include "attention_prefill.cuh"
 
 #include <math.h>
 
@@ -41,69 +41,6 @@ template <int D> __host__ __device__ constexpr size_t smem_bytes() {
     return (size_t)query_tile<D>() * D * 2 + 2 * (2 * (size_t)key_tile<D>() * D * 2) + 2 * key_tile<D>();
 }
 
-struct Seq {
-    int64_t b = -1;               // sequence (request); -1: this CTA has no work
-    int64_t q_row0 = 0;           // row of query 0 (dense: index into Lq; paged: into total_q)
-    int64_t q_len = 0, kv_len = 0;
-    int64_t tile = 0;             // query tile within the sequence
-    int64_t pool_row = 0;         // paged
-    bool row_ok = true;
-};
-
-// Paged: which (request, query tile) the CTA's linear tile index t falls in.  Requests are
-// scanned in chunks of kThreads with a block-wide prefix sum of their tile counts.
-template <int kBM> __device__ Seq find_request(const qk_attn_prefill_args &a, int64_t t) {
-    __shared__ int64_t found_b, found_base, warp_sum[kWarps];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    if (tid == 0) found_b = -1;
-    __syncthreads();
-    int64_t base = 0;
-    for (int64_t c0 = 0; c0 < a.B; c0 += kThreads) {
-        const int64_t b = c0 + tid;
-        int64_t n = 0;
-        if (b < a.B) {
-            const int64_t lo = clamp_len(load_index(a.qo_indptr, a.qo_indptr_dtype, b * a.qo_indptr_stride), a.total_q);
-            const int64_t hi = clamp_len(load_index(a.qo_indptr, a.qo_indptr_dtype, (b + 1) * a.qo_indptr_stride), a.total_q);
-            n = hi > lo ? (hi - lo + kBM - 1) / kBM : 0;
-        }
-        int64_t incl = n;  // inclusive prefix within the warp, then across warps
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int64_t y = shfl64_up(incl, o);
-            if (lane >= o) incl += y;
-        }
-        if (lane == 31) warp_sum[warp] = incl;
-        __syncthreads();
-        int64_t before = base, total = 0;
-        for (int w = 0; w < kWarps; w++) {
-            if (w < warp) before += warp_sum[w];
-            total += warp_sum[w];
-        }
-        const int64_t excl = before + incl - n;
-        if (n > 0 && t >= excl && t < excl + n) {
-            found_b = b;
-            found_base = excl;
-        }
-        base += total;
-        __syncthreads();
-        if (found_b >= 0 || base > t) break;  // uniform: shared / identical values
-    }
-    Seq s;
-    const int64_t b = found_b;
-    if (b < 0) return s;
-    s.b = b;
-    s.tile = t - found_base;
-    s.q_row0 = clamp_len(load_index(a.qo_indptr, a.qo_indptr_dtype, b * a.qo_indptr_stride), a.total_q);
-    const int64_t q_end = clamp_len(load_index(a.qo_indptr, a.qo_indptr_dtype, (b + 1) * a.qo_indptr_stride), a.total_q);
-    s.q_len = q_end > s.q_row0 ? q_end - s.q_row0 : 0;
-    const int64_t k0 = load_index(a.kv_indptr, a.kv_indptr_dtype, b * a.kv_indptr_stride);
-    const int64_t k1 = load_index(a.kv_indptr, a.kv_indptr_dtype, (b + 1) * a.kv_indptr_stride);
-    s.kv_len = clamp_len(k1 - k0, a.max_ctx);
-    s.pool_row = load_index(a.req_pool_indices, a.rpi_dtype, b * a.rpi_stride);
-    s.row_ok = s.pool_row >= 0 && s.pool_row < a.num_requests;
-    return s;
-}
-
 template <typename T, int D, bool kPaged>
 __global__ void __launch_bounds__(kThreads, 2) prefill_fwd(qk_attn_prefill_args a) {
     constexpr int kBN = key_tile<D>(), kMT = mtiles<D>(), kBM = query_tile<D>();
@@ -117,31 +54,9 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_fwd(qk_attn_prefill_args 
     const int g = lane >> 2, t4 = lane & 3;
     const int h = blockIdx.y, G = (int)(a.Hq / a.Hkv), hk = h / G;
 
-    Seq s;
-    if (kPaged) {
-        // Rows of q before qo_indptr[0] or from qo_indptr[B] on belong to no request: 0, as on the
-        // cpu.  Every CTA zeroes a grid-stride share (usually there are none).
-        const int64_t lo = clamp_len(load_index(a.qo_indptr, a.qo_indptr_dtype, 0), a.total_q);
-        const int64_t hi = max(lo, clamp_len(load_index(a.qo_indptr, a.qo_indptr_dtype, a.B * a.qo_indptr_stride), a.total_q));
-        const int64_t per_row = a.Hq * (D / 8);
-        const int64_t n = (lo + a.total_q - hi) * per_row;
-        const int64_t nthreads = (int64_t)gridDim.x * gridDim.y * kThreads;
-        for (int64_t e = ((int64_t)blockIdx.y * gridDim.x + blockIdx.x) * kThreads + tid; e < n; e += nthreads) {
-            const int64_t r = e / per_row, hh = (e % per_row) / (D / 8), c = e % (D / 8);
-            const int64_t t = r < lo ? r : hi + (r - lo);
-            *reinterpret_cast<uint4 *>(static_cast<T *>(a.out) + t * a.out_stride[1] + hh * a.out_stride[2] + c * 8) =
-                make_uint4(0, 0, 0, 0);
-        }
-        s = find_request<kBM>(a, (int64_t)gridDim.x - 1 - blockIdx.x);  // later tiles first: see top
-        if (s.b < 0) return;
-    } else {
-        s.b = blockIdx.z;
-        s.q_len = a.Lq;
-        s.kv_len = a.Lkv;
-        s.tile = (int64_t)gridDim.x - 1 - blockIdx.x;
-    }
+    const Seq s = prefill_seq<kBM, kThreads, D, kPaged>(a);
+    if (s.b < 0) return;
     const int64_t b = s.b, q0 = s.tile * kBM;
-    if (q0 >= s.q_len) return;
     const int64_t offset = s.kv_len - s.q_len;  // key position of query 0
     int64_t key_end = s.kv_len;
     if (a.causal) key_end = min(key_end, q0 + kBM - 1 + offset + 1);
@@ -379,6 +294,8 @@ template <typename T, bool kPaged> int pick_dim(const qk_attn_prefill_args *a, c
 
 }  // namespace
 
+extern "C" int qk_attn_prefill_sm90(const qk_attn_prefill_args *a, cudaStream_t s);  // attention_prefill_sm90.cu
+
 extern "C" int qk_attn_prefill_cuda(const qk_attn_prefill_args *a, void *stream) {
     const int64_t nq = a->paged ? a->total_q : a->B * a->Lq;
     if (nq == 0 || a->Hq == 0) return QK_OK;
@@ -391,6 +308,8 @@ extern "C" int qk_attn_prefill_cuda(const qk_attn_prefill_args *a, void *stream)
     if (!aligned_rows(a->q, qs, 3) || !aligned_rows(a->out, os, 3) || !aligned_rows(a->k, ks, 3) || !aligned_rows(a->v, vs, 3))
         return QK_E_UNSUPPORTED;
     cudaStream_t s = (cudaStream_t)stream;
+    const int hopper = qk_attn_prefill_sm90(a, s);  // wgmma kernel where built and on sm_90
+    if (hopper != QK_E_UNSUPPORTED) return hopper;
     switch (a->dtype) {
     case QK_BF16: return a->paged ? pick_dim<__nv_bfloat16, true>(a, s) : pick_dim<__nv_bfloat16, false>(a, s);
     case QK_F16: return a->paged ? pick_dim<__half, true>(a, s) : pick_dim<__half, false>(a, s);

@@ -1,0 +1,389 @@
+// attn_prefill / attn_paged_prefill on Hopper: the same function as attention_prefill.cu, with
+// the two matrix products on the warpgroup tensor cores (wgmma, sm_90a), for D = 64, 128, 256.
+//
+// Work: one CTA per (tile of kBM = 128 queries, query head, sequence); two warpgroups of 4 warps,
+// each owning 64 query rows (one m64 wgmma row block).  K and V stream through shared memory in
+// kBN-key tiles (128 keys for D <= 128, 64 for D = 256), each in its own two-buffer ring filled by
+// cp.async from all threads (which also gathers the pool rows of the paged op), laid out in the
+// 128-byte swizzle the wgmma descriptors read: a [rows][D] tile is D/64 column blocks of
+// [rows][64] elements, 16-byte chunk c of row r stored at chunk c ^ (r & 7).
+//
+// Per warpgroup and key tile j (FlashAttention-3's intra-warpgroup overlap): issue S_j = Q K_j^T
+// and O += P_{j-1} V_{j-1} together, wait for S_j only, run the masked online softmax on S_j in
+// place while the P V product is still on the tensor cores, then wait for it, rescale O and
+// round P_j into the A fragments (only then: the in-flight product reads P_{j-1} from them).  K_{j+1}
+// and V_j are copied during iteration j, so every copy has a whole iteration to land.  The two
+// warpgroups of a CTA keep each other's tensor cores busy while one of them is in its softmax.
+//
+// Bytes and flops: 4 * Lq * Lkv * D flops per head (half for causal); K and V read once per
+// 128-query tile.  Causal skipping and masking as in attention_prefill.cu.
+#include "attention_prefill.cuh"
+#include "wgmma.cuh"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(QK_SM90A)
+namespace {
+using namespace qk_attn;
+
+constexpr int kWG = 2, kThreads = 128 * kWG, kBM = 64 * kWG;
+
+template <int D> __host__ __device__ constexpr int key_tile() { return D <= 128 ? 128 : 64; }
+// Q [kBM][D], K [2][kBN][D], V [2][kBN][D]; +1024 so the tiles can start on a 1024-byte boundary
+// (the swizzle pattern repeats every 8 rows of 128 bytes, and the hardware applies it to
+// absolute shared addresses).
+template <int D> constexpr size_t smem_bytes() {
+    return 1024 + 2 * ((size_t)kBM * D + 4 * (size_t)key_tile<D>() * D);
+}
+
+// wgmma matrix descriptor for a 128-byte-swizzled operand at shared address addr (PTX ISA
+// "Matrix Descriptor Format"): bits 0-13 address >> 4, 16-29 leading-dimension byte offset >> 4,
+// 32-45 stride-dimension byte offset >> 4, 62-63 swizzle mode (1: 128-byte).
+__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3ffff) >> 4) | ((uint64_t)((lbo >> 4) & 0x3fff) << 16) |
+           ((uint64_t)((sbo >> 4) & 0x3fff) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Keep registers an in-flight wgmma reads or writes where they are until after the wait: the
+// compiler does not know the instruction is asynchronous.
+template <int N> __device__ __forceinline__ void pin(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N> __device__ __forceinline__ void pin(uint32_t (&r)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; i++)
+#pragma unroll
+        for (int k = 0; k < 4; k++) asm volatile("" : "+r"(r[i][k])::"memory");
+}
+// 2^x on the special-function unit, flushing denormal results to 0 (exp2f adds range handling
+// the scores never need: x <= 0 here).
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+// cp.async writes are generic-proxy writes; wgmma reads shared memory through the async proxy.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+template <typename T, int D, bool kPaged>
+__global__ void __launch_bounds__(kThreads, 1) prefill_wgmma(qk_attn_prefill_args a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int kBN = key_tile<D>(), kChunks = D / 8;
+    using SS = qk_wgmma::SS<T, kBN>;
+    using RS = qk_wgmma::RS<T, D>;
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
+    const uint32_t sq = (raw + 1023) & ~1023u;                 // [kBM][D]
+    const uint32_t sk = sq + kBM * D * 2;                      // [2][kBN][D]
+    const uint32_t sv = sk + 2 * kBN * D * 2;                  // [2][kBN][D]
+    __shared__ uint8_t kvalid[2][kBN];
+    __shared__ int64_t sslot[3][kBN];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // Warp-uniform to the compiler (a shuffle from lane 0), so the wgmma descriptors built from it
+    // live in uniform registers: a descriptor computed in ordinary registers between two wgmma
+    // makes ptxas serialise them (warning C7513).
+    const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0);
+    const int g = lane >> 2, t4 = lane & 3;
+    const int h = blockIdx.y, G = (int)(a.Hq / a.Hkv), hk = h / G;
+
+    const Seq s = prefill_seq<kBM, kThreads, D, kPaged>(a);
+    if (s.b < 0) return;
+    const int64_t b = s.b, q0 = s.tile * kBM;
+    const int64_t offset = s.kv_len - s.q_len;  // key position of query 0
+    int64_t key_end = s.kv_len;
+    if (a.causal) key_end = min(key_end, q0 + kBM - 1 + offset + 1);
+    if (kPaged && !s.row_ok) key_end = 0;
+    const int ntiles = key_end > 0 ? (int)((key_end + kBN - 1) / kBN) : 0;
+
+    const T *qbase = static_cast<const T *>(a.q) + (kPaged ? 0 : b * a.q_stride[0]) + h * a.q_stride[2];
+    const T *kbase = static_cast<const T *>(a.k), *vbase = static_cast<const T *>(a.v);
+    const int64_t kh = (kPaged ? 0 : b * a.k_stride[0]) + hk * a.k_stride[2];
+    const int64_t vh = (kPaged ? 0 : b * a.v_stride[0]) + hk * a.v_stride[2];
+    const uint8_t *mask = static_cast<const uint8_t *>(a.mask);
+
+    // Row of K/V holding key r of tile kt, or -1 when the key is skipped (past the end, key mask,
+    // out-of-range pool slot).
+    auto key_row = [&](int kt, int r) -> int64_t {
+        const int64_t j = (int64_t)kt * kBN + r;
+        if (j >= key_end) return -1;
+        if (a.mask_kind == 1 && !mask[b * a.mask_stride[0] + j * a.mask_stride[3]]) return -1;
+        if (!kPaged) return j;
+        const int64_t row = load_index(a.req_to_token, a.r2t_dtype, s.pool_row * a.r2t_stride[0] + j * a.r2t_stride[1]);
+        return row >= 0 && row < a.pool_size ? row : -1;
+    };
+    // Paged: a tile's pool rows are staged in sslot[kt % 3] one iteration before its copies, so
+    // the copies never wait on an index load.  kvalid: the kept flags of the keys of K tiles
+    // whose copies were predicated (read by the softmax only for such tiles).
+    // Copies: thread tid always moves 16-byte chunk lc of rows lr, lr + kRP, ... of a tile, so its
+    // shared offsets are fixed (r & 7 does not change) and a whole tile inside the keys is kRP-row
+    // strides off one pointer, with no per-chunk index math or predicates.
+    constexpr int kRP = kThreads / kChunks;
+    const int lc = tid % kChunks, lr = tid / kChunks;
+    auto cp16 = [](uint32_t dst, const T *src, bool ok) {
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+    };
+    auto load_tile = [&](uint32_t dst, const T *base, int64_t stride, int kt, bool is_k) {
+        dst += (lc >> 3) * kBN * 128 + lr * 128 + (((lc & 7) ^ (lr & 7)) << 4);
+        base += lc * 8;
+        const int64_t j0 = (int64_t)kt * kBN;
+        if (!kPaged && a.mask_kind != 1 && j0 + kBN <= key_end) {
+            const T *src = base + (j0 + lr) * stride;
+#pragma unroll
+            for (int i = 0; i < kBN / kRP; i++) cp16(dst + i * kRP * 128, src + i * kRP * stride, true);
+        } else {
+#pragma unroll 1
+            for (int i = 0; i < kBN / kRP; i++) {
+                const int r = lr + i * kRP;
+                const int64_t row = kPaged ? sslot[kt % 3][r] : key_row(kt, r);
+                cp16(dst + i * kRP * 128, row >= 0 ? base + row * stride : base, row >= 0);
+                if (is_k && lc == 0) kvalid[kt & 1][r] = row >= 0;
+            }
+        }
+    };
+    auto load_k = [&](int kt) { load_tile(sk + (kt & 1) * kBN * D * 2, kbase + kh, a.k_stride[1], kt, true); };
+    auto load_v = [&](int kt) { load_tile(sv + (kt & 1) * kBN * D * 2, vbase + vh, a.v_stride[1], kt, false); };
+
+    // Prologue: q and K_0 (group 1), then K_1 and V_0 (group 2).
+    {
+        const uint32_t dst = sq + (lc >> 3) * kBM * 128 + lr * 128 + (((lc & 7) ^ (lr & 7)) << 4);
+        const T *src = qbase + lc * 8 + (s.q_row0 + q0 + lr) * a.q_stride[1];
+#pragma unroll
+        for (int i = 0; i < kBM / kRP; i++) {
+            const bool ok = q0 + lr + i * kRP < s.q_len;
+            cp16(dst + i * kRP * 128, ok ? src + i * kRP * a.q_stride[1] : qbase, ok);
+        }
+    }
+    if (kPaged) {
+        for (int r = tid; r < 3 * kBN; r += kThreads) sslot[r / kBN][r % kBN] = r / kBN < ntiles ? key_row(r / kBN, r % kBN) : -1;
+        __syncthreads();
+    }
+    if (ntiles > 0) load_k(0);
+    cp_async_commit();
+    if (ntiles > 1) load_k(1);
+    if (ntiles > 0) load_v(0);
+    cp_async_commit();
+
+    // This thread's rows: warp w of warpgroup wg holds rows 64 wg + 16 (w % 4) + g and + 8; the
+    // accumulators hold, per 8-column block n, (row g: cols 8n + 2 t4, +1; row g + 8: the same).
+    const int64_t qi[2] = {q0 + 64 * wg + 16 * (warp & 3) + g, q0 + 64 * wg + 16 * (warp & 3) + g + 8};
+    const float qscale = a.scale * 1.4426950408889634f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    float o[D / 2], sc[kBN / 2];
+    uint32_t p[kBN / 16][4];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) o[i] = 0.f;
+
+    // Descriptors: one per operand tile, advanced by adding (byte offset >> 4) to the address
+    // field.  Q: this warpgroup's 64 rows of each column block; k-step kk is column block kk / 4,
+    // 32 bytes in per step.  V: 16 keys (2048 bytes) per step, column blocks kBN * 128 bytes apart.
+    auto issue_s = [&](int kt) {
+        const uint64_t dq = make_desc(sq + wg * 64 * 128, 16, 1024);
+        const uint64_t kd = make_desc(sk + (kt & 1) * kBN * D * 2, 16, 1024);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+            SS::template mma<0, 0>(sc, dq + (((kk >> 2) * kBM * 128 + (kk & 3) * 32) >> 4),
+                                   kd + (((kk >> 2) * kBN * 128 + (kk & 3) * 32) >> 4), kk > 0);
+    };
+    auto issue_pv = [&](int kt, const uint32_t (&frag)[kBN / 16][4]) {
+        const uint64_t vd = make_desc(sv + (kt & 1) * kBN * D * 2, kBN * 128, 1024);
+#pragma unroll
+        for (int kk = 0; kk < kBN / 16; kk++) RS::template mma<1>(o, frag[kk], vd + ((kk * 16 * 128) >> 4), 1);
+    };
+    // Masked online softmax of the scores of tile kt (in exp2 units): leaves the probabilities in
+    // sc (fp32) and returns the rescale factor of the rows' earlier output in alpha.  Touches only
+    // sc, m and l, so it runs while the previous tile's P V product is on the tensor cores.
+    auto softmax = [&](int kt, float (&alpha)[2]) {
+        const int64_t j0 = (int64_t)kt * kBN;
+        const bool full = !kPaged && a.mask_kind == 0 && j0 + kBN <= s.kv_len && (!a.causal || j0 + kBN - 1 <= q0 + 64 * wg + offset);
+        // Otherwise row r keeps the tile's keys jj <= lim[r] (inside key_end, causal) that are
+        // also kept in kvalid (paged, key mask): 32-bit compares, so the code stays small.
+        int lim[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            int64_t last = key_end - 1 - j0;
+            if (a.causal) last = min(last, qi[r] + offset - j0);
+            if (qi[r] >= s.q_len) last = -1;
+            lim[r] = (int)max((int64_t)-1, min(last, (int64_t)kBN - 1));
+        }
+        const bool use_kvalid = kPaged || a.mask_kind == 1;
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int n = 0; n < kBN / 8; n++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float v = sc[4 * n + e] * qscale;
+                if (!full) {
+                    const int jj = 8 * n + 2 * t4 + (e & 1);
+                    if (jj > lim[e >> 1] || (use_kvalid && !kvalid[kt & 1][jj])) v = -INFINITY;
+                }
+                sc[4 * n + e] = v;
+                mx[e >> 1] = fmaxf(mx[e >> 1], v);
+            }
+        }
+        float ref[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            ref[r] = mx[r] == -INFINITY ? 0.f : mx[r];  // nothing kept yet: every p is 0
+            alpha[r] = ex2(m[r] - ref[r]);
+            m[r] = mx[r];
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int i = 0; i < kBN / 2; i++) {
+            sc[i] = ex2(sc[i] - ref[(i >> 1) & 1]);
+            l[(i >> 1) & 1] += sc[i];
+        }
+    };
+    // P (rounded to T) as the A fragments of the P V product: keys 16 kk .. +15 are (row g, keys
+    // 2 t4, +1), (row g + 8, same), (row g, keys 8 + 2 t4, +1), (row g + 8, same).
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < kBN / 16; kk++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) p[kk][i] = pack2<T>(sc[8 * kk + 2 * i], sc[8 * kk + 2 * i + 1]);
+    };
+
+    if (ntiles > 0) {
+        cp_async_wait<1>();  // q and K_0
+        fence_async_smem();
+        __syncthreads();
+        pin(sc);
+        wg_fence();
+        issue_s(0);
+        wg_commit();
+        wg_wait<0>();
+        pin(sc);
+        float alpha[2];
+        softmax(0, alpha);
+        pack_p();
+    }
+    for (int kt = 1; kt < ntiles; kt++) {
+        cp_async_wait<0>();  // K_kt and V_{kt-1}
+        fence_async_smem();
+        __syncthreads();     // ... for every thread; every warpgroup is done with K_{kt-1} and V_{kt-2}
+        // Paged: the pool rows of tile kt + 2, loaded now and stored at the end of the iteration
+        // (into the entry tile kt - 1 used), so the load's latency hides behind this tile's math.
+        int64_t next_slot = -1;
+        if (kPaged && tid < kBN && kt + 2 < ntiles) next_slot = key_row(kt + 2, tid);
+        if (kt + 1 < ntiles) load_k(kt + 1);
+        load_v(kt);
+        cp_async_commit();
+        pin(sc);
+        pin(o);
+        pin(p);  // every operand final before the fence
+        wg_fence();
+        issue_s(kt);
+        wg_commit();
+        issue_pv(kt - 1, p);
+        wg_commit();
+        wg_wait<1>();  // S_kt; the P V product may still run
+        pin(sc);
+        float alpha[2];
+        softmax(kt, alpha);
+        wg_wait<0>();
+        pin(o);
+        pin(p);
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            o[4 * n + 0] *= alpha[0];
+            o[4 * n + 1] *= alpha[0];
+            o[4 * n + 2] *= alpha[1];
+            o[4 * n + 3] *= alpha[1];
+        }
+        pack_p();
+        if (kPaged && tid < kBN) sslot[(kt + 2) % 3][tid] = next_slot;
+    }
+    if (ntiles > 0) {
+        cp_async_wait<0>();  // V_last
+        fence_async_smem();
+        __syncthreads();
+        pin(o);
+        pin(p);
+        wg_fence();
+        issue_pv(ntiles - 1, p);
+        wg_commit();
+        wg_wait<0>();
+        pin(o);
+        pin(p);
+    }
+    cp_async_wait<0>();
+
+    // Normalise and write this thread's rows (a row with no kept key gives 0).
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float lr = l[r];
+        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        const int64_t i = qi[r];
+        if (i >= s.q_len) continue;
+        const float inv = lr > 0.f ? 1.f / lr : 0.f;
+        T *out = static_cast<T *>(a.out) + (kPaged ? 0 : b * a.out_stride[0]) + (s.q_row0 + i) * a.out_stride[1] +
+                 h * a.out_stride[2];
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+            *reinterpret_cast<uint32_t *>(out + 8 * n + 2 * t4) = pack2<T>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
+    }
+#endif
+}
+
+template <typename T, int D, bool kPaged> int launch(const qk_attn_prefill_args *a, cudaStream_t s) {
+    constexpr size_t smem = smem_bytes<D>();
+    const int opt = qk_kernel_residency((const void *)prefill_wgmma<T, D, kPaged>, kThreads, smem, nullptr);
+    if (opt) return opt;
+    dim3 grid;
+    if (kPaged) {
+        const int64_t tiles = (a->total_q + kBM - 1) / kBM + a->B;  // any split into B requests fits
+        if (tiles > 0x7fffffff) return QK_E_UNSUPPORTED;
+        grid = dim3((unsigned)tiles, (unsigned)a->Hq, 1);
+    } else {
+        grid = dim3((unsigned)((a->Lq + kBM - 1) / kBM), (unsigned)a->Hq, (unsigned)a->B);
+    }
+    qk_attn_prefill_args p = *a;
+    void *args[] = {&p};
+    return qk_launch((const void *)prefill_wgmma<T, D, kPaged>, grid, dim3(kThreads), smem, s, args);
+}
+
+template <typename T, bool kPaged> int pick_dim(const qk_attn_prefill_args *a, cudaStream_t s) {
+    switch (a->D) {
+    case 64: return launch<T, 64, kPaged>(a, s);
+    case 128: return launch<T, 128, kPaged>(a, s);
+    case 256: return launch<T, 256, kPaged>(a, s);
+    default: return QK_E_UNSUPPORTED;
+    }
+}
+}  // namespace
+#endif
+
+// QK_E_UNSUPPORTED unless this build has sm_90a code and the current device is compute
+// capability 9.0 (the caller then uses the mma.sync kernel).  QKERNELS_PREFILL_KERNEL=mma forces
+// that kernel (tests and benchmarks compare the two).
+extern "C" int qk_attn_prefill_sm90(const qk_attn_prefill_args *a, cudaStream_t s) {
+#if defined(QK_SM90A)
+    const char *pick = getenv("QKERNELS_PREFILL_KERNEL");
+    if (pick && strcmp(pick, "mma") == 0) return QK_E_UNSUPPORTED;
+    int dev, major = 0, minor = 0;
+    QK_CUDA_TRY(cudaGetDevice(&dev));
+    QK_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    QK_CUDA_TRY(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    // Full [B, H, Lq, Lkv] bool masks stay on the mma.sync kernel: a load per score would
+    // double this kernel's code and its masked path is sized for 32-bit compares.
+    if (major != 9 || minor != 0 || a->mask_kind == 2) return QK_E_UNSUPPORTED;
+    switch (a->dtype) {
+    case QK_BF16: return a->paged ? pick_dim<__nv_bfloat16, true>(a, s) : pick_dim<__nv_bfloat16, false>(a, s);
+    case QK_F16: return a->paged ? pick_dim<__half, true>(a, s) : pick_dim<__half, false>(a, s);
+    default: return QK_E_UNSUPPORTED;
+    }
+#else
+    (void)a;
+    (void)s;
+    return QK_E_UNSUPPORTED;
+#endif
+}
