@@ -3,7 +3,9 @@ float64 on the GPU, so 1024 x 1024 cases stay quick), fp16/bf16 against a naive 
 torch computation (flash-attention's rule), causal bottom-right with Lq <= Lkv and Lq > Lkv, both
 mask kinds and fully masked rows, non-contiguous views and a NaN-poisoned out, ragged token-pool
 batches with very uneven lengths, bad indices contained, and CUDA-graph replay with the lengths
-changed on the device.  Skipped without a GPU."""
+changed on the device.  Every test runs twice: on the kernel the launcher picks (the wgmma kernel
+on sm_90) and on the mma.sync kernel (other GPUs, full masks), forced by
+QKERNELS_PREFILL_KERNEL=mma.  Skipped without a GPU."""
 
 import importlib.util
 
@@ -25,6 +27,15 @@ HALVES = ["bfloat16", "float16"]
 
 def randn(gen, *shape, dtype="bfloat16"):
     return torch.randn(*shape, generator=gen, device="cuda").to(getattr(torch, dtype))
+
+
+@pytest.fixture(autouse=True, params=["picked", "mma"])
+def prefill_kernel(request, monkeypatch):
+    if request.param == "mma":
+        monkeypatch.setenv("QKERNELS_PREFILL_KERNEL", "mma")
+    else:
+        monkeypatch.delenv("QKERNELS_PREFILL_KERNEL", raising=False)
+    return request.param
 
 
 @pytest.fixture
