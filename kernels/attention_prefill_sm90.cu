@@ -30,7 +30,11 @@ using namespace qk_attn;
 
 constexpr int kWG = 2, kThreads = 128 * kWG, kBM = 64 * kWG;
 
-template <int D> __host__ __device__ constexpr int key_tile() { return D <= 128 ? 128 : 64; }
+// Key tile: 128 keys for D = 128; 64 for D = 256 (registers) and for D = 64, whose smaller
+// registers and shared memory then fit two CTAs per SM (the softmax, the same work per score at
+// every D, is a larger share there and wants the other CTA's tensor-core work beside it).
+template <int D> __host__ __device__ constexpr int key_tile() { return D == 128 ? 128 : 64; }
+template <int D> __host__ __device__ constexpr int ctas_per_sm() { return D == 64 ? 2 : 1; }
 // Q [kBM][D], K [2][kBN][D], V [2][kBN][D]; +1024 so the tiles can start on a 1024-byte boundary
 // (the swizzle pattern repeats every 8 rows of 128 bytes, and the hardware applies it to
 // absolute shared addresses).
@@ -72,7 +76,7 @@ __device__ __forceinline__ float ex2(float x) {
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 template <typename T, int D, bool kPaged>
-__global__ void __launch_bounds__(kThreads, 1) prefill_wgmma(qk_attn_prefill_args a) {
+__global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_attn_prefill_args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int kBN = key_tile<D>(), kChunks = D / 8;
     using SS = qk_wgmma::SS<T, kBN>;
@@ -84,6 +88,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_wgmma(qk_attn_prefill_arg
     const uint32_t sv = sk + 2 * kBN * D * 2;                  // [2][kBN][D]
     __shared__ uint8_t kvalid[2][kBN];
     __shared__ int64_t sslot[3][kBN];
+    __shared__ uint8_t sall[3][kBN / 32];  // paged: every key of a 32-key group of the tile kept
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     // Warp-uniform to the compiler (a shuffle from lane 0), so the wgmma descriptors built from it
     // live in uniform registers: a descriptor computed in ordinary registers between two wgmma
@@ -136,11 +141,19 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_wgmma(qk_attn_prefill_arg
             const T *src = base + (j0 + lr) * stride;
 #pragma unroll
             for (int i = 0; i < kBN / kRP; i++) cp16(dst + i * kRP * 128, src + i * kRP * stride, true);
-        } else {
+        } else if (kPaged) {
+#pragma unroll
+            for (int i = 0; i < kBN / kRP; i++) {
+                const int r = lr + i * kRP;
+                const int64_t row = sslot[kt % 3][r];
+                cp16(dst + i * kRP * 128, row >= 0 ? base + row * stride : base, row >= 0);
+                if (is_k && lc == 0) kvalid[kt & 1][r] = row >= 0;
+            }
+        } else {  // the last tile, or a key mask: rare, so kept small
 #pragma unroll 1
             for (int i = 0; i < kBN / kRP; i++) {
                 const int r = lr + i * kRP;
-                const int64_t row = kPaged ? sslot[kt % 3][r] : key_row(kt, r);
+                const int64_t row = key_row(kt, r);
                 cp16(dst + i * kRP * 128, row >= 0 ? base + row * stride : base, row >= 0);
                 if (is_k && lc == 0) kvalid[kt & 1][r] = row >= 0;
             }
@@ -160,7 +173,12 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_wgmma(qk_attn_prefill_arg
         }
     }
     if (kPaged) {
-        for (int r = tid; r < 3 * kBN; r += kThreads) sslot[r / kBN][r % kBN] = r / kBN < ntiles ? key_row(r / kBN, r % kBN) : -1;
+        for (int r = tid; r < 3 * kBN; r += kThreads) {  // whole warps: 3 kBN is a multiple of 32
+            const int64_t row = r / kBN < ntiles ? key_row(r / kBN, r % kBN) : -1;
+            sslot[r / kBN][r % kBN] = row;
+            const bool all = __all_sync(0xffffffffu, row >= 0);
+            if (lane == 0) sall[r / kBN][(r % kBN) / 32] = all;
+        }
         __syncthreads();
     }
     if (ntiles > 0) load_k(0);
@@ -200,7 +218,12 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_wgmma(qk_attn_prefill_arg
     // sc, m and l, so it runs while the previous tile's P V product is on the tensor cores.
     auto softmax = [&](int kt, float (&alpha)[2]) {
         const int64_t j0 = (int64_t)kt * kBN;
-        const bool full = !kPaged && a.mask_kind == 0 && j0 + kBN <= s.kv_len && (!a.causal || j0 + kBN - 1 <= q0 + 64 * wg + offset);
+        bool kept = a.mask_kind == 0;  // every key of the tile has K/V (paged: a valid slot)
+        if (kPaged) {
+#pragma unroll
+            for (int w = 0; w < kBN / 32; w++) kept = kept && sall[kt % 3][w];
+        }
+        const bool full = kept && j0 + kBN <= key_end && (!a.causal || j0 + kBN - 1 <= q0 + 64 * wg + offset);
         // Otherwise row r keeps the tile's keys jj <= lim[r] (inside key_end, causal) that are
         // also kept in kvalid (paged, key mask): 32-bit compares, so the code stays small.
         int lim[2];
@@ -299,7 +322,11 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_wgmma(qk_attn_prefill_arg
             o[4 * n + 3] *= alpha[1];
         }
         pack_p();
-        if (kPaged && tid < kBN) sslot[(kt + 2) % 3][tid] = next_slot;
+        if (kPaged && tid < kBN) {
+            sslot[(kt + 2) % 3][tid] = next_slot;
+            const bool all = __all_sync(0xffffffffu, next_slot >= 0);
+            if (lane == 0) sall[(kt + 2) % 3][tid / 32] = all;
+        }
     }
     if (ntiles > 0) {
         cp_async_wait<0>();  // V_last
