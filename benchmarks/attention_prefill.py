@@ -202,6 +202,7 @@ def run_case(case, gemm, samples):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", help="run only the cases whose kind or label contains this text")
     p.add_argument("--markdown")
     p.add_argument("--samples", type=int, default=10)
     args = p.parse_args()
@@ -216,6 +217,8 @@ def main():
     print("\n".join(header), flush=True)
     rows = []
     for case in cases(args.quick):
+        if args.only and args.only not in case.kind and args.only not in case.label:
+            continue
         rows += run_case(case, gemm, args.samples)
     print("\n" + "\n".join(header) + "\n")
     print("\n".join(common.text_table(rows, COLUMNS)))

@@ -18,7 +18,7 @@ extra=()
 # reads; only our kernels' reads matter, which the tool reports with their names.
 compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 9 --print-limit 20 \
     python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py tests/test_cuda_graph_ops.py \
-    tests/test_cuda_attention_decode.py tests/test_cuda_dense_ops.py -k "$filter"
+    tests/test_cuda_attention_decode.py tests/test_cuda_attention_prefill.py tests/test_cuda_dense_ops.py -k "$filter"
 status=$?
 echo "compute-sanitizer --tool $tool: exit $status"
 exit $status
