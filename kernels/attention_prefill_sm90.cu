@@ -213,7 +213,9 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
 #pragma unroll
         for (int kk = 0; kk < kBN / 16; kk++) RS::template mma<1>(o, frag[kk], vd + ((kk * 16 * 128) >> 4), 1);
     };
-    // Masked online softmax of the scores of tile kt (in exp2 units): leaves the probabilities in
+    // Masked online softmax of the scores of tile kt: the row maxima m are kept on the raw scores
+    // and the scale folded into one FMA per score before the exp2 (scale > 0, checked by the
+    // launcher), which the shorter D = 64 tiles feel most.  Leaves the probabilities in
     // sc (fp32) and returns the rescale factor of the rows' earlier output in alpha.  Touches only
     // sc, m and l, so it runs while the previous tile's P V product is on the tensor cores.
     auto softmax = [&](int kt, float (&alpha)[2]) {
@@ -240,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
         for (int n = 0; n < kBN / 8; n++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                float v = sc[4 * n + e] * qscale;
+                float v = sc[4 * n + e];
                 if (!full) {
                     const int jj = 8 * n + 2 * t4 + (e & 1);
                     if (jj > lim[e >> 1] || (use_kvalid && !kvalid[kt & 1][jj])) v = -INFINITY;
@@ -254,14 +256,14 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
         for (int r = 0; r < 2; r++) {
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            ref[r] = mx[r] == -INFINITY ? 0.f : mx[r];  // nothing kept yet: every p is 0
-            alpha[r] = ex2(m[r] - ref[r]);
+            ref[r] = mx[r] == -INFINITY ? 0.f : mx[r] * qscale;  // nothing kept yet: every p is 0
+            alpha[r] = ex2(m[r] * qscale - ref[r]);
             m[r] = mx[r];
             l[r] *= alpha[r];
         }
 #pragma unroll
         for (int i = 0; i < kBN / 2; i++) {
-            sc[i] = ex2(sc[i] - ref[(i >> 1) & 1]);
+            sc[i] = ex2(fmaf(sc[i], qscale, -ref[(i >> 1) & 1]));
             l[(i >> 1) & 1] += sc[i];
         }
     };
@@ -402,7 +404,7 @@ extern "C" int qk_attn_prefill_sm90(const qk_attn_prefill_args *a, cudaStream_t 
     QK_CUDA_TRY(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
     // Full [B, H, Lq, Lkv] bool masks stay on the mma.sync kernel: a load per score would
     // double this kernel's code and its masked path is sized for 32-bit compares.
-    if (major != 9 || minor != 0 || a->mask_kind == 2) return QK_E_UNSUPPORTED;
+    if (major != 9 || minor != 0 || a->mask_kind == 2 || !(a->scale > 0.f)) return QK_E_UNSUPPORTED;
     switch (a->dtype) {
     case QK_BF16: return a->paged ? pick_dim<__nv_bfloat16, true>(a, s) : pick_dim<__nv_bfloat16, false>(a, s);
     case QK_F16: return a->paged ? pick_dim<__half, true>(a, s) : pick_dim<__half, false>(a, s);
