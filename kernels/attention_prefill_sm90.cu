@@ -20,6 +20,8 @@
 #include "attention_prefill.cuh"
 #include "wgmma.cuh"
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -363,6 +365,340 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
 #endif
 }
 
+// ---- dense, warp-specialised: a TMA producer warp and two consumer warpgroups -----------------
+//
+// The same per-tile math as prefill_wgmma, for dense K/V without a mask.  Warpgroup 0's first
+// thread loads Q, K and V with the bulk tensor copy engine (TMA, 128-byte swizzle: the layout the
+// descriptors read) into two-stage K and V rings; each stage has a 'full' mbarrier (the copy's
+// bytes landed) and an 'empty' one (all eight consumer warps are done with it), so no CTA-wide
+// barrier paces the consumers and the two warpgroups drift apart, one's softmax beside the other's
+// matrix products.  Registers move from the producer (40) to the consumers (232) by setmaxnreg.
+constexpr int kWsThreads = 384, kConsumerWarps = 8;
+
+template <int D> __host__ __device__ constexpr int ws_key_tile() { return D <= 128 ? 128 : 64; }
+template <int D> constexpr size_t ws_smem_bytes() {
+    return 1024 + 2 * ((size_t)kBM * D + 4 * (size_t)ws_key_tile<D>() * D);
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+    asm volatile("{\n.reg .pred done;\nWAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// TMA: box at coordinates (c0 .. c3) of tensor map tm into shared memory dst, completing on bar.
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap *tm, int c0, int c1, int c2, int c3, uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+                 ::"r"(dst), "l"(reinterpret_cast<uint64_t>(tm)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+                 : "memory");
+}
+
+// Where the row, head and batch coordinates go among a tensor map's dims 1..3 (the dims are
+// ordered by stride; see make_map).
+struct WsCoords {
+    int row, head, batch;
+};
+__device__ __forceinline__ void tma_box(uint32_t dst, const CUtensorMap *tm, const WsCoords &pos, int col, int row, int head,
+                                        int batch, uint32_t bar) {
+    int c[4] = {col, 0, 0, 0};
+    c[pos.row] = row;
+    c[pos.head] = head;
+    c[pos.batch] = batch;
+    tma_load(dst, tm, c[0], c[1], c[2], c[3], bar);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    prefill_ws(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
+               const __grid_constant__ CUtensorMap tv, WsCoords qpos, WsCoords kpos, WsCoords vpos, qk_attn_prefill_args a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int kBN = ws_key_tile<D>();
+    using SS = qk_wgmma::SS<T, kBN>;
+    using RS = qk_wgmma::RS<T, D>;
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ __align__(8) uint64_t bars[9];  // q_full, k_full[2], k_empty[2], v_full[2], v_empty[2]
+    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
+    const uint32_t sq = (raw + 1023) & ~1023u;  // [D/64][kBM][64]
+    const uint32_t sk = sq + kBM * D * 2;       // [2][D/64][kBN][64]
+    const uint32_t sv = sk + 2 * kBN * D * 2;   // [2][D/64][kBN][64]
+    const uint32_t bar0 = (uint32_t)__cvta_generic_to_shared(bars);
+    const uint32_t q_full = bar0;
+    auto k_full = [&](int st) { return bar0 + 8 * (1 + st); };
+    auto k_empty = [&](int st) { return bar0 + 8 * (3 + st); };
+    auto v_full = [&](int st) { return bar0 + 8 * (5 + st); };
+    auto v_empty = [&](int st) { return bar0 + 8 * (7 + st); };
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int role = __shfl_sync(0xffffffffu, warp >> 2, 0);  // 0: producer; 1, 2: consumers
+
+    const int h = blockIdx.y, G = (int)(a.Hq / a.Hkv), hk = h / G, b = blockIdx.z;
+    const int64_t q0 = ((int64_t)gridDim.x - 1 - blockIdx.x) * kBM;  // longest tiles first
+    const int64_t offset = a.Lkv - a.Lq;
+    int64_t key_end = a.Lkv;
+    if (a.causal) key_end = min(key_end, q0 + kBM - 1 + offset + 1);
+    const int ntiles = key_end > 0 ? (int)((key_end + kBN - 1) / kBN) : 0;
+
+    if (tid == 0) {
+        mbar_init(q_full, 1);
+        for (int st = 0; st < 2; st++) {
+            mbar_init(k_full(st), 1);
+            mbar_init(v_full(st), 1);
+            mbar_init(k_empty(st), kConsumerWarps);
+            mbar_init(v_empty(st), kConsumerWarps);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (role == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (tid != 0) return;
+        constexpr uint32_t kTileBytes = kBN * D * 2;
+        mbar_expect_tx(q_full, kBM * D * 2);
+        for (int c = 0; c < D / 64; c++) tma_box(sq + c * kBM * 128, &tq, qpos, 64 * c, (int)q0, h, b, q_full);
+        for (int kt = 0; kt < ntiles; kt++) {
+            const int st = kt & 1, ph = (kt >> 1) & 1;
+            if (kt >= 2) mbar_wait(k_empty(st), ph ^ 1);  // tile kt - 2 released by every consumer warp
+            mbar_expect_tx(k_full(st), kTileBytes);
+            for (int c = 0; c < D / 64; c++)
+                tma_box(sk + st * kTileBytes + c * kBN * 128, &tk, kpos, 64 * c, kt * kBN, hk, b, k_full(st));
+            if (kt >= 2) mbar_wait(v_empty(st), ph ^ 1);
+            mbar_expect_tx(v_full(st), kTileBytes);
+            for (int c = 0; c < D / 64; c++)
+                tma_box(sv + st * kTileBytes + c * kBN * 128, &tv, vpos, 64 * c, kt * kBN, hk, b, v_full(st));
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int wg = role - 1;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int64_t qi[2] = {q0 + 64 * wg + 16 * (warp & 3) + g, q0 + 64 * wg + 16 * (warp & 3) + g + 8};
+    const float qscale = a.scale * 1.4426950408889634f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    float o[D / 2], sc[kBN / 2];
+    uint32_t p[kBN / 16][4];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) o[i] = 0.f;
+
+    auto issue_s = [&](int kt) {
+        const uint64_t dq = make_desc(sq + wg * 64 * 128, 16, 1024);
+        const uint64_t kd = make_desc(sk + (kt & 1) * kBN * D * 2, 16, 1024);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+            SS::template mma<0, 0>(sc, dq + (((kk >> 2) * kBM * 128 + (kk & 3) * 32) >> 4),
+                                   kd + (((kk >> 2) * kBN * 128 + (kk & 3) * 32) >> 4), kk > 0);
+    };
+    auto issue_pv = [&](int kt) {
+        const uint64_t vd = make_desc(sv + (kt & 1) * kBN * D * 2, kBN * 128, 1024);
+#pragma unroll
+        for (int kk = 0; kk < kBN / 16; kk++) RS::template mma<1>(o, p[kk], vd + ((kk * 16 * 128) >> 4), 1);
+    };
+    // As prefill_wgmma's softmax, without key masks.
+    auto softmax = [&](int kt, float (&alpha)[2]) {
+        const int64_t j0 = (int64_t)kt * kBN;
+        const bool full = j0 + kBN <= key_end && (!a.causal || j0 + kBN - 1 <= q0 + 64 * wg + offset);
+        int lim[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            int64_t last = key_end - 1 - j0;
+            if (a.causal) last = min(last, qi[r] + offset - j0);
+            if (qi[r] >= a.Lq) last = -1;
+            lim[r] = (int)max((int64_t)-1, min(last, (int64_t)kBN - 1));
+        }
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int n = 0; n < kBN / 8; n++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float v = sc[4 * n + e];
+                if (!full && 8 * n + 2 * t4 + (e & 1) > lim[e >> 1]) v = -INFINITY;
+                sc[4 * n + e] = v;
+                mx[e >> 1] = fmaxf(mx[e >> 1], v);
+            }
+        }
+        float ref[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            ref[r] = mx[r] == -INFINITY ? 0.f : mx[r] * qscale;
+            alpha[r] = ex2(m[r] * qscale - ref[r]);
+            m[r] = mx[r];
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int i = 0; i < kBN / 2; i++) {
+            sc[i] = ex2(fmaf(sc[i], qscale, -ref[(i >> 1) & 1]));
+            l[(i >> 1) & 1] += sc[i];
+        }
+    };
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < kBN / 16; kk++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) p[kk][i] = pack2<T>(sc[8 * kk + 2 * i], sc[8 * kk + 2 * i + 1]);
+    };
+
+    if (ntiles > 0) {
+        mbar_wait(q_full, 0);
+        mbar_wait(k_full(0), 0);
+        pin(sc);
+        wg_fence();
+        issue_s(0);
+        wg_commit();
+        wg_wait<0>();
+        pin(sc);
+        if (lane == 0) mbar_arrive(k_empty(0));
+        float alpha[2];
+        softmax(0, alpha);
+        pack_p();
+    }
+    for (int kt = 1; kt < ntiles; kt++) {
+        mbar_wait(k_full(kt & 1), (kt >> 1) & 1);
+        mbar_wait(v_full((kt - 1) & 1), ((kt - 1) >> 1) & 1);
+        pin(sc);
+        pin(o);
+        pin(p);
+        wg_fence();
+        issue_s(kt);
+        wg_commit();
+        issue_pv(kt - 1);
+        wg_commit();
+        wg_wait<1>();
+        pin(sc);
+        if (lane == 0) mbar_arrive(k_empty(kt & 1));
+        float alpha[2];
+        softmax(kt, alpha);
+        wg_wait<0>();
+        pin(o);
+        pin(p);
+        if (lane == 0) mbar_arrive(v_empty((kt - 1) & 1));
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            o[4 * n + 0] *= alpha[0];
+            o[4 * n + 1] *= alpha[0];
+            o[4 * n + 2] *= alpha[1];
+            o[4 * n + 3] *= alpha[1];
+        }
+        pack_p();
+    }
+    if (ntiles > 0) {
+        mbar_wait(v_full((ntiles - 1) & 1), ((ntiles - 1) >> 1) & 1);
+        pin(o);
+        pin(p);
+        wg_fence();
+        issue_pv(ntiles - 1);
+        wg_commit();
+        wg_wait<0>();
+        pin(o);
+        pin(p);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float lr = l[r];
+        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        const int64_t i = qi[r];
+        if (i >= a.Lq) continue;
+        const float inv = lr > 0.f ? 1.f / lr : 0.f;
+        T *out = static_cast<T *>(a.out) + (int64_t)b * a.out_stride[0] + i * a.out_stride[1] + h * a.out_stride[2];
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+            *reinterpret_cast<uint32_t *>(out + 8 * n + 2 * t4) = pack2<T>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
+    }
+#endif
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 resolve_encode() {
+    void *fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+        cudaGetLastError();
+        return nullptr;
+    }
+    return (PFN_cuTensorMapEncodeTiled_v12000)fn;
+}
+
+// A 4-D tensor map over a [B, L, H, D] tensor (element strides s[3] = {b, l, h}, D unit-stride):
+// dims (D, then L, H, B ordered by stride, as the copy engine wants each stride to cover the
+// dims below it), boxes of 64 columns x rows rows.  False when the layout does not qualify.
+bool make_map(CUtensorMap *tm, WsCoords *pos, const void *base, int dtype, int64_t B, int64_t L, int64_t H, int64_t D,
+              const int64_t s[3], int rows) {
+    static const PFN_cuTensorMapEncodeTiled_v12000 encode = resolve_encode();
+    if (!encode) return false;
+    struct Dim {
+        int64_t size, stride;
+        int which;  // 0 row, 1 head, 2 batch
+    } d[3] = {{L, s[1], 0}, {H, s[2], 1}, {B, s[0], 2}};
+    for (int i = 0; i < 3; i++)  // size-1 dims take any stride: put them last
+        if (d[i].size == 1) d[i].stride = INT64_MAX;
+    for (int i = 1; i < 3; i++)
+        for (int j = i; j > 0 && d[j].stride < d[j - 1].stride; j--) {
+            const Dim t = d[j];
+            d[j] = d[j - 1];
+            d[j - 1] = t;
+        }
+    cuuint64_t dims[4] = {(cuuint64_t)D, 0, 0, 0}, strides[3];
+    cuuint32_t box[4] = {64, 1, 1, 1}, estr[4] = {1, 1, 1, 1};
+    int64_t prev = D * 2;
+    for (int i = 0; i < 3; i++) {
+        dims[i + 1] = (cuuint64_t)d[i].size;
+        const int64_t st = d[i].size == 1 ? prev : d[i].stride * 2;
+        if (st <= 0 || st % 16) return false;
+        strides[i] = (cuuint64_t)st;
+        prev = st * d[i].size;
+        if (d[i].which == 0) {
+            box[i + 1] = (cuuint32_t)rows;
+            pos->row = i + 1;
+        } else if (d[i].which == 1) {
+            pos->head = i + 1;
+        } else {
+            pos->batch = i + 1;
+        }
+    }
+    const CUresult r = encode(tm, dtype == QK_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                              const_cast<void *>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS;
+}
+
+template <typename T, int D> int launch_ws(const qk_attn_prefill_args *a, cudaStream_t s) {
+    constexpr int kBN = ws_key_tile<D>();
+    alignas(64) CUtensorMap tq, tk, tv;
+    WsCoords qp, kp, vp;
+    const int64_t qs[3] = {a->q_stride[0], a->q_stride[1], a->q_stride[2]};
+    const int64_t ks[3] = {a->k_stride[0], a->k_stride[1], a->k_stride[2]};
+    const int64_t vs[3] = {a->v_stride[0], a->v_stride[1], a->v_stride[2]};
+    if (!make_map(&tq, &qp, a->q, a->dtype, a->B, a->Lq, a->Hq, D, qs, kBM) ||
+        !make_map(&tk, &kp, a->k, a->dtype, a->B, a->Lkv, a->Hkv, D, ks, kBN) ||
+        !make_map(&tv, &vp, a->v, a->dtype, a->B, a->Lkv, a->Hkv, D, vs, kBN))
+        return QK_E_UNSUPPORTED;
+    constexpr size_t smem = ws_smem_bytes<D>();
+    const int opt = qk_kernel_residency((const void *)prefill_ws<T, D>, kWsThreads, smem, nullptr);
+    if (opt) return opt;
+    const dim3 grid((unsigned)((a->Lq + kBM - 1) / kBM), (unsigned)a->Hq, (unsigned)a->B);
+    qk_attn_prefill_args p = *a;
+    void *args[] = {&tq, &tk, &tv, &qp, &kp, &vp, &p};
+    return qk_launch((const void *)prefill_ws<T, D>, grid, dim3(kWsThreads), smem, s, args);
+}
+
+template <typename T> int pick_ws(const qk_attn_prefill_args *a, cudaStream_t s) {
+    switch (a->D) {
+    case 64: return launch_ws<T, 64>(a, s);
+    case 128: return launch_ws<T, 128>(a, s);
+    case 256: return launch_ws<T, 256>(a, s);
+    default: return QK_E_UNSUPPORTED;
+    }
+}
+
 template <typename T, int D, bool kPaged> int launch(const qk_attn_prefill_args *a, cudaStream_t s) {
     constexpr size_t smem = smem_bytes<D>();
     const int opt = qk_kernel_residency((const void *)prefill_wgmma<T, D, kPaged>, kThreads, smem, nullptr);
@@ -405,6 +741,12 @@ extern "C" int qk_attn_prefill_sm90(const qk_attn_prefill_args *a, cudaStream_t 
     // Full [B, H, Lq, Lkv] bool masks stay on the mma.sync kernel: a load per score would
     // double this kernel's code and its masked path is sized for 32-bit compares.
     if (major != 9 || minor != 0 || a->mask_kind == 2 || !(a->scale > 0.f)) return QK_E_UNSUPPORTED;
+    // Dense without a mask: the warp-specialised TMA kernel (QKERNELS_PREFILL_KERNEL=wgmma keeps
+    // the cp.async one); it declines layouts the copy engine cannot describe.
+    if (!a->paged && a->mask_kind == 0 && !(pick && strcmp(pick, "wgmma") == 0)) {
+        const int r = a->dtype == QK_BF16 ? pick_ws<__nv_bfloat16>(a, s) : pick_ws<__half>(a, s);
+        if (r != QK_E_UNSUPPORTED) return r;
+    }
     switch (a->dtype) {
     case QK_BF16: return a->paged ? pick_dim<__nv_bfloat16, true>(a, s) : pick_dim<__nv_bfloat16, false>(a, s);
     case QK_F16: return a->paged ? pick_dim<__half, true>(a, s) : pick_dim<__half, false>(a, s);
