@@ -44,6 +44,8 @@ template <int D> constexpr size_t smem_bytes() {
     return 1024 + 2 * ((size_t)kBM * D + 4 * (size_t)key_tile<D>() * D);
 }
 
+// Device helpers, compiled only where the kernels' bodies are (sm_90a).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // wgmma matrix descriptor for a 128-byte-swizzled operand at shared address addr (PTX ISA
 // "Matrix Descriptor Format"): bits 0-13 address >> 4, 16-29 leading-dimension byte offset >> 4,
 // 32-45 stride-dimension byte offset >> 4, 62-63 swizzle mode (1: 128-byte).
@@ -76,6 +78,7 @@ __device__ __forceinline__ float ex2(float x) {
 }
 // cp.async writes are generic-proxy writes; wgmma reads shared memory through the async proxy.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+#endif
 
 template <typename T, int D, bool kPaged>
 __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_attn_prefill_args a) {
