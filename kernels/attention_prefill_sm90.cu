@@ -15,8 +15,14 @@
 // and V_j are copied during iteration j, so every copy has a whole iteration to land.  The two
 // warpgroups of a CTA keep each other's tensor cores busy while one of them is in its softmax.
 //
+// Dense calls without a mask take prefill_ws below instead: the same math with the copies on
+// the tensor memory accelerator and a producer warp (the cp.async kernel stays for the paged op,
+// key masks, and layouts a tensor map cannot describe).
+//
 // Bytes and flops: 4 * Lq * Lkv * D flops per head (half for causal); K and V read once per
-// 128-query tile.  Causal skipping and masking as in attention_prefill.cu.
+// 128-query tile.  Causal skipping and masking as in attention_prefill.cu.  Measured (H200, bf16,
+// H=32, benchmarks/results/h200-prefill.md): dense D=128 466-547 TFLOP/s (1.5-1.7x SDPA FLASH,
+// 0.84-0.95x cuDNN), D=64 332, D=256 502; paged 239.
 #include "attention_prefill.cuh"
 #include "wgmma.cuh"
 
@@ -376,13 +382,14 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
 // bytes landed) and an 'empty' one (all eight consumer warps are done with it), so no CTA-wide
 // barrier paces the consumers and the two warpgroups drift apart, one's softmax beside the other's
 // matrix products.  Registers move from the producer (40) to the consumers (232) by setmaxnreg.
-constexpr int kWsThreads = 384, kConsumerWarps = 8;
+constexpr int kWsThreads = 384;
 
 template <int D> __host__ __device__ constexpr int ws_key_tile() { return D <= 128 ? 128 : 64; }
 template <int D> constexpr size_t ws_smem_bytes() {
     return 1024 + 2 * ((size_t)kBM * D + 4 * (size_t)ws_key_tile<D>() * D);
 }
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
@@ -404,11 +411,14 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap *tm, in
                  : "memory");
 }
 
+#endif
+
 // Where the row, head and batch coordinates go among a tensor map's dims 1..3 (the dims are
 // ordered by stride; see make_map).
 struct WsCoords {
     int row, head, batch;
 };
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void tma_box(uint32_t dst, const CUtensorMap *tm, const WsCoords &pos, int col, int row, int head,
                                         int batch, uint32_t bar) {
     int c[4] = {col, 0, 0, 0};
@@ -417,6 +427,7 @@ __device__ __forceinline__ void tma_box(uint32_t dst, const CUtensorMap *tm, con
     c[pos.batch] = batch;
     tma_load(dst, tm, c[0], c[1], c[2], c[3], bar);
 }
+#endif
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kWsThreads, 1)
@@ -453,8 +464,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         for (int st = 0; st < 2; st++) {
             mbar_init(k_full(st), 1);
             mbar_init(v_full(st), 1);
-            mbar_init(k_empty(st), kConsumerWarps);
-            mbar_init(v_empty(st), kConsumerWarps);
+            mbar_init(k_empty(st), 8);  // the consumer warps
+            mbar_init(v_empty(st), 8);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }

@@ -3,9 +3,10 @@ float64 on the GPU, so 1024 x 1024 cases stay quick), fp16/bf16 against a naive 
 torch computation (flash-attention's rule), causal bottom-right with Lq <= Lkv and Lq > Lkv, both
 mask kinds and fully masked rows, non-contiguous views and a NaN-poisoned out, ragged token-pool
 batches with very uneven lengths, bad indices contained, and CUDA-graph replay with the lengths
-changed on the device.  Every test runs twice: on the kernel the launcher picks (the wgmma kernel
-on sm_90) and on the mma.sync kernel (other GPUs, full masks), forced by
-QKERNELS_PREFILL_KERNEL=mma.  Skipped without a GPU."""
+changed on the device.  Every test runs on each prefill kernel: the one the launcher picks (on
+sm_90 the warp-specialised TMA kernel for dense calls without a mask), the cp.async wgmma kernel
+(QKERNELS_PREFILL_KERNEL=wgmma; sm_90 only, else the same as 'picked') and the mma.sync kernel of
+other GPUs and full masks (QKERNELS_PREFILL_KERNEL=mma).  Skipped without a GPU."""
 
 import importlib.util
 
@@ -29,12 +30,12 @@ def randn(gen, *shape, dtype="bfloat16"):
     return torch.randn(*shape, generator=gen, device="cuda").to(getattr(torch, dtype))
 
 
-@pytest.fixture(autouse=True, params=["picked", "mma"])
+@pytest.fixture(autouse=True, params=["picked", "wgmma", "mma"])
 def prefill_kernel(request, monkeypatch):
-    if request.param == "mma":
-        monkeypatch.setenv("QKERNELS_PREFILL_KERNEL", "mma")
-    else:
+    if request.param == "picked":
         monkeypatch.delenv("QKERNELS_PREFILL_KERNEL", raising=False)
+    else:
+        monkeypatch.setenv("QKERNELS_PREFILL_KERNEL", request.param)
     return request.param
 
 
