@@ -473,7 +473,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
     if (role == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-        if (tid != 0) return;
+        // No key tile (no keys, or all above the causal diagonal): the consumers write zeros and
+        // wait for nothing, so nothing is copied (a copy in flight must not outlive the CTA).
+        if (tid != 0 || ntiles == 0) return;
         constexpr uint32_t kTileBytes = kBN * D * 2;
         mbar_expect_tx(q_full, kBM * D * 2);
         for (int c = 0; c < D / 64; c++) tma_box(sq + c * kBM * 128, &tq, qpos, 64 * c, (int)q0, h, b, q_full);
