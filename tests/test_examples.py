@@ -1,10 +1,12 @@
 """The examples run end to end (issues 7 and 9), at toy sizes on the CPU: decode_step.py with --check
-(its backends against its float64 torch reference) and tp_decode.py over two gloo ranks (the shards
-against the unsharded model).  Each is a subprocess, so the dispatcher's env and torch.distributed
-start fresh."""
+(its backends against its float64 torch reference), eval_gnn.py with --check (its backends against a
+float64 NumPy recomputation, its sampler against its edge labels) and tp_decode.py over two gloo
+ranks (the shards against the unsharded model).  Each is a subprocess, so the dispatcher's env and
+torch.distributed start fresh."""
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -18,10 +20,11 @@ TINY = ["--layers", "1", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "
         "--tokens", "4", "--device", "cpu"]
 
 
-def run(cmd):
+def run(cmd, **extra_env):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    for var in ("ASTR_BACKEND", "QKERNELS_OPS"):  # the automatic choice, whatever the caller's shell says
-        env.pop(var, None)
+    for var in ("ASTR_BACKEND", "QECDEC_BACKEND", "QKERNELS_OPS"):  # the automatic choice, whatever the
+        env.pop(var, None)                                           # caller's shell says
+    env.update(extra_env)
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"{' '.join(cmd)} exited {r.returncode}\n{r.stdout}\n{r.stderr}"
     return r.stdout
@@ -33,6 +36,17 @@ def test_decode_step_check():
     assert "check passed" in out
     assert "cpu    float32   PASS" in out
     assert "attn_paged_decode -> cpu" in out and "linear -> cpu" in out
+
+
+@requires_torch
+def test_eval_gnn_check():
+    # QECDEC_BACKEND=cpu: the timed run on the cpu backend (CPU tensors) even where a GPU is present.
+    out = run([sys.executable, "examples/eval_gnn.py", "--distance", "3", "--batch", "8", "--iters", "1", "--check"],
+              QECDEC_BACKEND="cpu")
+    assert re.search(r"^  loss \d+\.\d+ ", out, re.M), out
+    assert "sparse_aggregate -> cpu (env QECDEC_BACKEND)" in out and "graph_norm_bce -> cpu (env QECDEC_BACKEND)" in out
+    assert "sampler PASS" in out and "cpu    PASS" in out
+    assert "check passed" in out
 
 
 def _gloo():
