@@ -504,13 +504,13 @@ def header_lines(copy_gbps, samples, quick):
 # ---------------------------------------------------------------------------------------------
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a few small cases (smoke run)")
     p.add_argument("--cases", default=",".join(CASE_KINDS), help=f"comma list from {', '.join(CASE_KINDS)}")
     p.add_argument("--markdown", help="also write the final table to this file")
     p.add_argument("--samples", type=int, default=15, help="replays per figure (default 15)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in args.cases if c not in CASE_KINDS]
     if unknown:
@@ -522,12 +522,13 @@ def parse_args():
     return args
 
 
-def main():
-    args = parse_args()
-    if not qkernels.AVAILABLE:
-        print(f"warning: qkernels CUDA backend unavailable ({qkernels.info()['cuda_reason']}); our rows will be n/a")
+def collect(args, copy_gbps=None):
+    """Every case of args.cases, progress printed as it goes: -> (header lines, rows, footer lines).
 
-    copy_gbps = gpu_copy_ceiling_gbps(args.samples, GRAPH_WORK_US)
+    copy_gbps: the copy ceiling already measured in this process (benchmarks/run.py); None measures it here.
+    """
+    if copy_gbps is None:
+        copy_gbps = gpu_copy_ceiling_gbps(args.samples, GRAPH_WORK_US)
     header = header_lines(copy_gbps, args.samples, args.quick)
     print("\n".join(header), flush=True)
 
@@ -541,6 +542,15 @@ def main():
             release_gpu_memory()
 
     footer = summary_lines(rows, failed_cases)
+    return header, rows, footer
+
+
+def main():
+    args = parse_args()
+    if not qkernels.AVAILABLE:
+        print(f"warning: qkernels CUDA backend unavailable ({qkernels.info()['cuda_reason']}); our rows will be n/a")
+
+    header, rows, footer = collect(args)
     print("\n" + "\n".join(header + [""] + text_table(rows, COLUMNS) + [""] + footer))
     if args.markdown:
         with open(args.markdown, "w") as f:

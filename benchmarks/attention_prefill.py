@@ -155,13 +155,6 @@ def check(impl, s, ref):
     return f"{'PASS' if err < CHECK_TOL else 'FAIL'} {err:.1e}"
 
 
-def gemm_ceiling_tflops(samples):
-    a = torch.randn(8192, 8192, device=DEVICE, dtype=DT)
-    b = torch.randn(8192, 8192, device=DEVICE, dtype=DT)
-    us = common.gpu_replay_time_us(lambda _: a @ b, [{}], samples)
-    return 2 * 8192 ** 3 / us / 1e6
-
-
 def run_case(case, gemm, samples):
     print(f"\n{case.kind} | {case.label} | {case.flops / 1e12:.2f} TFLOP per call", flush=True)
     gen = torch.Generator(device=DEVICE)
@@ -199,16 +192,25 @@ def run_case(case, gemm, samples):
     return rows
 
 
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", help="run only the cases whose kind or label contains this text")
     p.add_argument("--markdown")
     p.add_argument("--samples", type=int, default=10)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("no CUDA device visible to torch")
-    gemm = gemm_ceiling_tflops(args.samples)
+    return args
+
+
+def collect(args, gemm=None):
+    """Every case (or those --only picks), progress printed as it goes: -> (header lines, rows, footer lines).
+
+    gemm: the GEMM ceiling (TFLOP/s) already measured in this process (benchmarks/run.py); None measures it here.
+    """
+    if gemm is None:
+        gemm = common.gpu_gemm_ceiling_tflops(args.samples)
     header = [f"prefill attention: qkernels {qkernels.__version__} vs SDPA on {torch.cuda.get_device_name()} "
               f"(CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}); torch {torch.__version__}",
               f"GEMM ceiling: {gemm:.0f} TFLOP/s (bf16 8192^3 torch.matmul)",
@@ -220,6 +222,12 @@ def main():
         if args.only and args.only not in case.kind and args.only not in case.label:
             continue
         rows += run_case(case, gemm, args.samples)
+    return header, rows, []
+
+
+def main():
+    args = parse_args()
+    header, rows, _ = collect(args)
     print("\n" + "\n".join(header) + "\n")
     print("\n".join(common.text_table(rows, COLUMNS)))
     if args.markdown:

@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: device time by CUDA-graph replay, the copy ceiling, and the
-result table (graph_ops.py, dense_ops.py, attention_decode.py)."""
+"""What the benchmark scripts share: device time by CUDA-graph replay, the copy and GEMM ceilings,
+and the result table (graph_ops.py, dense_ops.py, attention_decode.py, attention_prefill.py, run.py)."""
 
 import gc
 import math
@@ -86,6 +86,14 @@ def gpu_copy_ceiling_gbps(samples, work_us=GRAPH_WORK_US):
     del src, dst
     release_gpu_memory()
     return 2 * GPU_COPY_BYTES / us / 1e3
+
+
+def gpu_gemm_ceiling_tflops(samples, work_us=GRAPH_WORK_US):
+    """bf16 8192^3 torch.matmul (cuBLAS): the tensor-core rate a compute-bound op can hope for."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    us = gpu_replay_time_us(lambda _: a @ b, [{}], samples, work_us)
+    return 2 * 8192 ** 3 / us / 1e6
 
 
 def relative_error(got, want):

@@ -308,13 +308,13 @@ def header_lines(copy_gbps, quick, samples):
 # ---------------------------------------------------------------------------------------------
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a subset of the cases, smaller rotary (smoke run)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list from {', '.join(OPS)}")
     p.add_argument("--markdown", help="also write the final table to this file")
     p.add_argument("--samples", type=int, default=15, help="replays per figure (default 15)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     unknown = [op for op in args.ops if op not in OPS]
     if unknown:
@@ -324,12 +324,13 @@ def parse_args():
     return args
 
 
-def main():
-    args = parse_args()
-    if not qkernels.AVAILABLE:
-        print(f"warning: qkernels CUDA backend unavailable ({qkernels.info()['cuda_reason']}); our rows will be n/a")
+def collect(args, copy_gbps=None):
+    """Every case of args.ops, progress printed as it goes: -> (header lines, rows, footer lines).
 
-    copy_gbps = gpu_copy_ceiling_gbps(args.samples)
+    copy_gbps: the copy ceiling already measured in this process (benchmarks/run.py); None measures it here.
+    """
+    if copy_gbps is None:
+        copy_gbps = gpu_copy_ceiling_gbps(args.samples)
     header = header_lines(copy_gbps, args.quick, args.samples)
     print("\n".join(header), flush=True)
 
@@ -348,6 +349,15 @@ def main():
                 release_gpu_memory()
 
     footer = [f"skipped (not in qkernels yet): {', '.join(skipped)}"] if skipped else []
+    return header, rows, footer
+
+
+def main():
+    args = parse_args()
+    if not qkernels.AVAILABLE:
+        print(f"warning: qkernels CUDA backend unavailable ({qkernels.info()['cuda_reason']}); our rows will be n/a")
+
+    header, rows, footer = collect(args)
     print("\n" + "\n".join(header + [""] + text_table(rows) + footer))
     if args.markdown:
         with open(args.markdown, "w") as f:

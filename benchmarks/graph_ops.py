@@ -574,7 +574,7 @@ def header_lines(setup, copy_gbps, quick):
 # ---------------------------------------------------------------------------------------------
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", action="store_true", help="CPU backend at 1/50 of the sizes, against PyTorch CPU eager")
     p.add_argument("--quick", action="store_true", help="sizes 10x smaller (smoke run)")
@@ -583,7 +583,7 @@ def parse_args():
     p.add_argument("--samples", type=int, help="replays (GPU, default 15) or batches (CPU, default 7) per figure")
     p.add_argument("--index-dtype", choices=("int64", "int32"), default="int64",
                    help="dtype of row_ptr/col_idx/edge_index/edge_graph (PyG uses int64)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     unknown = [op for op in args.ops if op not in OPS]
     if unknown:
@@ -605,14 +605,15 @@ def make_setup(args):
     )
 
 
-def main():
-    args = parse_args()
+def collect(args, copy_gbps=None):
+    """Every case of args.ops, progress printed as it goes: -> (header lines, rows, footer lines).
+
+    copy_gbps: the copy ceiling already measured in this process (benchmarks/run.py); None measures it here.
+    """
     setup = make_setup(args)
     warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
-    if setup.on_gpu and not qkernels.AVAILABLE:
-        print(f"warning: qkernels CUDA backend unavailable ({qkernels.info()['cuda_reason']}); our rows will be n/a")
-
-    copy_gbps = copy_ceiling_gbps(setup)
+    if copy_gbps is None:
+        copy_gbps = copy_ceiling_gbps(setup)
     header = header_lines(setup, copy_gbps, args.quick)
     print("\n".join(header), flush=True)
 
@@ -631,6 +632,15 @@ def main():
                 release_memory(setup)
 
     footer = [f"skipped (not in qkernels yet): {', '.join(skipped)}"] if skipped else []
+    return header, rows, footer
+
+
+def main():
+    args = parse_args()
+    if not args.cpu and not qkernels.AVAILABLE:
+        print(f"warning: qkernels CUDA backend unavailable ({qkernels.info()['cuda_reason']}); our rows will be n/a")
+
+    header, rows, footer = collect(args)
     print("\n" + "\n".join(header + [""] + text_table(rows) + footer))
     if args.markdown:
         with open(args.markdown, "w") as f:

@@ -26,13 +26,17 @@ import qkernels  # noqa: E402
 from qkernels import _dispatch  # noqa: E402
 
 
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--calls", type=int, default=256, help="calls per batch (keep below the launch queue depth)")
     p.add_argument("--rounds", type=int, default=401)
     p.add_argument("--markdown", help="also write the table to this file")
-    a = p.parse_args()
+    return p.parse_args(argv)
 
+
+def collect(a):
+    """Every case, interleaved round by round: -> (header lines, rows (name, median s, best s), footer lines).
+    The first row is the anchor, the second qkernels' plain call."""
     dev = torch.device("cuda")
     n, e, h, d = 64, 256, 2, 8
     g = torch.Generator().manual_seed(0)
@@ -77,16 +81,26 @@ def main():
             samples[name].append((time.perf_counter() - t0) / a.calls)
             torch.cuda.synchronize()
     results = [(name, statistics.median(samples[name]), min(samples[name])) for name, _ in cases]
+    header = [f"Host overhead per call on {torch.cuda.get_device_name()} (torch {torch.__version__}; tensors "
+              f"[{n},{h},{d}], E={e}; median and best of {a.rounds} interleaved rounds x {a.calls} calls)"]
+    ratio = results[1][1] / results[0][1]
+    footer = [f"qkernels.sparse_aggregate / torch.add = {ratio:.2f}x "
+              f"({'meets' if ratio <= 1.0 else 'misses'} the <= 1.0x target)"]
+    return header, results, footer
+
+
+def markdown_table(results):
     anchor = results[0][1]
-    lines = [f"Host overhead per call on {torch.cuda.get_device_name()} (torch {torch.__version__}; tensors "
-             f"[{n},{h},{d}], E={e}; median and best of {a.rounds} interleaved rounds x {a.calls} calls)", "",
-             "| call | µs per call (median) | best round | ratio to torch.add |", "|---|---:|---:|---:|"]
+    lines = ["| call | µs per call (median) | best round | ratio to torch.add |", "|---|---:|---:|---:|"]
     for name, t, best in results:
         lines.append(f"| {name} | {t * 1e6:.2f} | {best * 1e6:.2f} | {t / anchor:.2f}x |")
-    ratio = results[1][1] / anchor
-    lines += ["", f"qkernels.sparse_aggregate / torch.add = {ratio:.2f}x "
-                  f"({'meets' if ratio <= 1.0 else 'misses'} the <= 1.0x target)"]
-    text = "\n".join(lines)
+    return lines
+
+
+def main():
+    a = parse_args()
+    header, results, footer = collect(a)
+    text = "\n".join(header + [""] + markdown_table(results) + [""] + footer)
     if a.markdown:
         with open(a.markdown, "w") as f:
             f.write(text + "\n")
