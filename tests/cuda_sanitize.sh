@@ -10,7 +10,17 @@
 # Exit status: non-zero when the tool reports an error (or a test fails).
 set -uo pipefail
 tool=${1:?usage: tests/cuda_sanitize.sh memcheck|racecheck|initcheck|synccheck [pytest -k expression]}
-filter=${2:-"not stream and not graph and not capture and not cupy and not jax and not large and not flash"}
+# Default sets.  memcheck: every kernel test at its small sizes ('-k' matches module names too, so
+# CUDA-graph tests are named by 'capture', never 'graph').  racecheck, initcheck and synccheck
+# instrument every shared-memory access and run ~50x slower: ~50 tests, each kernel family and
+# each prefill kernel at least once, fit one 10-minute device call.
+memcheck_set="not stream and not capture and not cupy and not jax and not large and not flash"
+shared_set="test_torch_cuda_matches_reference or test_graph_bce_half or test_norm_residual_half or \
+test_edge_features_strided or test_decode_kv_lens_and_mask or test_paged_mask_and_int64 or test_prefill_gqa_ratios or \
+test_paged_int64_and_key_mask or test_rotary_strided or test_poisoned_strided_out or test_bitwise_determinism"
+default_set=$shared_set
+[ "$tool" = memcheck ] && default_set=$memcheck_set
+filter=${2:-$default_set}
 cd "$(dirname "$0")/.."
 extra=()
 # memcheck's leak check: torch's caching allocator keeps its blocks to the end, which the tool
