@@ -3,7 +3,8 @@
 # CUDA ones included), then the benchmarks.  Logs land in $OUT; a short table prints last.
 # QK_SANITIZE=<tool> (memcheck, racecheck, initcheck, synccheck; 1 = memcheck) adds a
 # compute-sanitizer pass over the CUDA tests (tests/cuda_sanitize.sh, QK_SANITIZE_K narrows them);
-# QK_BENCH picks the tables (default "graph,decode,prefill,dense"; empty: none).
+# QK_BENCH picks the tables (default "graph,decode,prefill,dense"; empty: none; "run": every
+# family in one process through benchmarks/run.py, which writes results/<gpu>-run.md and .json).
 # QK_PREBUILT=<path to a _qkernels_cuda.so built elsewhere for sm_90> skips nvcc here: only the C
 # extension is built and the shared object is copied in (device time is scarcer than CPU time;
 # build it with `QKERNELS_CUDA_ARCH=90 python3 setup.py build_ext --inplace` and carry it).
@@ -30,6 +31,10 @@ if [ "${QK_SANITIZE:-0}" != 0 ]; then
 fi
 cat "$OUT/overhead.log"
 bench=${QK_BENCH-graph,decode,prefill,dense}
+if [[ ",$bench," == *,run,* ]]; then  # all families, one process (~7 minutes)
+    python3 benchmarks/run.py --out "$OUT" >"$OUT/run.log" 2>"$OUT/run.err"
+    echo "benchmarks/run.py: exit $?"; tail -30 "$OUT/run.log" | cut -c1-150
+fi
 if [[ ",$bench," == *,graph,* ]]; then  # the graph ops beside their anchors (~2 minutes, torch.compile included)
     python3 benchmarks/graph_ops.py --markdown "$OUT/graph_ops.md" >"$OUT/graph_ops.log" 2>&1
     tail -40 "$OUT/graph_ops.log" | cut -c1-150
