@@ -58,9 +58,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_fwd(qk_attn_prefill_args 
     if (s.b < 0) return;
     const int64_t b = s.b, q0 = s.tile * kBM;
     const int64_t offset = s.kv_len - s.q_len;  // key position of query 0
-    int64_t key_end = s.kv_len;
-    if (a.causal) key_end = min(key_end, q0 + kBM - 1 + offset + 1);
-    if (kPaged && !s.row_ok) key_end = 0;
+    const int64_t key_end = cta_key_end<kBM>(a, s, q0);
     const int ntiles = key_end > 0 ? (int)((key_end + kBN - 1) / kBN) : 0;
 
     const T *qbase = static_cast<const T *>(a.q) + (kPaged ? 0 : b * a.q_stride[0]) + h * a.q_stride[2];
@@ -83,14 +81,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_fwd(qk_attn_prefill_args 
     // loads key r's slot while the previous tile computes), so the copies never wait on an index
     // load; -1 marks a key that is skipped (past the end, masked, out-of-range slot).
     __shared__ int64_t sslot[2][kBN];
-    auto key_row = [&](int kt, int r) -> int64_t {
-        const int64_t j = (int64_t)kt * kBN + r;
-        if (j >= key_end) return -1;
-        if (a.mask_kind == 1 && !mask[b * a.mask_stride[0] + j * a.mask_stride[3]]) return -1;
-        if (!kPaged) return j;
-        const int64_t row = load_index(a.req_to_token, a.r2t_dtype, s.pool_row * a.r2t_stride[0] + j * a.r2t_stride[1]);
-        return row >= 0 && row < a.pool_size ? row : -1;
-    };
+    auto key_row = [&](int kt, int r) { return qk_attn::key_row<kPaged>(a, s, key_end, (int64_t)kt * kBN + r); };
     auto load_kv = [&](int kt) {
         const int buf = kt & 1;
         T *dk = sk + buf * kBN * D, *dv = sv + buf * kBN * D;

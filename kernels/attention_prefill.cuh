@@ -100,4 +100,24 @@ template <int kBM, int kThreads, int D, bool kPaged> __device__ Seq prefill_seq(
     return s;
 }
 
+// One past the last key any of the CTA's queries q0 .. q0 + kBM - 1 may see: kv_len, cut at the
+// causal diagonal of its last query; 0 for a request whose pool row is out of range.
+template <int kBM> __device__ __forceinline__ int64_t cta_key_end(const qk_attn_prefill_args &a, const Seq &s, int64_t q0) {
+    int64_t key_end = s.kv_len;
+    if (a.causal) key_end = min(key_end, q0 + kBM - 1 + (s.kv_len - s.q_len) + 1);
+    return s.row_ok ? key_end : 0;
+}
+
+// The row of K/V (dense: the key position; paged: the pool slot) holding key j of the CTA's
+// sequence, or -1 when the key is skipped: past key_end, dropped by a key mask, or at an
+// out-of-range pool slot.
+template <bool kPaged>
+__device__ __forceinline__ int64_t key_row(const qk_attn_prefill_args &a, const Seq &s, int64_t key_end, int64_t j) {
+    if (j >= key_end) return -1;
+    if (a.mask_kind == 1 && !static_cast<const uint8_t *>(a.mask)[s.b * a.mask_stride[0] + j * a.mask_stride[3]]) return -1;
+    if (!kPaged) return j;
+    const int64_t row = load_index(a.req_to_token, a.r2t_dtype, s.pool_row * a.r2t_stride[0] + j * a.r2t_stride[1]);
+    return row >= 0 && row < a.pool_size ? row : -1;
+}
+
 }  // namespace qk_attn

@@ -86,12 +86,118 @@ __device__ __forceinline__ float ex2(float x) {
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 #endif
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// ---- the per-tile steps both sm_90 kernels share ---------------------------------------------
+// A thread's share of its warpgroup's 64 query rows: rows g and g + 8 of its warp's 16; the
+// accumulators hold, per 8-column block n, (row g: cols 8n + 2 t4, +1; row g + 8: the same).
+
+// S = Q K^T for one key tile (k_tile: a [kBN][D] stage; q_rows: the warpgroup's 64 rows of Q).
+// Descriptors are advanced by adding (byte offset >> 4) to the address field: k-step kk is
+// column block kk / 4, 32 bytes in per step.
+template <typename T, int D, int kBN>
+__device__ __forceinline__ void issue_qk(float (&sc)[kBN / 2], uint32_t q_rows, uint32_t k_tile) {
+    const uint64_t dq = make_desc(q_rows, 16, 1024), kd = make_desc(k_tile, 16, 1024);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++)
+        qk_wgmma::SS<T, kBN>::template mma<0, 0>(sc, dq + (((kk >> 2) * kBM * 128 + (kk & 3) * 32) >> 4),
+                                                 kd + (((kk >> 2) * kBN * 128 + (kk & 3) * 32) >> 4), kk > 0);
+}
+
+// O += P V for one key tile (v_tile: a [kBN][D] stage, MN-major: 16 keys = 2048 bytes per step,
+// column blocks kBN * 128 bytes apart).
+template <typename T, int D, int kBN>
+__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&frag)[kBN / 16][4], uint32_t v_tile) {
+    const uint64_t vd = make_desc(v_tile, kBN * 128, 1024);
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; kk++) qk_wgmma::RS<T, D>::template mma<1>(o, frag[kk], vd + ((kk * 16 * 128) >> 4), 1);
+}
+
+// Masked online softmax of one key tile (keys j0 ..) for the thread's rows qi.  Unless full, row
+// r keeps the keys jj <= its limit (inside key_end, causal) that kv marks kept (when use_kv):
+// 32-bit compares, so the code stays small.  The row maxima m are kept on the raw scores and the
+// scale folded into one FMA per score before the exp2 (scale > 0, checked by the launcher).
+// Leaves the probabilities in sc (fp32) and the rescale factor of the rows' earlier output in
+// alpha.  Touches only sc, m and l, so it runs while the previous P V product is on the tensor
+// cores.
+template <int kBN>
+__device__ __forceinline__ void tile_softmax(float (&sc)[kBN / 2], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                             float qscale, bool full, const int64_t (&qi)[2], int64_t j0,
+                                             int64_t key_end, bool causal, int64_t offset, int64_t q_len,
+                                             bool use_kv, const uint8_t *kv, int t4) {
+    int lim[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int64_t last = key_end - 1 - j0;
+        if (causal) last = min(last, qi[r] + offset - j0);
+        if (qi[r] >= q_len) last = -1;
+        lim[r] = (int)max((int64_t)-1, min(last, (int64_t)kBN - 1));
+    }
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int n = 0; n < kBN / 8; n++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float v = sc[4 * n + e];
+            if (!full) {
+                const int jj = 8 * n + 2 * t4 + (e & 1);
+                if (jj > lim[e >> 1] || (use_kv && !kv[jj])) v = -INFINITY;
+            }
+            sc[4 * n + e] = v;
+            mx[e >> 1] = fmaxf(mx[e >> 1], v);
+        }
+    }
+    float ref[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        ref[r] = mx[r] == -INFINITY ? 0.f : mx[r] * qscale;  // nothing kept yet: every p is 0
+        alpha[r] = ex2(m[r] * qscale - ref[r]);
+        m[r] = mx[r];
+        l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int i = 0; i < kBN / 2; i++) {
+        sc[i] = ex2(fmaf(sc[i], qscale, -ref[(i >> 1) & 1]));
+        l[(i >> 1) & 1] += sc[i];
+    }
+}
+
+// P (rounded to T) as the A fragments of the P V product: keys 16 kk .. +15 are (row g, keys
+// 2 t4, +1), (row g + 8, same), (row g, keys 8 + 2 t4, +1), (row g + 8, same).
+template <typename T, int kBN>
+__device__ __forceinline__ void pack_p(uint32_t (&p)[kBN / 16][4], const float (&sc)[kBN / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; kk++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) p[kk][i] = pack2<T>(sc[8 * kk + 2 * i], sc[8 * kk + 2 * i + 1]);
+}
+
+// Normalise and write the thread's rows of O (a row with no kept key gives 0); rows: the output
+// at query row 0 of the sequence and this head, row_stride apart.
+template <typename T, int D>
+__device__ __forceinline__ void write_rows(const float (&o)[D / 2], const float (&l)[2], const int64_t (&qi)[2],
+                                           int64_t q_len, T *rows, int64_t row_stride, int t4) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float lr = l[r];
+        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        const int64_t i = qi[r];
+        if (i >= q_len) continue;
+        const float inv = lr > 0.f ? 1.f / lr : 0.f;
+        T *out = rows + i * row_stride;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+            *reinterpret_cast<uint32_t *>(out + 8 * n + 2 * t4) = pack2<T>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
+    }
+}
+#endif
+
 template <typename T, int D, bool kPaged>
 __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_attn_prefill_args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int kBN = key_tile<D>(), kChunks = D / 8;
-    using SS = qk_wgmma::SS<T, kBN>;
-    using RS = qk_wgmma::RS<T, D>;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
     const uint32_t sq = (raw + 1023) & ~1023u;                 // [kBM][D]
@@ -112,27 +218,17 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
     if (s.b < 0) return;
     const int64_t b = s.b, q0 = s.tile * kBM;
     const int64_t offset = s.kv_len - s.q_len;  // key position of query 0
-    int64_t key_end = s.kv_len;
-    if (a.causal) key_end = min(key_end, q0 + kBM - 1 + offset + 1);
-    if (kPaged && !s.row_ok) key_end = 0;
+    const int64_t key_end = cta_key_end<kBM>(a, s, q0);
     const int ntiles = key_end > 0 ? (int)((key_end + kBN - 1) / kBN) : 0;
 
     const T *qbase = static_cast<const T *>(a.q) + (kPaged ? 0 : b * a.q_stride[0]) + h * a.q_stride[2];
     const T *kbase = static_cast<const T *>(a.k), *vbase = static_cast<const T *>(a.v);
     const int64_t kh = (kPaged ? 0 : b * a.k_stride[0]) + hk * a.k_stride[2];
     const int64_t vh = (kPaged ? 0 : b * a.v_stride[0]) + hk * a.v_stride[2];
-    const uint8_t *mask = static_cast<const uint8_t *>(a.mask);
 
     // Row of K/V holding key r of tile kt, or -1 when the key is skipped (past the end, key mask,
     // out-of-range pool slot).
-    auto key_row = [&](int kt, int r) -> int64_t {
-        const int64_t j = (int64_t)kt * kBN + r;
-        if (j >= key_end) return -1;
-        if (a.mask_kind == 1 && !mask[b * a.mask_stride[0] + j * a.mask_stride[3]]) return -1;
-        if (!kPaged) return j;
-        const int64_t row = load_index(a.req_to_token, a.r2t_dtype, s.pool_row * a.r2t_stride[0] + j * a.r2t_stride[1]);
-        return row >= 0 && row < a.pool_size ? row : -1;
-    };
+    auto key_row = [&](int kt, int r) { return qk_attn::key_row<kPaged>(a, s, key_end, (int64_t)kt * kBN + r); };
     // Paged: a tile's pool rows are staged in sslot[kt % 3] one iteration before its copies, so
     // the copies never wait on an index load.  kvalid: the kept flags of the keys of K tiles
     // whose copies were predicated (read by the softmax only for such tiles).
@@ -208,27 +304,9 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
 #pragma unroll
     for (int i = 0; i < D / 2; i++) o[i] = 0.f;
 
-    // Descriptors: one per operand tile, advanced by adding (byte offset >> 4) to the address
-    // field.  Q: this warpgroup's 64 rows of each column block; k-step kk is column block kk / 4,
-    // 32 bytes in per step.  V: 16 keys (2048 bytes) per step, column blocks kBN * 128 bytes apart.
-    auto issue_s = [&](int kt) {
-        const uint64_t dq = make_desc(sq + wg * 64 * 128, 16, 1024);
-        const uint64_t kd = make_desc(sk + (kt & 1) * kBN * D * 2, 16, 1024);
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++)
-            SS::template mma<0, 0>(sc, dq + (((kk >> 2) * kBM * 128 + (kk & 3) * 32) >> 4),
-                                   kd + (((kk >> 2) * kBN * 128 + (kk & 3) * 32) >> 4), kk > 0);
-    };
-    auto issue_pv = [&](int kt, const uint32_t (&frag)[kBN / 16][4]) {
-        const uint64_t vd = make_desc(sv + (kt & 1) * kBN * D * 2, kBN * 128, 1024);
-#pragma unroll
-        for (int kk = 0; kk < kBN / 16; kk++) RS::template mma<1>(o, frag[kk], vd + ((kk * 16 * 128) >> 4), 1);
-    };
-    // Masked online softmax of the scores of tile kt: the row maxima m are kept on the raw scores
-    // and the scale folded into one FMA per score before the exp2 (scale > 0, checked by the
-    // launcher), which the shorter D = 64 tiles feel most.  Leaves the probabilities in
-    // sc (fp32) and returns the rescale factor of the rows' earlier output in alpha.  Touches only
-    // sc, m and l, so it runs while the previous tile's P V product is on the tensor cores.
+    const uint32_t q_rows = sq + wg * 64 * 128;  // this warpgroup's 64 rows of every column block
+    auto issue_s = [&](int kt) { issue_qk<T, D, kBN>(sc, q_rows, sk + (kt & 1) * kBN * D * 2); };
+    auto issue_v = [&](int kt, const uint32_t (&frag)[kBN / 16][4]) { issue_pv<T, D, kBN>(o, frag, sv + (kt & 1) * kBN * D * 2); };
     auto softmax = [&](int kt, float (&alpha)[2]) {
         const int64_t j0 = (int64_t)kt * kBN;
         bool kept = a.mask_kind == 0;  // every key of the tile has K/V (paged: a valid slot)
@@ -237,54 +315,9 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
             for (int w = 0; w < kBN / 32; w++) kept = kept && sall[kt % 3][w];
         }
         const bool full = kept && j0 + kBN <= key_end && (!a.causal || j0 + kBN - 1 <= q0 + 64 * wg + offset);
-        // Otherwise row r keeps the tile's keys jj <= lim[r] (inside key_end, causal) that are
-        // also kept in kvalid (paged, key mask): 32-bit compares, so the code stays small.
-        int lim[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            int64_t last = key_end - 1 - j0;
-            if (a.causal) last = min(last, qi[r] + offset - j0);
-            if (qi[r] >= s.q_len) last = -1;
-            lim[r] = (int)max((int64_t)-1, min(last, (int64_t)kBN - 1));
-        }
-        const bool use_kvalid = kPaged || a.mask_kind == 1;
-        float mx[2] = {m[0], m[1]};
-#pragma unroll
-        for (int n = 0; n < kBN / 8; n++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float v = sc[4 * n + e];
-                if (!full) {
-                    const int jj = 8 * n + 2 * t4 + (e & 1);
-                    if (jj > lim[e >> 1] || (use_kvalid && !kvalid[kt & 1][jj])) v = -INFINITY;
-                }
-                sc[4 * n + e] = v;
-                mx[e >> 1] = fmaxf(mx[e >> 1], v);
-            }
-        }
-        float ref[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            ref[r] = mx[r] == -INFINITY ? 0.f : mx[r] * qscale;  // nothing kept yet: every p is 0
-            alpha[r] = ex2(m[r] * qscale - ref[r]);
-            m[r] = mx[r];
-            l[r] *= alpha[r];
-        }
-#pragma unroll
-        for (int i = 0; i < kBN / 2; i++) {
-            sc[i] = ex2(fmaf(sc[i], qscale, -ref[(i >> 1) & 1]));
-            l[(i >> 1) & 1] += sc[i];
-        }
-    };
-    // P (rounded to T) as the A fragments of the P V product: keys 16 kk .. +15 are (row g, keys
-    // 2 t4, +1), (row g + 8, same), (row g, keys 8 + 2 t4, +1), (row g + 8, same).
-    auto pack_p = [&]() {
-#pragma unroll
-        for (int kk = 0; kk < kBN / 16; kk++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) p[kk][i] = pack2<T>(sc[8 * kk + 2 * i], sc[8 * kk + 2 * i + 1]);
+        const bool use_kvalid = kPaged || a.mask_kind == 1;  // kvalid: paged slots, key mask
+        tile_softmax<kBN>(sc, m, l, alpha, qscale, full, qi, j0, key_end, a.causal, offset, s.q_len, use_kvalid,
+                          kvalid[kt & 1], t4);
     };
 
     if (ntiles > 0) {
@@ -299,7 +332,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
         pin(sc);
         float alpha[2];
         softmax(0, alpha);
-        pack_p();
+        pack_p<T, kBN>(p, sc);
     }
     for (int kt = 1; kt < ntiles; kt++) {
         cp_async_wait<0>();  // K_kt and V_{kt-1}
@@ -318,7 +351,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
         wg_fence();
         issue_s(kt);
         wg_commit();
-        issue_pv(kt - 1, p);
+        issue_v(kt - 1, p);
         wg_commit();
         wg_wait<1>();  // S_kt; the P V product may still run
         pin(sc);
@@ -334,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
             o[4 * n + 2] *= alpha[1];
             o[4 * n + 3] *= alpha[1];
         }
-        pack_p();
+        pack_p<T, kBN>(p, sc);
         if (kPaged && tid < kBN) {
             sslot[(kt + 2) % 3][tid] = next_slot;
             const bool all = __all_sync(0xffffffffu, next_slot >= 0);
@@ -348,7 +381,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
         pin(o);
         pin(p);
         wg_fence();
-        issue_pv(ntiles - 1, p);
+        issue_v(ntiles - 1, p);
         wg_commit();
         wg_wait<0>();
         pin(o);
@@ -356,21 +389,9 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
     }
     cp_async_wait<0>();
 
-    // Normalise and write this thread's rows (a row with no kept key gives 0).
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float lr = l[r];
-        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-        const int64_t i = qi[r];
-        if (i >= s.q_len) continue;
-        const float inv = lr > 0.f ? 1.f / lr : 0.f;
-        T *out = static_cast<T *>(a.out) + (kPaged ? 0 : b * a.out_stride[0]) + (s.q_row0 + i) * a.out_stride[1] +
-                 h * a.out_stride[2];
-#pragma unroll
-        for (int n = 0; n < D / 8; n++)
-            *reinterpret_cast<uint32_t *>(out + 8 * n + 2 * t4) = pack2<T>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
-    }
+    write_rows<T, D>(o, l, qi, s.q_len,
+                     static_cast<T *>(a.out) + (kPaged ? 0 : b * a.out_stride[0]) + s.q_row0 * a.out_stride[1] + h * a.out_stride[2],
+                     a.out_stride[1], t4);
 #endif
 }
 
@@ -435,8 +456,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                const __grid_constant__ CUtensorMap tv, WsCoords qpos, WsCoords kpos, WsCoords vpos, qk_attn_prefill_args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int kBN = ws_key_tile<D>();
-    using SS = qk_wgmma::SS<T, kBN>;
-    using RS = qk_wgmma::RS<T, D>;
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) uint64_t bars[9];  // q_full, k_full[2], k_empty[2], v_full[2], v_empty[2]
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
@@ -503,63 +522,13 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
     for (int i = 0; i < D / 2; i++) o[i] = 0.f;
 
-    auto issue_s = [&](int kt) {
-        const uint64_t dq = make_desc(sq + wg * 64 * 128, 16, 1024);
-        const uint64_t kd = make_desc(sk + (kt & 1) * kBN * D * 2, 16, 1024);
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++)
-            SS::template mma<0, 0>(sc, dq + (((kk >> 2) * kBM * 128 + (kk & 3) * 32) >> 4),
-                                   kd + (((kk >> 2) * kBN * 128 + (kk & 3) * 32) >> 4), kk > 0);
-    };
-    auto issue_pv = [&](int kt) {
-        const uint64_t vd = make_desc(sv + (kt & 1) * kBN * D * 2, kBN * 128, 1024);
-#pragma unroll
-        for (int kk = 0; kk < kBN / 16; kk++) RS::template mma<1>(o, p[kk], vd + ((kk * 16 * 128) >> 4), 1);
-    };
-    // As prefill_wgmma's softmax, without key masks.
-    auto softmax = [&](int kt, float (&alpha)[2]) {
+    const uint32_t q_rows = sq + wg * 64 * 128;
+    auto issue_s = [&](int kt) { issue_qk<T, D, kBN>(sc, q_rows, sk + (kt & 1) * kBN * D * 2); };
+    auto issue_v = [&](int kt) { issue_pv<T, D, kBN>(o, p, sv + (kt & 1) * kBN * D * 2); };
+    auto softmax = [&](int kt, float (&alpha)[2]) {  // no key masks here
         const int64_t j0 = (int64_t)kt * kBN;
         const bool full = j0 + kBN <= key_end && (!a.causal || j0 + kBN - 1 <= q0 + 64 * wg + offset);
-        int lim[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            int64_t last = key_end - 1 - j0;
-            if (a.causal) last = min(last, qi[r] + offset - j0);
-            if (qi[r] >= a.Lq) last = -1;
-            lim[r] = (int)max((int64_t)-1, min(last, (int64_t)kBN - 1));
-        }
-        float mx[2] = {m[0], m[1]};
-#pragma unroll
-        for (int n = 0; n < kBN / 8; n++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float v = sc[4 * n + e];
-                if (!full && 8 * n + 2 * t4 + (e & 1) > lim[e >> 1]) v = -INFINITY;
-                sc[4 * n + e] = v;
-                mx[e >> 1] = fmaxf(mx[e >> 1], v);
-            }
-        }
-        float ref[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            ref[r] = mx[r] == -INFINITY ? 0.f : mx[r] * qscale;
-            alpha[r] = ex2(m[r] * qscale - ref[r]);
-            m[r] = mx[r];
-            l[r] *= alpha[r];
-        }
-#pragma unroll
-        for (int i = 0; i < kBN / 2; i++) {
-            sc[i] = ex2(fmaf(sc[i], qscale, -ref[(i >> 1) & 1]));
-            l[(i >> 1) & 1] += sc[i];
-        }
-    };
-    auto pack_p = [&]() {
-#pragma unroll
-        for (int kk = 0; kk < kBN / 16; kk++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) p[kk][i] = pack2<T>(sc[8 * kk + 2 * i], sc[8 * kk + 2 * i + 1]);
+        tile_softmax<kBN>(sc, m, l, alpha, qscale, full, qi, j0, key_end, a.causal, offset, a.Lq, false, nullptr, t4);
     };
 
     if (ntiles > 0) {
@@ -574,7 +543,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         if (lane == 0) mbar_arrive(k_empty(0));
         float alpha[2];
         softmax(0, alpha);
-        pack_p();
+        pack_p<T, kBN>(p, sc);
     }
     for (int kt = 1; kt < ntiles; kt++) {
         mbar_wait(k_full(kt & 1), (kt >> 1) & 1);
@@ -585,7 +554,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         wg_fence();
         issue_s(kt);
         wg_commit();
-        issue_pv(kt - 1);
+        issue_v(kt - 1);
         wg_commit();
         wg_wait<1>();
         pin(sc);
@@ -603,44 +572,22 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             o[4 * n + 2] *= alpha[1];
             o[4 * n + 3] *= alpha[1];
         }
-        pack_p();
+        pack_p<T, kBN>(p, sc);
     }
     if (ntiles > 0) {
         mbar_wait(v_full((ntiles - 1) & 1), ((ntiles - 1) >> 1) & 1);
         pin(o);
         pin(p);
         wg_fence();
-        issue_pv(ntiles - 1);
+        issue_v(ntiles - 1);
         wg_commit();
         wg_wait<0>();
         pin(o);
         pin(p);
     }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float lr = l[r];
-        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-        const int64_t i = qi[r];
-        if (i >= a.Lq) continue;
-        const float inv = lr > 0.f ? 1.f / lr : 0.f;
-        T *out = static_cast<T *>(a.out) + (int64_t)b * a.out_stride[0] + i * a.out_stride[1] + h * a.out_stride[2];
-#pragma unroll
-        for (int n = 0; n < D / 8; n++)
-            *reinterpret_cast<uint32_t *>(out + 8 * n + 2 * t4) = pack2<T>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
-    }
+    write_rows<T, D>(o, l, qi, a.Lq, static_cast<T *>(a.out) + (int64_t)b * a.out_stride[0] + h * a.out_stride[2],
+                     a.out_stride[1], t4);
 #endif
-}
-
-PFN_cuTensorMapEncodeTiled_v12000 resolve_encode() {
-    void *fn = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-        cudaGetLastError();
-        return nullptr;
-    }
-    return (PFN_cuTensorMapEncodeTiled_v12000)fn;
 }
 
 // A 4-D tensor map over a [B, L, H, D] tensor (element strides s[3] = {b, l, h}, D unit-stride):
@@ -648,7 +595,7 @@ PFN_cuTensorMapEncodeTiled_v12000 resolve_encode() {
 // dims below it), boxes of 64 columns x rows rows.  False when the layout does not qualify.
 bool make_map(CUtensorMap *tm, WsCoords *pos, const void *base, int dtype, int64_t B, int64_t L, int64_t H, int64_t D,
               const int64_t s[3], int rows) {
-    static const PFN_cuTensorMapEncodeTiled_v12000 encode = resolve_encode();
+    static const auto encode = (PFN_cuTensorMapEncodeTiled_v12000)qk_driver_entry("cuTensorMapEncodeTiled");
     if (!encode) return false;
     struct Dim {
         int64_t size, stride;
@@ -750,13 +697,12 @@ extern "C" int qk_attn_prefill_sm90(const qk_attn_prefill_args *a, cudaStream_t 
 #if defined(QK_SM90A)
     const char *pick = getenv("QKERNELS_PREFILL_KERNEL");
     if (pick && strcmp(pick, "mma") == 0) return QK_E_UNSUPPORTED;
-    int dev, major = 0, minor = 0;
-    QK_CUDA_TRY(cudaGetDevice(&dev));
-    QK_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    QK_CUDA_TRY(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    int cc;
+    const int st = qk_device_cc(&cc);
+    if (st) return st;
     // Full [B, H, Lq, Lkv] bool masks stay on the mma.sync kernel: a load per score would
     // double this kernel's code and its masked path is sized for 32-bit compares.
-    if (major != 9 || minor != 0 || a->mask_kind == 2 || !(a->scale > 0.f)) return QK_E_UNSUPPORTED;
+    if (cc != 90 || a->mask_kind == 2 || !(a->scale > 0.f)) return QK_E_UNSUPPORTED;
     // Dense without a mask: the warp-specialised TMA kernel (QKERNELS_PREFILL_KERNEL=wgmma keeps
     // the cp.async one); it declines layouts the copy engine cannot describe.
     if (!a->paged && a->mask_kind == 0 && !(pick && strcmp(pick, "wgmma") == 0)) {

@@ -98,6 +98,13 @@ int qk_launch_dependent(const void *kernel, dim3 grid, dim3 block, size_t smem, 
 // attribute belongs to the device's module); later calls read a cache.  Returns a status.
 int qk_kernel_residency(const void *kernel, int threads, size_t smem, int *per_sm);
 
+// A CUDA driver function by name (the 12.0 ABI), resolved through the runtime so the library does
+// not link libcuda; nullptr when the driver lacks it.
+void *qk_driver_entry(const char *name);
+
+// The current device's compute capability as 10 * major + minor (cached), for kernel choices.
+int qk_device_cc(int *cc);
+
 // The current device's SM count (cached), for grids sized to one resident wave.
 int qk_sm_count(int *count);
 

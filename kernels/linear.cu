@@ -299,37 +299,21 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) lin_kernel(qk_line
 #endif
 }
 
-// Cached per device: the compute capability major (clusters need 9) and per-kernel occupancy.
-int lin_cc_major(int *major) {
-    static int cached[64];
-    int d;
-    QK_CUDA_TRY(cudaGetDevice(&d));
-    if (d >= 0 && d < 64 && cached[d] > 0) {
-        *major = cached[d];
-        return 0;
-    }
-    int v;
-    QK_CUDA_TRY(cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, d));
-    if (d >= 0 && d < 64) cached[d] = v;
-    *major = v;
-    return 0;
-}
-
 template <class C, typename T, bool kVec>
 int lin_run(const qk_linear_args *a, cudaStream_t stream) {
     const void *kernel = (const void *)lin_kernel<C, T, kVec>;
     // The ring needs more than the default 48 KB of dynamic shared memory.
     int blocks_per_sm;
     QK_CUDA_TRY((cudaError_t)qk_kernel_residency(kernel, C::kThreads, C::kSmem, &blocks_per_sm));
-    int sms, major;
+    int sms, cc;
     QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
-    QK_CUDA_TRY((cudaError_t)lin_cc_major(&major));
+    QK_CUDA_TRY((cudaError_t)qk_device_cc(&cc));
     const int64_t ntiles = (a->N + C::BN - 1) / C::BN, mchunks = (a->M + C::MTILE - 1) / C::MTILE;
     const int64_t blocks = ntiles * mchunks, resident = (int64_t)sms * blocks_per_sm;
     // Split K over a cluster while the doubled grid still fits in one resident wave and each warp
     // keeps a few load batches.
     int cs = 1;
-    if (major >= 9)
+    if (cc >= 90)  // clusters
         while (cs < 8 && blocks * cs * 2 <= resident && a->K / 32 >= (int64_t)cs * 2 * C::kWK * C::RD) cs *= 2;
     qk_linear_args p = *a;
     int cs_arg = cs, mchunks_arg = (int)mchunks;

@@ -8,18 +8,20 @@
 
 // ---- kernel launches through the driver ------------------------------------------------------
 
-namespace {
-
-PFN_cuLaunchKernel_v4000 resolve_cu_launch() {
+void *qk_driver_entry(const char *name) {
     void *fn = nullptr;
     cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuLaunchKernel", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+    if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
         found != cudaDriverEntryPointSuccess) {
         cudaGetLastError();
         return nullptr;
     }
-    return (PFN_cuLaunchKernel_v4000)fn;
+    return fn;
 }
+
+namespace {
+
+PFN_cuLaunchKernel_v4000 resolve_cu_launch() { return (PFN_cuLaunchKernel_v4000)qk_driver_entry("cuLaunchKernel"); }
 
 // Per kernel: its driver handle and, per device, how many of its CTAs fit on an SM once its shared-
 // memory limit is raised (0: not yet).  Slots are written under the mutex and read without it once
@@ -73,15 +75,10 @@ int qk_launch(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream
 }
 
 int qk_launch_dependent(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, void **args) {
-    // Per device: programmatic dependent launch needs sm_90 (0 unknown, 1 no, 2 yes).
-    static int supported[64];
-    int dev = 0, major = 0;
-    QK_CUDA_TRY(cudaGetDevice(&dev));
-    if (dev >= 0 && dev < 64 && !supported[dev]) {
-        QK_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-        supported[dev] = major >= 9 ? 2 : 1;
-    }
-    if (dev >= 0 && dev < 64 && supported[dev] == 2) {
+    // Programmatic dependent launch needs sm_90.
+    int cc;
+    QK_CUDA_TRY((cudaError_t)qk_device_cc(&cc));
+    if (cc >= 90) {
         cudaLaunchConfig_t cfg = {};
         cudaLaunchAttribute attr[1];
         attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -117,6 +114,23 @@ int qk_kernel_residency(const void *kernel, int threads, size_t smem, int *per_s
     if (n < 1) n = 1;
     if (per_sm) *per_sm = n;
     if (slot) __atomic_store_n(&slot->per_sm[dev], n, __ATOMIC_RELAXED);
+    return 0;
+}
+
+int qk_device_cc(int *cc) {
+    // Cached per device: the kernel choices ask on every call.
+    static int cached[64];
+    int d;
+    QK_CUDA_TRY(cudaGetDevice(&d));
+    if (d >= 0 && d < 64 && cached[d] > 0) {
+        *cc = cached[d];
+        return 0;
+    }
+    int major, minor;
+    QK_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d));
+    QK_CUDA_TRY(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d));
+    if (d >= 0 && d < 64) cached[d] = 10 * major + minor;
+    *cc = 10 * major + minor;
     return 0;
 }
 
