@@ -62,7 +62,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 import qkernels  # noqa: E402
 import common  # noqa: E402
 from common import (COLD_FOOTPRINT_BYTES, GPU_COPY_BYTES, gpu_copy_ceiling_gbps, gpu_replay_time_us,  # noqa: E402
-                    markdown_table, release_gpu_memory, text_table)
+                    write_markdown, release_gpu_memory, text_table)
 
 CASE_KINDS = ("contiguous", "paged")
 
@@ -553,8 +553,7 @@ def main():
     header, rows, footer = collect(args)
     print("\n" + "\n".join(header + [""] + text_table(rows, COLUMNS) + [""] + footer))
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n\n".join(header + ["\n".join(markdown_table(rows, COLUMNS))] + footer) + "\n")
+        write_markdown(args.markdown, header, rows, footer, COLUMNS)
 
 
 if __name__ == "__main__":

@@ -231,8 +231,7 @@ def main():
     print("\n" + "\n".join(header) + "\n")
     print("\n".join(common.text_table(rows, COLUMNS)))
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n\n".join(header + ["\n".join(common.markdown_table(rows, COLUMNS))]) + "\n")
+        common.write_markdown(args.markdown, header, rows, columns=COLUMNS)
     return 0
 
 

@@ -140,6 +140,12 @@ def row_cells(row):
             row.target, row.check]
 
 
+def write_markdown(path, header, rows, footer=(), columns=COLUMNS):
+    """A family's results file: the header lines, the markdown table, the footer lines."""
+    with open(path, "w") as f:
+        f.write("\n\n".join(list(header) + ["\n".join(markdown_table(rows, columns))] + list(footer)) + "\n")
+
+
 def text_table(rows, columns=COLUMNS):
     cells = [row_cells(row) for row in rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]

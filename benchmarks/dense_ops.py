@@ -42,7 +42,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import qkernels  # noqa: E402
 from common import (COLD_FOOTPRINT_BYTES, F32, GPU_COPY_BYTES, Row, describe, gpu_copy_ceiling_gbps,  # noqa: E402
-                    gpu_replay_time_us, markdown_table, relative_error, release_gpu_memory, text_table)
+                    gpu_replay_time_us, write_markdown, relative_error, release_gpu_memory, text_table)
 
 OPS = ("linear", "swiglu", "rotary_emb")
 
@@ -360,8 +360,7 @@ def main():
     header, rows, footer = collect(args)
     print("\n" + "\n".join(header + [""] + text_table(rows) + footer))
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n\n".join(header + ["\n".join(markdown_table(rows))] + footer) + "\n")
+        write_markdown(args.markdown, header, rows, footer)
 
 
 if __name__ == "__main__":
