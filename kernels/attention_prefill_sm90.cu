@@ -434,6 +434,15 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap *tm, in
 
 #endif
 
+// Ping-pong between the two consumer warpgroups (FA3): each issues its matrix products only in
+// its turn, so they reach the tensor cores alternately and one warpgroup's softmax runs under
+// the other's products.  Named barrier 1 + w is warpgroup w's turn: it completes when w's 128
+// threads sync on it and the other warpgroup's 128 arrive.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void turn_wait(int wg) { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory"); }
+__device__ __forceinline__ void turn_pass(int wg) { asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - wg) : "memory"); }
+#endif
+
 // Where the row, head and batch coordinates go among a tensor map's dims 1..3 (the dims are
 // ordered by stride; see make_map).
 struct WsCoords {
@@ -531,13 +540,19 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         tile_softmax<kBN>(sc, m, l, alpha, qscale, full, qi, j0, key_end, a.causal, offset, a.Lq, false, nullptr, t4);
     };
 
+    // Turns: ntiles + 1 issue phases per warpgroup (the first S, ntiles - 1 S + P V pairs, the last
+    // P V).  Warpgroup 1 passes the first turn to warpgroup 0 and does not pass after its last
+    // phase, so every barrier phase completes and none is left half-arrived at exit.
+    if (ntiles > 0 && wg == 1) turn_pass(1);
     if (ntiles > 0) {
         mbar_wait(q_full, 0);
         mbar_wait(k_full(0), 0);
         pin(sc);
+        turn_wait(wg);
         wg_fence();
         issue_s(0);
         wg_commit();
+        turn_pass(wg);
         wg_wait<0>();
         pin(sc);
         if (lane == 0) mbar_arrive(k_empty(0));
@@ -551,11 +566,13 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         pin(sc);
         pin(o);
         pin(p);
+        turn_wait(wg);
         wg_fence();
         issue_s(kt);
         wg_commit();
         issue_v(kt - 1);
         wg_commit();
+        turn_pass(wg);
         wg_wait<1>();
         pin(sc);
         if (lane == 0) mbar_arrive(k_empty(kt & 1));
@@ -578,9 +595,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         mbar_wait(v_full((ntiles - 1) & 1), ((ntiles - 1) >> 1) & 1);
         pin(o);
         pin(p);
+        turn_wait(wg);
         wg_fence();
         issue_v(ntiles - 1);
         wg_commit();
+        if (wg == 0) turn_pass(0);
         wg_wait<0>();
         pin(o);
         pin(p);
