@@ -459,7 +459,7 @@ __device__ __forceinline__ void tma_box(uint32_t dst, const CUtensorMap *tm, con
 }
 #endif
 
-template <typename T, int D>
+template <typename T, int D, bool kPaged>
 __global__ void __launch_bounds__(kWsThreads, 1)
     prefill_ws(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                const __grid_constant__ CUtensorMap tv, WsCoords qpos, WsCoords kpos, WsCoords vpos, qk_attn_prefill_args a) {
@@ -477,21 +477,26 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     auto k_empty = [&](int st) { return bar0 + 8 * (3 + st); };
     auto v_full = [&](int st) { return bar0 + 8 * (5 + st); };
     auto v_empty = [&](int st) { return bar0 + 8 * (7 + st); };
+    __shared__ __align__(16) uint8_t kvalid[2][kBN];  // paged: the keys of a K stage with a valid slot
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int role = __shfl_sync(0xffffffffu, warp >> 2, 0);  // 0: producer; 1, 2: consumers
 
-    const int h = blockIdx.y, G = (int)(a.Hq / a.Hkv), hk = h / G, b = blockIdx.z;
-    const int64_t q0 = ((int64_t)gridDim.x - 1 - blockIdx.x) * kBM;  // longest tiles first
-    const int64_t offset = a.Lkv - a.Lq;
-    int64_t key_end = a.Lkv;
-    if (a.causal) key_end = min(key_end, q0 + kBM - 1 + offset + 1);
+    const int h = blockIdx.y, G = (int)(a.Hq / a.Hkv), hk = h / G;
+    const Seq s = prefill_seq<kBM, kWsThreads, D, kPaged>(a);
+    if (s.b < 0) return;
+    const int b = (int)s.b;
+    const int64_t q0 = s.tile * kBM;
+    const int64_t offset = s.kv_len - s.q_len;
+    const int64_t key_end = cta_key_end<kBM>(a, s, q0);
     const int ntiles = key_end > 0 ? (int)((key_end + kBN - 1) / kBN) : 0;
 
     if (tid == 0) {
         mbar_init(q_full, 1);
         for (int st = 0; st < 2; st++) {
-            mbar_init(k_full(st), 1);
-            mbar_init(v_full(st), 1);
+            // Paged stages complete on 128 cp.async arrivals plus 128 plain ones (the latter
+            // release the producer's kvalid stores).
+            mbar_init(k_full(st), kPaged ? 256 : 1);
+            mbar_init(v_full(st), kPaged ? 256 : 1);
             mbar_init(k_empty(st), 8);  // the consumer warps
             mbar_init(v_empty(st), 8);
         }
@@ -499,12 +504,51 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     }
     __syncthreads();
 
+    constexpr uint32_t kTileBytes = kBN * D * 2;
     if (role == 0) {
+        if constexpr (kPaged) {
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+            if (tid == 0 && ntiles > 0) {  // as below: no copy the consumers will not wait for
+                mbar_expect_tx(q_full, kBM * D * 2);
+                for (int c = 0; c < D / 64; c++)
+                    tma_box(sq + c * kBM * 128, &tq, qpos, 64 * c, (int)(s.q_row0 + q0), h, 0, q_full);
+            }
+            // The pool rows are gathered with cp.async by all 128 producer threads: thread t
+            // always copies chunk lc of rows lr, lr + kRP, ...; each thread's copies complete on
+            // the stage's mbarrier, so the producer runs up to two tiles ahead.
+            const T *kbase = static_cast<const T *>(a.k), *vbase = static_cast<const T *>(a.v);
+            constexpr int kChunks = D / 8, kRP = 128 / kChunks;
+            const int lc = tid % kChunks, lr = tid / kChunks;
+            const uint32_t at = (lc >> 3) * kBN * 128;  // + the row's swizzled offset (kRP may be < 8)
+            auto gather = [&](uint32_t dst, const T *base, int64_t stride, int kt, int st, bool is_k) {
+                base += hk * (is_k ? a.k_stride[2] : a.v_stride[2]) + lc * 8;
+#pragma unroll 4
+                for (int i = 0; i < kBN / kRP; i++) {
+                    const int r = lr + i * kRP;
+                    const int64_t row = key_row<true>(a, s, key_end, (int64_t)kt * kBN + r);
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + at + r * 128 + (((lc & 7) ^ (r & 7)) << 4)),
+                                 "l"(row >= 0 ? base + row * stride : base), "r"(row >= 0 ? 16 : 0) : "memory");
+                    if (is_k && lc == 0) kvalid[st][r] = row >= 0;
+                }
+            };
+            for (int kt = 0; kt < ntiles; kt++) {
+                const int st = kt & 1, ph = (kt >> 1) & 1;
+                if (kt >= 2) mbar_wait(k_empty(st), ph ^ 1);
+                gather(sk + st * kTileBytes, kbase, a.k_stride[1], kt, st, true);
+                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(k_full(st)) : "memory");
+                mbar_arrive(k_full(st));
+                if (kt >= 2) mbar_wait(v_empty(st), ph ^ 1);
+                gather(sv + st * kTileBytes, vbase, a.v_stride[1], kt, st, false);
+                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(v_full(st)) : "memory");
+                mbar_arrive(v_full(st));
+            }
+            asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave no copy in flight at exit
+            return;
+        }
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         // No key tile (no keys, or all above the causal diagonal): the consumers write zeros and
         // wait for nothing, so nothing is copied (a copy in flight must not outlive the CTA).
         if (tid != 0 || ntiles == 0) return;
-        constexpr uint32_t kTileBytes = kBN * D * 2;
         mbar_expect_tx(q_full, kBM * D * 2);
         for (int c = 0; c < D / 64; c++) tma_box(sq + c * kBM * 128, &tq, qpos, 64 * c, (int)q0, h, b, q_full);
         for (int kt = 0; kt < ntiles; kt++) {
@@ -520,7 +564,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         }
         return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    if constexpr (kPaged) {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    }
     const int wg = role - 1;
     const int g = lane >> 2, t4 = lane & 3;
     const int64_t qi[2] = {q0 + 64 * wg + 16 * (warp & 3) + g, q0 + 64 * wg + 16 * (warp & 3) + g + 8};
@@ -534,10 +582,22 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const uint32_t q_rows = sq + wg * 64 * 128;
     auto issue_s = [&](int kt) { issue_qk<T, D, kBN>(sc, q_rows, sk + (kt & 1) * kBN * D * 2); };
     auto issue_v = [&](int kt) { issue_pv<T, D, kBN>(o, p, sv + (kt & 1) * kBN * D * 2); };
-    auto softmax = [&](int kt, float (&alpha)[2]) {  // no key masks here
+    // Paged keys without a valid slot (or masked) are dropped through kvalid; a tile whose keys
+    // all have one takes the unmasked path.
+    auto softmax = [&](int kt, float (&alpha)[2]) {
         const int64_t j0 = (int64_t)kt * kBN;
-        const bool full = j0 + kBN <= key_end && (!a.causal || j0 + kBN - 1 <= q0 + 64 * wg + offset);
-        tile_softmax<kBN>(sc, m, l, alpha, qscale, full, qi, j0, key_end, a.causal, offset, a.Lq, false, nullptr, t4);
+        bool kept = true;
+        if constexpr (kPaged) {
+            const uint4 *kv = reinterpret_cast<const uint4 *>(kvalid[kt & 1]);
+#pragma unroll
+            for (int i = 0; i < kBN / 16; i++) {
+                const uint4 v = kv[i];
+                kept = kept && (v.x & v.y & v.z & v.w) == 0x01010101u;
+            }
+        }
+        const bool full = kept && j0 + kBN <= key_end && (!a.causal || j0 + kBN - 1 <= q0 + 64 * wg + offset);
+        tile_softmax<kBN>(sc, m, l, alpha, qscale, full, qi, j0, key_end, a.causal, offset, s.q_len, kPaged,
+                          kvalid[kt & 1], t4);
     };
 
     // D = 64 measured 336 -> 317 TFLOP/s with turns (its products are too short to hide a
@@ -547,9 +607,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     // P V).  Warpgroup 1 passes the first turn to warpgroup 0 and does not pass after its last
     // phase, so every barrier phase completes and none is left half-arrived at exit.
     if (kPingPong && ntiles > 0 && wg == 1) turn_pass(1);
+    // Paged stages are written by cp.async (generic proxy): a proxy fence before the tensor cores
+    // read them; their kvalid is read by the softmax, so the K stage is released after it.
     if (ntiles > 0) {
         mbar_wait(q_full, 0);
         mbar_wait(k_full(0), 0);
+        if (kPaged) fence_async_smem();
         pin(sc);
         if constexpr (kPingPong) turn_wait(wg);
         wg_fence();
@@ -558,14 +621,16 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         if constexpr (kPingPong) turn_pass(wg);
         wg_wait<0>();
         pin(sc);
-        if (lane == 0) mbar_arrive(k_empty(0));
+        if (!kPaged && lane == 0) mbar_arrive(k_empty(0));
         float alpha[2];
         softmax(0, alpha);
+        if (kPaged && lane == 0) mbar_arrive(k_empty(0));
         pack_p<T, kBN>(p, sc);
     }
     for (int kt = 1; kt < ntiles; kt++) {
         mbar_wait(k_full(kt & 1), (kt >> 1) & 1);
         mbar_wait(v_full((kt - 1) & 1), ((kt - 1) >> 1) & 1);
+        if (kPaged) fence_async_smem();
         pin(sc);
         pin(o);
         pin(p);
@@ -578,9 +643,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         if constexpr (kPingPong) turn_pass(wg);
         wg_wait<1>();
         pin(sc);
-        if (lane == 0) mbar_arrive(k_empty(kt & 1));
+        if (!kPaged && lane == 0) mbar_arrive(k_empty(kt & 1));
         float alpha[2];
         softmax(kt, alpha);
+        if (kPaged && lane == 0) mbar_arrive(k_empty(kt & 1));
         wg_wait<0>();
         pin(o);
         pin(p);
@@ -596,6 +662,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     }
     if (ntiles > 0) {
         mbar_wait(v_full((ntiles - 1) & 1), ((ntiles - 1) >> 1) & 1);
+        if (kPaged) fence_async_smem();
         pin(o);
         pin(p);
         if constexpr (kPingPong) turn_wait(wg);
@@ -607,7 +674,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         pin(o);
         pin(p);
     }
-    write_rows<T, D>(o, l, qi, a.Lq, static_cast<T *>(a.out) + (int64_t)b * a.out_stride[0] + h * a.out_stride[2],
+    write_rows<T, D>(o, l, qi, s.q_len,
+                     static_cast<T *>(a.out) + (kPaged ? 0 : (int64_t)b * a.out_stride[0]) + s.q_row0 * a.out_stride[1] +
+                         h * a.out_stride[2],
                      a.out_stride[1], t4);
 #endif
 }
@@ -655,31 +724,40 @@ bool make_map(CUtensorMap *tm, WsCoords *pos, const void *base, int dtype, int64
     return r == CUDA_SUCCESS;
 }
 
-template <typename T, int D> int launch_ws(const qk_attn_prefill_args *a, cudaStream_t s) {
+template <typename T, int D, bool kPaged> int launch_ws(const qk_attn_prefill_args *a, cudaStream_t s) {
     constexpr int kBN = ws_key_tile<D>();
     alignas(64) CUtensorMap tq, tk, tv;
-    WsCoords qp, kp, vp;
+    WsCoords qp, kp = {}, vp = {};
     const int64_t qs[3] = {a->q_stride[0], a->q_stride[1], a->q_stride[2]};
     const int64_t ks[3] = {a->k_stride[0], a->k_stride[1], a->k_stride[2]};
     const int64_t vs[3] = {a->v_stride[0], a->v_stride[1], a->v_stride[2]};
-    if (!make_map(&tq, &qp, a->q, a->dtype, a->B, a->Lq, a->Hq, D, qs, kBM) ||
-        !make_map(&tk, &kp, a->k, a->dtype, a->B, a->Lkv, a->Hkv, D, ks, kBN) ||
-        !make_map(&tv, &vp, a->v, a->dtype, a->B, a->Lkv, a->Hkv, D, vs, kBN))
-        return QK_E_UNSUPPORTED;
+    dim3 grid;
+    if (kPaged) {  // q is [total_q, Hq, D]: one sequence of total_q rows; K/V are gathered
+        if (!make_map(&tq, &qp, a->q, a->dtype, 1, a->total_q, a->Hq, D, qs, kBM)) return QK_E_UNSUPPORTED;
+        tk = tv = tq;
+        const int64_t tiles = (a->total_q + kBM - 1) / kBM + a->B;  // any split into B requests fits
+        if (tiles > 0x7fffffff || a->total_q > 0x7fffffff) return QK_E_UNSUPPORTED;
+        grid = dim3((unsigned)tiles, (unsigned)a->Hq, 1);
+    } else {
+        if (!make_map(&tq, &qp, a->q, a->dtype, a->B, a->Lq, a->Hq, D, qs, kBM) ||
+            !make_map(&tk, &kp, a->k, a->dtype, a->B, a->Lkv, a->Hkv, D, ks, kBN) ||
+            !make_map(&tv, &vp, a->v, a->dtype, a->B, a->Lkv, a->Hkv, D, vs, kBN))
+            return QK_E_UNSUPPORTED;
+        grid = dim3((unsigned)((a->Lq + kBM - 1) / kBM), (unsigned)a->Hq, (unsigned)a->B);
+    }
     constexpr size_t smem = ws_smem_bytes<D>();
-    const int opt = qk_kernel_residency((const void *)prefill_ws<T, D>, kWsThreads, smem, nullptr);
+    const int opt = qk_kernel_residency((const void *)prefill_ws<T, D, kPaged>, kWsThreads, smem, nullptr);
     if (opt) return opt;
-    const dim3 grid((unsigned)((a->Lq + kBM - 1) / kBM), (unsigned)a->Hq, (unsigned)a->B);
     qk_attn_prefill_args p = *a;
     void *args[] = {&tq, &tk, &tv, &qp, &kp, &vp, &p};
-    return qk_launch((const void *)prefill_ws<T, D>, grid, dim3(kWsThreads), smem, s, args);
+    return qk_launch((const void *)prefill_ws<T, D, kPaged>, grid, dim3(kWsThreads), smem, s, args);
 }
 
 template <typename T> int pick_ws(const qk_attn_prefill_args *a, cudaStream_t s) {
     switch (a->D) {
-    case 64: return launch_ws<T, 64>(a, s);
-    case 128: return launch_ws<T, 128>(a, s);
-    case 256: return launch_ws<T, 256>(a, s);
+    case 64: return a->paged ? launch_ws<T, 64, true>(a, s) : launch_ws<T, 64, false>(a, s);
+    case 128: return a->paged ? launch_ws<T, 128, true>(a, s) : launch_ws<T, 128, false>(a, s);
+    case 256: return a->paged ? launch_ws<T, 256, true>(a, s) : launch_ws<T, 256, false>(a, s);
     default: return QK_E_UNSUPPORTED;
     }
 }
@@ -725,9 +803,10 @@ extern "C" int qk_attn_prefill_sm90(const qk_attn_prefill_args *a, cudaStream_t 
     // Full [B, H, Lq, Lkv] bool masks stay on the mma.sync kernel: a load per score would
     // double this kernel's code and its masked path is sized for 32-bit compares.
     if (cc != 90 || a->mask_kind == 2 || !(a->scale > 0.f)) return QK_E_UNSUPPORTED;
-    // Dense without a mask: the warp-specialised TMA kernel (QKERNELS_PREFILL_KERNEL=wgmma keeps
-    // the cp.async one); it declines layouts the copy engine cannot describe.
-    if (!a->paged && a->mask_kind == 0 && !(pick && strcmp(pick, "wgmma") == 0)) {
+    // The warp-specialised kernel (QKERNELS_PREFILL_KERNEL=wgmma keeps the cp.async one): dense
+    // calls without a mask, paged calls with at most a key mask; it declines layouts the copy
+    // engine cannot describe.
+    if ((a->paged ? a->mask_kind <= 1 : a->mask_kind == 0) && !(pick && strcmp(pick, "wgmma") == 0)) {
         const int r = a->dtype == QK_BF16 ? pick_ws<__nv_bfloat16>(a, s) : pick_ws<__half>(a, s);
         if (r != QK_E_UNSUPPORTED) return r;
     }
