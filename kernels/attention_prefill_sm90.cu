@@ -515,30 +515,54 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             }
             // The pool rows are gathered with cp.async by all 128 producer threads: thread t
             // always copies chunk lc of rows lr, lr + kRP, ...; each thread's copies complete on
-            // the stage's mbarrier, so the producer runs up to two tiles ahead.
-            const T *kbase = static_cast<const T *>(a.k), *vbase = static_cast<const T *>(a.v);
+            // the stage's mbarrier, so the producer runs up to two tiles ahead.  The pool row of
+            // key kt * kBN + t is looked up by thread t one tile ahead (its load in flight while
+            // tile kt is copied) and shared through rows_s: looked up per copy, the dependent
+            // index loads held the producer at 128 TFLOP/s.
+            static_assert(kBN <= 128, "one key per producer thread");
+            __shared__ int64_t rows_s[2][kBN];
+            const T *kbase = static_cast<const T *>(a.k) + hk * a.k_stride[2];
+            const T *vbase = static_cast<const T *>(a.v) + hk * a.v_stride[2];
             constexpr int kChunks = D / 8, kRP = 128 / kChunks;
             const int lc = tid % kChunks, lr = tid / kChunks;
             const uint32_t at = (lc >> 3) * kBN * 128;  // + the row's swizzled offset (kRP may be < 8)
-            auto gather = [&](uint32_t dst, const T *base, int64_t stride, int kt, int st, bool is_k) {
-                base += hk * (is_k ? a.k_stride[2] : a.v_stride[2]) + lc * 8;
+            const uint8_t *kmask = static_cast<const uint8_t *>(a.mask);
+            int64_t raw = -1;  // the next tile's index entry for this thread's key, not yet checked
+            bool keep = false;
+            auto fetch = [&](int kt) {
+                const int64_t j = (int64_t)kt * kBN + tid;
+                raw = -1;
+                keep = false;
+                if (tid < kBN && kt < ntiles && j < key_end) {
+                    keep = a.mask_kind != 1 || kmask[s.b * a.mask_stride[0] + j * a.mask_stride[3]];
+                    raw = load_index(a.req_to_token, a.r2t_dtype, s.pool_row * a.r2t_stride[0] + j * a.r2t_stride[1]);
+                }
+            };
+            auto gather = [&](uint32_t dst, const T *base, int64_t stride, int st) {
 #pragma unroll 4
                 for (int i = 0; i < kBN / kRP; i++) {
                     const int r = lr + i * kRP;
-                    const int64_t row = key_row<true>(a, s, key_end, (int64_t)kt * kBN + r);
+                    const int64_t row = rows_s[st][r];
                     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + at + r * 128 + (((lc & 7) ^ (r & 7)) << 4)),
-                                 "l"(row >= 0 ? base + row * stride : base), "r"(row >= 0 ? 16 : 0) : "memory");
-                    if (is_k && lc == 0) kvalid[st][r] = row >= 0;
+                                 "l"(row >= 0 ? base + row * stride + lc * 8 : base), "r"(row >= 0 ? 16 : 0) : "memory");
                 }
             };
+            fetch(0);
             for (int kt = 0; kt < ntiles; kt++) {
                 const int st = kt & 1, ph = (kt >> 1) & 1;
+                const int64_t row = keep && raw >= 0 && raw < a.pool_size ? raw : -1;
+                fetch(kt + 1);
+                // rows_s[st] was last read in tile kt - 2, before every producer thread passed
+                // this barrier in tile kt - 1.
+                if (tid < kBN) rows_s[st][tid] = row;
+                asm volatile("bar.sync 3, 128;\n" ::: "memory");
                 if (kt >= 2) mbar_wait(k_empty(st), ph ^ 1);
-                gather(sk + st * kTileBytes, kbase, a.k_stride[1], kt, st, true);
+                if (tid < kBN) kvalid[st][tid] = row >= 0;
+                gather(sk + st * kTileBytes, kbase, a.k_stride[1], st);
                 asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(k_full(st)) : "memory");
                 mbar_arrive(k_full(st));
                 if (kt >= 2) mbar_wait(v_empty(st), ph ^ 1);
-                gather(sv + st * kTileBytes, vbase, a.v_stride[1], kt, st, false);
+                gather(sv + st * kTileBytes, vbase, a.v_stride[1], st);
                 asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(v_full(st)) : "memory");
                 mbar_arrive(v_full(st));
             }
