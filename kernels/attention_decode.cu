@@ -425,10 +425,10 @@ template <typename T, int D, int kM, bool kPaged>
 int launch_cluster(const qk_attn_decode_args *a, cudaStream_t s, int ncl, int64_t chunk, int64_t groups_y, size_t smem) {
     const char *env = getenv("QKERNELS_DECODE_CLUSTER");
     if (env && strcmp(env, "0") == 0) return QK_E_UNSUPPORTED;
-    int dev, major = 0;
-    QK_CUDA_TRY(cudaGetDevice(&dev));
-    QK_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    if (major < 9 || a->B > 65535 || groups_y > 65535) return QK_E_UNSUPPORTED;
+    int cc;
+    const int st = qk_device_cc(&cc);
+    if (st) return st;
+    if (cc < 90 || a->B > 65535 || groups_y > 65535) return QK_E_UNSUPPORTED;
     const void *fn = (const void *)decode_split<T, D, kM, kPaged, true>;
     const int opt = qk_kernel_residency(fn, kThreads, smem, nullptr);
     if (opt) return opt;
