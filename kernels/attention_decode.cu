@@ -22,13 +22,21 @@
 // masked, past the length or at an out-of-range slot are not loaded (zero-filled) and get
 // probability 0; a sequence with no kept key gives 0.
 //
+// On sm_90, when each split is short (at most 1024 keys once the splits are capped at 16), the
+// splits of a (sequence, head group) are launched as one thread-block cluster and merge their
+// partials through distributed shared memory instead: no workspace allocation, no second kernel
+// (QKERNELS_DECODE_CLUSTER=0 keeps the workspace path).
+//
 // Paged: key j of sequence b is pool slot req_to_token[req_pool_indices[b], j]; lane k of a warp
 // loads the slot of key k of the tile one tile ahead and the copies get it by shuffle.  With
 // new_k/new_v, position len_b - 1 is read from new_k/new_v, and the CTA owning it (head group 0)
 // also writes them into the pool.
 #include "attention_common.cuh"
 
+#include <cooperative_groups.h>
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 namespace {
 using namespace qk_attn;
@@ -54,7 +62,10 @@ __device__ __forceinline__ int64_t seq_len(const qk_attn_decode_args &a, int64_t
 constexpr int64_t kSkip = -1, kFresh = -2;  // key sources besides a row / pool slot
 
 // kM query heads (8 or 16; rows past the group's heads are zero) against one kv head's split.
-template <typename T, int D, int kM, bool kPaged>
+// kCluster (sm_90): the nsplit CTAs of a (sequence, head group) form one thread-block cluster and
+// merge their partials through distributed shared memory, with no workspace and no second kernel
+// (the latency-bound small-batch cases pay for both).
+template <typename T, int D, int kM, bool kPaged, bool kCluster>
 __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, float *ws, int nsplit, int64_t chunk) {
     constexpr int kChunks = D / 8;                       // 16-byte chunks per row
     constexpr int kStages = stages<D>();
@@ -67,7 +78,7 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
     unsigned char *pipe = smem + kM * D * 2;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // The combine kernel may be scheduled now; it waits for this grid's end before reading.
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    if (!kCluster) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int split = blockIdx.x, b = blockIdx.z;
@@ -291,6 +302,8 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
         }
     }
     __syncthreads();
+    // Cluster: this CTA's partial, [kM][D + 2] after the warps' (read by the other CTAs).
+    float *part = red + kWarps * kM * (D + 2);
     // Thread x of the CTA finishes (head, element) pairs in a fixed order.
     for (int e = threadIdx.x; e < kM * D; e += kThreads) {
         const int gh = e / D, d = e % D;
@@ -309,7 +322,13 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
             }
         }
         const int h = h0 + gh;
-        if (nsplit == 1) {
+        if (kCluster) {
+            part[gh * (D + 2) + d] = val;
+            if (d == 0) {
+                part[gh * (D + 2) + D] = mxw;
+                part[gh * (D + 2) + D + 1] = sum;
+            }
+        } else if (nsplit == 1) {
             T *out = static_cast<T *>(a.out) + b * a.out_stride[0] + h * a.out_stride[1];
             out[d] = qk_from_float<T>(sum > 0.f ? val / sum : 0.f);
         } else {
@@ -321,6 +340,33 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
                 p[D + 1] = sum;
             }
         }
+    }
+    if constexpr (kCluster) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        // Every CTA of the cluster combines a share of the (head, element) pairs, reading the
+        // partials of all nsplit CTAs in split (rank) order, as decode_combine does.
+        namespace cg = cooperative_groups;
+        cg::cluster_group cluster = cg::this_cluster();
+        cluster.sync();  // every partial written
+        for (int e = split * kThreads + threadIdx.x; e < kM * D; e += nsplit * kThreads) {
+            const int gh = e / D, d = e % D;
+            if (gh >= nheads) continue;
+            float mx = -INFINITY;
+            for (int r = 0; r < nsplit; r++) mx = fmaxf(mx, cluster.map_shared_rank(part, r)[gh * (D + 2) + D]);
+            float sum = 0.f, val = 0.f;
+            if (mx != -INFINITY) {
+                for (int r = 0; r < nsplit; r++) {
+                    const float *pr = cluster.map_shared_rank(part, r) + gh * (D + 2);
+                    const float w = exp2f(pr[D] - mx);
+                    sum += pr[D + 1] * w;
+                    val += pr[d] * w;
+                }
+            }
+            T *out = static_cast<T *>(a.out) + b * a.out_stride[0] + (h0 + gh) * a.out_stride[1];
+            out[d] = qk_from_float<T>(sum > 0.f ? val / sum : 0.f);
+        }
+        cluster.sync();  // no CTA leaves while another reads its shared memory
+#endif
     }
 }
 
@@ -372,6 +418,48 @@ __global__ void __launch_bounds__(kThreads) decode_combine(qk_attn_decode_args a
         if (lane + 32 * i < D) o[lane + 32 * i] = qk_from_float<T>(sum > 0.f ? val[i] / sum : 0.f);
 }
 
+// The cluster launch (see decode_split): QK_E_UNSUPPORTED where clusters are not available (below
+// sm_90, or a cluster of that size cannot be scheduled), so the caller takes the workspace path.
+// QKERNELS_DECODE_CLUSTER=0 turns it off (comparison and tests).
+template <typename T, int D, int kM, bool kPaged>
+int launch_cluster(const qk_attn_decode_args *a, cudaStream_t s, int ncl, int64_t chunk, int64_t groups_y, size_t smem) {
+    const char *env = getenv("QKERNELS_DECODE_CLUSTER");
+    if (env && strcmp(env, "0") == 0) return QK_E_UNSUPPORTED;
+    int cc;
+    const int st = qk_device_cc(&cc);
+    if (st) return st;
+    if (cc < 90 || a->B > 65535 || groups_y > 65535) return QK_E_UNSUPPORTED;
+    const void *fn = (const void *)decode_split<T, D, kM, kPaged, true>;
+    const int opt = qk_kernel_residency(fn, kThreads, smem, nullptr);
+    if (opt) return opt;
+    if (ncl > 8 && cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+        cudaGetLastError();
+        return QK_E_UNSUPPORTED;
+    }
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = (unsigned)ncl;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.gridDim = dim3((unsigned)ncl, (unsigned)groups_y, (unsigned)a->B);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;  // can a cluster of ncl CTAs with this much shared memory be placed at all?
+    if (cudaOccupancyMaxActiveClusters(&clusters, fn, &cfg) != cudaSuccess || clusters < 1) {
+        cudaGetLastError();
+        return QK_E_UNSUPPORTED;
+    }
+    qk_attn_decode_args p = *a;
+    float *ws = nullptr;
+    int ns = ncl;
+    void *args[] = {&p, &ws, &ns, &chunk};
+    return (int)cudaLaunchKernelExC(&cfg, fn, args);
+}
+
 template <typename T, int D, int kM, bool kPaged>
 int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     const int G = (int)(a->Hq / a->Hkv), groups = (G + kM - 1) / kM;
@@ -379,9 +467,9 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     const int64_t lcap = a->paged ? a->max_ctx : a->Lkv;
     constexpr size_t row = D * 2;
     constexpr size_t smem = kM * row + (size_t)kWarps * stages<D>() * (2 * kTile * row + 16);
-    static_assert((size_t)kWarps * kM * (D + 2) * 4 <= smem, "merge fits");
+    static_assert((size_t)(kWarps + 1) * kM * (D + 2) * 4 <= smem, "merge and cluster partial fit");
     int resident;
-    const int opt = qk_kernel_residency((const void *)decode_split<T, D, kM, kPaged>, kThreads, smem, &resident);
+    const int opt = qk_kernel_residency((const void *)decode_split<T, D, kM, kPaged, false>, kThreads, smem, &resident);
     if (opt) return opt;
     // Splits: enough CTAs to fill the chip, rounded so the last wave is nearly full (B=64 L=8k
     // without splits is 512 CTAs on 264 slots: 1.9 waves), and each warp at least one tile.
@@ -398,6 +486,18 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     }
     if (nsplit < 1) nsplit = 1;
     if (nsplit > 1024) nsplit = 1024;
+    // Latency-bound shapes (a few hundred keys or less per split, every cluster in one wave) on
+    // sm_90: the splits of a (sequence, head group) as one cluster of at most 16 CTAs that merge
+    // on chip.  Beyond one wave clusters lose to the workspace path (H200, B=8 L=1k: 26.3 vs
+    // 19.9 us; L=4k: 55.2 vs 44.3), as they must be placed whole within a GPC.
+    if (nsplit > 1) {
+        const int64_t ncl = nsplit < 16 ? nsplit : 16;
+        const int64_t cl_chunk = lcap > 0 ? (lcap + ncl - 1) / ncl : 1;
+        if (cl_chunk <= 1024 && units * ncl <= slots) {
+            const int st = launch_cluster<T, D, kM, kPaged>(a, s, (int)ncl, cl_chunk, units / a->B, smem);
+            if (st != QK_E_UNSUPPORTED) return st;
+        }
+    }
     const int64_t chunk = lcap > 0 ? (lcap + nsplit - 1) / nsplit : 1;
     float *ws = nullptr;
     if (nsplit > 1) QK_CUDA_TRY(cudaMallocAsync((void **)&ws, (size_t)(a->B * a->Hq * nsplit * (D + 2)) * sizeof(float), s));
@@ -405,7 +505,7 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     int ns = (int)nsplit;
     int64_t ch = chunk;
     void *args[] = {&p, &ws, &ns, &ch};
-    int status = qk_launch((const void *)decode_split<T, D, kM, kPaged>,
+    int status = qk_launch((const void *)decode_split<T, D, kM, kPaged, false>,
                            dim3((unsigned)nsplit, (unsigned)(a->Hkv * groups), (unsigned)a->B), dim3(kThreads), smem, s, args);
     if (nsplit > 1) {
         if (!status) {

@@ -2,7 +2,9 @@
 against a naive same-precision torch computation (flash-attention's rule), kv_lens and masks,
 non-contiguous views, the token pool with new_k/new_v appended, bad indices contained, the cpu
 backend staging device tensors, CUDA-graph replay with lengths changed on the device, and the real
-flash_attn where installed.  Skipped without a GPU."""
+flash_attn where installed.  Every test runs with the on-chip cluster merge of the splits (sm_90,
+short splits) and without it (QKERNELS_DECODE_CLUSTER=0: workspace and combine kernel).  Skipped
+without a GPU."""
 
 import importlib.util
 
@@ -21,6 +23,15 @@ if importlib.util.find_spec("torch"):
     import torch
 
 HALVES = ["bfloat16", "float16"]
+
+
+@pytest.fixture(autouse=True, params=["cluster", "workspace"])
+def split_merge(request, monkeypatch):
+    if request.param == "workspace":
+        monkeypatch.setenv("QKERNELS_DECODE_CLUSTER", "0")
+    else:
+        monkeypatch.delenv("QKERNELS_DECODE_CLUSTER", raising=False)
+    return request.param
 
 
 def cuda(a, dtype=None):
