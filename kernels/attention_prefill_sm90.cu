@@ -520,11 +520,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             // tile kt is copied) and shared through rows_s: looked up per copy, the dependent
             // index loads held the producer at 128 TFLOP/s.
             static_assert(kBN <= 128, "one key per producer thread");
-            __shared__ int64_t rows_s[2][kBN];
-            const T *kbase = static_cast<const T *>(a.k) + hk * a.k_stride[2];
-            const T *vbase = static_cast<const T *>(a.v) + hk * a.v_stride[2];
+            __shared__ int32_t rows_s[2][kBN];  // pool rows < 2^31 (the launcher checks)
             constexpr int kChunks = D / 8, kRP = 128 / kChunks;
             const int lc = tid % kChunks, lr = tid / kChunks;
+            const T *kbase = static_cast<const T *>(a.k) + hk * a.k_stride[2] + lc * 8;
+            const T *vbase = static_cast<const T *>(a.v) + hk * a.v_stride[2] + lc * 8;
             const uint32_t at = (lc >> 3) * kBN * 128;  // + the row's swizzled offset (kRP may be < 8)
             const uint8_t *kmask = static_cast<const uint8_t *>(a.mask);
             int64_t raw = -1;  // the next tile's index entry for this thread's key, not yet checked
@@ -538,19 +538,21 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                     raw = load_index(a.req_to_token, a.r2t_dtype, s.pool_row * a.r2t_stride[0] + j * a.r2t_stride[1]);
                 }
             };
-            auto gather = [&](uint32_t dst, const T *base, int64_t stride, int st) {
-#pragma unroll 4
+            // This thread's rows of the tile, read once for K and V; a 256-byte L2 fetch per
+            // copy (one row of D = 128 per fetch).
+            int32_t rr[kBN / kRP];
+            auto gather = [&](uint32_t dst, const T *base, int64_t stride) {
+#pragma unroll
                 for (int i = 0; i < kBN / kRP; i++) {
                     const int r = lr + i * kRP;
-                    const int64_t row = rows_s[st][r];
-                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + at + r * 128 + (((lc & 7) ^ (r & 7)) << 4)),
-                                 "l"(row >= 0 ? base + row * stride + lc * 8 : base), "r"(row >= 0 ? 16 : 0) : "memory");
+                    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst + at + r * 128 + (((lc & 7) ^ (r & 7)) << 4)),
+                                 "l"(rr[i] >= 0 ? base + (int64_t)rr[i] * stride : base), "r"(rr[i] >= 0 ? 16 : 0) : "memory");
                 }
             };
             fetch(0);
             for (int kt = 0; kt < ntiles; kt++) {
                 const int st = kt & 1, ph = (kt >> 1) & 1;
-                const int64_t row = keep && raw >= 0 && raw < a.pool_size ? raw : -1;
+                const int32_t row = keep && raw >= 0 && raw < a.pool_size ? (int32_t)raw : -1;
                 fetch(kt + 1);
                 // rows_s[st] was last read in tile kt - 2, before every producer thread passed
                 // this barrier in tile kt - 1.
@@ -558,11 +560,13 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                 asm volatile("bar.sync 3, 128;\n" ::: "memory");
                 if (kt >= 2) mbar_wait(k_empty(st), ph ^ 1);
                 if (tid < kBN) kvalid[st][tid] = row >= 0;
-                gather(sk + st * kTileBytes, kbase, a.k_stride[1], st);
+#pragma unroll
+                for (int i = 0; i < kBN / kRP; i++) rr[i] = rows_s[st][lr + i * kRP];
+                gather(sk + st * kTileBytes, kbase, a.k_stride[1]);
                 asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(k_full(st)) : "memory");
                 mbar_arrive(k_full(st));
                 if (kt >= 2) mbar_wait(v_empty(st), ph ^ 1);
-                gather(sv + st * kTileBytes, vbase, a.v_stride[1], st);
+                gather(sv + st * kTileBytes, vbase, a.v_stride[1]);
                 asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(v_full(st)) : "memory");
                 mbar_arrive(v_full(st));
             }
@@ -757,6 +761,7 @@ template <typename T, int D, bool kPaged> int launch_ws(const qk_attn_prefill_ar
     const int64_t vs[3] = {a->v_stride[0], a->v_stride[1], a->v_stride[2]};
     dim3 grid;
     if (kPaged) {  // q is [total_q, Hq, D]: one sequence of total_q rows; K/V are gathered
+        if (a->pool_size > 0x7fffffff) return QK_E_UNSUPPORTED;  // the producer keeps rows in 32 bits
         if (!make_map(&tq, &qp, a->q, a->dtype, 1, a->total_q, a->Hq, D, qs, kBM)) return QK_E_UNSUPPORTED;
         tk = tv = tq;
         const int64_t tiles = (a->total_q + kBM - 1) / kBM + a->B;  // any split into B requests fits
