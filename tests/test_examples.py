@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import requires_torch
+from conftest import requires_cuda, requires_torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--layers", "1", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
@@ -46,6 +46,26 @@ def test_eval_gnn_check():
     assert re.search(r"^  loss \d+\.\d+ ", out, re.M), out
     assert "sparse_aggregate -> cpu (env QECDEC_BACKEND)" in out and "graph_norm_bce -> cpu (env QECDEC_BACKEND)" in out
     assert "sampler PASS" in out and "cpu    PASS" in out
+    assert "check passed" in out
+
+
+# On a GPU: the examples' own defaults on the cuda backend, --check against the same float64
+# references (issue 7's "--check passes on every available backend"; cpu runs inside it too).
+@requires_torch
+@requires_cuda
+def test_decode_step_check_cuda():
+    out = run([sys.executable, "examples/decode_step.py", "--device", "cuda", "--check"])
+    assert "check passed" in out, out
+    assert re.search(r"^  cuda +bfloat16 +PASS", out, re.M), out
+    assert "attn_paged_prefill -> cuda" in out and "attn_paged_decode -> cuda" in out and "linear -> cuda" in out
+
+
+@requires_torch
+@requires_cuda
+def test_eval_gnn_check_cuda():
+    out = run([sys.executable, "examples/eval_gnn.py", "--device", "cuda", "--iters", "3", "--check"])
+    assert re.search(r"^  cuda +PASS", out, re.M) and re.search(r"^  cpu +PASS", out, re.M), out
+    assert "sparse_aggregate -> cuda" in out and "graph_norm_bce -> cuda" in out
     assert "check passed" in out
 
 
