@@ -163,6 +163,17 @@ __device__ __forceinline__ void tile_softmax(float (&sc)[kBN / 2], float (&m)[2]
     }
 }
 
+// Scale the thread's output rows by the softmax's rescale factors (rows g and g + 8: alpha[0], [1]).
+template <int D> __device__ __forceinline__ void rescale_o(float (&o)[D / 2], const float (&alpha)[2]) {
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) {
+        o[4 * n + 0] *= alpha[0];
+        o[4 * n + 1] *= alpha[0];
+        o[4 * n + 2] *= alpha[1];
+        o[4 * n + 3] *= alpha[1];
+    }
+}
+
 // P (rounded to T) as the A fragments of the P V product: keys 16 kk .. +15 are (row g, keys
 // 2 t4, +1), (row g + 8, same), (row g, keys 8 + 2 t4, +1), (row g + 8, same).
 template <typename T, int kBN>
@@ -360,13 +371,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
         wg_wait<0>();
         pin(o);
         pin(p);
-#pragma unroll
-        for (int n = 0; n < D / 8; n++) {
-            o[4 * n + 0] *= alpha[0];
-            o[4 * n + 1] *= alpha[0];
-            o[4 * n + 2] *= alpha[1];
-            o[4 * n + 3] *= alpha[1];
-        }
+        rescale_o<D>(o, alpha);
         pack_p<T, kBN>(p, sc);
         if (kPaged && tid < kBN) {
             sslot[(kt + 2) % 3][tid] = next_slot;
@@ -679,13 +684,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         pin(o);
         pin(p);
         if (lane == 0) mbar_arrive(v_empty((kt - 1) & 1));
-#pragma unroll
-        for (int n = 0; n < D / 8; n++) {
-            o[4 * n + 0] *= alpha[0];
-            o[4 * n + 1] *= alpha[0];
-            o[4 * n + 2] *= alpha[1];
-            o[4 * n + 3] *= alpha[1];
-        }
+        rescale_o<D>(o, alpha);
         pack_p<T, kBN>(p, sc);
     }
     if (ntiles > 0) {
