@@ -1,9 +1,13 @@
 """Shared fixtures: float64 references, random graphs, what this machine can run, and a stand-in for
 flash_attn."""
 
+import contextlib
+import gc
 import importlib.machinery
 import importlib.util
+import resource
 import sys
+import tracemalloc
 import types
 
 import numpy as np
@@ -15,6 +19,26 @@ from qkernels import _dispatch
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_JAX = importlib.util.find_spec("jax") is not None
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
+
+@contextlib.contextmanager
+def memory_stays_flat(calls, heap_bytes=256 * 1024, rss_kib=32 * 1024):
+    """Assert that the block (`calls` calls) grows the Python heap by less than heap_bytes, leaves
+    qkernels' live buffers as they were and the peak RSS within rss_kib (collected first)."""
+    gc.collect()
+    live = qkernels._C._live_storages()
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    yield
+    gc.collect()
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(s.size_diff for s in after.compare_to(before, "filename") if s.size_diff > 0)
+    assert grown < heap_bytes, f"Python heap grew by {grown} bytes over {calls} calls"
+    assert qkernels._C._live_storages() == live
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert rss1 - rss0 < rss_kib, f"peak RSS grew by {rss1 - rss0} KiB"
+
 
 requires_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
 requires_jax = pytest.mark.skipif(not HAS_JAX, reason="jax is not installed")

@@ -5,13 +5,11 @@ cuda backend, with and without out=.  Skipped without a GPU."""
 
 import gc
 import importlib.util
-import resource
-import tracemalloc
 
 import pytest
 
 import qkernels
-from conftest import requires_cuda
+from conftest import memory_stays_flat, requires_cuda
 from test_multi_gpu import OPS, host_inputs, to_device
 
 torch = __import__("torch") if importlib.util.find_spec("torch") else None
@@ -33,23 +31,12 @@ def test_100k_cuda_calls_keep_memory_flat(rng):
     torch.cuda.synchronize()
     gc.collect()
     free0, alloc0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated()
-    live0 = qkernels._C._live_storages()
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    tracemalloc.start()
-    before = tracemalloc.take_snapshot()
-    for i in range(100_000):
-        calls[i % len(calls)]()
-        if i % 10_000 == 9_999:
-            torch.cuda.synchronize()  # bounded queue; stream-ordered frees run
-    torch.cuda.synchronize()
-    gc.collect()
-    after = tracemalloc.take_snapshot()
-    tracemalloc.stop()
-    grown = sum(s.size_diff for s in after.compare_to(before, "filename") if s.size_diff > 0)
-    assert grown < 256 * 1024, f"Python heap grew by {grown} bytes over 1e5 calls"
-    assert qkernels._C._live_storages() == live0
+    with memory_stays_flat("1e5", rss_kib=64 * 1024):
+        for i in range(100_000):
+            calls[i % len(calls)]()
+            if i % 10_000 == 9_999:
+                torch.cuda.synchronize()  # bounded queue; stream-ordered frees run
+        torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == alloc0, "torch's allocator holds more than before"
     free1 = torch.cuda.mem_get_info()[0]
     assert free0 - free1 < 64 << 20, f"device free memory fell by {(free0 - free1) >> 20} MiB"
-    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    assert rss1 - rss0 < 64 * 1024, f"peak RSS grew by {rss1 - rss0} KiB"

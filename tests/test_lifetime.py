@@ -1,21 +1,16 @@
 """Long loops leave memory flat; many Python threads calling the CPU kernels at once (GIL
 released) all get right answers.  Graph and LLM ops both."""
 
-import gc
-import resource
 import threading
-import tracemalloc
 
 import numpy as np
 
 import qkernels
 from attn_refs import (attn_decode_ref, attn_paged_prefill_ref, attn_prefill_ref, decode_inputs, paged_prefill_inputs,
                        prefill_inputs)
-from conftest import rel_err, random_inputs, sparse_aggregate_ref
+from conftest import memory_stays_flat, rel_err, random_inputs, sparse_aggregate_ref
 from graph_refs import graph_bce_ref, norm_residual_ref
 from test_dense_ops import freqs_for, linear_ref, rotary_ref, swiglu_ref
-
-_C = qkernels._C
 
 
 def test_100k_calls_keep_memory_flat():
@@ -36,28 +31,16 @@ def test_100k_calls_keep_memory_flat():
         qkernels.sparse_aggregate(*args)
         for call in llm:
             call()
-    gc.collect()
-    live = _C._live_storages()
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    tracemalloc.start()
-    before = tracemalloc.take_snapshot()
-    for i in range(100_000):
-        if i % 4 == 0:
-            qkernels.sparse_aggregate(*args)
-        elif i % 4 == 1:
-            qkernels.sparse_aggregate(*args, out=out)
-        elif i % 4 == 2:
-            qkernels.fused_norm_residual(x, x, g, g, p=0.1, training=True, seed=i)
-        else:
-            llm[(i // 4) % len(llm)]()
-    gc.collect()
-    after = tracemalloc.take_snapshot()
-    tracemalloc.stop()
-    grown = sum(s.size_diff for s in after.compare_to(before, "filename") if s.size_diff > 0)
-    assert grown < 256 * 1024, f"Python heap grew by {grown} bytes over 1e5 calls"
-    assert _C._live_storages() == live
-    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    assert rss1 - rss0 < 32 * 1024, f"peak RSS grew by {rss1 - rss0} KiB"
+    with memory_stays_flat("1e5"):
+        for i in range(100_000):
+            if i % 4 == 0:
+                qkernels.sparse_aggregate(*args)
+            elif i % 4 == 1:
+                qkernels.sparse_aggregate(*args, out=out)
+            elif i % 4 == 2:
+                qkernels.fused_norm_residual(x, x, g, g, p=0.1, training=True, seed=i)
+            else:
+                llm[(i // 4) % len(llm)]()
 
 
 def test_eight_threads_at_once():
