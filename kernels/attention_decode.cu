@@ -436,18 +436,9 @@ int launch_cluster(const qk_attn_decode_args *a, cudaStream_t s, int ncl, int64_
         cudaGetLastError();
         return QK_E_UNSUPPORTED;
     }
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = (unsigned)ncl;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.gridDim = dim3((unsigned)ncl, (unsigned)groups_y, (unsigned)a->B);
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = s;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr = qk_cluster_attr((unsigned)ncl);
+    const cudaLaunchConfig_t cfg =
+        qk_launch_config(dim3((unsigned)ncl, (unsigned)groups_y, (unsigned)a->B), dim3(kThreads), smem, s, &attr);
     int clusters = 0;  // can a cluster of ncl CTAs with this much shared memory be placed at all?
     if (cudaOccupancyMaxActiveClusters(&clusters, fn, &cfg) != cudaSuccess || clusters < 1) {
         cudaGetLastError();

@@ -93,6 +93,27 @@ int qk_launch(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream
 // griddepcontrol.wait before reading its results.  Otherwise a plain launch.
 int qk_launch_dependent(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, void **args);
 
+// A cudaLaunchKernelExC configuration with the one launch attribute *attr (which must outlive it),
+// and the attribute for thread-block clusters of x CTAs along x (sm_90).
+inline cudaLaunchConfig_t qk_launch_config(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, cudaLaunchAttribute *attr) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cfg;
+}
+inline cudaLaunchAttribute qk_cluster_attr(unsigned x) {
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = x;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    return attr;
+}
+
 // Raise `kernel`'s dynamic shared-memory limit to `smem` on the current device and report how many
 // CTAs of `threads` threads fit on one SM (*per_sm >= 1; per_sm may be null).  Once per kernel and device (the
 // attribute belongs to the device's module); later calls read a cache.  Returns a status.

@@ -320,18 +320,8 @@ int lin_run(const qk_linear_args *a, cudaStream_t stream) {
     void *args[] = {&p, &cs_arg, &mchunks_arg};
     const dim3 grid((unsigned)(blocks * cs)), block(C::kThreads);
     if (cs == 1) return qk_launch(kernel, grid, block, C::kSmem, stream, args);
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = C::kSmem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = (unsigned)cs;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr = qk_cluster_attr((unsigned)cs);
+    const cudaLaunchConfig_t cfg = qk_launch_config(grid, block, C::kSmem, stream, &attr);
     return (int)cudaLaunchKernelExC(&cfg, kernel, args);
 }
 

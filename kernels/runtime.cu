@@ -79,16 +79,10 @@ int qk_launch_dependent(const void *kernel, dim3 grid, dim3 block, size_t smem, 
     int cc;
     QK_CUDA_TRY((cudaError_t)qk_device_cc(&cc));
     if (cc >= 90) {
-        cudaLaunchConfig_t cfg = {};
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cfg.gridDim = grid;
-        cfg.blockDim = block;
-        cfg.dynamicSmemBytes = smem;
-        cfg.stream = stream;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
+        cudaLaunchAttribute attr = {};
+        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr.val.programmaticStreamSerializationAllowed = 1;
+        const cudaLaunchConfig_t cfg = qk_launch_config(grid, block, smem, stream, &attr);
         const cudaError_t e = cudaLaunchKernelExC(&cfg, kernel, args);
         if (e == cudaSuccess) return 0;
         if (e != cudaErrorNotSupported && e != cudaErrorInvalidValue) return (int)e;
