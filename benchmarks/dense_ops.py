@@ -117,7 +117,23 @@ def linear_case(m, n, k, target):
         Impl("qkernels", lambda s: qkernels.linear(s["x"], s["w"], backend="cuda"), ours=True),
         Impl("cuBLAS (F.linear)", lambda s: F.linear(s["x"], s["w"]), reference=True, min_ratio=target),
     ]
+    if 16 < m <= 64:  # the sm_90 wgmma kernel's range: linear.cu's mma.sync kernel beside it
+        impls.insert(1, Impl("qkernels, mma.sync kernel", linear_mma))
     return Case("linear", f"M={m} W={n}x{k}", make_inputs, nbytes, impls)
+
+
+def linear_mma(s):
+    """qkernels.linear on linear.cu's kernel (QKERNELS_LINEAR_KERNEL=mma, read at each launch, so
+    also when a CUDA graph captures the call)."""
+    old = os.environ.get("QKERNELS_LINEAR_KERNEL")
+    os.environ["QKERNELS_LINEAR_KERNEL"] = "mma"
+    try:
+        return qkernels.linear(s["x"], s["w"], backend="cuda")
+    finally:
+        if old is None:
+            del os.environ["QKERNELS_LINEAR_KERNEL"]
+        else:
+            os.environ["QKERNELS_LINEAR_KERNEL"] = old
 
 
 def linear_cases(quick):

@@ -25,6 +25,8 @@
 #include "common.cuh"
 #include <cooperative_groups.h>
 
+extern "C" int qk_linear_sm90(const qk_linear_args *a, cudaStream_t stream);  // linear_sm90.cu
+
 namespace {
 
 // Asynchronous 16-byte copies global -> shared (sm_80+).  Weights: L2 only (read once) with a
@@ -361,6 +363,10 @@ int lin_dispatch(const qk_linear_args *a, cudaStream_t stream) {
 template <bool kSwiglu>
 int lin_entry(const qk_linear_args *a, void *stream) {
     if (kSwiglu && a->gate == nullptr) return QK_E_UNSUPPORTED;
+    if (!kSwiglu) {  // 16 < M <= 64 on sm_90: the wgmma kernel (linear_sm90.cu), where it applies
+        const int r = qk_linear_sm90(a, (cudaStream_t)stream);
+        if (r != QK_E_UNSUPPORTED) return r;
+    }
     switch (a->dtype) {
     case QK_BF16: return lin_dispatch<__nv_bfloat16, kSwiglu>(a, (cudaStream_t)stream);
     case QK_F16: return lin_dispatch<__half, kSwiglu>(a, (cudaStream_t)stream);

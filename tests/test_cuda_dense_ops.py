@@ -1,7 +1,8 @@
 """rotary_emb, linear and swiglu on the cuda backend (torch CUDA tensors, the public API): float64
 references computed on the GPU, bfloat16/float16 held to twice a naive same-precision torch
 computation's error (cuBLAS's F.linear, the unfused silu chain), the full M x K x N grid of issue
-6, bitwise determinism run to run, poisoned and strided outputs, non-contiguous inputs, the
+6, each linear case on both CUDA kernels where two apply (wgmma and mma.sync on sm_90),
+bitwise determinism run to run, poisoned and strided outputs, non-contiguous inputs, the
 caller's stream, CUDA-graph capture and replay, and the dispatcher.  Skipped without a GPU."""
 
 import functools
@@ -24,6 +25,17 @@ HALF = ["bfloat16", "float16"]
 MS = [1, 2, 7, 8, 9, 16, 33, 64, 65, 300]
 KS = [7, 100, 1536, 4096]
 NS = [1, 129, 4096, 14336]
+
+
+@pytest.fixture(params=["picked", "mma"])
+def linear_kernel(request, monkeypatch):
+    """linear's kernel: the one the launcher picks (on sm_90, wgmma for 16 < M <= 64) and
+    linear.cu's mma.sync kernel, which QKERNELS_LINEAR_KERNEL=mma forces."""
+    if request.param == "mma":
+        monkeypatch.setenv("QKERNELS_LINEAR_KERNEL", "mma")
+    else:
+        monkeypatch.delenv("QKERNELS_LINEAR_KERNEL", raising=False)
+    return request.param
 
 
 def tdtype(name):
@@ -91,7 +103,7 @@ def close_to_naive(ours, naive, ref):
 @pytest.mark.parametrize("n", NS)
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("m", MS)
-def test_linear(dtype, m, k, n):
+def test_linear(dtype, m, k, n, linear_kernel):
     w, _, b = weights(n, k, dtype)
     x = randn(m, k, dtype=dtype, seed=m)
     out = qkernels.linear(x, w, b)
@@ -126,7 +138,7 @@ def test_one_dimensional_x_and_empty(dtype):
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 4096, 4096), (16, 4096, 14336), (64, 1536, 4096), (300, 4096, 4096)])
-def test_bitwise_determinism(m, k, n):
+def test_bitwise_determinism(m, k, n, linear_kernel):
     up, gate, b = weights(n, k, "bfloat16")
     x = randn(m, k, seed=m)
     first = qkernels.linear(x, up, b), qkernels.swiglu(x, up, gate)
@@ -136,7 +148,7 @@ def test_bitwise_determinism(m, k, n):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-def test_poisoned_strided_out_and_strided_rows(dtype):
+def test_poisoned_strided_out_and_strided_rows(dtype, linear_kernel):
     m, k, n = 33, 1536, 4096
     up, gate, b = weights(n, k, dtype)
     xb = randn(m, k + 64, dtype=dtype, seed=5)
@@ -205,10 +217,10 @@ def test_rotary_strided_views_and_poisoned_out():
 
 # ---- streams, graphs, dispatch ----------------------------------------------------------------
 
-def test_runs_on_the_callers_current_stream():
+def test_runs_on_the_callers_current_stream(linear_kernel):
     w, g, b = weights(4096, 4096, "bfloat16")
-    x = randn(16, 4096)
-    new_x = randn(16, 4096, seed=9)
+    x = randn(33, 4096)  # 33 rows: the wgmma kernel on sm_90
+    new_x = randn(33, 4096, seed=9)
     side = torch.cuda.Stream()
     torch.cuda.synchronize()
     with torch.cuda.stream(side):
@@ -221,16 +233,16 @@ def test_runs_on_the_callers_current_stream():
     close_to_naive(out2, F.linear(new_x, w) * F.silu(F.linear(new_x, g)), swiglu_ref(new_x, w, g))
 
 
-def test_cuda_graph_capture_and_replay():
+def test_cuda_graph_capture_and_replay(linear_kernel):
     w, g, b = weights(4096, 4096, "bfloat16")
-    x = randn(8, 4096)
+    x = randn(40, 4096)  # 40 rows: the wgmma kernel on sm_90 (and its cluster split of K)
     q = randn(8, 32, 128)
     f = freqs_for((8,), 128)
     calls = lambda: (qkernels.linear(x, w, b), qkernels.swiglu(x, w, g),  # noqa: E731
                      qkernels.rotary_emb(q, f), qkernels.rotary_emb(q, f, interleaved=False))
     graph, outs = capture_graph(calls)
     for i in range(3):
-        x.copy_(randn(8, 4096, seed=100 + i))
+        x.copy_(randn(40, 4096, seed=100 + i))
         q.copy_(randn(8, 32, 128, seed=200 + i))
         f.copy_(freqs_for((8,), 128, seed=300 + i))
         for o in outs:

@@ -1,0 +1,214 @@
+// linear on Hopper for 16 < M <= 64: out = x W^T (+ bias) with the products on the warpgroup
+// tensor cores (wgmma, sm_90a), computed transposed like linear.cu: out^T [N, M] = W [N, K] .
+// x^T [K, M], so W is the m64 operand and the (at most 64) rows of x the n64 one.
+//
+// Why: linear.cu's mma.sync kernel reads every x fragment from shared memory once per warp and
+// every weight fragment once per thread; at M = 64 that is ~5 bytes of shared-memory reads per
+// weight byte, near the SM's shared-memory bandwidth at the copy rate (measured 0.51-0.71x
+// cuBLAS at M = 64).  wgmma reads both operands from shared memory once per warpgroup: 2 bytes
+// per weight byte at M = 64.
+//
+// Work: a CTA owns kLBN = 128 weight rows (two consumer warpgroups of 64) and all M rows of x; a
+// producer warp's first thread copies 64-wide K steps of W ([128][64]) and x ([64][64], rows past
+// M zero-filled by the copy engine) with TMA in the 128-byte swizzle into a kLStages-deep ring of
+// 'full' (bytes landed) and 'empty' (both consumer warpgroups done) mbarriers.  When the weight
+// tiles alone cannot fill the GPU, a cluster of up to 8 CTAs splits K and their partial tiles are
+// added through distributed shared memory in rank order, as in linear.cu: bitwise reproducible,
+// no atomics, no workspace.  Any K (the copy engine zero-fills the tail); rows need 16-byte
+// alignment (else linear.cu's kernel runs).
+#include "common.cuh"
+#include "sm90.cuh"
+#include "wgmma.cuh"
+
+#include <cooperative_groups.h>
+#include <cudaTypedefs.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(QK_SM90A)
+namespace {
+using namespace qk_sm90;
+
+constexpr int kLWG = 2;                     // consumer warpgroups
+constexpr int kLThreads = 128 * kLWG + 32;  // + the producer warp (last, so warpgroups stay aligned)
+constexpr int kLBN = 64 * kLWG;             // weight rows per CTA
+constexpr int kLMX = 64;                    // rows of x (the wgmma n)
+constexpr int kLKC = 64;                    // K per stage: one 128-byte swizzle row
+constexpr int kLStages = 4;
+constexpr uint32_t kLWBytes = kLBN * kLKC * 2, kLXBytes = kLMX * kLKC * 2, kLStageBytes = kLWBytes + kLXBytes;
+constexpr int kLLD = kLBN + 4;  // padded row of the reduction tile
+constexpr size_t kLRing = (size_t)kLStages * kLStageBytes, kLTile = (size_t)kLMX * kLLD * 4;
+constexpr size_t kLSmem = 1024 + (kLRing > kLTile ? kLRing : kLTile);  // +1024: stages on 1024-byte boundaries
+
+template <typename T>
+__global__ void __launch_bounds__(kLThreads, 2)
+    lin_wgmma(const __grid_constant__ CUtensorMap tw, const __grid_constant__ CUtensorMap tx, qk_linear_args a, int cs) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ __align__(8) uint64_t bars[2 * kLStages];
+    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
+    const uint32_t ring = (raw + 1023) & ~1023u;
+    const uint32_t bar0 = (uint32_t)__cvta_generic_to_shared(bars);
+    auto full = [&](int st) { return bar0 + 8 * st; };
+    auto empty = [&](int st) { return bar0 + 8 * (kLStages + st); };
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int rank = 0;
+    if (cs > 1) rank = (int)cooperative_groups::this_cluster().block_rank();
+    const int64_t n0 = (int64_t)(blockIdx.x / cs) * kLBN;
+    const int64_t steps = (a.K + kLKC - 1) / kLKC;
+    const int64_t s0 = steps * rank / cs;
+    const int nst = (int)(steps * (rank + 1) / cs - s0);
+
+    if (tid == 0) {
+        for (int st = 0; st < kLStages; st++) {
+            mbar_init(full(st), 1);
+            mbar_init(empty(st), 4 * kLWG);  // the consumer warps
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    float acc[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) acc[i] = 0.f;
+    if (warp == 4 * kLWG) {  // the producer warp
+        if (lane == 0) {
+            for (int i = 0; i < nst; i++) {
+                const int st = i % kLStages, ph = (i / kLStages) & 1;
+                if (i >= kLStages) mbar_wait(empty(st), ph ^ 1);
+                const uint32_t dst = ring + st * kLStageBytes;
+                const int k = (int)((s0 + i) * kLKC);
+                mbar_expect_tx(full(st), kLStageBytes);
+                tma_load_2d(dst, &tw, k, (int)n0, full(st));
+                tma_load_2d(dst + kLWBytes, &tx, k, 0, full(st));
+            }
+        }
+        __syncwarp();
+    } else {
+        // Warp-uniform (a shuffle from lane 0), so the descriptors below live in uniform
+        // registers and ptxas keeps the wgmma asynchronous.
+        const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0);
+        for (int i = 0; i < nst; i++) {
+            const int st = i % kLStages, ph = (i / kLStages) & 1;
+            mbar_wait(full(st), ph);
+            const uint32_t ws = ring + st * kLStageBytes + wg * 64 * 128, xs = ring + st * kLStageBytes + kLWBytes;
+            const uint64_t dw = make_desc(ws, 16, 1024), dx = make_desc(xs, 16, 1024);
+            pin(acc);
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < kLKC / 16; kk++)  // 32 bytes along the swizzled row per k16 step
+                qk_wgmma::SS<T, 64>::template mma<0, 0>(acc, dw + ((kk * 32) >> 4), dx + ((kk * 32) >> 4), 1);
+            wg_commit();
+            wg_wait<1>();  // the previous step's products are done: release its stage
+            pin(acc);
+            if (i > 0 && lane == 0) mbar_arrive(empty((i - 1) % kLStages));
+        }
+        wg_wait<0>();
+        pin(acc);
+    }
+    __syncthreads();  // every product done, every copy consumed: the ring becomes the tile
+
+    // acc: rows (weight) 16 * (warp % 4) + g and + 8 of the warpgroup's 64; columns (x rows)
+    // 8 n + 2 t, + 1.  The tile is [x row][weight row], so the epilogue stores run along n.
+    float(*tile)[kLLD] = reinterpret_cast<float(*)[kLLD]>(smem_raw + (ring - raw));
+    if (warp < 4 * kLWG) {
+        const int g = lane >> 2, t = lane & 3;
+        const int r = (warp >> 2) * 64 + 16 * (warp & 3) + g;
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) tile[8 * n + 2 * t + (e & 1)][r + 8 * (e >> 1)] = acc[4 * n + e];
+    }
+    if (cs > 1) {
+        cooperative_groups::this_cluster().sync();  // every rank's tile is complete
+    } else {
+        __syncthreads();
+    }
+    // This rank's share of the tile, summed over the ranks in order.
+    constexpr int E = kLMX * kLBN;
+    const int e_begin = rank * E / cs, e_end = (rank + 1) * E / cs;
+    const T *bias = static_cast<const T *>(a.bias);
+    T *out = static_cast<T *>(a.out);
+    for (int e = e_begin + tid; e < e_end; e += kLThreads) {
+        const int mi = e / kLBN, ni = e % kLBN;
+        const int64_t n = n0 + ni;
+        if (mi >= a.M || n >= a.N) continue;
+        float y = tile[mi][ni];
+        if (cs > 1) {
+            cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
+            y = cl.map_shared_rank(&tile[mi][ni], 0)[0];
+            for (int q = 1; q < cs; q++) y += cl.map_shared_rank(&tile[mi][ni], q)[0];
+        }
+        if (bias) y += qk_to_float(bias[n * a.bias_stride]);
+        out[mi * a.out_stride + n] = qk_from_float<T>(y);
+    }
+    if (cs > 1) cooperative_groups::this_cluster().sync();  // keep the tile alive for remote readers
+#endif
+}
+
+// A [rows, K] row-major matrix as a 2D tensor map with [box_rows][64] boxes in the 128-byte
+// swizzle; false when the copy engine cannot describe it (alignment, strides).
+bool lin_map(CUtensorMap *tm, const void *base, int dtype, int64_t rows, int64_t K, int64_t stride, int box_rows) {
+    static const auto encode = (PFN_cuTensorMapEncodeTiled_v12000)qk_driver_entry("cuTensorMapEncodeTiled");
+    if (!encode || !qk_aligned16(base) || K % 8 || (rows > 1 && stride % 8) || K >= (1ll << 32) || rows >= (1ll << 32))
+        return false;
+    const int64_t st = rows > 1 ? stride * 2 : K * 2;  // a single row's stride is never used
+    cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)st};
+    cuuint32_t box[2] = {(cuuint32_t)kLKC, (cuuint32_t)box_rows}, estr[2] = {1, 1};
+    return encode(tm, dtype == QK_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                  const_cast<void *>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <typename T> int lin_wgmma_run(const qk_linear_args *a, cudaStream_t stream) {
+    alignas(64) CUtensorMap tw, tx;
+    if (!lin_map(&tw, a->w, a->dtype, a->N, a->K, a->w_stride, kLBN) ||
+        !lin_map(&tx, a->x, a->dtype, a->M, a->K, a->x_stride, kLMX))
+        return QK_E_UNSUPPORTED;
+    const void *kernel = (const void *)lin_wgmma<T>;
+    int per_sm, sms;
+    QK_CUDA_TRY((cudaError_t)qk_kernel_residency(kernel, kLThreads, kLSmem, &per_sm));
+    QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
+    const int64_t ntiles = (a->N + kLBN - 1) / kLBN, steps = (a->K + kLKC - 1) / kLKC;
+    const int64_t resident = (int64_t)sms * per_sm;
+    // Split K over a cluster while the doubled grid still fits in one resident wave and each
+    // rank keeps at least two rings' worth of steps.
+    int cs = 1;
+    while (cs < 8 && ntiles * cs * 2 <= resident && steps >= (int64_t)cs * 2 * 2 * kLStages) cs *= 2;
+    if (ntiles * cs > 0x7fffffff) return QK_E_UNSUPPORTED;
+    qk_linear_args p = *a;
+    int cs_arg = cs;
+    void *args[] = {&tw, &tx, &p, &cs_arg};
+    const dim3 grid((unsigned)(ntiles * cs)), block(kLThreads);
+    if (cs == 1) return qk_launch(kernel, grid, block, kLSmem, stream, args);
+    cudaLaunchAttribute attr = qk_cluster_attr((unsigned)cs);
+    const cudaLaunchConfig_t cfg = qk_launch_config(grid, block, kLSmem, stream, &attr);
+    return (int)cudaLaunchKernelExC(&cfg, kernel, args);
+}
+
+}  // namespace
+#endif
+
+// linear (not swiglu) for 16 < M <= 64 on a compute-capability-9.0 GPU, else QK_E_UNSUPPORTED
+// and the caller runs linear.cu's kernel; QKERNELS_LINEAR_KERNEL=mma forces that one (tests and
+// benchmarks compare the two).
+extern "C" int qk_linear_sm90(const qk_linear_args *a, cudaStream_t stream) {
+#if defined(QK_SM90A)
+    const char *pick = getenv("QKERNELS_LINEAR_KERNEL");
+    if (pick && strcmp(pick, "mma") == 0) return QK_E_UNSUPPORTED;
+    if (a->M <= 16 || a->M > kLMX || a->N <= 0 || a->K <= 0) return QK_E_UNSUPPORTED;
+    int cc;
+    const int st = qk_device_cc(&cc);
+    if (st) return st;
+    if (cc != 90) return QK_E_UNSUPPORTED;
+    switch (a->dtype) {
+    case QK_BF16: return lin_wgmma_run<__nv_bfloat16>(a, stream);
+    case QK_F16: return lin_wgmma_run<__half>(a, stream);
+    default: return QK_E_UNSUPPORTED;
+    }
+#else
+    (void)a;
+    (void)stream;
+    return QK_E_UNSUPPORTED;
+#endif
+}
