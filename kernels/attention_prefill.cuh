@@ -108,16 +108,27 @@ template <int kBM> __device__ __forceinline__ int64_t cta_key_end(const qk_attn_
     return s.row_ok ? key_end : 0;
 }
 
+// key_row below before its pool-range check: the key position (dense) or the req_to_token entry
+// as loaded (paged), -1 when the key is past key_end or dropped by a key mask.  Split so a
+// caller can issue the index load early and check it once it has landed.
+template <bool kPaged>
+__device__ __forceinline__ int64_t key_entry(const qk_attn_prefill_args &a, const Seq &s, int64_t key_end, int64_t j) {
+    if (j >= key_end) return -1;
+    if (a.mask_kind == 1 && !static_cast<const uint8_t *>(a.mask)[s.b * a.mask_stride[0] + j * a.mask_stride[3]]) return -1;
+    if (!kPaged) return j;
+    return load_index(a.req_to_token, a.r2t_dtype, s.pool_row * a.r2t_stride[0] + j * a.r2t_stride[1]);
+}
+__device__ __forceinline__ int64_t slot_in_pool(const qk_attn_prefill_args &a, int64_t slot) {
+    return slot >= 0 && slot < a.pool_size ? slot : -1;
+}
+
 // The row of K/V (dense: the key position; paged: the pool slot) holding key j of the CTA's
 // sequence, or -1 when the key is skipped: past key_end, dropped by a key mask, or at an
 // out-of-range pool slot.
 template <bool kPaged>
 __device__ __forceinline__ int64_t key_row(const qk_attn_prefill_args &a, const Seq &s, int64_t key_end, int64_t j) {
-    if (j >= key_end) return -1;
-    if (a.mask_kind == 1 && !static_cast<const uint8_t *>(a.mask)[s.b * a.mask_stride[0] + j * a.mask_stride[3]]) return -1;
-    if (!kPaged) return j;
-    const int64_t row = load_index(a.req_to_token, a.r2t_dtype, s.pool_row * a.r2t_stride[0] + j * a.r2t_stride[1]);
-    return row >= 0 && row < a.pool_size ? row : -1;
+    const int64_t e = key_entry<kPaged>(a, s, key_end, j);
+    return kPaged ? slot_in_pool(a, e) : e;
 }
 
 }  // namespace qk_attn
