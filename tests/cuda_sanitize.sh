@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA tests under compute-sanitizer, one tool per call (on the GPU machine, after a build):
-#   tests/cuda_sanitize.sh memcheck    out-of-bounds and misaligned accesses, leaks of device memory
+#   tests/cuda_sanitize.sh memcheck    out-of-bounds and misaligned accesses (device leaks: test_cuda_lifetime.py)
 #   tests/cuda_sanitize.sh racecheck   shared-memory races (the block scans, the decode pipeline)
 #   tests/cuda_sanitize.sh initcheck   reads of uninitialised device memory (every output written)
 #   tests/cuda_sanitize.sh synccheck   barriers and warp-synchronous calls used correctly
@@ -17,16 +17,25 @@ tool=${1:?usage: tests/cuda_sanitize.sh memcheck|racecheck|initcheck|synccheck [
 memcheck_set="not stream and not capture and not cupy and not jax and not large and not flash"
 shared_set="test_torch_cuda_matches_reference or test_graph_bce_half or test_norm_residual_half or \
 test_edge_features_strided or test_decode_kv_lens_and_mask or test_paged_mask_and_int64 or test_prefill_gqa_ratios or \
-test_paged_int64_and_key_mask or test_rotary_strided or test_poisoned_strided_out or test_bitwise_determinism"
+test_paged_bad_indices or test_paged_rows_of_no_request or test_rotary_strided or test_poisoned_strided_out or \
+test_bitwise_determinism"
+# Open (2026-11-29): racecheck stops with "Internal Sanitizer Error: The Sanitizer failed to handle a
+# hardware exception" on the prefill tests with longer keys, on all three prefill kernels, dense or
+# paged: test_prefill[picked-1-1024-1024-128-True-bfloat16], test_paged_ragged[*-{64,128,256}-True-*],
+# test_paged_int64_and_key_mask[*]; the same kernels pass it at the shapes above (0 hazards), and
+# memcheck, synccheck and initcheck pass the failing tests.  Unchanged without setmaxnreg and with
+# --racecheck-memcpy-async no.  benchmarks/NOTES.md "Sanitizers" has the next steps.
 default_set=$shared_set
 [ "$tool" = memcheck ] && default_set=$memcheck_set
 filter=${2:-$default_set}
 cd "$(dirname "$0")/.."
 extra=()
-# memcheck's leak check: torch's caching allocator keeps its blocks to the end, which the tool
-# reports as leaks with torch frames (1533 of them on 2026-11-29); without the cache torch frees
-# each tensor, so what remains is a real leak.
-[ "$tool" = memcheck ] && { extra=(--leak-check full); export PYTORCH_NO_CUDA_MEMORY_CACHING=1; }
+# No leak check by default: at exit the tool lists every device allocation still live, and those are
+# torch's (tensors alive at interpreter exit, with PYTORCH_NO_CUDA_MEMORY_CACHING=1 too: 20 shown
+# of them on 2026-11-29, all from torch's allocator), and printing their backtraces outlasted a
+# 60 s limit.  test_cuda_lifetime.py checks device memory over 1e5 calls instead.  To list them:
+# QK_SANITIZER_OPTS="--leak-check full" (with PYTORCH_NO_CUDA_MEMORY_CACHING=1 so torch frees
+# each tensor when it dies).
 # racecheck, initcheck, synccheck: only qkernels' kernels are instrumented (their mangled names
 # carry their source file, '<file>_cu_', as every kernel sits in an anonymous namespace).  The
 # tests' torch references otherwise dominate: racecheck spent its 150 s budget on them without
@@ -38,9 +47,21 @@ if [ "$tool" != memcheck ]; then
         [ "$b" = runtime ] || extra+=(--kernel-name "kns=${b}_cu_")
     done
 fi
+# initcheck knows which bytes are initialised only from copies, memsets and the kernels it
+# instruments, so with the filter every read of data a torch kernel wrote looks uninitialised
+# (2026-11-29: norm_residual reading torch-made inputs, the tests' .double().cpu()).  Its set is
+# therefore test_cuda_initcheck.py, whose data reach the GPU and come back by copies only.
+files=(tests/test_cuda.py tests/test_cuda_graph_ops.py tests/test_cuda_attention_decode.py
+       tests/test_cuda_attention_prefill.py tests/test_cuda_dense_ops.py)
+[ "$tool" = initcheck ] && { files=(tests/test_cuda_initcheck.py); filter=${2:-}; }
+# QK_SANITIZER_FILES: other test files (memcheck's full set takes over 10 minutes under the tool
+# since the tests run linear on both kernels: split it, e.g. the prefill file alone).
+[ -n "${QK_SANITIZER_FILES:-}" ] && read -r -a files <<< "$QK_SANITIZER_FILES"
+# QK_SANITIZER_OPTS: further compute-sanitizer options (e.g. --racecheck-memcpy-async no).
+read -r -a user_opts <<< "${QK_SANITIZER_OPTS:-}"
+extra+=("${user_opts[@]}")
 compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 9 --print-limit 20 \
-    python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py tests/test_cuda_graph_ops.py \
-    tests/test_cuda_attention_decode.py tests/test_cuda_attention_prefill.py tests/test_cuda_dense_ops.py -k "$filter"
+    python3 -m pytest -q -x -p no:cacheprovider "${files[@]}" ${filter:+-k "$filter"}
 status=$?
 echo "compute-sanitizer --tool $tool: exit $status"
 exit $status
