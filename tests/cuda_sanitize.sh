@@ -24,7 +24,9 @@ test_bitwise_determinism"
 # paged: test_prefill[picked-1-1024-1024-128-True-bfloat16], test_paged_ragged[*-{64,128,256}-True-*],
 # test_paged_int64_and_key_mask[*]; the same kernels pass it at the shapes above (0 hazards), and
 # memcheck, synccheck and initcheck pass the failing tests.  Unchanged without setmaxnreg and with
-# --racecheck-memcpy-async no.  benchmarks/NOTES.md "Sanitizers" has the next steps.
+# --racecheck-memcpy-async no.  The fourth session's racecheck, without the kernel filter, passed
+# the paged ragged tests on the cp.async kernels, so the filter is the first suspect: next, the
+# failing tests without it (each alone: the torch references make it slow).
 default_set=$shared_set
 [ "$tool" = memcheck ] && default_set=$memcheck_set
 filter=${2:-$default_set}
