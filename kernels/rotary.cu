@@ -4,8 +4,9 @@
 //   owns before writing them, and no two threads own the same element.
 //
 // Work decomposition: a 256-thread block owns `tpb` tokens; inside it a thread owns one chunk j of
-// a row (16 bytes = 4 interleaved pairs, or 8 rotate-half pairs as two 16-byte pieces; one pair on
-// the scalar path) and walks the heads h = hs, hs + hpar, ... two at a time, so it loads that
+// a row (16 bytes = 4 interleaved pairs; rotate-half: one half of 8 pairs, the other half in a
+// partner lane, or both halves as two 16-byte pieces where a row's chunks do not fit a warp; one
+// pair on the scalar path) and walks the heads h = hs, hs + hpar, ... two at a time, so it loads that
 // chunk's (cos, sin) once per token and has two heads' loads in flight.  The thread's (j, hs, token)
 // split is computed once; blocks then stride over token groups, and blockIdx.y over the batch.  Grid
 // from shapes and the SM count only (CUDA-graph safe).
@@ -17,7 +18,7 @@ namespace {
 
 constexpr int kThreads = 256;
 
-enum { kScalar = 0, kVecInterleaved = 1, kVecHalf = 2 };
+enum { kScalar = 0, kVecInterleaved = 1, kVecHalf = 2, kVecHalfPair = 3 };
 
 // 16 bytes of x as four words of two values, through the coherent path (not __ldg): out may be x.
 // The values are unpacked and packed by bit operations on the words: a local qk_vec<T> copied to
@@ -66,6 +67,28 @@ __device__ __forceinline__ void ro_rotate_halves(uint4 &lo, uint4 &hi, const flo
         wl = ro_pack<T>(e0 * c[p] - o0 * sn[p], e1 * c[p + 1] - o1 * sn[p + 1]);
         wh = ro_pack<T>(e0 * sn[p] + o0 * c[p], e1 * sn[p + 1] + o1 * c[p + 1]);
     }
+}
+
+// One side of eight rotate-half pairs whose two halves sit in two threads: own is this thread's
+// 16-byte chunk, other the partner's; the lower half gets x_e c - x_o s, the upper x_e s + x_o c
+// (the same fp32 operations as ro_rotate_halves, so the same bits).
+template <typename T>
+__device__ __forceinline__ uint4 ro_rotate_half_side(uint4 own, uint4 other, bool upper, const float (&c)[8],
+                                                     const float (&sn)[8]) {
+    uint4 r;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const uint32_t wl = upper ? ro_word(other, q) : ro_word(own, q), wh = upper ? ro_word(own, q) : ro_word(other, q);
+        const float e0 = ro_half<T>(wl, 0), o0 = ro_half<T>(wh, 0), e1 = ro_half<T>(wl, 1), o1 = ro_half<T>(wh, 1);
+        const int p = 2 * q;
+        ro_word(r, q) = upper ? ro_pack<T>(e0 * sn[p] + o0 * c[p], e1 * sn[p + 1] + o1 * c[p + 1])
+                              : ro_pack<T>(e0 * c[p] - o0 * sn[p], e1 * c[p + 1] - o1 * sn[p + 1]);
+    }
+    return r;
+}
+__device__ __forceinline__ uint4 ro_shfl_xor(unsigned mask, uint4 v, int m) {
+    return make_uint4(__shfl_xor_sync(mask, v.x, m), __shfl_xor_sync(mask, v.y, m), __shfl_xor_sync(mask, v.z, m),
+                      __shfl_xor_sync(mask, v.w, m));
 }
 
 // (cos, sin) of pairs i0 .. i0 + P - 1 of one token row of the table.
@@ -132,6 +155,23 @@ __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4) ro_kernel
                         ro_store16(ot + h * a.out_stride[2] + 8 * j, v0);
                         if (two) ro_store16(ot + (h + hpar) * a.out_stride[2] + 8 * j, v1);
                     }
+                } else if (kMode == kVecHalfPair) {
+                    // Chunk j of the row as in the interleaved path; chunks j and j ^ (nc / 2) are
+                    // the two halves of pairs 8 (j % (nc / 2)) .. + 7, held by partner lanes of
+                    // the same warp (nct == nc, a power of two <= 32) that swap them by shuffle.
+                    const int hc = nc / 2;
+                    const bool upper = j >= hc;
+                    const unsigned pair = (1u << (tid & 31)) | (1u << ((tid ^ hc) & 31));
+                    float c[8], sn[8];
+                    ro_load_freqs<8, kFVec>(ft, 8 * (int64_t)(j & (hc - 1)), a.f_stride[2], c, sn);
+                    for (int64_t h = hs; h < H; h += 2 * hpar) {
+                        const bool two = h + hpar < H;  // the same for both partners
+                        uint4 v0 = ro_load16(xt + h * a.x_stride[2] + 8 * j), v1 = v0;
+                        if (two) v1 = ro_load16(xt + (h + hpar) * a.x_stride[2] + 8 * j);
+                        const uint4 p0 = ro_shfl_xor(pair, v0, hc), p1 = ro_shfl_xor(pair, v1, hc);
+                        ro_store16(ot + h * a.out_stride[2] + 8 * j, ro_rotate_half_side<T>(v0, p0, upper, c, sn));
+                        if (two) ro_store16(ot + (h + hpar) * a.out_stride[2] + 8 * j, ro_rotate_half_side<T>(v1, p1, upper, c, sn));
+                    }
                 } else {  // kVecHalf: pairs 8j .. 8j+7 are x[8j ..] and x[half + 8j ..]
                     float c[8], sn[8];
                     ro_load_freqs<8, kFVec>(ft, 8 * (int64_t)j, a.f_stride[2], c, sn);
@@ -167,9 +207,16 @@ int ro_launch(const qk_rotary_args *a, cudaStream_t stream) {
     int mode = kScalar;
     if (strides_vec && a->interleaved && a->D % 8 == 0) mode = kVecInterleaved;
     if (strides_vec && !a->interleaved && a->D % 16 == 0) mode = kVecHalf;
+    // Rotate-half with a row's 16-byte chunks in one warp (D / 8 a power of two <= 32): partner
+    // lanes swap halves, so each thread moves one chunk like the interleaved path.  The two-chunk
+    // path (above) spilled at its 80 registers and measured 3.04 TB/s against the interleaved
+    // path's 3.61 (H200, T=32k H=32 D=128); this one 3.04 at 3 blocks/SM (no spill) and 3.19 at
+    // 4 (64 registers, 28 bytes spilled): occupancy, not the spill, was the limit.
+    const int64_t c8 = a->D / 8;
+    if (mode == kVecHalf && c8 >= 2 && c8 <= 32 && (c8 & (c8 - 1)) == 0) mode = kVecHalfPair;
     const bool fvec = a->f_stride[2] == 2 && qk_aligned16(a->freqs) && a->f_stride[0] % 4 == 0 &&
                       a->f_stride[1] % 4 == 0;
-    const int64_t nc64 = mode == kVecInterleaved ? a->D / 8 : mode == kVecHalf ? a->D / 16 : a->D / 2;
+    const int64_t nc64 = mode == kVecInterleaved || mode == kVecHalfPair ? a->D / 8 : mode == kVecHalf ? a->D / 16 : a->D / 2;
     // Threads of a block: nct over chunks, then hpar over heads, then tpb tokens.
     const int nct = (int)(nc64 < kThreads ? nc64 : kThreads);
     const int per_token = kThreads / nct;
@@ -197,6 +244,8 @@ int ro_launch(const qk_rotary_args *a, cudaStream_t stream) {
         kernel = fvec ? (const void *)ro_kernel<T, kVecInterleaved, true> : (const void *)ro_kernel<T, kVecInterleaved, false>;
     else if (mode == kVecHalf)
         kernel = fvec ? (const void *)ro_kernel<T, kVecHalf, true> : (const void *)ro_kernel<T, kVecHalf, false>;
+    else if (mode == kVecHalfPair)
+        kernel = fvec ? (const void *)ro_kernel<T, kVecHalfPair, true> : (const void *)ro_kernel<T, kVecHalfPair, false>;
     else
         kernel = (const void *)ro_kernel<T, kScalar, false>;
     return qk_launch(kernel, dim3((unsigned)bx, (unsigned)by), dim3(kThreads), 0, stream, args);
