@@ -14,7 +14,9 @@ tool=${1:?usage: tests/cuda_sanitize.sh memcheck|racecheck|initcheck|synccheck [
 # CUDA-graph tests are named by 'capture', never 'graph').  racecheck, initcheck and synccheck
 # instrument every shared-memory access and run ~50x slower: ~50 tests, each kernel family and
 # each prefill kernel at least once, fit one 10-minute device call.
-memcheck_set="not stream and not capture and not cupy and not jax and not large and not flash"
+# 'not 14336': the N = 14336 linear/swiglu cases run the N = 4096 code on more tiles, and their
+# 117 MB weights were most of memcheck's time.
+memcheck_set="not stream and not capture and not cupy and not jax and not large and not flash and not 14336"
 shared_set="test_torch_cuda_matches_reference or test_graph_bce_half or test_norm_residual_half or \
 test_edge_features_strided or test_decode_kv_lens_and_mask or test_paged_mask_and_int64 or test_prefill_gqa_ratios or \
 test_paged_bad_indices or test_paged_rows_of_no_request or test_rotary_strided or test_poisoned_strided_out or \
@@ -38,12 +40,16 @@ extra=()
 # 60 s limit.  test_cuda_lifetime.py checks device memory over 1e5 calls instead.  To list them:
 # QK_SANITIZER_OPTS="--leak-check full" (with PYTORCH_NO_CUDA_MEMORY_CACHING=1 so torch frees
 # each tensor when it dies).
-# racecheck, initcheck, synccheck: only qkernels' kernels are instrumented (their mangled names
+# Only qkernels' kernels are instrumented (their mangled names
 # carry their source file, '<file>_cu_', as every kernel sits in an anonymous namespace).  The
 # tests' torch references otherwise dominate: racecheck spent its 150 s budget on them without
 # finishing (2026-11-29), and initcheck reported 48k reads inside torch's elementwise kernels of
 # the outputs of cuBLAS GEMMs (naive_prefill's einsum), none in ours among those printed.
-if [ "$tool" != memcheck ]; then
+# memcheck too (2026-11-29, sixth session): its full set ran past 330 s on the torch kernels of the
+# tests' inputs and references (60% done, no error); allocations are tracked through the API
+# whichever kernels are instrumented, so the filter costs memcheck nothing it checks in ours.
+# QK_SANITIZER_NOFILTER=1 instruments every kernel (torch's too), as before the filter.
+if [ -z "${QK_SANITIZER_NOFILTER:-}" ]; then
     for f in kernels/*.cu; do
         b=$(basename "$f" .cu)
         [ "$b" = runtime ] || extra+=(--kernel-name "kns=${b}_cu_")
