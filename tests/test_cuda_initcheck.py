@@ -14,7 +14,7 @@ import pytest
 import qkernels
 from attn_refs import paged_inputs, paged_prefill_inputs
 from conftest import requires_cuda
-from test_multi_gpu import FLOAT_ARGS, LLM, OPS, host_inputs
+from test_multi_gpu import LLM, OPS, host_inputs, host_tensors
 
 torch = __import__("torch") if importlib.util.find_spec("torch") else None
 pytestmark = [requires_cuda, pytest.mark.skipif(torch is None, reason="torch is not installed")]
@@ -37,21 +37,6 @@ def larger_inputs(op, rng):
     if op == "attn_paged_prefill":
         return list(paged_prefill_inputs(rng, [70, 130], [200, 130], 2, 4, 128)), {"is_causal": True}
     return None
-
-
-def host_tensors(op, args):
-    """CPU torch tensors in the op's dtypes (bf16 for the LLM ops' float inputs), converted on the host."""
-    n_float = FLOAT_ARGS.get(op, len(args))
-    out = []
-    for i, a in enumerate(args):
-        if not isinstance(a, np.ndarray):
-            out.append(a)
-            continue
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        if op in LLM and t.is_floating_point() and i < n_float:
-            t = t.to(torch.bfloat16)
-        out.append(t)
-    return out
 
 
 CASES = [(op, "small") for op in OPS] + [(op, "sm90") for op in OPS if op in LLM and op != "rotary_emb"]

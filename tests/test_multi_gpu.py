@@ -50,18 +50,24 @@ LLM = {"attn_decode", "attn_paged_decode", "attn_prefill", "attn_paged_prefill",
 FLOAT_ARGS = {"attn_paged_decode": 3, "attn_paged_prefill": 3, "rotary_emb": 1}  # leading float arguments in the op's dtype
 
 
-def to_device(op, args, device):
+def host_tensors(op, args):
+    """CPU torch tensors in the op's dtypes (bf16 for the LLM ops' leading float inputs), converted
+    on the host; other arguments as they are."""
     n_float = FLOAT_ARGS.get(op, len(args))
     out = []
     for i, a in enumerate(args):
         if not isinstance(a, np.ndarray):
             out.append(a)
             continue
-        t = torch.from_numpy(a).to(device)
+        t = torch.from_numpy(np.ascontiguousarray(a))
         if op in LLM and t.is_floating_point() and i < n_float:
             t = t.to(torch.bfloat16)
         out.append(t)
     return out
+
+
+def to_device(op, args, device):
+    return [a.to(device) if isinstance(a, torch.Tensor) else a for a in host_tensors(op, args)]
 
 
 OPS = ["sparse_aggregate", "fused_edge_features", "fused_norm_residual", "graph_norm_bce", "attn_decode",
