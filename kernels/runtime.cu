@@ -111,37 +111,38 @@ int qk_kernel_residency(const void *kernel, int threads, size_t smem, int *per_s
     return 0;
 }
 
-int qk_device_cc(int *cc) {
-    // Cached per device: the kernel choices ask on every call.
-    static int cached[64];
+// One integer per device, found by query(device, &value) on the first ask and cached: the
+// launchers' kernel and grid choices ask on every call.
+template <class Query> int cached_per_device(int (&cache)[kMaxDevices], int *out, Query query) {
     int d;
     QK_CUDA_TRY(cudaGetDevice(&d));
-    if (d >= 0 && d < 64 && cached[d] > 0) {
-        *cc = cached[d];
+    const bool slot = d >= 0 && d < kMaxDevices;
+    if (slot && cache[d] > 0) {
+        *out = cache[d];
         return 0;
     }
-    int major, minor;
-    QK_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d));
-    QK_CUDA_TRY(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d));
-    if (d >= 0 && d < 64) cached[d] = 10 * major + minor;
-    *cc = 10 * major + minor;
+    int v;
+    QK_CUDA_TRY(query(d, &v));
+    if (slot) cache[d] = v;
+    *out = v;
     return 0;
 }
 
+int qk_device_cc(int *cc) {
+    static int cached[kMaxDevices];
+    return cached_per_device(cached, cc, [](int d, int *v) {
+        int major, minor;
+        cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d);
+        if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d);
+        if (e == cudaSuccess) *v = 10 * major + minor;
+        return e;
+    });
+}
+
 int qk_sm_count(int *count) {
-    // Cached per device: persistent-grid launchers ask on every call.
-    static int cached[64];
-    int d;
-    QK_CUDA_TRY(cudaGetDevice(&d));
-    if (d >= 0 && d < 64 && cached[d] > 0) {
-        *count = cached[d];
-        return 0;
-    }
-    int n;
-    QK_CUDA_TRY(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, d));
-    if (d >= 0 && d < 64) cached[d] = n;
-    *count = n;
-    return 0;
+    static int cached[kMaxDevices];
+    return cached_per_device(cached, count,
+                             [](int d, int *v) { return cudaDeviceGetAttribute(v, cudaDevAttrMultiProcessorCount, d); });
 }
 
 extern "C" int qk_sparse_aggregate_cuda(const qk_sparse_aggregate_args *a, void *stream);
