@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <cooperative_groups.h>
 #include <stdint.h>
 #include "qk_launch.h"
 
@@ -113,6 +114,17 @@ inline cudaLaunchAttribute qk_cluster_attr(unsigned x) {
     attr.val.clusterDim.z = 1;
     return attr;
 }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The sum over the ranks 0 .. cs-1 of a thread-block cluster of the float at `p` in each rank's
+// shared memory, added in rank order (bitwise reproducible: the linear kernels' split-K merge).
+__device__ __forceinline__ float qk_cluster_sum(const float *p, int cs) {
+    cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
+    float sum = cl.map_shared_rank(p, 0)[0];
+    for (int r = 1; r < cs; r++) sum += cl.map_shared_rank(p, r)[0];
+    return sum;
+}
+#endif
 
 // Raise `kernel`'s dynamic shared-memory limit to `smem` on the current device and report how many
 // CTAs of `threads` threads fit on one SM (*per_sm >= 1; per_sm may be null).  Once per kernel and device (the

@@ -277,13 +277,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) lin_kernel(qk_line
         for (int q = 0; q < NW; q++) v[q] = tile[q][mi][ni];
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         if (cs > 1) {
-            cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
 #pragma unroll
-            for (int q = 0; q < NW; q++) {
-                float sum = cl.map_shared_rank(&tile[q][mi][ni], 0)[0];
-                for (int r = 1; r < cs; r++) sum += cl.map_shared_rank(&tile[q][mi][ni], r)[0];
-                v[q] = sum;
-            }
+            for (int q = 0; q < NW; q++) v[q] = qk_cluster_sum(&tile[q][mi][ni], cs);
         }
 #endif
         float y;

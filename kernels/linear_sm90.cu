@@ -134,11 +134,7 @@ __global__ void __launch_bounds__(kLThreads, 2)
         const int64_t n = n0 + ni;
         if (mi >= a.M || n >= a.N) continue;
         float y = tile[mi][ni];
-        if (cs > 1) {
-            cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
-            y = cl.map_shared_rank(&tile[mi][ni], 0)[0];
-            for (int q = 1; q < cs; q++) y += cl.map_shared_rank(&tile[mi][ni], q)[0];
-        }
+        if (cs > 1) y = qk_cluster_sum(&tile[mi][ni], cs);
         if (bias) y += qk_to_float(bias[n * a.bias_stride]);
         out[mi * a.out_stride + n] = qk_from_float<T>(y);
     }
