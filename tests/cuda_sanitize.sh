@@ -11,9 +11,9 @@
 set -uo pipefail
 tool=${1:?usage: tests/cuda_sanitize.sh memcheck|racecheck|initcheck|synccheck [pytest -k expression]}
 # Default sets.  memcheck: every kernel test at its small sizes ('-k' matches module names too, so
-# CUDA-graph tests are named by 'capture', never 'graph').  racecheck, initcheck and synccheck
-# instrument every shared-memory access and run ~50x slower: ~50 tests, each kernel family and
-# each prefill kernel at least once, fit one 10-minute device call.
+# CUDA-graph tests are named by 'capture', never 'graph').  racecheck and synccheck instrument
+# every shared-memory access and run ~50x slower: ~50 tests, each kernel family and each prefill
+# kernel at least once, fit one 10-minute device call.  initcheck: its own file (below).
 # 'not 14336': the N = 14336 linear/swiglu cases run the N = 4096 code on more tiles, and their
 # 117 MB weights were most of memcheck's time.
 memcheck_set="not stream and not capture and not cupy and not jax and not large and not flash and not 14336"
@@ -40,14 +40,13 @@ extra=()
 # 60 s limit.  test_cuda_lifetime.py checks device memory over 1e5 calls instead.  To list them:
 # QK_SANITIZER_OPTS="--leak-check full" (with PYTORCH_NO_CUDA_MEMORY_CACHING=1 so torch frees
 # each tensor when it dies).
-# Only qkernels' kernels are instrumented (their mangled names
-# carry their source file, '<file>_cu_', as every kernel sits in an anonymous namespace).  The
-# tests' torch references otherwise dominate: racecheck spent its 150 s budget on them without
-# finishing (2026-11-29), and initcheck reported 48k reads inside torch's elementwise kernels of
-# the outputs of cuBLAS GEMMs (naive_prefill's einsum), none in ours among those printed.
-# memcheck too (2026-11-29, sixth session): its full set ran past 330 s on the torch kernels of the
-# tests' inputs and references (60% done, no error); allocations are tracked through the API
-# whichever kernels are instrumented, so the filter costs memcheck nothing it checks in ours.
+# Only qkernels' kernels are instrumented (their mangled names carry their source file,
+# '<file>_cu_', as every kernel sits in an anonymous namespace); the tests' torch inputs and
+# references otherwise dominate: racecheck spent its 150 s budget on them without finishing, and
+# initcheck reported 48k reads inside torch's elementwise kernels of cuBLAS GEMM outputs (fifth
+# session), and memcheck's full set ran past 330 s (sixth session, 60% done, no error).  memcheck
+# tracks allocations through the API whichever kernels it instruments, so the filter costs it
+# nothing it checks in ours.
 # QK_SANITIZER_NOFILTER=1 instruments every kernel (torch's too), as before the filter.
 if [ -z "${QK_SANITIZER_NOFILTER:-}" ]; then
     for f in kernels/*.cu; do
@@ -62,8 +61,7 @@ fi
 files=(tests/test_cuda.py tests/test_cuda_graph_ops.py tests/test_cuda_attention_decode.py
        tests/test_cuda_attention_prefill.py tests/test_cuda_dense_ops.py)
 [ "$tool" = initcheck ] && { files=(tests/test_cuda_initcheck.py); filter=${2:-}; }
-# QK_SANITIZER_FILES: other test files (memcheck's full set takes over 10 minutes under the tool
-# since the tests run linear on both kernels: split it, e.g. the prefill file alone).
+# QK_SANITIZER_FILES: other test files (to split a long run, e.g. the prefill file alone).
 [ -n "${QK_SANITIZER_FILES:-}" ] && read -r -a files <<< "$QK_SANITIZER_FILES"
 # QK_SANITIZER_OPTS: further compute-sanitizer options (e.g. --racecheck-memcpy-async no).
 read -r -a user_opts <<< "${QK_SANITIZER_OPTS:-}"
