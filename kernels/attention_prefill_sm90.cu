@@ -480,25 +480,39 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             // tile kt is copied) and shared through rows_s: looked up per copy, the dependent
             // index loads held the producer at 128 TFLOP/s.
             static_assert(kBN <= 128, "one key per producer thread");
-            __shared__ int32_t rows_s[2][kBN];  // pool rows < 2^31 (the launcher checks)
-            constexpr int kChunks = D / 8, kRP = 128 / kChunks;
+            constexpr int kChunks = D / 8, kRP = 128 / kChunks, kRows = kBN / kRP;  // kRows rows per thread
+            static_assert(kRows % 4 == 0 && (kRP & (kRP - 1)) == 0, "rows read as int4; kRP a power of two");
+            // A stage's pool rows (-1: key skipped), transposed so that thread lr's kRows rows sit
+            // together (key r at (r % kRP) * kRows + r / kRP): kRows / 4 16-byte reads.  Rows < 2^31.
+            __shared__ __align__(16) int32_t rows_s[2][kBN];
             const int lc = tid % kChunks, lr = tid / kChunks;
-            const T *kbase = static_cast<const T *>(a.k) + hk * a.k_stride[2] + lc * 8;
-            const T *vbase = static_cast<const T *>(a.v) + hk * a.v_stride[2] + lc * 8;
-            const uint32_t at = (lc >> 3) * kBN * 128;  // + the row's swizzled offset (kRP may be < 8)
+            const char *kbase = reinterpret_cast<const char *>(static_cast<const T *>(a.k) + hk * a.k_stride[2] + lc * 8);
+            const char *vbase = reinterpret_cast<const char *>(static_cast<const T *>(a.v) + hk * a.v_stride[2] + lc * 8);
+            // Row strides in bytes, < 2^32 (the launcher checks): a copy's source is one 32 x 32 ->
+            // 64-bit multiply-add.  Before this, each copy took ~16 instructions (64-bit products,
+            // selects, per-row shared offsets spilled at the producer's 56 registers).
+            const uint32_t kstride = (uint32_t)(a.k_stride[1] * (int64_t)sizeof(T));
+            const uint32_t vstride = (uint32_t)(a.v_stride[1] * (int64_t)sizeof(T));
+            // Shared offset of this thread's chunk of row lr; row lr + i kRP lies i kRP 128 bytes on
+            // with its swizzle XORed by (i kRP) & 7 (adding a power of two kRP mod 8 is an XOR when
+            // lr < kRP), so every copy's destination is one register plus a constant.
+            const uint32_t doff = (lc >> 3) * kBN * 128 + lr * 128 + (((lc & 7) ^ (lr & 7)) << 4);
             int64_t entry = -1;  // the next tile's req_to_token entry for this thread's key, unchecked
             auto fetch = [&](int kt) {
                 entry = tid < kBN && kt < ntiles ? key_entry<true>(a, s, key_end, (int64_t)kt * kBN + tid) : -1;
             };
             // This thread's rows of the tile, read once for K and V; a 256-byte L2 fetch per
-            // copy (one row of D = 128 per fetch).
-            int32_t rr[kBN / kRP];
-            auto gather = [&](uint32_t dst, const T *base, int64_t stride) {
+            // copy (one row of D = 128 per fetch).  A skipped key's copy reads nothing (source
+            // size 0: zeros) from the head's first row, a valid address.
+            int32_t rr[kRows];
+            auto gather = [&](uint32_t dst, const char *base, uint32_t stride) {
 #pragma unroll
-                for (int i = 0; i < kBN / kRP; i++) {
-                    const int r = lr + i * kRP;
-                    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst + at + r * 128 + (((lc & 7) ^ (r & 7)) << 4)),
-                                 "l"(rr[i] >= 0 ? base + (int64_t)rr[i] * stride : base), "r"(rr[i] >= 0 ? 16 : 0) : "memory");
+                for (int i = 0; i < kRows; i++) {
+                    const bool ok = rr[i] >= 0;
+                    const char *src = base + (uint64_t)(uint32_t)(ok ? rr[i] : 0) * stride;
+                    const uint32_t d = dst + (doff ^ (((i * kRP) & 7) << 4)) + i * kRP * 128;
+                    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0)
+                                 : "memory");
                 }
             };
             fetch(0);
@@ -508,20 +522,27 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                 fetch(kt + 1);
                 // rows_s[st] was last read in tile kt - 2, before every producer thread passed
                 // this barrier in tile kt - 1.
-                if (tid < kBN) rows_s[st][tid] = row;
+                if (tid < kBN) rows_s[st][(tid % kRP) * kRows + tid / kRP] = row;
                 asm volatile("bar.sync 3, 128;\n" ::: "memory");
                 if (kt >= 2) mbar_wait(k_empty(st), ph ^ 1);
                 if (tid < kBN) kvalid[st][tid] = row >= 0;
                 const bool allv = __all_sync(0xffffffffu, tid >= kBN || row >= 0);
                 if (lane == 0) kall[st][warp] = allv;
+                const int4 *mine = reinterpret_cast<const int4 *>(&rows_s[st][lr * kRows]);
 #pragma unroll
-                for (int i = 0; i < kBN / kRP; i++) rr[i] = rows_s[st][lr + i * kRP];
-                gather(sk + st * kTileBytes, kbase, a.k_stride[1]);
+                for (int q = 0; q < kRows / 4; q++) {
+                    const int4 v4 = mine[q];
+                    rr[4 * q] = v4.x;
+                    rr[4 * q + 1] = v4.y;
+                    rr[4 * q + 2] = v4.z;
+                    rr[4 * q + 3] = v4.w;
+                }
+                gather(sk + st * kTileBytes, kbase, kstride);
                 asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(k_full(st)) : "memory");
                 __syncwarp();  // the warp's kvalid stores, then one release for them
                 if (lane == 0) mbar_arrive(k_full(st));
                 if (kt >= 2) mbar_wait(v_empty(st), ph ^ 1);
-                gather(sv + st * kTileBytes, vbase, a.v_stride[1]);
+                gather(sv + st * kTileBytes, vbase, vstride);
                 asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(v_full(st)) : "memory");
             }
             asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave no copy in flight at exit
@@ -704,7 +725,10 @@ template <typename T, int D, bool kPaged> int launch_ws(const qk_attn_prefill_ar
     const int64_t vs[3] = {a->v_stride[0], a->v_stride[1], a->v_stride[2]};
     dim3 grid;
     if (kPaged) {  // q is [total_q, Hq, D]: one sequence of total_q rows; K/V are gathered
-        if (a->pool_size > 0x7fffffff) return QK_E_UNSUPPORTED;  // the producer keeps rows in 32 bits
+        // The producer keeps pool rows in 32 bits and row strides in 32-bit byte counts.
+        if (a->pool_size > 0x7fffffff) return QK_E_UNSUPPORTED;
+        for (const int64_t rs : {a->k_stride[1], a->v_stride[1]})
+            if (rs < 0 || rs * (int64_t)sizeof(T) > 0xffffffffll) return QK_E_UNSUPPORTED;
         if (!make_map(&tq, &qp, a->q, a->dtype, 1, a->total_q, a->Hq, D, qs, kBM)) return QK_E_UNSUPPORTED;
         tk = tv = tq;
         const int64_t tiles = (a->total_q + kBM - 1) / kBM + a->B;  // any split into B requests fits
