@@ -89,18 +89,44 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&fra
     for (int kk = 0; kk < kBN / 16; kk++) qk_wgmma::RS<T, D>::template mma<1>(o, frag[kk], vd + ((kk * 16 * 128) >> 4), 1);
 }
 
+// The thread's keys of a key tile, in the order of its scores (k = 2 n + e: key 8 n + 2 t4 + e), as
+// bits of a mask: kBN / 4 bits.  From one byte per key (0: dropped) ...
+template <int kBN> __device__ __forceinline__ uint32_t kv_bits_from_bytes(const uint8_t *kv, int t4) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int n = 0; n < kBN / 8; n++) {
+        const uint32_t two = *reinterpret_cast<const uint16_t *>(kv + 8 * n + 2 * t4);
+        m |= ((two & 0xffu) != 0 ? 1u : 0u) << (2 * n);
+        m |= ((two >> 8) != 0 ? 1u : 0u) << (2 * n + 1);
+    }
+    return m;
+}
+// ... or from a bit per key (word w: keys 32 w .. 32 w + 31): the thread's bits of word w sit at
+// 8 i + 2 t4 + {0, 1}, i < 4.
+template <int kBN> __device__ __forceinline__ uint32_t kv_bits_from_words(const uint32_t *words, int t4) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int w = 0; w < kBN / 32; w++) {
+        const uint32_t x = words[w] >> (2 * t4);
+        m |= ((x & 0x3u) | ((x >> 6) & 0xcu) | ((x >> 12) & 0x30u) | ((x >> 18) & 0xc0u)) << (8 * w);
+    }
+    return m;
+}
+
 // Masked online softmax of one key tile (keys j0 ..) for the thread's rows qi.  Unless full, row
-// r keeps the keys jj <= its limit (inside key_end, causal) that kv marks kept (when use_kv):
-// 32-bit compares, so the code stays small.  The row maxima m are kept on the raw scores and the
-// scale folded into one FMA per score before the exp2 (scale > 0, checked by the launcher).
-// Leaves the probabilities in sc (fp32) and the rescale factor of the rows' earlier output in
-// alpha.  Touches only sc, m and l, so it runs while the previous P V product is on the tensor
-// cores.
-template <int kBN>
+// r keeps the keys jj <= its limit (inside key_end, causal) that, when use_kv, kv_bits() (the
+// thread's keys as a mask, above; called only then) keeps: 32-bit compares and a bit test, so the
+// code stays small (a byte read per score, behind a branch per score, made the paged kernel's
+// masked path ~550 instructions in the middle of its hot loop).  The row maxima m are kept on the
+// raw scores and the scale folded into one FMA per score before the exp2 (scale > 0, checked by
+// the launcher).  Leaves the probabilities in sc (fp32) and the rescale factor of the rows'
+// earlier output in alpha.  Touches only sc, m and l, so it runs while the previous P V product is
+// on the tensor cores.
+template <int kBN, bool kBranch, typename KvBits>
 __device__ __forceinline__ void tile_softmax(float (&sc)[kBN / 2], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                              float qscale, bool full, const int64_t (&qi)[2], int64_t j0,
                                              int64_t key_end, bool causal, int64_t offset, int64_t q_len,
-                                             bool use_kv, const uint8_t *kv, int t4) {
+                                             bool use_kv, KvBits kv_bits, int t4) {
     int lim[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -109,18 +135,27 @@ __device__ __forceinline__ void tile_softmax(float (&sc)[kBN / 2], float (&m)[2]
         if (qi[r] >= q_len) last = -1;
         lim[r] = (int)max((int64_t)-1, min(last, (int64_t)kBN - 1));
     }
+    const uint32_t kv = !full && use_kv ? kv_bits() : ~0u;
     float mx[2] = {m[0], m[1]};
+    // kBranch: two loops, not one with the mask predicated, which is issued on every tile (2
+    // instructions per score dense, 4 paged) where most tiles are full.  (Not in prefill_wgmma:
+    // there it spilled at D = 64.)
+    if (kBranch && full) {
 #pragma unroll
-    for (int n = 0; n < kBN / 8; n++) {
+        for (int i = 0; i < kBN / 2; i++) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sc[i]);
+    } else {
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            float v = sc[4 * n + e];
-            if (!full) {
-                const int jj = 8 * n + 2 * t4 + (e & 1);
-                if (jj > lim[e >> 1] || (use_kv && !kv[jj])) v = -INFINITY;
+        for (int n = 0; n < kBN / 8; n++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float v = sc[4 * n + e];
+                if (!full) {
+                    const int jj = 8 * n + 2 * t4 + (e & 1);
+                    if (jj > lim[e >> 1] || (use_kv && !((kv >> (2 * n + (e & 1))) & 1u))) v = -INFINITY;
+                }
+                sc[4 * n + e] = v;
+                mx[e >> 1] = fmaxf(mx[e >> 1], v);
             }
-            sc[4 * n + e] = v;
-            mx[e >> 1] = fmaxf(mx[e >> 1], v);
         }
     }
     float ref[2];
@@ -191,7 +226,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
     const uint32_t sq = (raw + 1023) & ~1023u;                 // [kBM][D]
     const uint32_t sk = sq + kBM * D * 2;                      // [2][kBN][D]
     const uint32_t sv = sk + 2 * kBN * D * 2;                  // [2][kBN][D]
-    __shared__ uint8_t kvalid[2][kBN];
+    __shared__ __align__(16) uint8_t kvalid[2][kBN];
     __shared__ int64_t sslot[3][kBN];
     __shared__ uint8_t sall[3][kBN / 32];  // paged: every key of a 32-key group of the tile kept
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -304,8 +339,8 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
         }
         const bool full = kept && j0 + kBN <= key_end && (!a.causal || j0 + kBN - 1 <= q0 + 64 * wg + offset);
         const bool use_kvalid = kPaged || a.mask_kind == 1;  // kvalid: paged slots, key mask
-        tile_softmax<kBN>(sc, m, l, alpha, qscale, full, qi, j0, key_end, a.causal, offset, s.q_len, use_kvalid,
-                          kvalid[kt & 1], t4);
+        tile_softmax<kBN, false>(sc, m, l, alpha, qscale, full, qi, j0, key_end, a.causal, offset, s.q_len, use_kvalid,
+                          [&] { return kv_bits_from_bytes<kBN>(kvalid[kt & 1], t4); }, t4);
     };
 
     if (ntiles > 0) {
@@ -388,6 +423,10 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
 constexpr int kWsThreads = 384;
 
 template <int D> __host__ __device__ constexpr int ws_key_tile() { return D <= 128 ? 128 : 64; }
+#ifndef QK_WS_SOFTMAX_BRANCH
+#define QK_WS_SOFTMAX_BRANCH 1
+#endif
+constexpr bool kSoftmaxBranch = QK_WS_SOFTMAX_BRANCH;  // (A/B builds: tile_softmax's kBranch)
 template <int D> constexpr size_t ws_smem_bytes() {
     return 1024 + 2 * ((size_t)kBM * D + 4 * (size_t)ws_key_tile<D>() * D);
 }
@@ -436,8 +475,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     auto k_empty = [&](int st) { return bar0 + 8 * (3 + st); };
     auto v_full = [&](int st) { return bar0 + 8 * (5 + st); };
     auto v_empty = [&](int st) { return bar0 + 8 * (7 + st); };
-    __shared__ __align__(16) uint8_t kvalid[2][kBN];  // paged: the keys of a K stage with a valid slot
-    __shared__ __align__(4) uint8_t kall[2][4];         // paged: per producer warp, all its keys valid
+    __shared__ __align__(16) uint32_t kbits[2][4];  // paged: bit i of word w: key 32 w + i of a K stage has a valid slot
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int role = __shfl_sync(0xffffffffu, warp >> 2, 0);  // 0: producer; 1, 2: consumers
 
@@ -454,7 +492,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         mbar_init(q_full, 1);
         for (int st = 0; st < 2; st++) {
             // Paged stages complete on the 128 producer threads' cp.async arrivals; a K stage also
-            // on one plain arrival per producer warp, which releases its lanes' kvalid and kall stores.
+            // on one plain arrival per producer warp, which releases its kbits store.
             mbar_init(k_full(st), kPaged ? 128 + 4 : 1);
             mbar_init(v_full(st), kPaged ? 128 : 1);
             mbar_init(k_empty(st), 8);  // the consumer warps
@@ -525,9 +563,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                 if (tid < kBN) rows_s[st][(tid % kRP) * kRows + tid / kRP] = row;
                 asm volatile("bar.sync 3, 128;\n" ::: "memory");
                 if (kt >= 2) mbar_wait(k_empty(st), ph ^ 1);
-                if (tid < kBN) kvalid[st][tid] = row >= 0;
-                const bool allv = __all_sync(0xffffffffu, tid >= kBN || row >= 0);
-                if (lane == 0) kall[st][warp] = allv;
+                const uint32_t valid = __ballot_sync(0xffffffffu, tid < kBN && row >= 0);
+                if (lane == 0 && warp < kBN / 32) kbits[st][warp] = valid;
                 const int4 *mine = reinterpret_cast<const int4 *>(&rows_s[st][lr * kRows]);
 #pragma unroll
                 for (int q = 0; q < kRows / 4; q++) {
@@ -539,8 +576,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                 }
                 gather(sk + st * kTileBytes, kbase, kstride);
                 asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(k_full(st)) : "memory");
-                __syncwarp();  // the warp's kvalid stores, then one release for them
-                if (lane == 0) mbar_arrive(k_full(st));
+                if (lane == 0) mbar_arrive(k_full(st));  // releases its kbits store
                 if (kt >= 2) mbar_wait(v_empty(st), ph ^ 1);
                 gather(sv + st * kTileBytes, vbase, vstride);
                 asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(v_full(st)) : "memory");
@@ -585,17 +621,27 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const uint32_t q_rows = sq + wg * 64 * 128;
     auto issue_s = [&](int kt) { issue_qk<T, D, kBN>(sc, q_rows, sk + (kt & 1) * kBN * D * 2); };
     auto issue_v = [&](int kt) { issue_pv<T, D, kBN>(o, p, sv + (kt & 1) * kBN * D * 2); };
-    // Paged keys without a valid slot (or masked) are dropped through kvalid; a tile whose keys
+    // Paged keys without a valid slot (or masked) are dropped through kbits; a tile whose keys
     // all have one takes the unmasked path.
     auto softmax = [&](int kt, float (&alpha)[2]) {
         const int64_t j0 = (int64_t)kt * kBN;
-        // One 4-byte read (the producer warps' all-valid flags) instead of the kBN flags: 8 reads
-        // of 16 bytes per thread and tile were ~20% on top of the tile's wgmma operand reads.
+        // The tile's key bits in one 16-byte read (kBN = 128; 8 for 64): reading a flag per key
+        // (8 reads of 16 bytes per thread and tile) was ~20% on top of the wgmma operand reads.
+        uint32_t kw[4] = {~0u, ~0u, ~0u, ~0u};
         bool kept = true;
-        if constexpr (kPaged) kept = *reinterpret_cast<const uint32_t *>(kall[kt & 1]) == 0x01010101u;
+        if constexpr (kPaged) {
+            if constexpr (kBN == 128) {
+                const uint4 v = *reinterpret_cast<const uint4 *>(kbits[kt & 1]);
+                kw[0] = v.x, kw[1] = v.y, kw[2] = v.z, kw[3] = v.w;
+            } else {
+                const uint2 v = *reinterpret_cast<const uint2 *>(kbits[kt & 1]);
+                kw[0] = v.x, kw[1] = v.y;
+            }
+            kept = (kw[0] & kw[1] & kw[2] & kw[3]) == ~0u;
+        }
         const bool full = kept && j0 + kBN <= key_end && (!a.causal || j0 + kBN - 1 <= q0 + 64 * wg + offset);
-        tile_softmax<kBN>(sc, m, l, alpha, qscale, full, qi, j0, key_end, a.causal, offset, s.q_len, kPaged,
-                          kvalid[kt & 1], t4);
+        tile_softmax<kBN, kSoftmaxBranch>(sc, m, l, alpha, qscale, full, qi, j0, key_end, a.causal, offset, s.q_len, kPaged,
+                          [&] { return kv_bits_from_words<kBN>(kw, t4); }, t4);
     };
 
     // D = 64 measured 336 -> 317 TFLOP/s with turns (its products are too short to hide a
@@ -606,7 +652,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     // phase, so every barrier phase completes and none is left half-arrived at exit.
     if (kPingPong && ntiles > 0 && wg == 1) turn_pass(1);
     // Paged stages are written by cp.async (generic proxy): a proxy fence before the tensor cores
-    // read them; their kvalid is read by the softmax, so the K stage is released after it.
+    // read them; their kbits are read by the softmax, so the K stage is released after it.
     if (ntiles > 0) {
         mbar_wait(q_full, 0);
         mbar_wait(k_full(0), 0);
