@@ -423,10 +423,6 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
 constexpr int kWsThreads = 384;
 
 template <int D> __host__ __device__ constexpr int ws_key_tile() { return D <= 128 ? 128 : 64; }
-#ifndef QK_WS_SOFTMAX_BRANCH
-#define QK_WS_SOFTMAX_BRANCH 1
-#endif
-constexpr bool kSoftmaxBranch = QK_WS_SOFTMAX_BRANCH;  // (A/B builds: tile_softmax's kBranch)
 template <int D> constexpr size_t ws_smem_bytes() {
     return 1024 + 2 * ((size_t)kBM * D + 4 * (size_t)ws_key_tile<D>() * D);
 }
@@ -640,7 +636,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             kept = (kw[0] & kw[1] & kw[2] & kw[3]) == ~0u;
         }
         const bool full = kept && j0 + kBN <= key_end && (!a.causal || j0 + kBN - 1 <= q0 + 64 * wg + offset);
-        tile_softmax<kBN, kSoftmaxBranch>(sc, m, l, alpha, qscale, full, qi, j0, key_end, a.causal, offset, s.q_len, kPaged,
+        tile_softmax<kBN, true>(sc, m, l, alpha, qscale, full, qi, j0, key_end, a.causal, offset, s.q_len, kPaged,
                           [&] { return kv_bits_from_words<kBN>(kw, t4); }, t4);
     };
 
