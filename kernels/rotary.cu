@@ -13,12 +13,13 @@
 // Bytes: read x, write out, read the table once per token: T*H*D*2*2 + T*D*4; T=32k, H=32, D=128
 // bf16: 554 MB, 140 µs at 4 TB/s.
 #include "common.cuh"
+#include <string.h>
 
 namespace {
 
 constexpr int kThreads = 256;
 
-enum { kScalar = 0, kVecInterleaved = 1, kVecHalf = 2, kVecHalfPair = 3 };
+enum { kScalar = 0, kVecInterleaved = 1, kVecHalf = 2, kVecHalfPair = 3, kVecHalf8 = 4 };
 
 // 16 bytes of x as four words of two values, through the coherent path (not __ldg): out may be x.
 // The values are unpacked and packed by bit operations on the words: a local qk_vec<T> copied to
@@ -45,6 +46,12 @@ template <typename T> __device__ __forceinline__ uint32_t ro_pack(float lo, floa
 }
 __device__ __forceinline__ uint32_t &ro_word(uint4 &v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
+// One rotated pair: lo = e c - o s, hi = e s + o c, with the roundings spelled out so that every
+// path gives the same bits whatever ptxas would contract (it fused the upper product either way
+// round in different kernels); this order is the one torch's complex multiply gave on the H200.
+__device__ __forceinline__ float ro_lo(float e, float o, float c, float s) { return __fmaf_rn(e, c, -__fmul_rn(o, s)); }
+__device__ __forceinline__ float ro_hi(float e, float o, float c, float s) { return __fmaf_rn(o, c, __fmul_rn(e, s)); }
+
 // Rotate the four interleaved pairs of one 16-byte chunk (word p holds pair p).
 template <typename T>
 __device__ __forceinline__ void ro_rotate_pairs(uint4 &v, const float (&c)[4], const float (&sn)[4]) {
@@ -52,7 +59,7 @@ __device__ __forceinline__ void ro_rotate_pairs(uint4 &v, const float (&c)[4], c
     for (int p = 0; p < 4; p++) {
         uint32_t &w = ro_word(v, p);
         const float e = ro_half<T>(w, 0), o = ro_half<T>(w, 1);
-        w = ro_pack<T>(e * c[p] - o * sn[p], e * sn[p] + o * c[p]);
+        w = ro_pack<T>(ro_lo(e, o, c[p], sn[p]), ro_hi(e, o, c[p], sn[p]));
     }
 }
 
@@ -64,8 +71,8 @@ __device__ __forceinline__ void ro_rotate_halves(uint4 &lo, uint4 &hi, const flo
         uint32_t &wl = ro_word(lo, q), &wh = ro_word(hi, q);
         const float e0 = ro_half<T>(wl, 0), o0 = ro_half<T>(wh, 0), e1 = ro_half<T>(wl, 1), o1 = ro_half<T>(wh, 1);
         const int p = 2 * q;
-        wl = ro_pack<T>(e0 * c[p] - o0 * sn[p], e1 * c[p + 1] - o1 * sn[p + 1]);
-        wh = ro_pack<T>(e0 * sn[p] + o0 * c[p], e1 * sn[p + 1] + o1 * c[p + 1]);
+        wl = ro_pack<T>(ro_lo(e0, o0, c[p], sn[p]), ro_lo(e1, o1, c[p + 1], sn[p + 1]));
+        wh = ro_pack<T>(ro_hi(e0, o0, c[p], sn[p]), ro_hi(e1, o1, c[p + 1], sn[p + 1]));
     }
 }
 
@@ -81,10 +88,27 @@ __device__ __forceinline__ uint4 ro_rotate_half_side(uint4 own, uint4 other, boo
         const uint32_t wl = upper ? ro_word(other, q) : ro_word(own, q), wh = upper ? ro_word(own, q) : ro_word(other, q);
         const float e0 = ro_half<T>(wl, 0), o0 = ro_half<T>(wh, 0), e1 = ro_half<T>(wl, 1), o1 = ro_half<T>(wh, 1);
         const int p = 2 * q;
-        ro_word(r, q) = upper ? ro_pack<T>(e0 * sn[p] + o0 * c[p], e1 * sn[p + 1] + o1 * c[p + 1])
-                              : ro_pack<T>(e0 * c[p] - o0 * sn[p], e1 * c[p + 1] - o1 * sn[p + 1]);
+        ro_word(r, q) = upper ? ro_pack<T>(ro_hi(e0, o0, c[p], sn[p]), ro_hi(e1, o1, c[p + 1], sn[p + 1]))
+                              : ro_pack<T>(ro_lo(e0, o0, c[p], sn[p]), ro_lo(e1, o1, c[p + 1], sn[p + 1]));
     }
     return r;
+}
+// Rotate the four rotate-half pairs (lo[p], hi[p]) of two 8-byte pieces (the same fp32 operations
+// as ro_rotate_halves, so the same bits).
+template <typename T>
+__device__ __forceinline__ void ro_rotate_word_pair(uint32_t &wl, uint32_t &wh, float c0, float s0, float c1, float s1) {
+    const float e0 = ro_half<T>(wl, 0), o0 = ro_half<T>(wh, 0), e1 = ro_half<T>(wl, 1), o1 = ro_half<T>(wh, 1);
+    wl = ro_pack<T>(ro_lo(e0, o0, c0, s0), ro_lo(e1, o1, c1, s1));
+    wh = ro_pack<T>(ro_hi(e0, o0, c0, s0), ro_hi(e1, o1, c1, s1));
+}
+template <typename T>
+__device__ __forceinline__ void ro_rotate_halves8(uint2 &lo, uint2 &hi, const float (&c)[4], const float (&sn)[4]) {
+    ro_rotate_word_pair<T>(lo.x, hi.x, c[0], sn[0], c[1], sn[1]);
+    ro_rotate_word_pair<T>(lo.y, hi.y, c[2], sn[2], c[3], sn[3]);
+}
+__device__ __forceinline__ uint2 ro_load8(const void *p) { return *static_cast<const uint2 *>(p); }
+__device__ __forceinline__ void ro_store8(void *p, uint2 v) {
+    asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
 }
 __device__ __forceinline__ uint4 ro_shfl_xor(unsigned mask, uint4 v, int m) {
     return make_uint4(__shfl_xor_sync(mask, v.x, m), __shfl_xor_sync(mask, v.y, m), __shfl_xor_sync(mask, v.z, m),
@@ -113,7 +137,7 @@ __device__ __forceinline__ void ro_load_freqs(const float *f, int64_t i0, int64_
     }
 }
 
-template <typename T, int kMode, bool kFVec>
+template <typename T, int kMode, bool kFVec, int kD = 0>
 __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4) ro_kernel(qk_rotary_args a, int nc, int nct, int hpar, int tpb,
                                                       int64_t ngroups) {
     const int tid = threadIdx.x;
@@ -122,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4) ro_kernel
     if (tl >= tpb) return;
     const T *x = static_cast<const T *>(a.x);
     T *out = static_cast<T *>(a.out);
-    const int64_t H = a.H, half = a.D / 2;
+    const int64_t H = a.H, half = kD ? kD / 2 : a.D / 2;  // kD: D fixed at compile time (kVecHalf8)
     for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
         for (int64_t grp = blockIdx.x; grp < ngroups; grp += gridDim.x) {
             const int64_t s = grp * tpb + tl;
@@ -138,8 +162,8 @@ __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4) ro_kernel
                         const T *xr = xt + h * a.x_stride[2];
                         T *orow = ot + h * a.out_stride[2];
                         const float xe = qk_to_float(xr[ie]), xo = qk_to_float(xr[io]);
-                        orow[ie] = qk_from_float<T>(xe * c - xo * sn);
-                        orow[io] = qk_from_float<T>(xe * sn + xo * c);
+                        orow[ie] = qk_from_float<T>(ro_lo(xe, xo, c, sn));
+                        orow[io] = qk_from_float<T>(ro_hi(xe, xo, c, sn));
                     }
                 } else if (kMode == kVecInterleaved) {
                     float c[4], sn[4];
@@ -171,6 +195,29 @@ __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4) ro_kernel
                         const uint4 p0 = ro_shfl_xor(pair, v0, hc), p1 = ro_shfl_xor(pair, v1, hc);
                         ro_store16(ot + h * a.out_stride[2] + 8 * j, ro_rotate_half_side<T>(v0, p0, upper, c, sn));
                         if (two) ro_store16(ot + (h + hpar) * a.out_stride[2] + 8 * j, ro_rotate_half_side<T>(v1, p1, upper, c, sn));
+                    }
+                } else if (kMode == kVecHalf8) {
+                    // Pairs 4j .. 4j+3: 8 bytes of each half, so a thread moves 16 bytes per row
+                    // like the interleaved path with its four (cos, sin), and no shuffles.
+                    float c[4], sn[4];
+                    ro_load_freqs<4, kFVec>(ft, 4 * (int64_t)j, a.f_stride[2], c, sn);
+                    for (int64_t h = hs; h < H; h += 2 * hpar) {
+                        const bool two = h + hpar < H;
+                        const T *x0 = xt + h * a.x_stride[2] + 4 * j, *x1 = xt + (h + hpar) * a.x_stride[2] + 4 * j;
+                        uint2 lo0 = ro_load8(x0), hi0 = ro_load8(x0 + half), lo1 = lo0, hi1 = hi0;
+                        if (two) {
+                            lo1 = ro_load8(x1);
+                            hi1 = ro_load8(x1 + half);
+                        }
+                        ro_rotate_halves8<T>(lo0, hi0, c, sn);
+                        ro_rotate_halves8<T>(lo1, hi1, c, sn);
+                        T *o0p = ot + h * a.out_stride[2] + 4 * j, *o1p = ot + (h + hpar) * a.out_stride[2] + 4 * j;
+                        ro_store8(o0p, lo0);
+                        ro_store8(o0p + half, hi0);
+                        if (two) {
+                            ro_store8(o1p, lo1);
+                            ro_store8(o1p + half, hi1);
+                        }
                     }
                 } else {  // kVecHalf: pairs 8j .. 8j+7 are x[8j ..] and x[half + 8j ..]
                     float c[8], sn[8];
@@ -214,9 +261,20 @@ int ro_launch(const qk_rotary_args *a, cudaStream_t stream) {
     // 4 (64 registers, 28 bytes spilled): occupancy, not the spill, was the limit.
     const int64_t c8 = a->D / 8;
     if (mode == kVecHalf && c8 >= 2 && c8 <= 32 && (c8 & (c8 - 1)) == 0) mode = kVecHalfPair;
+    // QKERNELS_ROTARY_HALF (comparison; read at each launch): pair (the above), two (two 16-byte
+    // chunks per thread), eight (default: 8 bytes of each half per thread, any D % 16 == 0).
+    if (mode == kVecHalf || mode == kVecHalfPair) {
+        const char *pick = getenv("QKERNELS_ROTARY_HALF");
+        // (eight: the half offset is a compile-time constant, D in {64, 128, 256}; with it a
+        // runtime offset, ptxas kept eight row pointers live and spilled the head loop's counter.)
+        if ((!pick || strcmp(pick, "eight") == 0) && (a->D == 64 || a->D == 128 || a->D == 256)) mode = kVecHalf8;
+        else if (strcmp(pick, "two") == 0) mode = kVecHalf;
+    }
     const bool fvec = a->f_stride[2] == 2 && qk_aligned16(a->freqs) && a->f_stride[0] % 4 == 0 &&
                       a->f_stride[1] % 4 == 0;
-    const int64_t nc64 = mode == kVecInterleaved || mode == kVecHalfPair ? a->D / 8 : mode == kVecHalf ? a->D / 16 : a->D / 2;
+    const int64_t nc64 = mode == kVecInterleaved || mode == kVecHalfPair || mode == kVecHalf8 ? a->D / 8
+                         : mode == kVecHalf                                                ? a->D / 16
+                                                                                           : a->D / 2;
     // Threads of a block: nct over chunks, then hpar over heads, then tpb tokens.
     const int nct = (int)(nc64 < kThreads ? nc64 : kThreads);
     const int per_token = kThreads / nct;
@@ -244,6 +302,12 @@ int ro_launch(const qk_rotary_args *a, cudaStream_t stream) {
         kernel = fvec ? (const void *)ro_kernel<T, kVecInterleaved, true> : (const void *)ro_kernel<T, kVecInterleaved, false>;
     else if (mode == kVecHalf)
         kernel = fvec ? (const void *)ro_kernel<T, kVecHalf, true> : (const void *)ro_kernel<T, kVecHalf, false>;
+    else if (mode == kVecHalf8 && a->D == 64)
+        kernel = fvec ? (const void *)ro_kernel<T, kVecHalf8, true, 64> : (const void *)ro_kernel<T, kVecHalf8, false, 64>;
+    else if (mode == kVecHalf8 && a->D == 128)
+        kernel = fvec ? (const void *)ro_kernel<T, kVecHalf8, true, 128> : (const void *)ro_kernel<T, kVecHalf8, false, 128>;
+    else if (mode == kVecHalf8)
+        kernel = fvec ? (const void *)ro_kernel<T, kVecHalf8, true, 256> : (const void *)ro_kernel<T, kVecHalf8, false, 256>;
     else if (mode == kVecHalfPair)
         kernel = fvec ? (const void *)ro_kernel<T, kVecHalfPair, true> : (const void *)ro_kernel<T, kVecHalfPair, false>;
     else
