@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <cooperative_groups.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include "qk_launch.h"
 
 // fp32 arithmetic for every storage type.
@@ -117,14 +118,29 @@ inline cudaLaunchAttribute qk_cluster_attr(unsigned x) {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // The sum over the ranks 0 .. cs-1 of a thread-block cluster of the float at `p` in each rank's
-// shared memory, added in rank order (bitwise reproducible: the linear kernels' split-K merge).
+// shared memory (cs <= 8), added in rank order (bitwise reproducible: the linear kernels' split-K merge).
 __device__ __forceinline__ float qk_cluster_sum(const float *p, int cs) {
     cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
-    float sum = cl.map_shared_rank(p, 0)[0];
-    for (int r = 1; r < cs; r++) sum += cl.map_shared_rank(p, r)[0];
+    float part[8];  // every rank's partial loaded before the sum: the loads overlap
+#pragma unroll
+    for (int r = 0; r < 8; r++) part[r] = r < cs ? cl.map_shared_rank(p, r)[0] : 0.f;
+    float sum = part[0];
+#pragma unroll
+    for (int r = 1; r < 8; r++)
+        if (r < cs) sum += part[r];
     return sum;
 }
 #endif
+
+// QKERNELS_LINEAR_SPLIT=1|2|4|8: the cluster size over which linear's kernels split K, in place of
+// the launcher's pick (tuning sweeps; read at each launch, like QKERNELS_LINEAR_KERNEL); 0 when
+// unset or not one of those.
+inline int qk_linear_split_env() {
+    const char *e = getenv("QKERNELS_LINEAR_SPLIT");
+    if (!e || e[0] < '1' || e[0] > '8' || e[1]) return 0;
+    const int v = e[0] - '0';
+    return (v & (v - 1)) == 0 ? v : 0;
+}
 
 // Raise `kernel`'s dynamic shared-memory limit to `smem` on the current device and report how many
 // CTAs of `threads` threads fit on one SM (*per_sm >= 1; per_sm may be null).  Once per kernel and device (the

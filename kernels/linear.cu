@@ -312,6 +312,7 @@ int lin_run(const qk_linear_args *a, cudaStream_t stream) {
     int cs = 1;
     if (cc >= 90)  // clusters
         while (cs < 8 && blocks * cs * 2 <= resident && a->K / 32 >= (int64_t)cs * 2 * C::kWK * C::RD) cs *= 2;
+    if (const int forced = qk_linear_split_env()) cs = cc >= 90 ? forced : 1;
     qk_linear_args p = *a;
     int cs_arg = cs, mchunks_arg = (int)mchunks;
     void *args[] = {&p, &cs_arg, &mchunks_arg};
@@ -337,21 +338,29 @@ int lin_pick_vec(const qk_linear_args *a, bool swiglu, cudaStream_t stream) {
 template <typename T, bool kSwiglu>
 int lin_dispatch(const qk_linear_args *a, cudaStream_t stream) {
     if (a->M <= 0 || a->N <= 0) return QK_OK;
+    // QKERNELS_LINEAR_AS_M=m (tuning sweeps; read at each launch): the tile configuration of M = m
+    // whatever M is.  Any choice is correct: a smaller tile takes the rows in chunks, a larger one
+    // computes rows past M that nobody stores.
+    int64_t M = a->M;
+    if (const char *e = getenv("QKERNELS_LINEAR_AS_M")) {
+        const long v = strtol(e, nullptr, 10);
+        if (v >= 1 && v <= 64) M = v;
+    }
     if (kSwiglu) {
-        if (a->M <= 4) return lin_pick_vec<lin_cfg<1, 1, 1, 8, true>, T>(a, true, stream);
-        if (a->M <= 8) return lin_pick_vec<lin_cfg<1, 1, 2, 4, true>, T>(a, true, stream);
-        if (a->M <= 16) return lin_pick_vec<lin_cfg<2, 1, 2, 4, true>, T>(a, true, stream);
-        if (a->M <= 32) return lin_pick_vec<lin_cfg<4, 1, 4, 2, true>, T>(a, true, stream);
+        if (M <= 4) return lin_pick_vec<lin_cfg<1, 1, 1, 8, true>, T>(a, true, stream);
+        if (M <= 8) return lin_pick_vec<lin_cfg<1, 1, 2, 4, true>, T>(a, true, stream);
+        if (M <= 16) return lin_pick_vec<lin_cfg<2, 1, 2, 4, true>, T>(a, true, stream);
+        if (M <= 32) return lin_pick_vec<lin_cfg<4, 1, 4, 2, true>, T>(a, true, stream);
         return lin_pick_vec<lin_cfg<8, 1, 8, 1, true>, T>(a, true, stream);
     }
-    if (a->M <= 4) return lin_pick_vec<lin_cfg<1, 1, 1, 8, false>, T>(a, false, stream);
-    if (a->M <= 8) return lin_pick_vec<lin_cfg<1, 1, 2, 4, false>, T>(a, false, stream);
+    if (M <= 4) return lin_pick_vec<lin_cfg<1, 1, 1, 8, false>, T>(a, false, stream);
+    if (M <= 8) return lin_pick_vec<lin_cfg<1, 1, 2, 4, false>, T>(a, false, stream);
     // M <= 16: 64-row tiles share x between four warps, but at N = 4096 they need a 4-block
     // cluster to fill the GPU, which measured slower (42 vs 34 µs at 4096 x 14336) than 32-row
     // tiles of eight K-splitting warps.
-    if (a->M <= 16 && a->N >= 8192) return lin_pick_vec<lin_cfg<2, 1, 4, 2, false>, T>(a, false, stream);
-    if (a->M <= 16) return lin_pick_vec<lin_cfg<2, 2, 1, 8, false>, T>(a, false, stream);
-    if (a->M <= 32) return lin_pick_vec<lin_cfg<4, 1, 4, 2, false>, T>(a, false, stream);
+    if (M <= 16 && a->N >= 8192) return lin_pick_vec<lin_cfg<2, 1, 4, 2, false>, T>(a, false, stream);
+    if (M <= 16) return lin_pick_vec<lin_cfg<2, 2, 1, 8, false>, T>(a, false, stream);
+    if (M <= 32) return lin_pick_vec<lin_cfg<4, 1, 4, 2, false>, T>(a, false, stream);
     return lin_pick_vec<lin_cfg<8, 1, 8, 1, false>, T>(a, false, stream);
 }
 

@@ -166,11 +166,13 @@ template <typename T> int lin_wgmma_run(const qk_linear_args *a, cudaStream_t st
     QK_CUDA_TRY((cudaError_t)qk_kernel_residency(kernel, kLThreads, kLSmem, &per_sm));
     QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
     const int64_t ntiles = (a->N + kLBN - 1) / kLBN, steps = (a->K + kLKC - 1) / kLKC;
-    const int64_t resident = (int64_t)sms * per_sm;
-    // Split K over a cluster while the doubled grid still fits in one resident wave and each
-    // rank keeps at least two rings' worth of steps.
+    // Split K over a cluster while the doubled grid still fits one CTA per SM and each rank keeps
+    // at least two rings' worth of steps.  Filling both resident slots measured slower (H200,
+    // QKERNELS_LINEAR_SPLIT sweep, µs at M = 32 / 64): 4096 x 14336 split 8 42.6 / 44.2 against
+    // split 4 35.8 / 36.4; 14336 x 4096 split 2 37.4 / 36.9 against unsplit 34.7 / 35.0.
     int cs = 1;
-    while (cs < 8 && ntiles * cs * 2 <= resident && steps >= (int64_t)cs * 2 * 2 * kLStages) cs *= 2;
+    while (cs < 8 && ntiles * cs * 2 <= sms && steps >= (int64_t)cs * 2 * 2 * kLStages) cs *= 2;
+    if (const int forced = qk_linear_split_env()) cs = forced;
     if (ntiles * cs > 0x7fffffff) return QK_E_UNSUPPORTED;
     qk_linear_args p = *a;
     int cs_arg = cs;

@@ -99,6 +99,36 @@ def close_to_naive(ours, naive, ref):
 
 # ---- linear and swiglu over issue 6's grid --------------------------------------------------
 
+@pytest.mark.parametrize("split", ["1", "2", "4", "8"])
+@pytest.mark.parametrize("m,k,n", [(8, 4096, 4096), (40, 4096, 4096), (40, 136, 129), (3, 7, 1)])
+def test_linear_forced_split(monkeypatch, linear_kernel, split, m, k, n):
+    """QKERNELS_LINEAR_SPLIT (tuning sweeps) on both kernels: any cluster size, including ranks
+    left without a K step (K = 7, 136 split 8 ways), gives the right result."""
+    monkeypatch.setenv("QKERNELS_LINEAR_SPLIT", split)
+    w, _, b = weights(n, k, "bfloat16")
+    x = randn(m, k, seed=m + 1)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    qkernels.linear(x, w, b, out=out)
+    close_to_naive(out, F.linear(x, w, b), linear_ref(x, w, b))
+
+
+@pytest.mark.parametrize("as_m", ["1", "8", "16", "32", "64"])
+@pytest.mark.parametrize("m,k,n", [(3, 4096, 129), (20, 136, 4096), (16, 4096, 4096), (65, 100, 33)])
+def test_linear_and_swiglu_any_tile_config(monkeypatch, as_m, m, k, n):
+    """QKERNELS_LINEAR_AS_M (tuning sweeps) gives linear.cu's kernel any tile configuration for any
+    M (smaller tiles take the rows in chunks): results stay right, poisoned outputs fully written."""
+    monkeypatch.setenv("QKERNELS_LINEAR_AS_M", as_m)
+    monkeypatch.setenv("QKERNELS_LINEAR_KERNEL", "mma")
+    up, gate, b = weights(n, k, "bfloat16")
+    x = randn(m, k, seed=m + 2)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    qkernels.linear(x, up, b, out=out)
+    close_to_naive(out, F.linear(x, up, b), linear_ref(x, up, b))
+    out2 = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    qkernels.swiglu(x, up, gate, out=out2)
+    close_to_naive(out2, F.linear(x, up) * F.silu(F.linear(x, gate)), swiglu_ref(x, up, gate))
+
+
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("n", NS)
 @pytest.mark.parametrize("k", KS)
