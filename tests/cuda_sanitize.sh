@@ -21,15 +21,17 @@ shared_set="test_torch_cuda_matches_reference or test_graph_bce_half or test_nor
 test_edge_features_strided or test_decode_kv_lens_and_mask or test_paged_mask_and_int64 or test_prefill_gqa_ratios or \
 test_paged_bad_indices or test_paged_rows_of_no_request or test_rotary_strided or test_poisoned_strided_out or \
 test_bitwise_determinism"
-# Open (2026-11-29): racecheck stops with "Internal Sanitizer Error: The Sanitizer failed to handle a
-# hardware exception" on the prefill tests with longer keys, on all three prefill kernels, dense or
-# paged: test_prefill[picked-1-1024-1024-128-True-bfloat16], test_paged_ragged[*-{64,128,256}-True-*],
-# test_paged_int64_and_key_mask[*]; the same kernels pass it at the shapes above (0 hazards), and
-# memcheck, synccheck and initcheck pass the failing tests.  Unchanged without setmaxnreg and with
-# --racecheck-memcpy-async no.  The fourth session's racecheck, without the kernel filter, passed
-# the paged ragged tests on the cp.async kernels, so the filter is the first suspect: next, the
-# failing tests without it (each alone: the torch references make it slow).
+# racecheck with the kernel filter below stops with "Internal Sanitizer Error: The Sanitizer failed
+# to handle a hardware exception" on the kernels that take their tiles by TMA into mbarrier rings
+# (2026-11-29): the prefill tests with longer keys, on all three prefill kernels, and linear's
+# wgmma kernel (test_poisoned_strided_out_and_strided_rows[picked-*]); unchanged without setmaxnreg
+# and with --racecheck-memcpy-async no, and without the filter the same tests pass it with 0
+# hazards (seventh session).  So racecheck's default run is two passes: the shared set filtered
+# without those tests, then those tests with every kernel instrumented.
+racecheck_long="test_prefill and picked-1-1024-1024-128 or test_paged_ragged and True or test_paged_int64_and_key_mask or \
+test_poisoned_strided_out_and_strided_rows or test_bitwise_determinism and 64-1536"
 default_set=$shared_set
+[ "$tool" = racecheck ] && default_set="($shared_set) and not (test_poisoned_strided_out_and_strided_rows or test_bitwise_determinism)"
 [ "$tool" = memcheck ] && default_set=$memcheck_set
 filter=${2:-$default_set}
 cd "$(dirname "$0")/.."
@@ -69,5 +71,21 @@ extra+=("${user_opts[@]}")
 compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 9 --print-limit 20 \
     python3 -m pytest -q -x -p no:cacheprovider "${files[@]}" ${filter:+-k "$filter"}
 status=$?
+if [ "$tool" = racecheck ] && [ -z "${2:-}" ] && [ -z "${QK_SANITIZER_NOFILTER:-}" ] && [ $status = 0 ]; then
+    # Every kernel instrumented: any kernel-name filter, --kernel-name-exclude kns=nvjet too, brings
+    # the hardware exception back (2026-11-29).  racecheck then reports hazards inside cuBLAS's nvjet
+    # GEMMs (the tests' torch references: 34 in this set, none in ours), so the pass fails only on a
+    # test failure or a hazard reported in a kernel that is not nvjet's.
+    echo "racecheck, second pass (every kernel instrumented): $racecheck_long"
+    log=$(mktemp)
+    compute-sanitizer --tool racecheck "${user_opts[@]}" --print-limit 10000 \
+        python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_attention_prefill.py tests/test_cuda_dense_ops.py \
+        -k "$racecheck_long" 2>&1 | tee "$log"
+    status=${PIPESTATUS[0]}
+    ours=$(grep -E "Race reported|Internal Sanitizer Error" "$log" | grep -vc nvjet)
+    echo "racecheck second pass: $ours hazard report(s) outside cuBLAS's nvjet kernels"
+    [ "$ours" = 0 ] || status=9
+    rm -f "$log"
+fi
 echo "compute-sanitizer --tool $tool: exit $status"
 exit $status
