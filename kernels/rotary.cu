@@ -48,7 +48,7 @@ __device__ __forceinline__ uint32_t &ro_word(uint4 &v, int i) { return i == 0 ? 
 
 // One rotated pair: lo = e c - o s, hi = e s + o c, with the roundings spelled out so that every
 // path gives the same bits whatever ptxas would contract (it fused the upper product either way
-// round in different kernels); this order is the one torch's complex multiply gave on the H200.
+// round in different kernels).  torch's complex multiply rounds differently (7e-6 apart, H200).
 __device__ __forceinline__ float ro_lo(float e, float o, float c, float s) { return __fmaf_rn(e, c, -__fmul_rn(o, s)); }
 __device__ __forceinline__ float ro_hi(float e, float o, float c, float s) { return __fmaf_rn(o, c, __fmul_rn(e, s)); }
 
