@@ -115,6 +115,14 @@ inline cudaLaunchAttribute qk_cluster_attr(unsigned x) {
     attr.val.clusterDim.z = 1;
     return attr;
 }
+// `kernel` in thread-block clusters of cs CTAs along x (sm_90); cs == 1: a plain launch.
+inline int qk_launch_clusters(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, void **args,
+                              unsigned cs) {
+    if (cs == 1) return qk_launch(kernel, grid, block, smem, stream, args);
+    cudaLaunchAttribute attr = qk_cluster_attr(cs);
+    const cudaLaunchConfig_t cfg = qk_launch_config(grid, block, smem, stream, &attr);
+    return (int)cudaLaunchKernelExC(&cfg, kernel, args);
+}
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // The sum over the ranks 0 .. cs-1 of a thread-block cluster of the float at `p` in each rank's

@@ -317,10 +317,7 @@ int lin_run(const qk_linear_args *a, cudaStream_t stream) {
     int cs_arg = cs, mchunks_arg = (int)mchunks;
     void *args[] = {&p, &cs_arg, &mchunks_arg};
     const dim3 grid((unsigned)(blocks * cs)), block(C::kThreads);
-    if (cs == 1) return qk_launch(kernel, grid, block, C::kSmem, stream, args);
-    cudaLaunchAttribute attr = qk_cluster_attr((unsigned)cs);
-    const cudaLaunchConfig_t cfg = qk_launch_config(grid, block, C::kSmem, stream, &attr);
-    return (int)cudaLaunchKernelExC(&cfg, kernel, args);
+    return qk_launch_clusters(kernel, grid, block, C::kSmem, stream, args, (unsigned)cs);
 }
 
 template <class C, typename T>

@@ -178,10 +178,7 @@ template <typename T> int lin_wgmma_run(const qk_linear_args *a, cudaStream_t st
     int cs_arg = cs;
     void *args[] = {&tw, &tx, &p, &cs_arg};
     const dim3 grid((unsigned)(ntiles * cs)), block(kLThreads);
-    if (cs == 1) return qk_launch(kernel, grid, block, kLSmem, stream, args);
-    cudaLaunchAttribute attr = qk_cluster_attr((unsigned)cs);
-    const cudaLaunchConfig_t cfg = qk_launch_config(grid, block, kLSmem, stream, &attr);
-    return (int)cudaLaunchKernelExC(&cfg, kernel, args);
+    return qk_launch_clusters(kernel, grid, block, kLSmem, stream, args, (unsigned)cs);
 }
 
 }  // namespace
