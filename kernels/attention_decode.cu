@@ -475,6 +475,12 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
             break;
         }
     }
+    // QKERNELS_DECODE_SPLITS=n (tuning sweeps; read at each launch): n splits whatever the shape
+    // asks for (capped by max_split: each warp keeps at least one tile).
+    if (const char *e = getenv("QKERNELS_DECODE_SPLITS")) {
+        const long v = strtol(e, nullptr, 10);
+        if (v >= 1) nsplit = v < max_split ? v : max_split;
+    }
     if (nsplit < 1) nsplit = 1;
     if (nsplit > 1024) nsplit = 1024;
     // Latency-bound shapes (a few hundred keys or less per split, every cluster in one wave) on

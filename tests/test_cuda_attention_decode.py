@@ -66,6 +66,33 @@ def test_decode(rng, dtype, B, L, D, ratio):
     close_to_naive(out, naive_decode(q, k, v, keep_of(B, L), D ** -0.5), ref)
 
 
+@pytest.mark.parametrize("splits", ["1", "3", "4", "7", "16", "64"])
+def test_decode_forced_splits(rng, monkeypatch, splits):
+    """QKERNELS_DECODE_SPLITS (tuning sweeps) forces the split count: any count is correct, with
+    lengths that leave some splits empty and a poisoned out; contiguous and paged."""
+    monkeypatch.setenv("QKERNELS_DECODE_SPLITS", splits)
+    B, L, D = 5, 1000, 128
+    q, k, v = (cuda(a, "bfloat16") for a in decode_inputs(rng, B, L, 8, 4, D))
+    kv_lens = cuda(np.array([1, 17, 500, 999, 1000], np.int32))
+    out = torch.full_like(q, float("nan"))
+    qkernels.attn_decode(q, k, v, kv_lens=kv_lens, out=out)
+    ref = attn_decode_ref(f64(q), f64(k), f64(v), kv_lens=kv_lens.cpu().numpy())
+    close_to_naive(out, naive_decode(q, k, v, keep_of(B, L, kv_lens), D ** -0.5), ref)
+    lens = [0, 3, 1000, 257]
+    args = paged_cuda(paged_inputs(rng, lens, 2, 4, D), "bfloat16")
+    host = [f64(a) if i < 3 else a.cpu().numpy() for i, a in enumerate(args)]
+    ref, _, _ = attn_paged_decode_ref(*host)
+    out = qkernels.attn_paged_decode(*args)
+    r2t, rpi = args[3].long(), args[4].long()
+    naive = torch.zeros_like(out)
+    for b, n in enumerate(lens):
+        slots = r2t[rpi[b], :n]
+        keep = torch.ones(1, n, dtype=torch.bool, device="cuda")
+        naive[b] = naive_decode(args[0][b:b + 1, None], args[1][slots][None], args[2][slots][None], keep,
+                                D ** -0.5)[0, 0]
+    close_to_naive(out, naive, ref)
+
+
 @pytest.mark.parametrize("dtype", HALVES)
 @pytest.mark.parametrize("mask_shape", [None, "2d", "3d"])
 def test_decode_kv_lens_and_mask(rng, dtype, mask_shape):
