@@ -462,19 +462,16 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     int resident;
     const int opt = qk_kernel_residency((const void *)decode_split<T, D, kM, kPaged, false>, kThreads, smem, &resident);
     if (opt) return opt;
-    // Splits: enough CTAs to fill the chip, rounded so the last wave is nearly full (B=64 L=8k
-    // without splits is 512 CTAs on 264 slots: 1.9 waves), and each warp at least one tile.
+    // Splits: as many as fit one wave of resident CTAs, and no more; each warp gets at least two
+    // tiles where the keys allow it.  The H200 sweep (QKERNELS_DECODE_SPLITS, Hq=32 Hkv=8 D=128,
+    // us) found one full wave beats rounding up to two: B=8 L=1k 16.2 at 4 splits vs 21.0 at 8;
+    // B=8 L=4k 40.0 vs 44.8; B=32 L=1k 37.3 at 1 vs 43.6 at 2; B=32 L=4k 131 vs 137.  And
+    // 128-key splits beat 64-key ones at B=1 L=1k (7.8 vs 8.3).
     const int64_t slots = (int64_t)resident * sms;
     const int64_t max_split = lcap > 0 ? (lcap + kWarps * kTile - 1) / (kWarps * kTile) : 1;
-    int64_t nsplit = (slots + units - 1) / units;
-    if (nsplit > max_split) nsplit = max_split;
-    for (int64_t ns = nsplit; ns <= max_split && ns <= 4 * nsplit && ns <= 1024; ns++) {
-        const int64_t ctas = units * ns, waves = (ctas + slots - 1) / slots;
-        if (ctas * 10 >= waves * slots * 9) {  // at least 90% of the last wave busy
-            nsplit = ns;
-            break;
-        }
-    }
+    const int64_t pref_split = lcap > 0 ? (lcap + 2 * kWarps * kTile - 1) / (2 * kWarps * kTile) : 1;
+    int64_t nsplit = slots / units;
+    if (nsplit > pref_split) nsplit = pref_split;
     // QKERNELS_DECODE_SPLITS=n (tuning sweeps; read at each launch): n splits whatever the shape
     // asks for (capped by max_split: each warp keeps at least one tile).
     if (const char *e = getenv("QKERNELS_DECODE_SPLITS")) {
@@ -485,12 +482,13 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     if (nsplit > 1024) nsplit = 1024;
     // Latency-bound shapes (a few hundred keys or less per split, every cluster in one wave) on
     // sm_90: the splits of a (sequence, head group) as one cluster of at most 16 CTAs that merge
-    // on chip.  Beyond one wave clusters lose to the workspace path (H200, B=8 L=1k: 26.3 vs
-    // 19.9 us; L=4k: 55.2 vs 44.3), as they must be placed whole within a GPC.
+    // on chip.  Only while the clusters' CTAs fit one per SM: past that they lose to the
+    // workspace path (H200, B=8 at 4 splits: L=1k 22.9 vs 16.2 us, L=4k 59.7 vs 40.0), as a
+    // cluster must be placed whole within a GPC.
     if (nsplit > 1) {
         const int64_t ncl = nsplit < 16 ? nsplit : 16;
         const int64_t cl_chunk = lcap > 0 ? (lcap + ncl - 1) / ncl : 1;
-        if (cl_chunk <= 1024 && units * ncl <= slots) {
+        if (cl_chunk <= 1024 && units * ncl <= sms) {
             const int st = launch_cluster<T, D, kM, kPaged>(a, s, (int)ncl, cl_chunk, units / a->B, smem);
             if (st != QK_E_UNSUPPORTED) return st;
         }
