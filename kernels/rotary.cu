@@ -255,14 +255,16 @@ int ro_launch(const qk_rotary_args *a, cudaStream_t stream) {
     // 4 (64 registers, 28 bytes spilled): occupancy, not the spill, was the limit.
     const int64_t c8 = a->D / 8;
     if (mode == kVecHalf && c8 >= 2 && c8 <= 32 && (c8 & (c8 - 1)) == 0) mode = kVecHalfPair;
-    // QKERNELS_ROTARY_HALF (comparison; read at each launch): pair (the above), two (two 16-byte
-    // chunks per thread), eight (default: 8 bytes of each half per thread, any D % 16 == 0).
+    // QKERNELS_ROTARY_HALF (comparison; read at each launch): two (default: two 16-byte chunks
+    // per thread, any D % 16 == 0), pair (the above), eight (8 bytes of each half per thread, D in
+    // {64, 128, 256}).  Once the two-chunk path's spill went (ro_half_heads) it measured 3.93 TB/s
+    // against eight's 3.48 and pair's 3.19 (H200, T=32k H=32 D=128, same call).
     if (mode == kVecHalf || mode == kVecHalfPair) {
         const char *pick = getenv("QKERNELS_ROTARY_HALF");
-        // (eight: the half offset is a compile-time constant, D in {64, 128, 256}; with it a
-        // runtime offset, ptxas kept eight row pointers live and spilled the head loop's counter.)
-        if ((!pick || strcmp(pick, "eight") == 0) && (a->D == 64 || a->D == 128 || a->D == 256)) mode = kVecHalf8;
-        else if (strcmp(pick, "two") == 0) mode = kVecHalf;
+        // (eight: the half offset is a compile-time constant; with a runtime offset ptxas kept
+        // eight row pointers live and spilled the head loop's counter.)
+        if (!pick || strcmp(pick, "two") == 0) mode = kVecHalf;
+        else if (strcmp(pick, "eight") == 0 && (a->D == 64 || a->D == 128 || a->D == 256)) mode = kVecHalf8;
     }
     const bool fvec = a->f_stride[2] == 2 && qk_aligned16(a->freqs) && a->f_stride[0] % 4 == 0 &&
                       a->f_stride[1] % 4 == 0;
