@@ -102,14 +102,16 @@ __device__ __forceinline__ void ro_rotate_word_pair(uint32_t &wl, uint32_t &wh, 
     wh = ro_pack<T>(ro_hi(e0, o0, c0, s0), ro_hi(e1, o1, c1, s1));
 }
 template <typename T>
-__device__ __forceinline__ void ro_rotate_halves8(uint2 &lo, uint2 &hi, const float (&c)[4], const float (&sn)[4]) {
+__device__ __forceinline__ void ro_rotate_halves(uint2 &lo, uint2 &hi, const float (&c)[4], const float (&sn)[4]) {
     ro_rotate_word_pair<T>(lo.x, hi.x, c[0], sn[0], c[1], sn[1]);
     ro_rotate_word_pair<T>(lo.y, hi.y, c[2], sn[2], c[3], sn[3]);
 }
-__device__ __forceinline__ uint2 ro_load8(const void *p) { return *static_cast<const uint2 *>(p); }
-__device__ __forceinline__ void ro_store8(void *p, uint2 v) {
+__device__ __forceinline__ void ro_ld(const void *p, uint2 &v) { v = *static_cast<const uint2 *>(p); }
+__device__ __forceinline__ void ro_ld(const void *p, uint4 &v) { v = ro_load16(p); }
+__device__ __forceinline__ void ro_st(void *p, uint2 v) {
     asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
 }
+__device__ __forceinline__ void ro_st(void *p, uint4 v) { ro_store16(p, v); }
 __device__ __forceinline__ uint4 ro_shfl_xor(unsigned mask, uint4 v, int m) {
     return make_uint4(__shfl_xor_sync(mask, v.x, m), __shfl_xor_sync(mask, v.y, m), __shfl_xor_sync(mask, v.z, m),
                       __shfl_xor_sync(mask, v.w, m));
@@ -133,6 +135,36 @@ __device__ __forceinline__ void ro_load_freqs(const float *f, int64_t i0, int64_
         for (int k = 0; k < P; k++) {
             c[k] = __ldg(f + (i0 + k) * fs);
             s[k] = __ldg(f + (i0 + k) * fs + 1);
+        }
+    }
+}
+
+// Rotate-half, P pairs per thread (V: uint2 for P = 4, 8 bytes of each half; uint4 for P = 8, 16
+// bytes) of chunk j of heads hs, hs + 2 hpar, ... of one token, two heads (h, h + hpar) a step.
+template <typename T, int P, typename V, bool kFVec>
+__device__ __forceinline__ void ro_half_heads(const qk_rotary_args &a, const T *xt, T *ot, const float *ft, int j,
+                                              int64_t hs, int64_t H, int hpar, int64_t half) {
+    float c[P], sn[P];
+    ro_load_freqs<P, kFVec>(ft, P * (int64_t)j, a.f_stride[2], c, sn);
+    for (int64_t h = hs; h < H; h += 2 * hpar) {
+        const bool two = h + hpar < H;
+        const T *x0 = xt + h * a.x_stride[2] + P * j, *x1 = xt + (h + hpar) * a.x_stride[2] + P * j;
+        V lo0, hi0, lo1, hi1;
+        ro_ld(x0, lo0);
+        ro_ld(x0 + half, hi0);
+        lo1 = lo0, hi1 = hi0;
+        if (two) {
+            ro_ld(x1, lo1);
+            ro_ld(x1 + half, hi1);
+        }
+        ro_rotate_halves<T>(lo0, hi0, c, sn);
+        ro_rotate_halves<T>(lo1, hi1, c, sn);
+        T *o0p = ot + h * a.out_stride[2] + P * j, *o1p = ot + (h + hpar) * a.out_stride[2] + P * j;
+        ro_st(o0p, lo0);
+        ro_st(o0p + half, hi0);
+        if (two) {
+            ro_st(o1p, lo1);
+            ro_st(o1p + half, hi1);
         }
     }
 }
@@ -199,47 +231,9 @@ __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4) ro_kernel
                 } else if (kMode == kVecHalf8) {
                     // Pairs 4j .. 4j+3: 8 bytes of each half, so a thread moves 16 bytes per row
                     // like the interleaved path with its four (cos, sin), and no shuffles.
-                    float c[4], sn[4];
-                    ro_load_freqs<4, kFVec>(ft, 4 * (int64_t)j, a.f_stride[2], c, sn);
-                    for (int64_t h = hs; h < H; h += 2 * hpar) {
-                        const bool two = h + hpar < H;
-                        const T *x0 = xt + h * a.x_stride[2] + 4 * j, *x1 = xt + (h + hpar) * a.x_stride[2] + 4 * j;
-                        uint2 lo0 = ro_load8(x0), hi0 = ro_load8(x0 + half), lo1 = lo0, hi1 = hi0;
-                        if (two) {
-                            lo1 = ro_load8(x1);
-                            hi1 = ro_load8(x1 + half);
-                        }
-                        ro_rotate_halves8<T>(lo0, hi0, c, sn);
-                        ro_rotate_halves8<T>(lo1, hi1, c, sn);
-                        T *o0p = ot + h * a.out_stride[2] + 4 * j, *o1p = ot + (h + hpar) * a.out_stride[2] + 4 * j;
-                        ro_store8(o0p, lo0);
-                        ro_store8(o0p + half, hi0);
-                        if (two) {
-                            ro_store8(o1p, lo1);
-                            ro_store8(o1p + half, hi1);
-                        }
-                    }
+                    ro_half_heads<T, 4, uint2, kFVec>(a, xt, ot, ft, j, hs, H, hpar, half);
                 } else {  // kVecHalf: pairs 8j .. 8j+7 are x[8j ..] and x[half + 8j ..]
-                    float c[8], sn[8];
-                    ro_load_freqs<8, kFVec>(ft, 8 * (int64_t)j, a.f_stride[2], c, sn);
-                    for (int64_t h = hs; h < H; h += 2 * hpar) {
-                        const bool two = h + hpar < H;
-                        const T *x0 = xt + h * a.x_stride[2] + 8 * j, *x1 = xt + (h + hpar) * a.x_stride[2] + 8 * j;
-                        uint4 lo0 = ro_load16(x0), hi0 = ro_load16(x0 + half), lo1 = lo0, hi1 = hi0;
-                        if (two) {
-                            lo1 = ro_load16(x1);
-                            hi1 = ro_load16(x1 + half);
-                        }
-                        ro_rotate_halves<T>(lo0, hi0, c, sn);
-                        ro_rotate_halves<T>(lo1, hi1, c, sn);
-                        T *o0p = ot + h * a.out_stride[2] + 8 * j, *o1p = ot + (h + hpar) * a.out_stride[2] + 8 * j;
-                        ro_store16(o0p, lo0);
-                        ro_store16(o0p + half, hi0);
-                        if (two) {
-                            ro_store16(o1p, lo1);
-                            ro_store16(o1p + half, hi1);
-                        }
-                    }
+                    ro_half_heads<T, 8, uint4, kFVec>(a, xt, ot, ft, j, hs, H, hpar, half);
                 }
             }
         }
@@ -261,14 +255,16 @@ int ro_launch(const qk_rotary_args *a, cudaStream_t stream) {
     // 4 (64 registers, 28 bytes spilled): occupancy, not the spill, was the limit.
     const int64_t c8 = a->D / 8;
     if (mode == kVecHalf && c8 >= 2 && c8 <= 32 && (c8 & (c8 - 1)) == 0) mode = kVecHalfPair;
-    // QKERNELS_ROTARY_HALF (comparison; read at each launch): pair (the above), two (two 16-byte
-    // chunks per thread), eight (default: 8 bytes of each half per thread, any D % 16 == 0).
+    // QKERNELS_ROTARY_HALF (comparison; read at each launch): two (default: two 16-byte chunks
+    // per thread, any D % 16 == 0), pair (the above), eight (8 bytes of each half per thread, D in
+    // {64, 128, 256}).  Once the two-chunk path's spill went (ro_half_heads) it measured 3.93 TB/s
+    // against eight's 3.48 and pair's 3.19 (H200, T=32k H=32 D=128, same call).
     if (mode == kVecHalf || mode == kVecHalfPair) {
         const char *pick = getenv("QKERNELS_ROTARY_HALF");
-        // (eight: the half offset is a compile-time constant, D in {64, 128, 256}; with it a
-        // runtime offset, ptxas kept eight row pointers live and spilled the head loop's counter.)
-        if ((!pick || strcmp(pick, "eight") == 0) && (a->D == 64 || a->D == 128 || a->D == 256)) mode = kVecHalf8;
-        else if (strcmp(pick, "two") == 0) mode = kVecHalf;
+        // (eight: the half offset is a compile-time constant; with a runtime offset ptxas kept
+        // eight row pointers live and spilled the head loop's counter.)
+        if (!pick || strcmp(pick, "two") == 0) mode = kVecHalf;
+        else if (strcmp(pick, "eight") == 0 && (a->D == 64 || a->D == 128 || a->D == 256)) mode = kVecHalf8;
     }
     const bool fvec = a->f_stride[2] == 2 && qk_aligned16(a->freqs) && a->f_stride[0] % 4 == 0 &&
                       a->f_stride[1] % 4 == 0;

@@ -230,19 +230,22 @@ def test_rotary(dtype, interleaved, shape):
 @pytest.mark.parametrize("shape", [(33, 8, 128), (3, 9, 2, 64), (2, 512, 8, 256), (19, 3, 32), (7, 5, 48),
                                    (4096, 32, 128)])
 def test_rotary_half_paths_agree(monkeypatch, dtype, shape):
-    """The rotate-half kernels QKERNELS_ROTARY_HALF picks (eight: 8 bytes of each half per thread,
-    the default for D in {64, 128, 256}; pair: partner lanes; two: two 16-byte chunks) do the same
+    """The rotate-half kernels QKERNELS_ROTARY_HALF picks (two: two 16-byte chunks per thread, the
+    default; pair: partner lanes; eight: 8 bytes of each half, D in {64, 128, 256}) do the same
     fp32 operations, so they agree bit for bit, and each matches the reference; poisoned out."""
     x = randn(*shape, dtype=dtype, seed=3)
     f = freqs_for(shape[:-2], shape[-1])
     outs = []
-    for path in ("eight", "pair", "two"):
-        monkeypatch.setenv("QKERNELS_ROTARY_HALF", path)
+    for path in (None, "eight", "pair", "two"):
+        if path is None:
+            monkeypatch.delenv("QKERNELS_ROTARY_HALF", raising=False)
+        else:
+            monkeypatch.setenv("QKERNELS_ROTARY_HALF", path)
         out = torch.full_like(x, float("nan"))
         qkernels.rotary_emb(x, f, interleaved=False, out=out)
         close_to_naive(out, rotary_naive(x, f, False), rotary_ref(x, f, False))
         outs.append(out)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 def test_rotary_strided_views_and_poisoned_out():
