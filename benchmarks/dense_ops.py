@@ -117,11 +117,11 @@ def linear_case(m, n, k, target):
         Impl("qkernels", lambda s: qkernels.linear(s["x"], s["w"], backend="cuda"), ours=True),
         Impl("cuBLAS (F.linear)", lambda s: F.linear(s["x"], s["w"]), reference=True, min_ratio=target),
     ]
-    if 16 < m <= 64:  # the sm_90 wgmma kernel's range: linear.cu's mma.sync kernel beside it
+    if 16 < m <= 64 or m == 1:  # beside the wgmma kernel (16 < M <= 64) or the GEMV (M = 1, N large)
         impls.insert(1, Impl("qkernels, mma.sync kernel",
                              on_linear_kernel("mma", lambda s: qkernels.linear(s["x"], s["w"], backend="cuda"))))
-    if m <= 8:  # the CUDA-core GEMV experiment beside the tile kernel
-        impls.insert(1, Impl("qkernels, gemv kernel (experiment)",
+    if 1 < m <= 8:  # the CUDA-core GEMV forced where the launcher does not pick it
+        impls.insert(1, Impl("qkernels, gemv kernel (forced)",
                              on_linear_kernel("gemv", lambda s: qkernels.linear(s["x"], s["w"], backend="cuda"))))
     return Case("linear", f"M={m} W={n}x{k}", make_inputs, nbytes, impls)
 
@@ -171,7 +171,7 @@ def swiglu_case(m, n, k):
              min_ratio=1.15),
     ]
     if m <= 8:
-        impls.insert(1, Impl("qkernels, gemv kernel (experiment)",
+        impls.insert(1, Impl("qkernels, gemv kernel (forced)",
                              on_linear_kernel("gemv", lambda s: qkernels.swiglu(s["x"], s["up"], s["gate"], backend="cuda"))))
     return Case("swiglu", f"M={m} up/gate={n}x{k}", make_inputs, nbytes, impls)
 

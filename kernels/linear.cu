@@ -330,7 +330,7 @@ int lin_pick_vec(const qk_linear_args *a, bool swiglu, cudaStream_t stream) {
     return vec ? lin_run<C, T, true>(a, stream) : lin_run<C, T, false>(a, stream);
 }
 
-// ---- GEMV on the CUDA cores for M <= 8 (QKERNELS_LINEAR_KERNEL=gemv: an experiment) --------------
+// ---- GEMV on the CUDA cores: M = 1 over many rows (lin_gemv_pick), M <= 8 when forced -----------
 // The mma.sync kernel above reads, per warp-wide copy, 64 bytes of each of 16 weight rows (4 lanes
 // a row, a 256-byte L2 prefetch for the row's next steps).  Here a warp streams R whole rows, one
 // row per warp-wide load: 512 contiguous bytes (lane l: elements 8 l .. 8 l + 7 of a 256-element
@@ -461,12 +461,23 @@ int lin_gemv_run(const qk_linear_args *a, cudaStream_t stream) {
     return qk_launch(kernel, dim3((unsigned)blocks), dim3(kGemvThreads), 0, stream, args);
 }
 
-// QKERNELS_LINEAR_KERNEL=gemv (read at each launch): M <= 8 on lin_gemv where its 16-byte loads
-// apply (K % 8 == 0, 16-byte aligned rows); QK_E_UNSUPPORTED otherwise (the tile kernels run).
+// Where lin_gemv runs: M = 1 linear with at least 4 rows per warp at 16 warps per SM (N >= 8448
+// on 132 SMs), where it measured 28.7 / 55.2 us against the mma.sync kernel's 32.0 / 58.7 and
+// cuBLAS's 32.0 / 60.9 (H200, W 14336x4096 / 28672x4096, same call).  Not elsewhere: with fewer,
+// longer rows (4096x14336) it took 36.3 us against 31.7, at M = 8 twice the tile kernel's time (x
+// re-read from L1 per row), and swiglu (two rows' streams per warp, U = 1) 66.4 against 62.3.
+// QKERNELS_LINEAR_KERNEL=gemv forces it for M <= 8 (linear and swiglu), =mma keeps it off (read at
+// each launch).  16-byte loads only: K % 8 == 0 and 16-byte aligned rows, else the tile kernels.
 template <typename T, bool kSwiglu>
 int lin_gemv_pick(const qk_linear_args *a, cudaStream_t stream) {
     const char *pick = getenv("QKERNELS_LINEAR_KERNEL");
-    if (!pick || strcmp(pick, "gemv") != 0 || a->M > 8 || a->K % 8) return QK_E_UNSUPPORTED;
+    const bool forced = pick && strcmp(pick, "gemv") == 0;
+    if (a->M > (forced ? 8 : 1) || a->K % 8 || (pick && !forced)) return QK_E_UNSUPPORTED;
+    if (!forced) {
+        int sms;
+        QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
+        if (kSwiglu || a->N < (int64_t)sms * 64) return QK_E_UNSUPPORTED;
+    }
     bool ok = qk_aligned16(a->x) && qk_aligned16(a->w) && a->x_stride % 8 == 0 && a->w_stride % 8 == 0;
     if (kSwiglu) ok = ok && qk_aligned16(a->gate) && a->gate_stride % 8 == 0;
     if (!ok) return QK_E_UNSUPPORTED;

@@ -29,9 +29,10 @@ NS = [1, 129, 4096, 14336]
 
 @pytest.fixture(params=["picked", "mma", "gemv"])
 def linear_kernel(request, monkeypatch):
-    """linear's kernel: the one the launcher picks (on sm_90, wgmma for 16 < M <= 64),
-    linear.cu's mma.sync kernel, which QKERNELS_LINEAR_KERNEL=mma forces, and its CUDA-core GEMV
-    for M <= 8 (QKERNELS_LINEAR_KERNEL=gemv; the tile kernels elsewhere)."""
+    """linear's kernel: the one the launcher picks (on sm_90, wgmma for 16 < M <= 64; the CUDA-core
+    GEMV for M = 1 and N >= 64 per SM), linear.cu's mma.sync kernel, which QKERNELS_LINEAR_KERNEL=mma
+    forces, and its CUDA-core GEMV for M <= 8 (QKERNELS_LINEAR_KERNEL=gemv; the tile kernels
+    elsewhere)."""
     if request.param != "picked":
         monkeypatch.setenv("QKERNELS_LINEAR_KERNEL", request.param)
     else:
