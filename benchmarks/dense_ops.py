@@ -117,23 +117,29 @@ def linear_case(m, n, k, target):
         Impl("qkernels", lambda s: qkernels.linear(s["x"], s["w"], backend="cuda"), ours=True),
         Impl("cuBLAS (F.linear)", lambda s: F.linear(s["x"], s["w"]), reference=True, min_ratio=target),
     ]
-    if 16 < m <= 64:  # the sm_90 wgmma kernel's range: linear.cu's mma.sync kernel beside it
-        impls.insert(1, Impl("qkernels, mma.sync kernel", linear_mma))
+    if 16 < m <= 64 or m == 1:  # beside the wgmma kernel (16 < M <= 64) or the GEMV (M = 1, N large)
+        impls.insert(1, Impl("qkernels, mma.sync kernel",
+                             on_linear_kernel("mma", lambda s: qkernels.linear(s["x"], s["w"], backend="cuda"))))
+    if 1 < m <= 8:  # the CUDA-core GEMV forced where the launcher does not pick it
+        impls.insert(1, Impl("qkernels, gemv kernel (forced)",
+                             on_linear_kernel("gemv", lambda s: qkernels.linear(s["x"], s["w"], backend="cuda"))))
     return Case("linear", f"M={m} W={n}x{k}", make_inputs, nbytes, impls)
 
 
-def linear_mma(s):
-    """qkernels.linear on linear.cu's kernel (QKERNELS_LINEAR_KERNEL=mma, read at each launch, so
-    also when a CUDA graph captures the call)."""
-    old = os.environ.get("QKERNELS_LINEAR_KERNEL")
-    os.environ["QKERNELS_LINEAR_KERNEL"] = "mma"
-    try:
-        return qkernels.linear(s["x"], s["w"], backend="cuda")
-    finally:
-        if old is None:
-            del os.environ["QKERNELS_LINEAR_KERNEL"]
-        else:
-            os.environ["QKERNELS_LINEAR_KERNEL"] = old
+def on_linear_kernel(name, fn):
+    """fn with QKERNELS_LINEAR_KERNEL=name (read at each launch, so also when a CUDA graph captures
+    the call): mma, linear.cu's tile kernel; gemv, its CUDA-core GEMV for M <= 8."""
+    def call(s):
+        old = os.environ.get("QKERNELS_LINEAR_KERNEL")
+        os.environ["QKERNELS_LINEAR_KERNEL"] = name
+        try:
+            return fn(s)
+        finally:
+            if old is None:
+                del os.environ["QKERNELS_LINEAR_KERNEL"]
+            else:
+                os.environ["QKERNELS_LINEAR_KERNEL"] = old
+    return call
 
 
 def linear_cases(quick):
@@ -164,6 +170,9 @@ def swiglu_case(m, n, k):
         Impl("eager linear*silu(linear)", lambda s: swiglu_eager(s["x"], s["up"], s["gate"]), reference=True,
              min_ratio=1.15),
     ]
+    if m <= 8:
+        impls.insert(1, Impl("qkernels, gemv kernel (forced)",
+                             on_linear_kernel("gemv", lambda s: qkernels.swiglu(s["x"], s["up"], s["gate"], backend="cuda"))))
     return Case("swiglu", f"M={m} up/gate={n}x{k}", make_inputs, nbytes, impls)
 
 

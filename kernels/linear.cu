@@ -24,6 +24,7 @@
 // 14336 x 4096 bf16 is 117 MB, 29 µs at 4 TB/s.
 #include "common.cuh"
 #include <cooperative_groups.h>
+#include <string.h>
 
 extern "C" int qk_linear_sm90(const qk_linear_args *a, cudaStream_t stream);  // linear_sm90.cu
 
@@ -329,12 +330,173 @@ int lin_pick_vec(const qk_linear_args *a, bool swiglu, cudaStream_t stream) {
     return vec ? lin_run<C, T, true>(a, stream) : lin_run<C, T, false>(a, stream);
 }
 
+// ---- GEMV on the CUDA cores: M = 1 over many rows (lin_gemv_pick), M <= 8 when forced -----------
+// The mma.sync kernel above reads, per warp-wide copy, 64 bytes of each of 16 weight rows (4 lanes
+// a row, a 256-byte L2 prefetch for the row's next steps).  Here a warp streams R whole rows, one
+// row per warp-wide load: 512 contiguous bytes (lane l: elements 8 l .. 8 l + 7 of a 256-element
+// chunk), U chunks of each row in flight (8 loads of 16 bytes per lane), straight into registers
+// (no shared memory, no L1 allocation); x through L1 at the same k.  8 FMA per 16 bytes of weight
+// and row of x.  The lanes' sums are reduced by shuffles in a fixed order: bitwise reproducible.
+template <typename T> __device__ __forceinline__ float2 lin_f2(uint32_t w);
+template <> __device__ __forceinline__ float2 lin_f2<__nv_bfloat16>(uint32_t w) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+template <> __device__ __forceinline__ float2 lin_f2<__half>(uint32_t w) {
+    __half2 h;
+    memcpy(&h, &w, 4);
+    return __half22float2(h);
+}
+__device__ __forceinline__ uint4 lin_ld_stream(const uint16_t *p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+template <typename T> __device__ __forceinline__ void lin_unpack8(uint4 v, float (&f)[8]) {
+    const float2 a = lin_f2<T>(v.x), b = lin_f2<T>(v.y), c = lin_f2<T>(v.z), d = lin_f2<T>(v.w);
+    f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y, f[4] = c.x, f[5] = c.y, f[6] = d.x, f[7] = d.y;
+}
+
+constexpr int kGemvThreads = 256;
+
+template <typename T, int MM, int R, bool kSwiglu>
+__global__ void __launch_bounds__(kGemvThreads) lin_gemv(qk_linear_args a) {
+    constexpr int NW = kSwiglu ? 2 : 1;
+    constexpr int U = 8 / (R * NW) > 0 ? 8 / (R * NW) : 1;  // chunks of each row in flight
+    const int lane = threadIdx.x & 31;
+    const int64_t n0 = ((int64_t)blockIdx.x * (kGemvThreads / 32) + (threadIdx.x >> 5)) * R;
+    if (n0 >= a.N) return;
+    const int M = (int)a.M;
+    const uint16_t *x = static_cast<const uint16_t *>(a.x);
+    const uint16_t *wrow[NW][R];
+#pragma unroll
+    for (int q = 0; q < NW; q++)
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const int64_t n = n0 + r < a.N ? n0 + r : a.N - 1;  // rows past N: a valid row, not stored
+            wrow[q][r] = static_cast<const uint16_t *>(q ? a.gate : a.w) + n * (q ? a.gate_stride : a.w_stride);
+        }
+    float acc[NW][R][MM];
+#pragma unroll
+    for (int q = 0; q < NW; q++)
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int m = 0; m < MM; m++) acc[q][r][m] = 0.f;
+    for (int64_t k0 = 8 * (int64_t)lane; k0 < a.K; k0 += 256 * U) {
+        uint4 wv[U][NW][R];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int64_t k = k0 + 256 * u;
+#pragma unroll
+            for (int q = 0; q < NW; q++)
+#pragma unroll
+                for (int r = 0; r < R; r++) wv[u][q][r] = k < a.K ? lin_ld_stream(wrow[q][r] + k) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int64_t k = k0 + 256 * u;
+            if (k >= a.K) break;
+            float wf[NW][R][8];
+#pragma unroll
+            for (int q = 0; q < NW; q++)
+#pragma unroll
+                for (int r = 0; r < R; r++) lin_unpack8<T>(wv[u][q][r], wf[q][r]);
+#pragma unroll
+            for (int m = 0; m < MM; m++) {
+                if (m >= M) break;
+                float xf[8];
+                lin_unpack8<T>(__ldg(reinterpret_cast<const uint4 *>(x + m * a.x_stride + k)), xf);
+#pragma unroll
+                for (int q = 0; q < NW; q++)
+#pragma unroll
+                    for (int r = 0; r < R; r++)
+#pragma unroll
+                        for (int e = 0; e < 8; e++) acc[q][r][m] = fmaf(wf[q][r][e], xf[e], acc[q][r][m]);
+            }
+        }
+    }
+    const T *bias = static_cast<const T *>(a.bias);
+    T *out = static_cast<T *>(a.out);
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int m = 0; m < MM; m++) {
+            float v[NW];
+#pragma unroll
+            for (int q = 0; q < NW; q++) {
+                v[q] = acc[q][r][m];
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) v[q] += __shfl_xor_sync(0xffffffffu, v[q], off);
+            }
+            const int64_t n = n0 + r;
+            if (lane != (r * MM + m) % 32 || m >= M || n >= a.N) continue;
+            float y;
+            if (kSwiglu) {
+                y = v[0] * (v[NW - 1] / (1.f + expf(-v[NW - 1])));
+            } else {
+                y = v[0];
+                if (bias) y += qk_to_float(bias[n * a.bias_stride]);
+            }
+            out[m * a.out_stride + n] = qk_from_float<T>(y);
+        }
+}
+
+template <typename T, int MM, bool kSwiglu>
+int lin_gemv_run(const qk_linear_args *a, cudaStream_t stream) {
+    int sms;
+    QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
+    // Rows per warp: as many as keep ~16 warps per SM busy (more rows share each x load).
+    const int64_t warps16 = (int64_t)sms * 16;
+    const int R = a->N >= 4 * warps16 ? 4 : a->N >= 2 * warps16 ? 2 : 1;
+    const void *kernel = R == 4 ? (const void *)lin_gemv<T, MM, 4, kSwiglu>
+                         : R == 2 ? (const void *)lin_gemv<T, MM, 2, kSwiglu>
+                                  : (const void *)lin_gemv<T, MM, 1, kSwiglu>;
+    const int64_t rows_per_block = (int64_t)(kGemvThreads / 32) * R;
+    const int64_t blocks = (a->N + rows_per_block - 1) / rows_per_block;
+    if (blocks > 0x7fffffff) return QK_E_UNSUPPORTED;
+    qk_linear_args p = *a;
+    void *args[] = {&p};
+    return qk_launch(kernel, dim3((unsigned)blocks), dim3(kGemvThreads), 0, stream, args);
+}
+
+// Where lin_gemv runs: M = 1 linear with at least 4 rows per warp at 16 warps per SM (N >= 8448
+// on 132 SMs), where it measured 28.7 / 55.2 us against the mma.sync kernel's 32.0 / 58.7 and
+// cuBLAS's 32.0 / 60.9 (H200, W 14336x4096 / 28672x4096, same call).  Not elsewhere: with fewer,
+// longer rows (4096x14336) it took 36.3 us against 31.7, at M = 8 twice the tile kernel's time (x
+// re-read from L1 per row), and swiglu (two rows' streams per warp, U = 1) 66.4 against 62.3.
+// QKERNELS_LINEAR_KERNEL=gemv forces it for M <= 8 (linear and swiglu), =mma keeps it off (read at
+// each launch).  16-byte loads only: K % 8 == 0 and 16-byte aligned rows, else the tile kernels.
+template <typename T, bool kSwiglu>
+int lin_gemv_pick(const qk_linear_args *a, cudaStream_t stream) {
+    const char *pick = getenv("QKERNELS_LINEAR_KERNEL");
+    const bool forced = pick && strcmp(pick, "gemv") == 0;
+    if (a->M > (forced ? 8 : 1) || a->K % 8 || (pick && !forced)) return QK_E_UNSUPPORTED;
+    if (!forced) {
+        int sms;
+        QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
+        if (kSwiglu || a->N < (int64_t)sms * 64) return QK_E_UNSUPPORTED;
+    }
+    bool ok = qk_aligned16(a->x) && qk_aligned16(a->w) && a->x_stride % 8 == 0 && a->w_stride % 8 == 0;
+    if (kSwiglu) ok = ok && qk_aligned16(a->gate) && a->gate_stride % 8 == 0;
+    if (!ok) return QK_E_UNSUPPORTED;
+    if (a->M <= 1) return lin_gemv_run<T, 1, kSwiglu>(a, stream);
+    if (a->M <= 2) return lin_gemv_run<T, 2, kSwiglu>(a, stream);
+    if (a->M <= 4) return lin_gemv_run<T, 4, kSwiglu>(a, stream);
+    return lin_gemv_run<T, 8, kSwiglu>(a, stream);
+}
+
 // The one place shapes become tile configurations (MT, NT, WN, WK): 8 * MT rows of x per block;
 // more x rows per block share each weight fragment across more mma, so the block's rows are split
 // between more warps (WN) to keep x re-reads at or below half the weight bytes.
 template <typename T, bool kSwiglu>
 int lin_dispatch(const qk_linear_args *a, cudaStream_t stream) {
     if (a->M <= 0 || a->N <= 0) return QK_OK;
+    if (a->K > 0) {
+        const int g = lin_gemv_pick<T, kSwiglu>(a, stream);
+        if (g != QK_E_UNSUPPORTED) return g;
+    }
     // QKERNELS_LINEAR_AS_M=m (tuning sweeps; read at each launch): the tile configuration of M = m
     // whatever M is.  Any choice is correct: a smaller tile takes the rows in chunks, a larger one
     // computes rows past M that nobody stores.

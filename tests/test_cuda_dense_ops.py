@@ -27,12 +27,14 @@ KS = [7, 100, 1536, 4096]
 NS = [1, 129, 4096, 14336]
 
 
-@pytest.fixture(params=["picked", "mma"])
+@pytest.fixture(params=["picked", "mma", "gemv"])
 def linear_kernel(request, monkeypatch):
-    """linear's kernel: the one the launcher picks (on sm_90, wgmma for 16 < M <= 64) and
-    linear.cu's mma.sync kernel, which QKERNELS_LINEAR_KERNEL=mma forces."""
-    if request.param == "mma":
-        monkeypatch.setenv("QKERNELS_LINEAR_KERNEL", "mma")
+    """linear's kernel: the one the launcher picks (on sm_90, wgmma for 16 < M <= 64; the CUDA-core
+    GEMV for M = 1 and N >= 64 per SM), linear.cu's mma.sync kernel, which QKERNELS_LINEAR_KERNEL=mma
+    forces, and its CUDA-core GEMV for M <= 8 (QKERNELS_LINEAR_KERNEL=gemv; the tile kernels
+    elsewhere)."""
+    if request.param != "picked":
+        monkeypatch.setenv("QKERNELS_LINEAR_KERNEL", request.param)
     else:
         monkeypatch.delenv("QKERNELS_LINEAR_KERNEL", raising=False)
     return request.param
@@ -153,6 +155,31 @@ def test_swiglu(dtype, m, k, n):
     out = qkernels.swiglu(x, up, gate)
     assert out.is_cuda and out.dtype == x.dtype and out.shape == (m, n)
     close_to_naive(out, F.linear(x, up) * F.silu(F.linear(x, gate)), swiglu_ref(x, up, gate))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("k,n", [(4096, 129), (1536, 4096), (4104, 14336), (100, 33), (8, 1)])
+def test_gemv_kernel(monkeypatch, dtype, m, k, n):
+    """linear and swiglu on the CUDA-core GEMV (QKERNELS_LINEAR_KERNEL=gemv, M <= 8): K past the
+    last full 256-element chunk (4104, 100 falls back: K % 8), rows of x, weights and out strided,
+    a poisoned out; bitwise the same on a second call."""
+    monkeypatch.setenv("QKERNELS_LINEAR_KERNEL", "gemv")
+    up, gate, b = weights(n, k, dtype)
+    xb = randn(m, k + 64, dtype=dtype, seed=m + 7)
+    x = xb[:, 32:32 + k]
+    wb = torch.cat([up, gate], 1)
+    ws, gs = wb[:, :k], wb[:, k:]
+    big = torch.full((m, n + 16), float("nan"), device="cuda", dtype=tdtype(dtype))
+    out = big[:, 8:8 + n]
+    qkernels.linear(x, ws, b, out=out)
+    close_to_naive(out, F.linear(x, ws, b), linear_ref(x, ws, b))
+    assert torch.equal(qkernels.linear(x, ws, b), out)
+    assert torch.isnan(big[:, :8]).all() and torch.isnan(big[:, 8 + n:]).all()
+    big.fill_(float("nan"))
+    qkernels.swiglu(x, ws, gs, out=out)
+    close_to_naive(out, F.linear(x, ws) * F.silu(F.linear(x, gs)), swiglu_ref(x, ws, gs))
+    assert torch.isnan(big[:, :8]).all() and torch.isnan(big[:, 8 + n:]).all()
 
 
 @pytest.mark.parametrize("dtype", HALF)
