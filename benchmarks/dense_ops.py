@@ -170,7 +170,10 @@ def swiglu_case(m, n, k):
         Impl("eager linear*silu(linear)", lambda s: swiglu_eager(s["x"], s["up"], s["gate"]), reference=True,
              min_ratio=1.15),
     ]
-    if m <= 8:
+    if m == 1:  # beside the GEMV the launcher picks at M = 1
+        impls.insert(1, Impl("qkernels, mma.sync kernel",
+                             on_linear_kernel("mma", lambda s: qkernels.swiglu(s["x"], s["up"], s["gate"], backend="cuda"))))
+    if 1 < m <= 8:
         impls.insert(1, Impl("qkernels, gemv kernel (forced)",
                              on_linear_kernel("gemv", lambda s: qkernels.swiglu(s["x"], s["up"], s["gate"], backend="cuda"))))
     return Case("swiglu", f"M={m} up/gate={n}x{k}", make_inputs, nbytes, impls)

@@ -360,8 +360,10 @@ template <typename T> __device__ __forceinline__ void lin_unpack8(uint4 v, float
 
 constexpr int kGemvThreads = 256;
 
+// M = 1 kept to 64 registers, four blocks per SM: 14336 rows at 4 a warp are 448 blocks, one wave
+// on 132 x 4 slots (swiglu took 70 registers, three blocks per SM: 1.13 waves).
 template <typename T, int MM, int R, bool kSwiglu>
-__global__ void __launch_bounds__(kGemvThreads) lin_gemv(qk_linear_args a) {
+__global__ void __launch_bounds__(kGemvThreads, MM == 1 ? 4 : 1) lin_gemv(qk_linear_args a) {
     constexpr int NW = kSwiglu ? 2 : 1;
     constexpr int U = 8 / (R * NW) > 0 ? 8 / (R * NW) : 1;  // chunks of each row in flight
     const int lane = threadIdx.x & 31;
@@ -461,13 +463,13 @@ int lin_gemv_run(const qk_linear_args *a, cudaStream_t stream) {
     return qk_launch(kernel, dim3((unsigned)blocks), dim3(kGemvThreads), 0, stream, args);
 }
 
-// Where lin_gemv runs: M = 1 linear with at least 4 rows per warp at 16 warps per SM (N >= 8448
-// on 132 SMs), where it measured 28.7 / 55.2 us against the mma.sync kernel's 32.0 / 58.7 and
-// cuBLAS's 32.0 / 60.9 (H200, W 14336x4096 / 28672x4096, same call).  Not elsewhere: with fewer,
-// longer rows (4096x14336) it took 36.3 us against 31.7, at M = 8 twice the tile kernel's time (x
-// re-read from L1 per row), and swiglu (two rows' streams per warp, U = 1) 66.4 against 62.3.
-// QKERNELS_LINEAR_KERNEL=gemv forces it for M <= 8 (linear and swiglu), =mma keeps it off (read at
-// each launch).  16-byte loads only: K % 8 == 0 and 16-byte aligned rows, else the tile kernels.
+// Where lin_gemv runs: M = 1 (linear and swiglu) with at least 4 rows per warp at 16 warps per SM
+// (N >= 8448 on 132 SMs).  H200, same call, us: linear 14336x4096 29.1 (mma.sync kernel 32.3,
+// cuBLAS 30.7), 28672x4096 56.1 (58.7, 56.4); swiglu 14336x4096 56.5 (62.5; eager 66.0).  Not
+// elsewhere: with fewer, longer rows (4096x14336) it took 36.3 against 31.7, and at M = 8 twice the
+// tile kernel's time (x re-read from L1 for every row).  QKERNELS_LINEAR_KERNEL=gemv forces it for
+// M <= 8, =mma keeps it off (read at each launch).  16-byte loads only: K % 8 == 0 and 16-byte
+// aligned rows, else the tile kernels.
 template <typename T, bool kSwiglu>
 int lin_gemv_pick(const qk_linear_args *a, cudaStream_t stream) {
     const char *pick = getenv("QKERNELS_LINEAR_KERNEL");
@@ -476,7 +478,7 @@ int lin_gemv_pick(const qk_linear_args *a, cudaStream_t stream) {
     if (!forced) {
         int sms;
         QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
-        if (kSwiglu || a->N < (int64_t)sms * 64) return QK_E_UNSUPPORTED;
+        if (a->N < (int64_t)sms * 64) return QK_E_UNSUPPORTED;
     }
     bool ok = qk_aligned16(a->x) && qk_aligned16(a->w) && a->x_stride % 8 == 0 && a->w_stride % 8 == 0;
     if (kSwiglu) ok = ok && qk_aligned16(a->gate) && a->gate_stride % 8 == 0;
