@@ -22,7 +22,7 @@
 // masked, past the length or at an out-of-range slot are not loaded (zero-filled) and get
 // probability 0; a sequence with no kept key gives 0.
 //
-// On sm_90, when each split is short (at most 1024 keys once the splits are capped at 16), the
+// On sm_90, when each split is short (at most 512 keys once the splits are capped at 16), the
 // splits of a (sequence, head group) are launched as one thread-block cluster and merge their
 // partials through distributed shared memory instead: no workspace allocation, no second kernel
 // (QKERNELS_DECODE_CLUSTER=0 keeps the workspace path).
@@ -480,15 +480,16 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     }
     if (nsplit < 1) nsplit = 1;
     if (nsplit > 1024) nsplit = 1024;
-    // Latency-bound shapes (a few hundred keys or less per split, every cluster in one wave) on
-    // sm_90: the splits of a (sequence, head group) as one cluster of at most 16 CTAs that merge
-    // on chip.  Only while the clusters' CTAs fit one per SM: past that they lose to the
+    // Latency-bound shapes (at most 512 keys per split, every cluster in one wave) on sm_90: the
+    // splits of a (sequence, head group) as one cluster of at most 16 CTAs that merge on chip
+    // (H200, B=1: L=8k 18.9 us against the workspace path's 20.1; at 1024 keys per split, L=16k,
+    // 31.3 against 28.3).  Only while the clusters' CTAs fit one per SM: past that they lose to the
     // workspace path (H200, B=8 at 4 splits: L=1k 22.9 vs 16.2 us, L=4k 59.7 vs 40.0), as a
     // cluster must be placed whole within a GPC.
     if (nsplit > 1) {
         const int64_t ncl = nsplit < 16 ? nsplit : 16;
         const int64_t cl_chunk = lcap > 0 ? (lcap + ncl - 1) / ncl : 1;
-        if (cl_chunk <= 1024 && units * ncl <= sms) {
+        if (cl_chunk <= 512 && units * ncl <= sms) {
             const int st = launch_cluster<T, D, kM, kPaged>(a, s, (int)ncl, cl_chunk, units / a->B, smem);
             if (st != QK_E_UNSUPPORTED) return st;
         }
