@@ -20,8 +20,8 @@ __device__ __forceinline__ int64_t load_index(const void *p, int dtype, int64_t 
 }
 
 // 16 bytes global -> shared without waiting, L2 only, with a 256-byte L2 fetch (a K or V row of
-// D=128; measured 1-2% faster than without the hint at B=32..64).  src-size 0: nothing is read and
-// the 16 bytes are zero-filled.
+// D=128; measured 1-2% faster than without the hint at B=32..64; decode now asks for 128 bytes,
+// attention_decode.cu).  src-size 0: nothing is read and the 16 bytes are zero-filled.
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
