@@ -83,14 +83,7 @@ def test_decode_forced_splits(rng, monkeypatch, splits):
     host = [f64(a) if i < 3 else a.cpu().numpy() for i, a in enumerate(args)]
     ref, _, _ = attn_paged_decode_ref(*host)
     out = qkernels.attn_paged_decode(*args)
-    r2t, rpi = args[3].long(), args[4].long()
-    naive = torch.zeros_like(out)
-    for b, n in enumerate(lens):
-        slots = r2t[rpi[b], :n]
-        keep = torch.ones(1, n, dtype=torch.bool, device="cuda")
-        naive[b] = naive_decode(args[0][b:b + 1, None], args[1][slots][None], args[2][slots][None], keep,
-                                D ** -0.5)[0, 0]
-    close_to_naive(out, naive, ref)
+    close_to_naive(out, naive_paged(args, lens, D), ref)
 
 
 @pytest.mark.parametrize("dtype", HALVES)
@@ -151,6 +144,19 @@ def paged_cuda(host, dtype):
     return [cuda(a, dtype) if i < 3 else cuda(a) for i, a in enumerate(host)]
 
 
+def naive_paged(args, lens, D):
+    """The naive same-precision yardstick: each sequence gathered from the (updated) pool, then
+    decoded."""
+    r2t, rpi = args[3].long(), args[4].long()
+    naive = torch.zeros_like(args[0])
+    for b, n in enumerate(lens):
+        slots = r2t[rpi[b], :n]
+        keep = torch.ones(1, n, dtype=torch.bool, device="cuda")
+        naive[b] = naive_decode(args[0][b:b + 1, None], args[1][slots][None], args[2][slots][None], keep,
+                                D ** -0.5)[0, 0]
+    return naive
+
+
 @pytest.mark.parametrize("dtype", HALVES)
 @pytest.mark.parametrize("D,ratio", [(32, 1), (64, 4), (128, 5), (256, 8), (128, 8)])
 def test_paged(rng, dtype, D, ratio):
@@ -164,15 +170,7 @@ def test_paged(rng, dtype, D, ratio):
     assert out.dtype == args[0].dtype and out.shape == args[0].shape
     assert np.array_equal(f64(args[1]), k_ref) and np.array_equal(f64(args[2]), v_ref)  # appended
     assert torch.all(out[0] == 0)
-    # the naive yardstick: gather each sequence from the (updated) pool, then decode
-    r2t, rpi = args[3].long(), args[4].long()
-    naive = torch.zeros_like(out)
-    for b, n in enumerate(lens):
-        slots = r2t[rpi[b], :n]
-        keep = torch.ones(1, n, dtype=torch.bool, device="cuda")
-        naive[b] = naive_decode(args[0][b:b + 1, None], args[1][slots][None], args[2][slots][None], keep,
-                                D ** -0.5)[0, 0]
-    close_to_naive(out, naive, ref)
+    close_to_naive(out, naive_paged(args, lens, D), ref)
 
 
 def test_paged_mask_and_int64_indices(rng):
