@@ -19,12 +19,19 @@ __device__ __forceinline__ int64_t load_index(const void *p, int dtype, int64_t 
                            : (int64_t)__ldg(static_cast<const int32_t *>(p) + pos);
 }
 
-// 16 bytes global -> shared without waiting, L2 only, with a 256-byte L2 fetch (a K or V row of
-// D=128; measured 1-2% faster than without the hint at B=32..64; decode now asks for 128 bytes,
-// attention_decode.cu).  src-size 0: nothing is read and the 16 bytes are zero-filled.
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+// 16 bytes global -> shared without waiting, L2 only, with a kL2-byte L2 fetch (256: a K or V row
+// of D=128, measured 1-2% faster than without the hint at B=32..64; decode takes 128, measured ~1%
+// faster again there, attention_decode.cu).  src-size 0: nothing is read and the 16 bytes are
+// zero-filled.  smem as a shared-window address, or as a generic pointer below.
+template <int kL2 = 256> __device__ __forceinline__ void cp_async16(uint32_t smem, const void *gmem, bool valid) {
+    static_assert(kL2 == 128 || kL2 == 256, "L2 fetch of 128 or 256 bytes");
+    if constexpr (kL2 == 256)
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+    else
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+}
+template <int kL2 = 256> __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
+    cp_async16<kL2>((uint32_t)__cvta_generic_to_shared(smem), gmem, valid);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }

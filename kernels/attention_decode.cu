@@ -61,14 +61,11 @@ __device__ __forceinline__ int64_t seq_len(const qk_attn_decode_args &a, int64_t
 
 constexpr int64_t kSkip = -1, kFresh = -2;  // key sources besides a row / pool slot
 
-// Key and value rows into the pipeline: cp.async with a 128-byte L2 fetch (a row of D=128 is 256
-// bytes).  H200, two interleaved reps, against the 256-byte fetch the other attention kernels use
-// (cp_async16) and none: B=64 L=8k 499.4 / 500.2 us against 504.5 / 506.5 and 510.6 / 511.0;
-// B=32 L=4k 130.3 against 131.7 and 132.7; B=8 L=32k 257.4 against 259.4 and 263.4.
-__device__ __forceinline__ void dec_cp16(void *smem, const void *gmem, bool valid) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
-}
+// Key and value rows go in with a 128-byte L2 fetch (a row of D=128 is 256 bytes).  H200, two
+// interleaved reps, against 256 (the other attention kernels') and none: B=64 L=8k 499.4 / 500.2
+// us against 504.5 / 506.5 and 510.6 / 511.0; B=32 L=4k 130.3 against 131.7 and 132.7; B=8 L=32k
+// 257.4 against 259.4 and 263.4.
+constexpr int kDecodeL2 = 128;
 
 // kM query heads (8 or 16; rows past the group's heads are zero) against one kv head's split.
 // kCluster (sm_90): the nsplit CTAs of a (sequence, head group) form one thread-block cluster and
@@ -194,8 +191,8 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
             const bool ok = s != kSkip;
             const T *gk = s == kFresh ? fresh_k : kbase + s * a.k_stride[1] + kh;
             const T *gv = s == kFresh ? fresh_v : vbase + s * a.v_stride[1] + vh;
-            dec_cp16(sk + at<D>(r, c) * 8, ok ? gk + c * 8 : kbase, ok);
-            dec_cp16(sv + at<D>(r, c) * 8, ok ? gv + c * 8 : vbase, ok);
+            cp_async16<kDecodeL2>(sk + at<D>(r, c) * 8, ok ? gk + c * 8 : kbase, ok);
+            cp_async16<kDecodeL2>(sv + at<D>(r, c) * 8, ok ? gv + c * 8 : vbase, ok);
         }
         if (lane < kTile) st[2 * kTileBytes + lane] = src != kSkip;
     };

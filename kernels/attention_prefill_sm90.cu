@@ -260,9 +260,6 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
     // strides off one pointer, with no per-chunk index math or predicates.
     constexpr int kRP = kThreads / kChunks;
     const int lc = tid % kChunks, lr = tid / kChunks;
-    auto cp16 = [](uint32_t dst, const T *src, bool ok) {
-        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
-    };
     auto load_tile = [&](uint32_t dst, const T *base, int64_t stride, int kt, bool is_k) {
         dst += (lc >> 3) * kBN * 128 + lr * 128 + (((lc & 7) ^ (lr & 7)) << 4);
         base += lc * 8;
@@ -270,13 +267,13 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
         if (!kPaged && a.mask_kind != 1 && j0 + kBN <= key_end) {
             const T *src = base + (j0 + lr) * stride;
 #pragma unroll
-            for (int i = 0; i < kBN / kRP; i++) cp16(dst + i * kRP * 128, src + i * kRP * stride, true);
+            for (int i = 0; i < kBN / kRP; i++) cp_async16(dst + i * kRP * 128, src + i * kRP * stride, true);
         } else if (kPaged) {
 #pragma unroll
             for (int i = 0; i < kBN / kRP; i++) {
                 const int r = lr + i * kRP;
                 const int64_t row = sslot[kt % 3][r];
-                cp16(dst + i * kRP * 128, row >= 0 ? base + row * stride : base, row >= 0);
+                cp_async16(dst + i * kRP * 128, row >= 0 ? base + row * stride : base, row >= 0);
                 if (is_k && lc == 0) kvalid[kt & 1][r] = row >= 0;
             }
         } else {  // the last tile, or a key mask: rare, so kept small
@@ -284,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
             for (int i = 0; i < kBN / kRP; i++) {
                 const int r = lr + i * kRP;
                 const int64_t row = key_row(kt, r);
-                cp16(dst + i * kRP * 128, row >= 0 ? base + row * stride : base, row >= 0);
+                cp_async16(dst + i * kRP * 128, row >= 0 ? base + row * stride : base, row >= 0);
                 if (is_k && lc == 0) kvalid[kt & 1][r] = row >= 0;
             }
         }
@@ -299,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm<D>()) prefill_wgmma(qk_a
 #pragma unroll
         for (int i = 0; i < kBM / kRP; i++) {
             const bool ok = q0 + lr + i * kRP < s.q_len;
-            cp16(dst + i * kRP * 128, ok ? src + i * kRP * a.q_stride[1] : qbase, ok);
+            cp_async16(dst + i * kRP * 128, ok ? src + i * kRP * a.q_stride[1] : qbase, ok);
         }
     }
     if (kPaged) {
@@ -545,8 +542,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                     const bool ok = rr[i] >= 0;
                     const char *src = base + (uint64_t)(uint32_t)(ok ? rr[i] : 0) * stride;
                     const uint32_t d = dst + (doff ^ (((i * kRP) & 7) << 4)) + i * kRP * 128;
-                    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0)
-                                 : "memory");
+                    cp_async16(d, src, ok);
                 }
             };
             fetch(0);
