@@ -248,23 +248,18 @@ int ro_launch(const qk_rotary_args *a, cudaStream_t stream) {
     int mode = kScalar;
     if (strides_vec && a->interleaved && a->D % 8 == 0) mode = kVecInterleaved;
     if (strides_vec && !a->interleaved && a->D % 16 == 0) mode = kVecHalf;
-    // Rotate-half with a row's 16-byte chunks in one warp (D / 8 a power of two <= 32): partner
-    // lanes swap halves, so each thread moves one chunk like the interleaved path.  The two-chunk
-    // path (above) spilled at its 80 registers and measured 3.04 TB/s against the interleaved
-    // path's 3.61 (H200, T=32k H=32 D=128); this one 3.04 at 3 blocks/SM (no spill) and 3.19 at
-    // 4 (64 registers, 28 bytes spilled): occupancy, not the spill, was the limit.
-    const int64_t c8 = a->D / 8;
-    if (mode == kVecHalf && c8 >= 2 && c8 <= 32 && (c8 & (c8 - 1)) == 0) mode = kVecHalfPair;
-    // QKERNELS_ROTARY_HALF (comparison; read at each launch): two (default: two 16-byte chunks
-    // per thread, any D % 16 == 0), pair (the above), eight (8 bytes of each half per thread, D in
-    // {64, 128, 256}).  Once the two-chunk path's spill went (ro_half_heads) it measured 3.93 TB/s
-    // against eight's 3.48 and pair's 3.19 (H200, T=32k H=32 D=128, same call).
-    if (mode == kVecHalf || mode == kVecHalfPair) {
+    // Rotate-half: two 16-byte chunks per thread by default (3.93 TB/s, H200 T=32k H=32 D=128).
+    // QKERNELS_ROTARY_HALF (comparison; read at each launch) picks the others:
+    //   eight: 8 bytes of each half per thread, D in {64, 128, 256} (the half offset a compile-time
+    //     constant: with a runtime one ptxas kept eight row pointers live and spilled); 3.48 TB/s.
+    //   pair (and any other value but two): where a row's 16-byte chunks fit one warp (D / 8 a
+    //     power of two <= 32), partner lanes swap halves and each thread moves one chunk like the
+    //     interleaved path; 3.19 TB/s (3.04 at 3 blocks/SM; at 4 it spilled).
+    if (mode == kVecHalf) {
         const char *pick = getenv("QKERNELS_ROTARY_HALF");
-        // (eight: the half offset is a compile-time constant; with a runtime offset ptxas kept
-        // eight row pointers live and spilled the head loop's counter.)
-        if (!pick || strcmp(pick, "two") == 0) mode = kVecHalf;
-        else if (strcmp(pick, "eight") == 0 && (a->D == 64 || a->D == 128 || a->D == 256)) mode = kVecHalf8;
+        const int64_t c8 = a->D / 8;
+        if (pick && strcmp(pick, "eight") == 0 && (a->D == 64 || a->D == 128 || a->D == 256)) mode = kVecHalf8;
+        else if (pick && strcmp(pick, "two") != 0 && c8 >= 2 && c8 <= 32 && (c8 & (c8 - 1)) == 0) mode = kVecHalfPair;
     }
     const bool fvec = a->f_stride[2] == 2 && qk_aligned16(a->freqs) && a->f_stride[0] % 4 == 0 &&
                       a->f_stride[1] % 4 == 0;
