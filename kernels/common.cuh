@@ -12,6 +12,15 @@
 __device__ __forceinline__ float qk_to_float(float v) { return v; }
 __device__ __forceinline__ float qk_to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float qk_to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+// Value hi (0: the low 16 bits, 1: the high) of a word holding two 2-byte values, by bit
+// operations on the word (16-byte vectors unpacked without local copies).
+template <typename T> __device__ __forceinline__ float qk_word_half(uint32_t w, int hi);
+template <> __device__ __forceinline__ float qk_word_half<__nv_bfloat16>(uint32_t w, int hi) {
+    return __uint_as_float(hi ? w & 0xffff0000u : w << 16);
+}
+template <> __device__ __forceinline__ float qk_word_half<__half>(uint32_t w, int hi) {
+    return __half2float(__ushort_as_half((unsigned short)(hi ? w >> 16 : w & 0xffffu)));
+}
 template <typename T> __device__ __forceinline__ T qk_from_float(float v);
 template <> __device__ __forceinline__ float qk_from_float<float>(float v) { return v; }
 template <> __device__ __forceinline__ __half qk_from_float<__half>(float v) { return __float2half_rn(v); }

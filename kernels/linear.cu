@@ -337,15 +337,6 @@ int lin_pick_vec(const qk_linear_args *a, bool swiglu, cudaStream_t stream) {
 // chunk), U chunks of each row in flight (8 loads of 16 bytes per lane), straight into registers
 // (no shared memory, no L1 allocation); x through L1 at the same k.  8 FMA per 16 bytes of weight
 // and row of x.  The lanes' sums are reduced by shuffles in a fixed order: bitwise reproducible.
-template <typename T> __device__ __forceinline__ float2 lin_f2(uint32_t w);
-template <> __device__ __forceinline__ float2 lin_f2<__nv_bfloat16>(uint32_t w) {
-    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
-}
-template <> __device__ __forceinline__ float2 lin_f2<__half>(uint32_t w) {
-    __half2 h;
-    memcpy(&h, &w, 4);
-    return __half22float2(h);
-}
 __device__ __forceinline__ uint4 lin_ld_stream(const uint16_t *p) {
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -354,8 +345,9 @@ __device__ __forceinline__ uint4 lin_ld_stream(const uint16_t *p) {
     return v;
 }
 template <typename T> __device__ __forceinline__ void lin_unpack8(uint4 v, float (&f)[8]) {
-    const float2 a = lin_f2<T>(v.x), b = lin_f2<T>(v.y), c = lin_f2<T>(v.z), d = lin_f2<T>(v.w);
-    f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y, f[4] = c.x, f[5] = c.y, f[6] = d.x, f[7] = d.y;
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 8; i++) f[i] = qk_word_half<T>(w[i / 2], i & 1);
 }
 
 constexpr int kGemvThreads = 256;

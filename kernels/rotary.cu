@@ -29,13 +29,6 @@ __device__ __forceinline__ void ro_store16(void *p, uint4 v) {
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
-template <typename T> __device__ __forceinline__ float ro_half(uint32_t w, int hi);
-template <> __device__ __forceinline__ float ro_half<__nv_bfloat16>(uint32_t w, int hi) {
-    return __uint_as_float(hi ? w & 0xffff0000u : w << 16);
-}
-template <> __device__ __forceinline__ float ro_half<__half>(uint32_t w, int hi) {
-    return __half2float(__ushort_as_half((unsigned short)(hi ? w >> 16 : w & 0xffffu)));
-}
 template <typename T> __device__ __forceinline__ uint32_t ro_bits(float v);
 template <> __device__ __forceinline__ uint32_t ro_bits<__nv_bfloat16>(float v) {
     return __bfloat16_as_ushort(__float2bfloat16_rn(v));
@@ -58,7 +51,7 @@ __device__ __forceinline__ void ro_rotate_pairs(uint4 &v, const float (&c)[4], c
 #pragma unroll
     for (int p = 0; p < 4; p++) {
         uint32_t &w = ro_word(v, p);
-        const float e = ro_half<T>(w, 0), o = ro_half<T>(w, 1);
+        const float e = qk_word_half<T>(w, 0), o = qk_word_half<T>(w, 1);
         w = ro_pack<T>(ro_lo(e, o, c[p], sn[p]), ro_hi(e, o, c[p], sn[p]));
     }
 }
@@ -69,7 +62,7 @@ __device__ __forceinline__ void ro_rotate_halves(uint4 &lo, uint4 &hi, const flo
 #pragma unroll
     for (int q = 0; q < 4; q++) {
         uint32_t &wl = ro_word(lo, q), &wh = ro_word(hi, q);
-        const float e0 = ro_half<T>(wl, 0), o0 = ro_half<T>(wh, 0), e1 = ro_half<T>(wl, 1), o1 = ro_half<T>(wh, 1);
+        const float e0 = qk_word_half<T>(wl, 0), o0 = qk_word_half<T>(wh, 0), e1 = qk_word_half<T>(wl, 1), o1 = qk_word_half<T>(wh, 1);
         const int p = 2 * q;
         wl = ro_pack<T>(ro_lo(e0, o0, c[p], sn[p]), ro_lo(e1, o1, c[p + 1], sn[p + 1]));
         wh = ro_pack<T>(ro_hi(e0, o0, c[p], sn[p]), ro_hi(e1, o1, c[p + 1], sn[p + 1]));
@@ -86,7 +79,7 @@ __device__ __forceinline__ uint4 ro_rotate_half_side(uint4 own, uint4 other, boo
 #pragma unroll
     for (int q = 0; q < 4; q++) {
         const uint32_t wl = upper ? ro_word(other, q) : ro_word(own, q), wh = upper ? ro_word(own, q) : ro_word(other, q);
-        const float e0 = ro_half<T>(wl, 0), o0 = ro_half<T>(wh, 0), e1 = ro_half<T>(wl, 1), o1 = ro_half<T>(wh, 1);
+        const float e0 = qk_word_half<T>(wl, 0), o0 = qk_word_half<T>(wh, 0), e1 = qk_word_half<T>(wl, 1), o1 = qk_word_half<T>(wh, 1);
         const int p = 2 * q;
         ro_word(r, q) = upper ? ro_pack<T>(ro_hi(e0, o0, c[p], sn[p]), ro_hi(e1, o1, c[p + 1], sn[p + 1]))
                               : ro_pack<T>(ro_lo(e0, o0, c[p], sn[p]), ro_lo(e1, o1, c[p + 1], sn[p + 1]));
@@ -97,7 +90,7 @@ __device__ __forceinline__ uint4 ro_rotate_half_side(uint4 own, uint4 other, boo
 // as ro_rotate_halves, so the same bits).
 template <typename T>
 __device__ __forceinline__ void ro_rotate_word_pair(uint32_t &wl, uint32_t &wh, float c0, float s0, float c1, float s1) {
-    const float e0 = ro_half<T>(wl, 0), o0 = ro_half<T>(wh, 0), e1 = ro_half<T>(wl, 1), o1 = ro_half<T>(wh, 1);
+    const float e0 = qk_word_half<T>(wl, 0), o0 = qk_word_half<T>(wh, 0), e1 = qk_word_half<T>(wl, 1), o1 = qk_word_half<T>(wh, 1);
     wl = ro_pack<T>(ro_lo(e0, o0, c0, s0), ro_lo(e1, o1, c1, s1));
     wh = ro_pack<T>(ro_hi(e0, o0, c0, s0), ro_hi(e1, o1, c1, s1));
 }
