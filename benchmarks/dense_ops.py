@@ -113,16 +113,15 @@ def linear_case(m, n, k, target):
 
     # Minimal bytes: the weight and x read once, the output written once.
     nbytes = (n * k + m * k + m * n) * BF16
+    call = lambda s: qkernels.linear(s["x"], s["w"], backend="cuda")  # noqa: E731
     impls = [
-        Impl("qkernels", lambda s: qkernels.linear(s["x"], s["w"], backend="cuda"), ours=True),
+        Impl("qkernels", call, ours=True),
         Impl("cuBLAS (F.linear)", lambda s: F.linear(s["x"], s["w"]), reference=True, min_ratio=target),
     ]
     if 16 < m <= 64 or m == 1:  # beside the wgmma kernel (16 < M <= 64) or the GEMV (M = 1, N large)
-        impls.insert(1, Impl("qkernels, mma.sync kernel",
-                             on_linear_kernel("mma", lambda s: qkernels.linear(s["x"], s["w"], backend="cuda"))))
+        impls.insert(1, Impl("qkernels, mma.sync kernel", on_linear_kernel("mma", call)))
     if 1 < m <= 8:  # the CUDA-core GEMV forced where the launcher does not pick it
-        impls.insert(1, Impl("qkernels, gemv kernel (forced)",
-                             on_linear_kernel("gemv", lambda s: qkernels.linear(s["x"], s["w"], backend="cuda"))))
+        impls.insert(1, Impl("qkernels, gemv kernel (forced)", on_linear_kernel("gemv", call)))
     return Case("linear", f"M={m} W={n}x{k}", make_inputs, nbytes, impls)
 
 
@@ -165,17 +164,16 @@ def swiglu_case(m, n, k):
 
     # Minimal bytes: both weights and x read once, the output written once (one fused pass).
     nbytes = (2 * n * k + m * k + m * n) * BF16
+    call = lambda s: qkernels.swiglu(s["x"], s["up"], s["gate"], backend="cuda")  # noqa: E731
     impls = [
-        Impl("qkernels", lambda s: qkernels.swiglu(s["x"], s["up"], s["gate"], backend="cuda"), ours=True),
+        Impl("qkernels", call, ours=True),
         Impl("eager linear*silu(linear)", lambda s: swiglu_eager(s["x"], s["up"], s["gate"]), reference=True,
              min_ratio=1.15),
     ]
     if m == 1:  # beside the GEMV the launcher picks at M = 1
-        impls.insert(1, Impl("qkernels, mma.sync kernel",
-                             on_linear_kernel("mma", lambda s: qkernels.swiglu(s["x"], s["up"], s["gate"], backend="cuda"))))
+        impls.insert(1, Impl("qkernels, mma.sync kernel", on_linear_kernel("mma", call)))
     if 1 < m <= 8:
-        impls.insert(1, Impl("qkernels, gemv kernel (forced)",
-                             on_linear_kernel("gemv", lambda s: qkernels.swiglu(s["x"], s["up"], s["gate"], backend="cuda"))))
+        impls.insert(1, Impl("qkernels, gemv kernel (forced)", on_linear_kernel("gemv", call)))
     return Case("swiglu", f"M={m} up/gate={n}x{k}", make_inputs, nbytes, impls)
 
 
