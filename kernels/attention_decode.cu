@@ -85,6 +85,7 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
     // 156.9 / 156.9 aligned, B=8 L=32k 295.7 / 296.6 against 307.2 / 306.0), for reasons the
     // counters did not show (same DRAM bytes, 2.6x the L2 requests, 12% warps active either way).
     constexpr int kStageBytes = 2 * kTileBytes + (kPaged ? 16 : 0);
+    static_assert(kPaged || ((kM * D * 2) % 128 == 0 && kStageBytes % 128 == 0), "contiguous stages 128-byte aligned");
     constexpr int kPerLane = kTile * kChunks / 32;       // chunks of K (and of V) a lane copies per tile
     constexpr bool kQRegs = D <= 128;                    // q fragments held in registers
     extern __shared__ __align__(128) unsigned char smem[];
