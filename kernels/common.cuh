@@ -6,6 +6,7 @@
 #include <cooperative_groups.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include "qk_launch.h"
 
 // fp32 arithmetic for every storage type.
@@ -148,6 +149,16 @@ __device__ __forceinline__ float qk_cluster_sum(const float *p, int cs) {
     return sum;
 }
 #endif
+
+// QKERNELS_LINEAR_KERNEL (tests and benchmarks compare the kernels; read at each launch, so also
+// under CUDA-graph capture): unset, mma (linear.cu's tile kernel: neither the sm_90 wgmma kernel nor
+// the GEMV), gemv (the CUDA-core GEMV for M <= 8), or any other value (the GEMV off).
+enum { QK_LINEAR_PICKED = 0, QK_LINEAR_MMA, QK_LINEAR_GEMV, QK_LINEAR_OTHER };
+inline int qk_linear_kernel_env() {
+    const char *e = getenv("QKERNELS_LINEAR_KERNEL");
+    if (!e) return QK_LINEAR_PICKED;
+    return strcmp(e, "mma") == 0 ? QK_LINEAR_MMA : strcmp(e, "gemv") == 0 ? QK_LINEAR_GEMV : QK_LINEAR_OTHER;
+}
 
 // QKERNELS_LINEAR_SPLIT=1|2|4|8: the cluster size over which linear's kernels split K, in place of
 // the launcher's pick (tuning sweeps; read at each launch, like QKERNELS_LINEAR_KERNEL); 0 when

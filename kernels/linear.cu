@@ -24,7 +24,6 @@
 // 14336 x 4096 bf16 is 117 MB, 29 µs at 4 TB/s.
 #include "common.cuh"
 #include <cooperative_groups.h>
-#include <string.h>
 
 extern "C" int qk_linear_sm90(const qk_linear_args *a, cudaStream_t stream);  // linear_sm90.cu
 
@@ -464,9 +463,9 @@ int lin_gemv_run(const qk_linear_args *a, cudaStream_t stream) {
 // aligned rows, else the tile kernels.
 template <typename T, bool kSwiglu>
 int lin_gemv_pick(const qk_linear_args *a, cudaStream_t stream) {
-    const char *pick = getenv("QKERNELS_LINEAR_KERNEL");
-    const bool forced = pick && strcmp(pick, "gemv") == 0;
-    if (a->M > (forced ? 8 : 1) || a->K % 8 || (pick && !forced)) return QK_E_UNSUPPORTED;
+    const int pick = qk_linear_kernel_env();
+    const bool forced = pick == QK_LINEAR_GEMV;
+    if (a->M > (forced ? 8 : 1) || a->K % 8 || (pick != QK_LINEAR_PICKED && !forced)) return QK_E_UNSUPPORTED;
     if (!forced) {
         int sms;
         QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));

@@ -23,7 +23,6 @@
 #include <cooperative_groups.h>
 #include <cudaTypedefs.h>
 #include <stdlib.h>
-#include <string.h>
 
 #if defined(QK_SM90A)
 namespace {
@@ -189,8 +188,7 @@ template <typename T> int lin_wgmma_run(const qk_linear_args *a, cudaStream_t st
 // benchmarks compare the two).
 extern "C" int qk_linear_sm90(const qk_linear_args *a, cudaStream_t stream) {
 #if defined(QK_SM90A)
-    const char *pick = getenv("QKERNELS_LINEAR_KERNEL");
-    if (pick && strcmp(pick, "mma") == 0) return QK_E_UNSUPPORTED;
+    if (qk_linear_kernel_env() == QK_LINEAR_MMA) return QK_E_UNSUPPORTED;
     if (a->M <= 16 || a->M > kLMX || a->N <= 0 || a->K <= 0) return QK_E_UNSUPPORTED;
     int cc;
     const int st = qk_device_cc(&cc);
