@@ -56,17 +56,18 @@ __device__ __forceinline__ void ro_rotate_pairs(uint4 &v, const float (&c)[4], c
     }
 }
 
+// Rotate the two rotate-half pairs of word wl (lower half) and wh (upper half): (c0, s0), (c1, s1).
+template <typename T>
+__device__ __forceinline__ void ro_rotate_word_pair(uint32_t &wl, uint32_t &wh, float c0, float s0, float c1, float s1) {
+    const float e0 = qk_word_half<T>(wl, 0), o0 = qk_word_half<T>(wh, 0), e1 = qk_word_half<T>(wl, 1), o1 = qk_word_half<T>(wh, 1);
+    wl = ro_pack<T>(ro_lo(e0, o0, c0, s0), ro_lo(e1, o1, c1, s1));
+    wh = ro_pack<T>(ro_hi(e0, o0, c0, s0), ro_hi(e1, o1, c1, s1));
+}
 // Rotate the eight rotate-half pairs (lo[p], hi[p]) of two 16-byte chunks.
 template <typename T>
 __device__ __forceinline__ void ro_rotate_halves(uint4 &lo, uint4 &hi, const float (&c)[8], const float (&sn)[8]) {
 #pragma unroll
-    for (int q = 0; q < 4; q++) {
-        uint32_t &wl = ro_word(lo, q), &wh = ro_word(hi, q);
-        const float e0 = qk_word_half<T>(wl, 0), o0 = qk_word_half<T>(wh, 0), e1 = qk_word_half<T>(wl, 1), o1 = qk_word_half<T>(wh, 1);
-        const int p = 2 * q;
-        wl = ro_pack<T>(ro_lo(e0, o0, c[p], sn[p]), ro_lo(e1, o1, c[p + 1], sn[p + 1]));
-        wh = ro_pack<T>(ro_hi(e0, o0, c[p], sn[p]), ro_hi(e1, o1, c[p + 1], sn[p + 1]));
-    }
+    for (int q = 0; q < 4; q++) ro_rotate_word_pair<T>(ro_word(lo, q), ro_word(hi, q), c[2 * q], sn[2 * q], c[2 * q + 1], sn[2 * q + 1]);
 }
 
 // One side of eight rotate-half pairs whose two halves sit in two threads: own is this thread's
@@ -86,14 +87,7 @@ __device__ __forceinline__ uint4 ro_rotate_half_side(uint4 own, uint4 other, boo
     }
     return r;
 }
-// Rotate the four rotate-half pairs (lo[p], hi[p]) of two 8-byte pieces (the same fp32 operations
-// as ro_rotate_halves, so the same bits).
-template <typename T>
-__device__ __forceinline__ void ro_rotate_word_pair(uint32_t &wl, uint32_t &wh, float c0, float s0, float c1, float s1) {
-    const float e0 = qk_word_half<T>(wl, 0), o0 = qk_word_half<T>(wh, 0), e1 = qk_word_half<T>(wl, 1), o1 = qk_word_half<T>(wh, 1);
-    wl = ro_pack<T>(ro_lo(e0, o0, c0, s0), ro_lo(e1, o1, c1, s1));
-    wh = ro_pack<T>(ro_hi(e0, o0, c0, s0), ro_hi(e1, o1, c1, s1));
-}
+// ... and of two 8-byte pieces (the same fp32 operations, so the same bits).
 template <typename T>
 __device__ __forceinline__ void ro_rotate_halves(uint2 &lo, uint2 &hi, const float (&c)[4], const float (&sn)[4]) {
     ro_rotate_word_pair<T>(lo.x, hi.x, c[0], sn[0], c[1], sn[1]);
