@@ -407,17 +407,26 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
     }
 }
 
-// One warp per (b, query head): the splits' partials merged in split order.  Launched as a
-// programmatic dependent of decode_split (sm_90), so its launch overlaps the split kernel's tail;
+// The splits' partials of each (b, query head) merged in split order.  Launched as a programmatic
+// dependent of decode_split (sm_90), so its launch overlaps the split kernel's tail;
 // griddepcontrol.wait returns once decode_split has finished and its writes are visible.
-template <typename T, int D>
+// kWide (more than 8 splits): a warp per (row, 32 output columns), each lane one column, so that a
+// batch's 32 splits' loads are in flight at once; the warp per row took 8 at a time, a chain of
+// dependent L2 round trips that was the combine's time at B = 1 (H200, L=32k, 33 splits: 13 us
+// under ncu; attn_decode 42.0 -> 37.7 us).  Up to 8 splits the warp per row is ahead (B=8: 15.2
+// vs 15.5 us at L=1k): its loop already has them all in flight, without kWide's extra warps.
+// Either way each column adds its splits in the same order.
+template <typename T, int D, bool kWide>
 __global__ void __launch_bounds__(kThreads) decode_combine(qk_attn_decode_args a, const float *ws, int nsplit) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
-    const int64_t row = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
+    constexpr int kSlices = kWide ? (D + 31) / 32 : 1;  // warps per row
+    constexpr int kPer = kWide ? 1 : (D + 31) / 32;     // columns per lane, 32 apart
+    const int64_t wid = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
+    const int64_t row = wid / kSlices;
     if (row >= a.B * a.Hq) return;
-    const int lane = threadIdx.x & 31;
+    const int lane = threadIdx.x & 31, c0 = (int)(wid % kSlices) * 32 + lane;
     const int64_t b = row / a.Hq, h = row % a.Hq;
     const float *p = ws + row * nsplit * (D + 2);
     // The maxima lane-parallel (a split per lane), so no chain of dependent loads.
@@ -425,7 +434,6 @@ __global__ void __launch_bounds__(kThreads) decode_combine(qk_attn_decode_args a
     for (int s = lane; s < nsplit; s += 32) mx = fmaxf(mx, p[s * (D + 2) + D]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    constexpr int kPer = (D + 31) / 32;
     float val[kPer] = {}, sum = 0.f;
     if (mx != -INFINITY) {
         for (int s0 = 0; s0 < nsplit; s0 += 32) {
@@ -437,13 +445,24 @@ __global__ void __launch_bounds__(kThreads) decode_combine(qk_attn_decode_args a
                 sum += ps[D + 1] * w;
             }
             const int n = min(32, nsplit - s0);
-#pragma unroll 8
-            for (int j = 0; j < n; j++) {
-                const float wj = __shfl_sync(0xffffffffu, w, j);
-                const float *ps = p + (s0 + j) * (D + 2);
+            if constexpr (kWide) {
+                float x[32];
 #pragma unroll
-                for (int i = 0; i < kPer; i++)
-                    if (lane + 32 * i < D) val[i] += ps[lane + 32 * i] * wj;
+                for (int j = 0; j < 32; j++) x[j] = j < n && c0 < D ? p[(s0 + j) * (D + 2) + c0] : 0.f;
+#pragma unroll
+                for (int j = 0; j < 32; j++) {
+                    const float wj = __shfl_sync(0xffffffffu, w, j);
+                    if (j < n) val[0] += x[j] * wj;
+                }
+            } else {
+#pragma unroll 8
+                for (int j = 0; j < n; j++) {
+                    const float wj = __shfl_sync(0xffffffffu, w, j);
+                    const float *ps = p + (s0 + j) * (D + 2);
+#pragma unroll
+                    for (int i = 0; i < kPer; i++)
+                        if (c0 + 32 * i < D) val[i] += ps[c0 + 32 * i] * wj;
+                }
             }
         }
 #pragma unroll
@@ -452,7 +471,7 @@ __global__ void __launch_bounds__(kThreads) decode_combine(qk_attn_decode_args a
     T *o = static_cast<T *>(a.out) + b * a.out_stride[0] + h * a.out_stride[1];
 #pragma unroll
     for (int i = 0; i < kPer; i++)
-        if (lane + 32 * i < D) o[lane + 32 * i] = qk_from_float<T>(sum > 0.f ? val[i] / sum : 0.f);
+        if (c0 + 32 * i < D) o[c0 + 32 * i] = qk_from_float<T>(sum > 0.f ? val[i] / sum : 0.f);
 }
 
 // The cluster launch (see decode_split): QK_E_UNSUPPORTED where clusters are not available (below
@@ -545,8 +564,10 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     if (nsplit > 1) {
         if (!status) {
             void *cargs[] = {&p, &ws, &ns};
-            status = qk_launch_dependent((const void *)decode_combine<T, D>, dim3((unsigned)((a->B * a->Hq + kWarps - 1) / kWarps)),
-                               dim3(kThreads), 0, s, cargs);
+            const bool wide = nsplit > 8;
+            const int64_t warps = a->B * a->Hq * (wide ? (D + 31) / 32 : 1);
+            status = qk_launch_dependent(wide ? (const void *)decode_combine<T, D, true> : (const void *)decode_combine<T, D, false>,
+                                         dim3((unsigned)((warps + kWarps - 1) / kWarps)), dim3(kThreads), 0, s, cargs);
         }
         const int freed = (int)cudaFreeAsync(ws, s);
         if (!status) status = freed;

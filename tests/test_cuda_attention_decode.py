@@ -86,6 +86,21 @@ def test_decode_forced_splits(rng, monkeypatch, splits):
     close_to_naive(out, naive_paged(args, lens, D), ref)
 
 
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_decode_many_splits(rng, monkeypatch, D):
+    """More than 32 splits (the combine's batches of 32, the wide combine past 8 splits), with a
+    ragged last batch and empty splits past kv_lens; the cluster fixture value falls back to the
+    workspace path at 750-key splits."""
+    monkeypatch.setenv("QKERNELS_DECODE_SPLITS", "40")
+    B, L = 2, 30000
+    q, k, v = (cuda(a, "bfloat16") for a in decode_inputs(rng, B, L, 2, 4, D))
+    kv_lens = cuda(np.array([L, 9000], np.int32))
+    out = torch.full_like(q, float("nan"))
+    qkernels.attn_decode(q, k, v, kv_lens=kv_lens, out=out)
+    ref = attn_decode_ref(f64(q), f64(k), f64(v), kv_lens=kv_lens.cpu().numpy())
+    close_to_naive(out, naive_decode(q, k, v, keep_of(B, L, kv_lens), D ** -0.5), ref)
+
+
 @pytest.mark.parametrize("dtype", HALVES)
 @pytest.mark.parametrize("mask_shape", [None, "2d", "3d"])
 def test_decode_kv_lens_and_mask(rng, dtype, mask_shape):
