@@ -4,6 +4,7 @@ released) all get right answers.  Graph and LLM ops both."""
 import threading
 
 import numpy as np
+import pytest
 
 import qkernels
 from attn_refs import (attn_decode_ref, attn_paged_prefill_ref, attn_prefill_ref, decode_inputs, paged_prefill_inputs,
@@ -88,6 +89,8 @@ def test_eight_threads_at_once():
     assert not errors, errors
 
 
+# JAX, when an earlier test imported it, warns at every fork; forking is this test's point.
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
 def test_fork_after_the_thread_pool_started():
     """The CPU kernels' worker pool lives in the parent; a forked child starts its own and gets
     the same bits (a child that hung waiting for the parent's workers would fail the timeout)."""
