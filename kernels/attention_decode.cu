@@ -416,12 +416,14 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
 // under ncu; attn_decode 42.0 -> 37.7 us).  Up to 8 splits the warp per row is ahead (B=8: 15.2
 // vs 15.5 us at L=1k): its loop already has them all in flight, without kWide's extra warps.
 // Either way each column adds its splits in the same order.
+// Warps per output row: the kernel's row mapping and the launcher's grid both come from here.
+template <int D, bool kWide> __host__ __device__ constexpr int combine_slices() { return kWide ? (D + 31) / 32 : 1; }
 template <typename T, int D, bool kWide>
 __global__ void __launch_bounds__(kThreads) decode_combine(qk_attn_decode_args a, const float *ws, int nsplit) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
-    constexpr int kSlices = kWide ? (D + 31) / 32 : 1;  // warps per row
+    constexpr int kSlices = combine_slices<D, kWide>();
     constexpr int kPer = kWide ? 1 : (D + 31) / 32;     // columns per lane, 32 apart
     const int64_t wid = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
     const int64_t row = wid / kSlices;
@@ -565,7 +567,7 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
         if (!status) {
             void *cargs[] = {&p, &ws, &ns};
             const bool wide = nsplit > 8;
-            const int64_t warps = a->B * a->Hq * (wide ? (D + 31) / 32 : 1);
+            const int64_t warps = a->B * a->Hq * (wide ? combine_slices<D, true>() : combine_slices<D, false>());
             status = qk_launch_dependent(wide ? (const void *)decode_combine<T, D, true> : (const void *)decode_combine<T, D, false>,
                                          dim3((unsigned)((warps + kWarps - 1) / kWarps)), dim3(kThreads), 0, s, cargs);
         }
