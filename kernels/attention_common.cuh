@@ -33,8 +33,6 @@ template <int kL2 = 256> __device__ __forceinline__ void cp_async16(uint32_t sme
 template <int kL2 = 256> __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
     cp_async16<kL2>((uint32_t)__cvta_generic_to_shared(smem), gmem, valid);
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

@@ -150,6 +150,11 @@ __device__ __forceinline__ float qk_cluster_sum(const float *p, int cs) {
 }
 #endif
 
+// cp.async groups (sm_80+): close the copies issued so far into a group; wait until at most N
+// groups are pending.  The copies themselves are per kernel family (attention_common.cuh, linear.cu).
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
 // QKERNELS_LINEAR_KERNEL (tests and benchmarks compare the kernels; read at each launch, so also
 // under CUDA-graph capture): unset, mma (linear.cu's tile kernel: neither the sm_90 wgmma kernel nor
 // the GEMV), gemv (the CUDA-core GEMV for M <= 8), or any other value (the GEMV off).

@@ -38,10 +38,6 @@ __device__ __forceinline__ void lin_cp_w(uint32_t dst, const uint16_t *src) {
 __device__ __forceinline__ void lin_cp_x(uint32_t dst, const uint16_t *src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
-__device__ __forceinline__ void lin_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void lin_cp_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 
 // Elements p[0..7], element by element (unaligned rows), zeros from index `limit` on.
 __device__ __forceinline__ uint4 lin_ld8(const uint16_t *p, int64_t limit) {
@@ -207,18 +203,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) lin_kernel(qk_line
 #pragma unroll
         for (int i = 0; i < RD - 1; i++) {
             if (i < n_steps) lin_issue<C>(ring, rows, s_begin + i, i, wn, wk, lane);
-            lin_cp_commit();
+            cp_async_commit();
         }
         int stage = 0;
 #pragma unroll 1
         for (int64_t i = 0; i < n_steps; i++) {
-            lin_cp_wait<RD - 2>();  // step i has landed (this thread's copies)
+            cp_async_wait<RD - 2>();  // step i has landed (this thread's copies)
             // ... and the group's: every warp of it has also finished reading step i - 1's stage.
             if (WN > 1) asm volatile("bar.sync %0, %1;" ::"r"(1 + wk), "r"(WN * 32) : "memory");
             // Refill the stage read in the previous iteration.
             const int refill = stage == 0 ? RD - 1 : stage - 1;
             if (i + RD - 1 < n_steps) lin_issue<C>(ring, rows, s_begin + i + RD - 1, refill, wn, wk, lane);
-            lin_cp_commit();
+            cp_async_commit();
             const uint4 *src = mine + stage * (C::kStageW / 16);
             uint4 w[NW][NT][2], x[MT];
             int slot = 0;
@@ -233,7 +229,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) lin_kernel(qk_line
             lin_step<C, T>(acc, w, x);
             stage = stage == RD - 1 ? 0 : stage + 1;
         }
-        lin_cp_wait<0>();
+        cp_async_wait<0>();
     } else {
         for (int64_t i = 0; i < n_steps; i++) lin_step_elementwise<C, T>(acc, rows, s_begin + i, t, K);
     }
