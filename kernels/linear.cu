@@ -494,19 +494,31 @@ int lin_dispatch(const qk_linear_args *a, cudaStream_t stream) {
         const long v = strtol(e, nullptr, 10);
         if (v >= 1 && v <= 64) M = v;
     }
+    // Tile choices past 8192 weight rows (or K) from one sweep of 11 configurations on the H200
+    // (graph replay, cold L2, µs; the previous choice in brackets): swiglu 14336x4096 M=4 60.6
+    // (62.1), M=8 60.9 (62.8), M=16 62.1 (64.9); linear M=8 4096x14336 32.6 (33.4), 4096x4096
+    // 12.2 (12.8); M=16 28672x4096 62.9 (69.3), where 128-row tiles without a K split give 224
+    // blocks in place of 448 on 396 slots.
+    const bool big = a->N >= 8192;
     if (kSwiglu) {
+        if (M <= 8 && big) return lin_pick_vec<lin_cfg<1, 1, 4, 2, true>, T>(a, true, stream);
         if (M <= 4) return lin_pick_vec<lin_cfg<1, 1, 1, 8, true>, T>(a, true, stream);
         if (M <= 8) return lin_pick_vec<lin_cfg<1, 1, 2, 4, true>, T>(a, true, stream);
+        if (M <= 16 && big) return lin_pick_vec<lin_cfg<2, 1, 4, 2, true>, T>(a, true, stream);
         if (M <= 16) return lin_pick_vec<lin_cfg<2, 1, 2, 4, true>, T>(a, true, stream);
         if (M <= 32) return lin_pick_vec<lin_cfg<4, 1, 4, 2, true>, T>(a, true, stream);
         return lin_pick_vec<lin_cfg<8, 1, 8, 1, true>, T>(a, true, stream);
     }
     if (M <= 4) return lin_pick_vec<lin_cfg<1, 1, 1, 8, false>, T>(a, false, stream);
-    if (M <= 8) return lin_pick_vec<lin_cfg<1, 1, 2, 4, false>, T>(a, false, stream);
+    // M <= 8 past 8192 rows or K: 32-row tiles of two 16-row fragments per warp and eight
+    // K-splitting warps (14336x4096 33.6 against 36.6 on <1,1,2,4>, 28672x4096 62.7 against 64.0).
+    if (M <= 8 && (big || a->K >= 8192)) return lin_pick_vec<lin_cfg<1, 2, 1, 8, false>, T>(a, false, stream);
+    if (M <= 8) return lin_pick_vec<lin_cfg<1, 1, 1, 8, false>, T>(a, false, stream);
     // M <= 16: 64-row tiles share x between four warps, but at N = 4096 they need a 4-block
     // cluster to fill the GPU, which measured slower (42 vs 34 µs at 4096 x 14336) than 32-row
     // tiles of eight K-splitting warps.
-    if (M <= 16 && a->N >= 8192) return lin_pick_vec<lin_cfg<2, 1, 4, 2, false>, T>(a, false, stream);
+    if (M <= 16 && a->N >= 16384) return lin_pick_vec<lin_cfg<2, 1, 8, 1, false>, T>(a, false, stream);
+    if (M <= 16 && big) return lin_pick_vec<lin_cfg<2, 1, 4, 2, false>, T>(a, false, stream);
     if (M <= 16) return lin_pick_vec<lin_cfg<2, 2, 1, 8, false>, T>(a, false, stream);
     if (M <= 32) return lin_pick_vec<lin_cfg<4, 1, 4, 2, false>, T>(a, false, stream);
     return lin_pick_vec<lin_cfg<8, 1, 8, 1, false>, T>(a, false, stream);

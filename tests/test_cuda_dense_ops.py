@@ -194,6 +194,19 @@ def test_one_dimensional_x_and_empty(dtype):
     assert qkernels.swiglu(randn(0, 100, dtype=dtype), w, g).shape == (0, 129)
 
 
+@pytest.mark.parametrize("m,k,n", [(5, 4096, 28672), (16, 4104, 16400), (40, 4096, 16400), (7, 8200, 129)])
+def test_linear_large_n(m, k, n, linear_kernel):
+    """Past 16384 weight rows (the 28672 x 4096 benchmark shape and a ragged 16400 with K % 32 != 0)
+    and past K = 8192 at small N: the tiles chosen from those sizes (M <= 8, M <= 16) and the wgmma
+    kernel."""
+    w, _, b = weights(n, k, "bfloat16")
+    x = randn(m, k, seed=m + 3)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    qkernels.linear(x, w, b, out=out)
+    close_to_naive(out, F.linear(x, w, b), linear_ref(x, w, b))
+    assert torch.equal(qkernels.linear(x, w, b), out)
+
+
 @pytest.mark.parametrize("m,k,n", [(1, 4096, 4096), (16, 4096, 14336), (64, 1536, 4096), (300, 4096, 4096)])
 def test_bitwise_determinism(m, k, n, linear_kernel):
     up, gate, b = weights(n, k, "bfloat16")
