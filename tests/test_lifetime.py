@@ -89,8 +89,10 @@ def test_eight_threads_at_once():
     assert not errors, errors
 
 
-# JAX, when an earlier test imported it, warns at every fork; forking is this test's point.
+# JAX, when an earlier test imported it, warns at every fork, and Python 3.12 does whenever other
+# threads exist (our pool's, torch's); forking is this test's point.
 @pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_fork_after_the_thread_pool_started():
     """The CPU kernels' worker pool lives in the parent; a forked child starts its own and gets
     the same bits (a child that hung waiting for the parent's workers would fail the timeout)."""
