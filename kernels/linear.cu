@@ -495,11 +495,11 @@ int lin_dispatch(const qk_linear_args *a, cudaStream_t stream) {
         const long v = strtol(e, nullptr, 10);
         if (v >= 1 && v <= 64) M = v;
     }
-    // Tile choices past 8192 weight rows (or K) from one sweep of 11 configurations on the H200
-    // (graph replay, cold L2, µs; the previous choice in brackets): swiglu 14336x4096 M=4 60.6
-    // (62.1), M=8 60.9 (62.8), M=16 62.1 (64.9); linear M=8 4096x14336 32.6 (33.4), 4096x4096
-    // 12.2 (12.8); M=16 28672x4096 62.9 (69.3), where 128-row tiles without a K split give 224
-    // blocks in place of 448 on 396 slots.
+    // Tile choices for large N or K: a sweep of 11 configurations, then these rules against the
+    // previous ones (H200, graph replay, cold L2, two runs, µs; the previous rules in brackets):
+    // swiglu 14336x4096 M=4 60.9 (62.6), M=8 61.4 (63.6), M=16 62.9 (65.3); linear M=8 4096x14336
+    // 32.8 (33.5), 4096x4096 12.2 (12.7); M=16 28672x4096 63.1 (71.2) on 128-row tiles whose eight
+    // warps split the rows, not K.  benchmarks/NOTES.md (eleventh session) has the sweep.
     const bool big = a->N >= 8192;
     if (kSwiglu) {
         if (M <= 8 && big) return lin_pick_vec<lin_cfg<1, 1, 4, 2, true>, T>(a, true, stream);
