@@ -51,12 +51,11 @@ def main():
     sink = cp.zeros(ROWS * 32, dtype=np.uint32)
     nbytes = w.nbytes
     start, end = cp.cuda.Event(), cp.cuda.Event()
+    grid = (ROWS * 32 + 255) // 256  # one warp per row whatever the shape
+    args = (w, np.int64(ROWS), sink)
     print(f"{'R':>3} {'U':>3} {'B/row/load':>11} {'us':>8} {'TB/s':>6}")
     for r, u in [(1, 4), (1, 8), (1, 16), (2, 8), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8), (32, 4)]:
         kern = cp.RawKernel(SRC % {"R": r, "U": u, "K": K}, "rd", options=("-std=c++17",))
-        warps = ROWS
-        grid = (warps * 32 + 255) // 256
-        args = (w, np.int64(ROWS), sink)
         for _ in range(3):
             kern((grid,), (256,), args)
         ts = []
