@@ -156,13 +156,16 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // QKERNELS_LINEAR_KERNEL (tests and benchmarks compare the kernels; read at each launch, so also
-// under CUDA-graph capture): unset, mma (linear.cu's tile kernel: neither the sm_90 wgmma kernel nor
-// the GEMV), gemv (the CUDA-core GEMV for M <= 8), or any other value (the GEMV off).
-enum { QK_LINEAR_PICKED = 0, QK_LINEAR_MMA, QK_LINEAR_GEMV, QK_LINEAR_OTHER };
+// under CUDA-graph capture): unset, mma (linear.cu's tile kernel: neither the sm_90 wgmma kernels nor
+// the GEMV), gemv (the CUDA-core GEMV for M <= 8), rows (the sm_90 one-CTA-per-SM row kernel for
+// M <= 64), or any other value (the GEMV off).
+enum { QK_LINEAR_PICKED = 0, QK_LINEAR_MMA, QK_LINEAR_GEMV, QK_LINEAR_ROWS, QK_LINEAR_OTHER };
 inline int qk_linear_kernel_env() {
     const char *e = getenv("QKERNELS_LINEAR_KERNEL");
     if (!e) return QK_LINEAR_PICKED;
-    return strcmp(e, "mma") == 0 ? QK_LINEAR_MMA : strcmp(e, "gemv") == 0 ? QK_LINEAR_GEMV : QK_LINEAR_OTHER;
+    if (strcmp(e, "mma") == 0) return QK_LINEAR_MMA;
+    if (strcmp(e, "gemv") == 0) return QK_LINEAR_GEMV;
+    return strcmp(e, "rows") == 0 ? QK_LINEAR_ROWS : QK_LINEAR_OTHER;
 }
 
 // QKERNELS_LINEAR_SPLIT=1|2|4|8: the cluster size over which linear's kernels split K, in place of

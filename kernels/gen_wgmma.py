@@ -7,7 +7,7 @@ operand (up to 128), which is why it is generated rather than written by hand.
 import os
 
 TYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
-NS = (64, 128, 256)
+NS = (8, 16, 32, 64, 128, 256)
 
 
 def regs(n, start=0):

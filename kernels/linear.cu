@@ -25,7 +25,7 @@
 #include "common.cuh"
 #include <cooperative_groups.h>
 
-extern "C" int qk_linear_sm90(const qk_linear_args *a, cudaStream_t stream);  // linear_sm90.cu
+extern "C" int qk_linear_sm90(const qk_linear_args *a, int swiglu, cudaStream_t stream);  // linear_sm90.cu
 
 namespace {
 
@@ -531,8 +531,8 @@ int lin_dispatch(const qk_linear_args *a, cudaStream_t stream) {
 template <bool kSwiglu>
 int lin_entry(const qk_linear_args *a, void *stream) {
     if (kSwiglu && a->gate == nullptr) return QK_E_UNSUPPORTED;
-    if (!kSwiglu) {  // 16 < M <= 64 on sm_90: the wgmma kernel (linear_sm90.cu), where it applies
-        const int r = qk_linear_sm90(a, (cudaStream_t)stream);
+    {  // sm_90: the row kernel and the wgmma kernel (linear_sm90.cu), where they apply
+        const int r = qk_linear_sm90(a, kSwiglu, (cudaStream_t)stream);
         if (r != QK_E_UNSUPPORTED) return r;
     }
     switch (a->dtype) {

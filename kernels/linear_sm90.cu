@@ -180,27 +180,223 @@ template <typename T> int lin_wgmma_run(const qk_linear_args *a, cudaStream_t st
     return qk_launch_clusters(kernel, grid, block, kLSmem, stream, args, (unsigned)cs);
 }
 
+// ---- One CTA per SM, each owning a contiguous run of weight rows over all of K -----------------
+// For M <= 64 where the weight stream is everything.  CTA c of G owns rows [c N / G, (c+1) N / G)
+// (the row counts differ by at most one) and streams them through a ring of [BR][64] TMA boxes,
+// BR = ceil(N / G) rows, so no CTA waits for another, no K is split and no partial sum is written:
+// out is stored straight from the accumulators.  A CTA's box may take one row of its neighbour's,
+// which both read at about the same time (an L2 hit).  Why: tma_roofline.cu measured one CTA per
+// SM streaming [128][64] boxes at 4.3-4.5 TB/s at the median CTA with ~2% between the median and
+// the slowest, where the tile kernels' 8-row x 64-byte cp.async fragments reach ~3.7 TB/s
+// (weight_roofline.py) and their grid needs several waves.  The m64 blocks past BR compute rows
+// nobody stores.
+template <int NX, int MB, bool kSwiglu> struct rows_cfg {
+    static constexpr int NW = kSwiglu ? 2 : 1;               // weight matrices (up, gate)
+    static constexpr int kWG = MB < 2 ? MB : 2;              // consumer warpgroups
+    static constexpr int kBPW = MB / kWG;                    // m64 blocks per warpgroup
+    static constexpr int kThreads = 128 * kWG + 32;          // + the producer warp
+    static constexpr uint32_t kWBytes = MB * 64 * kLKC * 2;  // a stage's rows of one weight (MB * 64)
+    static constexpr uint32_t kStage = NW * kWBytes + NX * kLKC * 2;
+    static constexpr int kMaxStages = 32;
+    static_assert(kWG * kBPW == MB, "MB splits evenly over the warpgroups");
+};
+
+template <typename T, int NX, int MB, bool kSwiglu>
+__global__ void __launch_bounds__(rows_cfg<NX, MB, kSwiglu>::kThreads, 1)
+    lin_rows(const __grid_constant__ CUtensorMap tw, const __grid_constant__ CUtensorMap tg,
+             const __grid_constant__ CUtensorMap tx, qk_linear_args a, int box_rows, int stages) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using C = rows_cfg<NX, MB, kSwiglu>;
+    constexpr int NW = C::NW;
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ __align__(8) uint64_t bars[2 * C::kMaxStages];
+    const uint32_t ring = ((uint32_t)__cvta_generic_to_shared(smem_raw) + 1023) & ~1023u;
+    const uint32_t bar0 = (uint32_t)__cvta_generic_to_shared(bars);
+    auto full = [&](int st) { return bar0 + 8 * st; };
+    auto empty = [&](int st) { return bar0 + 8 * (C::kMaxStages + st); };
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int64_t G = gridDim.x, c = blockIdx.x;
+    const int64_t row0 = c * a.N / G, rows = (c + 1) * a.N / G - row0;
+    const int steps = (int)((a.K + kLKC - 1) / kLKC);
+
+    if (tid == 0) {
+        for (int st = 0; st < stages; st++) {
+            mbar_init(full(st), 1);
+            mbar_init(empty(st), 4 * C::kWG);  // the consumer warps
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    float acc[NW * C::kBPW][NX / 2];  // [q * BPW + b]: weight q, m64 block b
+#pragma unroll
+    for (int b = 0; b < NW * C::kBPW; b++)
+#pragma unroll
+        for (int i = 0; i < NX / 2; i++) acc[b][i] = 0.f;
+    if (warp == 4 * C::kWG) {  // the producer warp
+        if (lane == 0) {
+            const uint32_t bytes = (uint32_t)(NW * box_rows + NX) * kLKC * 2;
+            int st = 0, ph = 0;
+            for (int i = 0; i < steps; i++) {
+                if (i >= stages) mbar_wait(empty(st), ph ^ 1);
+                const uint32_t dst = ring + st * C::kStage;
+                mbar_expect_tx(full(st), bytes);
+                tma_load_2d(dst, &tw, i * kLKC, (int)row0, full(st));
+                if (kSwiglu) tma_load_2d(dst + C::kWBytes, &tg, i * kLKC, (int)row0, full(st));
+                tma_load_2d(dst + NW * C::kWBytes, &tx, i * kLKC, 0, full(st));
+                if (++st == stages) st = 0, ph ^= 1;
+            }
+        }
+        __syncwarp();
+    } else {
+        // Warp-uniform (a shuffle from lane 0), so the descriptors stay in uniform registers and
+        // ptxas keeps the wgmma asynchronous.
+        const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0);
+        int st = 0, ph = 0, prev = 0;
+        for (int i = 0; i < steps; i++) {
+            mbar_wait(full(st), ph);
+            const uint32_t base = ring + st * C::kStage;
+            const uint64_t dx = make_desc(base + NW * C::kWBytes, 16, 1024);
+#pragma unroll
+            for (int b = 0; b < NW * C::kBPW; b++) pin(acc[b]);
+            wg_fence();
+#pragma unroll
+            for (int q = 0; q < NW; q++)
+#pragma unroll
+                for (int b = 0; b < C::kBPW; b++) {
+                    const uint64_t dw = make_desc(base + q * C::kWBytes + (wg * C::kBPW + b) * 64 * 128, 16, 1024);
+#pragma unroll
+                    for (int kk = 0; kk < kLKC / 16; kk++)  // 32 bytes along the swizzled row per k16 step
+                        qk_wgmma::SS<T, NX>::template mma<0, 0>(acc[q * C::kBPW + b], dw + ((kk * 32) >> 4),
+                                                                 dx + ((kk * 32) >> 4), 1);
+                }
+            wg_commit();
+            wg_wait<1>();  // the previous step's products are done: release its stage
+#pragma unroll
+            for (int b = 0; b < NW * C::kBPW; b++) pin(acc[b]);
+            if (i > 0 && lane == 0) mbar_arrive(empty(prev));
+            prev = st;
+            if (++st == stages) st = 0, ph ^= 1;
+        }
+        wg_wait<0>();
+#pragma unroll
+        for (int b = 0; b < NW * C::kBPW; b++) pin(acc[b]);
+        // acc[b]: weight rows 64 (wg BPW + b) + 16 (warp % 4) + g (+ 8), x rows 8 j + 2 t (+ 1).
+        const int g = lane >> 2, t = lane & 3;
+        const T *bias = static_cast<const T *>(a.bias);
+        T *out = static_cast<T *>(a.out);
+#pragma unroll
+        for (int b = 0; b < C::kBPW; b++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = (wg * C::kBPW + b) * 64 + 16 * (warp & 3) + g + 8 * h;
+                if (r >= rows) continue;
+                const int64_t n = row0 + r;
+                const float bv = !kSwiglu && bias ? qk_to_float(bias[n * a.bias_stride]) : 0.f;
+#pragma unroll
+                for (int j = 0; j < NX / 8; j++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int64_t m = 8 * j + 2 * t + e;
+                        if (m >= a.M) continue;
+                        const int i = 4 * j + 2 * h + e;
+                        float y;
+                        if (kSwiglu) {
+                            const float gv = acc[C::kBPW + b][i];
+                            y = acc[b][i] * (gv / (1.f + expf(-gv)));  // as linear.cu's epilogue
+                        } else {
+                            y = acc[b][i] + bv;
+                        }
+                        out[m * a.out_stride + n] = qk_from_float<T>(y);
+                    }
+            }
+    }
+#endif
+}
+
+template <typename T, int NX, int MB, bool kSwiglu>
+int lin_rows_launch(const qk_linear_args *a, cudaStream_t stream, int64_t G, int br) {
+    using C = rows_cfg<NX, MB, kSwiglu>;
+    alignas(64) CUtensorMap tw, tg, tx;
+    if (!lin_map(&tw, a->w, a->dtype, a->N, a->K, a->w_stride, br) || !lin_map(&tx, a->x, a->dtype, a->M, a->K, a->x_stride, NX))
+        return QK_E_UNSUPPORTED;
+    if (kSwiglu ? !lin_map(&tg, a->gate, a->dtype, a->N, a->K, a->gate_stride, br) : (tg = tw, false))
+        return QK_E_UNSUPPORTED;
+    // As deep a ring as fits (227 KB a block, less the 1 KB alignment pad).
+    int stages = (int)((227 * 1024 - 1024) / C::kStage);
+    stages = stages > C::kMaxStages ? C::kMaxStages : stages;
+    if (stages < 2) return QK_E_UNSUPPORTED;
+    const size_t smem = 1024 + (size_t)stages * C::kStage;
+    const void *kernel = (const void *)lin_rows<T, NX, MB, kSwiglu>;
+    QK_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    qk_linear_args p = *a;
+    int br_arg = br, st_arg = stages;
+    void *args[] = {&tw, &tg, &tx, &p, &br_arg, &st_arg};
+    return qk_launch(kernel, dim3((unsigned)G), dim3(C::kThreads), smem, stream, args);
+}
+
+template <typename T, int NX, bool kSwiglu>
+int lin_rows_mb(const qk_linear_args *a, cudaStream_t stream, int64_t G, int br) {
+    if (br <= 64) return lin_rows_launch<T, NX, 1, kSwiglu>(a, stream, G, br);
+    if (br <= 128) return lin_rows_launch<T, NX, 2, kSwiglu>(a, stream, G, br);
+    return lin_rows_launch<T, NX, 4, kSwiglu>(a, stream, G, br);
+}
+
+template <typename T, bool kSwiglu> int lin_rows_run(const qk_linear_args *a, cudaStream_t stream) {
+    if (a->M > 64) return QK_E_UNSUPPORTED;
+    int sms;
+    QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
+    // One CTA per SM, at most 256 rows each (the copy engine's box); more CTAs past 256 * SMs rows.
+    int64_t G = sms;
+    if (G > a->N) G = a->N;
+    if ((a->N + G - 1) / G > 256) G = (a->N + 255) / 256;
+    if (G > 0x7fffffff) return QK_E_UNSUPPORTED;
+    const int br = (int)((a->N + G - 1) / G);
+    if (a->M <= 8) return lin_rows_mb<T, 8, kSwiglu>(a, stream, G, br);
+    if (a->M <= 16) return lin_rows_mb<T, 16, kSwiglu>(a, stream, G, br);
+    if (a->M <= 32) return lin_rows_mb<T, 32, kSwiglu>(a, stream, G, br);
+    return lin_rows_mb<T, 64, kSwiglu>(a, stream, G, br);
+}
+
 }  // namespace
 #endif
 
-// linear (not swiglu) for 16 < M <= 64 on a compute-capability-9.0 GPU, else QK_E_UNSUPPORTED
-// and the caller runs linear.cu's kernel; QKERNELS_LINEAR_KERNEL=mma forces that one (tests and
-// benchmarks compare the two).
-extern "C" int qk_linear_sm90(const qk_linear_args *a, cudaStream_t stream) {
+// Where the row kernel runs when nothing is forced: M <= 64 with at least 16 weight rows per SM and
+// K >= 2048 (the measured region, N and K >= 4096), except M = 1 where the GEMV runs (N >= 64 rows
+// per SM).  H200, graph replay, cold L2, µs, row kernel against the previous pick and cuBLAS:
+// M=8 14336x4096 30.6 / 33.6 / 29.8, 28672x4096 57.2 / 62.1 / 55.5, 4096x4096 11.5 / 12.2 / 13.1;
+// M=32 28672x4096 59.0 / 64.2 / 57.2; M=1 4096x14336 31.5 / 31.9 / 31.5, but 14336x4096 30.3
+// against the GEMV's 28.9.
+bool lin_rows_pays(const qk_linear_args *a, int sms) {
+    if (a->M > kLMX || a->N < 16ll * sms || a->K < 2048) return false;
+    return !(a->M == 1 && a->N >= 64ll * sms);
+}
+
+// linear and swiglu on a compute-capability-9.0 GPU: the row kernel (M <= 64, see lin_rows_pays),
+// and for the rest of linear at 16 < M <= 64 the cluster wgmma kernel; else QK_E_UNSUPPORTED and the
+// caller runs linear.cu's kernels.  QKERNELS_LINEAR_KERNEL=mma forces those, =rows the row kernel
+// wherever the copy engine can describe the operands (tests and benchmarks compare them).
+extern "C" int qk_linear_sm90(const qk_linear_args *a, int swiglu, cudaStream_t stream) {
 #if defined(QK_SM90A)
-    if (qk_linear_kernel_env() == QK_LINEAR_MMA) return QK_E_UNSUPPORTED;
-    if (a->M <= 16 || a->M > kLMX || a->N <= 0 || a->K <= 0) return QK_E_UNSUPPORTED;
-    int cc;
-    const int st = qk_device_cc(&cc);
+    const int pick = qk_linear_kernel_env();
+    if (pick == QK_LINEAR_MMA || a->M <= 0 || a->M > kLMX || a->N <= 0 || a->K <= 0) return QK_E_UNSUPPORTED;
+    if (a->dtype != QK_BF16 && a->dtype != QK_F16) return QK_E_UNSUPPORTED;
+    int cc, sms;
+    int st = qk_device_cc(&cc);
     if (st) return st;
     if (cc != 90) return QK_E_UNSUPPORTED;
-    switch (a->dtype) {
-    case QK_BF16: return lin_wgmma_run<__nv_bfloat16>(a, stream);
-    case QK_F16: return lin_wgmma_run<__half>(a, stream);
-    default: return QK_E_UNSUPPORTED;
+    QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
+    const bool bf16 = a->dtype == QK_BF16;
+    if (pick == QK_LINEAR_ROWS || (pick == QK_LINEAR_PICKED && lin_rows_pays(a, sms))) {
+        st = swiglu ? (bf16 ? lin_rows_run<__nv_bfloat16, true>(a, stream) : lin_rows_run<__half, true>(a, stream))
+                    : (bf16 ? lin_rows_run<__nv_bfloat16, false>(a, stream) : lin_rows_run<__half, false>(a, stream));
+        if (st != QK_E_UNSUPPORTED || pick == QK_LINEAR_ROWS) return st;
     }
+    if (swiglu || a->M <= 16) return QK_E_UNSUPPORTED;
+    return bf16 ? lin_wgmma_run<__nv_bfloat16>(a, stream) : lin_wgmma_run<__half>(a, stream);
 #else
     (void)a;
+    (void)swiglu;
     (void)stream;
     return QK_E_UNSUPPORTED;
 #endif

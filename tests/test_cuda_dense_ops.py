@@ -27,12 +27,13 @@ KS = [7, 100, 1536, 4096]
 NS = [1, 129, 4096, 14336]
 
 
-@pytest.fixture(params=["picked", "mma", "gemv"])
+@pytest.fixture(params=["picked", "mma", "gemv", "rows"])
 def linear_kernel(request, monkeypatch):
     """linear's kernel: the one the launcher picks (on sm_90, wgmma for 16 < M <= 64; the CUDA-core
     GEMV for M = 1 and N >= 64 per SM), linear.cu's mma.sync kernel, which QKERNELS_LINEAR_KERNEL=mma
-    forces, and its CUDA-core GEMV for M <= 8 (QKERNELS_LINEAR_KERNEL=gemv; the tile kernels
-    elsewhere)."""
+    forces, its CUDA-core GEMV for M <= 8 (=gemv; the tile kernels elsewhere), and the sm_90
+    one-CTA-per-SM row kernel for M <= 64 (=rows; with 16-byte aligned rows and K % 8 == 0, the
+    other kernels elsewhere)."""
     if request.param != "picked":
         monkeypatch.setenv("QKERNELS_LINEAR_KERNEL", request.param)
     else:
