@@ -118,16 +118,17 @@ def linear_case(m, n, k, target):
         Impl("qkernels", call, ours=True),
         Impl("cuBLAS (F.linear)", lambda s: F.linear(s["x"], s["w"]), reference=True, min_ratio=target),
     ]
-    if 16 < m <= 64 or m == 1:  # beside the wgmma kernel (16 < M <= 64) or the GEMV (M = 1, N large)
-        impls.insert(1, Impl("qkernels, mma.sync kernel", on_linear_kernel("mma", call)))
-    if 1 < m <= 8:  # the CUDA-core GEMV forced where the launcher does not pick it
-        impls.insert(1, Impl("qkernels, gemv kernel (forced)", on_linear_kernel("gemv", call)))
+    # Beside the launcher's pick (on sm_90 the row kernel, or the GEMV at M = 1 with N large): the
+    # mma.sync tile kernel, and at M = 1 the row kernel forced.
+    impls.insert(1, Impl("qkernels, mma.sync kernel", on_linear_kernel("mma", call)))
+    if m == 1:
+        impls.insert(1, Impl("qkernels, row kernel (forced)", on_linear_kernel("rows", call)))
     return Case("linear", f"M={m} W={n}x{k}", make_inputs, nbytes, impls)
 
 
 def on_linear_kernel(name, fn):
     """fn with QKERNELS_LINEAR_KERNEL=name (read at each launch, so also when a CUDA graph captures
-    the call): mma, linear.cu's tile kernel; gemv, its CUDA-core GEMV for M <= 8."""
+    the call): mma, linear.cu's tile kernel; rows, linear_sm90.cu's row kernel (sm_90)."""
     def call(s):
         old = os.environ.get("QKERNELS_LINEAR_KERNEL")
         os.environ["QKERNELS_LINEAR_KERNEL"] = name
@@ -170,10 +171,9 @@ def swiglu_case(m, n, k):
         Impl("eager linear*silu(linear)", lambda s: swiglu_eager(s["x"], s["up"], s["gate"]), reference=True,
              min_ratio=1.15),
     ]
+    impls.insert(1, Impl("qkernels, mma.sync kernel", on_linear_kernel("mma", call)))
     if m == 1:  # beside the GEMV the launcher picks at M = 1
-        impls.insert(1, Impl("qkernels, mma.sync kernel", on_linear_kernel("mma", call)))
-    if 1 < m <= 8:
-        impls.insert(1, Impl("qkernels, gemv kernel (forced)", on_linear_kernel("gemv", call)))
+        impls.insert(1, Impl("qkernels, row kernel (forced)", on_linear_kernel("rows", call)))
     return Case("swiglu", f"M={m} up/gate={n}x{k}", make_inputs, nbytes, impls)
 
 

@@ -1,21 +1,25 @@
-// linear on Hopper for 16 < M <= 64: out = x W^T (+ bias) with the products on the warpgroup
-// tensor cores (wgmma, sm_90a), computed transposed like linear.cu: out^T [N, M] = W [N, K] .
-// x^T [K, M], so W is the m64 operand and the (at most 64) rows of x the n64 one.
+// linear and swiglu on Hopper (sm_90a) with the products on the warpgroup tensor cores (wgmma),
+// computed transposed like linear.cu: out^T [N, M] = W [N, K] . x^T [K, M], so W is the m64
+// operand and the (at most 64) rows of x the n one.  Two kernels:
 //
-// Why: linear.cu's mma.sync kernel reads every x fragment from shared memory once per warp and
-// every weight fragment once per thread; at M = 64 that is ~5 bytes of shared-memory reads per
-// weight byte, near the SM's shared-memory bandwidth at the copy rate (measured 0.51-0.71x
-// cuBLAS at M = 64).  wgmma reads both operands from shared memory once per warpgroup: 2 bytes
-// per weight byte at M = 64.
+// lin_rows (M <= 64, linear and swiglu; picked by lin_rows_pays): one CTA per SM, each streaming
+// its own contiguous run of weight rows along all of K through TMA; described at the kernel.
 //
-// Work: a CTA owns kLBN = 128 weight rows (two consumer warpgroups of 64) and all M rows of x; a
-// producer warp's first thread copies 64-wide K steps of W ([128][64]) and x ([64][64], rows past
-// M zero-filled by the copy engine) with TMA in the 128-byte swizzle into a kLStages-deep ring of
-// 'full' (bytes landed) and 'empty' (both consumer warpgroups done) mbarriers.  When the weight
-// tiles alone cannot fill the GPU, a cluster of up to 8 CTAs splits K and their partial tiles are
-// added through distributed shared memory in rank order, as in linear.cu: bitwise reproducible,
-// no atomics, no workspace.  Any K (the copy engine zero-fills the tail); rows need 16-byte
-// alignment (else linear.cu's kernel runs).
+// lin_wgmma (linear, 16 < M <= 64 where lin_rows is not picked): why wgmma at all: linear.cu's
+// mma.sync kernel reads every x fragment from shared memory once per warp and every weight
+// fragment once per thread; at M = 64 that is ~5 bytes of shared-memory reads per weight byte,
+// near the SM's shared-memory bandwidth at the copy rate (measured 0.51-0.71x cuBLAS at M = 64).
+// wgmma reads both operands from shared memory once per warpgroup: 2 bytes per weight byte at
+// M = 64.  Work: a CTA owns kLBN = 128 weight rows (two consumer warpgroups of 64) and all M rows
+// of x; a producer warp's first thread copies 64-wide K steps of W ([128][64]) and x ([64][64],
+// rows past M zero-filled by the copy engine) with TMA in the 128-byte swizzle into a
+// kLStages-deep ring of 'full' (bytes landed) and 'empty' (both consumer warpgroups done)
+// mbarriers.  When the weight tiles alone cannot fill the GPU, a cluster of up to 8 CTAs splits K
+// and their partial tiles are added through distributed shared memory in rank order, as in
+// linear.cu: bitwise reproducible, no atomics, no workspace.
+//
+// Both: any K (the copy engine zero-fills the tail) with K % 8 == 0 and 16-byte aligned rows (the
+// tensor map's rules), else linear.cu's kernels run.
 #include "common.cuh"
 #include "sm90.cuh"
 #include "wgmma.cuh"
@@ -143,7 +147,8 @@ __global__ void __launch_bounds__(kLThreads, 2)
 
 // A [rows, K] row-major matrix as a 2D tensor map with [box_rows][64] boxes in the 128-byte
 // swizzle; false when the copy engine cannot describe it (alignment, strides).
-bool lin_map(CUtensorMap *tm, const void *base, int dtype, int64_t rows, int64_t K, int64_t stride, int box_rows) {
+bool lin_map(CUtensorMap *tm, const void *base, int dtype, int64_t rows, int64_t K, int64_t stride, int box_rows,
+             CUtensorMapL2promotion promo = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
     static const auto encode = (PFN_cuTensorMapEncodeTiled_v12000)qk_driver_entry("cuTensorMapEncodeTiled");
     if (!encode || !qk_aligned16(base) || K % 8 || (rows > 1 && stride % 8) || K >= (1ll << 32) || rows >= (1ll << 32))
         return false;
@@ -152,7 +157,7 @@ bool lin_map(CUtensorMap *tm, const void *base, int dtype, int64_t rows, int64_t
     cuuint32_t box[2] = {(cuuint32_t)kLKC, (cuuint32_t)box_rows}, estr[2] = {1, 1};
     return encode(tm, dtype == QK_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
                   const_cast<void *>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+                  promo, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 template <typename T> int lin_wgmma_run(const qk_linear_args *a, cudaStream_t stream) {
@@ -180,16 +185,17 @@ template <typename T> int lin_wgmma_run(const qk_linear_args *a, cudaStream_t st
     return qk_launch_clusters(kernel, grid, block, kLSmem, stream, args, (unsigned)cs);
 }
 
-// ---- One CTA per SM, each owning a contiguous run of weight rows over all of K -----------------
-// For M <= 64 where the weight stream is everything.  CTA c of G owns rows [c N / G, (c+1) N / G)
-// (the row counts differ by at most one) and streams them through a ring of [BR][64] TMA boxes,
-// BR = ceil(N / G) rows, so no CTA waits for another, no K is split and no partial sum is written:
-// out is stored straight from the accumulators.  A CTA's box may take one row of its neighbour's,
-// which both read at about the same time (an L2 hit).  Why: tma_roofline.cu measured one CTA per
-// SM streaming [128][64] boxes at 4.3-4.5 TB/s at the median CTA with ~2% between the median and
-// the slowest, where the tile kernels' 8-row x 64-byte cp.async fragments reach ~3.7 TB/s
-// (weight_roofline.py) and their grid needs several waves.  The m64 blocks past BR compute rows
-// nobody stores.
+// ---- lin_rows: one CTA per SM, each owning a contiguous run of weight rows over all of K --------
+// For M <= 64, where streaming the weights is the whole cost.  CTA c of G owns rows
+// [c N / G, (c+1) N / G) (counts differ by at most one) and streams them through a ring of
+// [BR][64] TMA boxes, BR = ceil(N / G) rows (swiglu: an up and a gate box per stage), plus x's
+// [NX][64] box, so no CTA waits for another, no K is split and no partial sum is written: out is
+// stored straight from the fp32 accumulators (bias or silu(gate) * up in fp32, one rounding, as
+// linear.cu).  A CTA's box may take one row of its neighbour's, which both read at about the same
+// time (an L2 hit).  Why: tma_roofline.cu measured one CTA per SM streaming TMA boxes at
+// 4.3-4.5 TB/s at the median CTA with ~2% between the median and the slowest, where the tile
+// kernels' 8-row x 64-byte cp.async fragments reach ~3.7 TB/s (weight_roofline.py).  Each stage
+// holds MB m64 blocks per weight (MB * 64 >= BR); rows past BR compute values nobody stores.
 template <int NX, int MB, bool kSwiglu> struct rows_cfg {
     static constexpr int NW = kSwiglu ? 2 : 1;               // weight matrices (up, gate)
     static constexpr int kWG = MB < 2 ? MB : 2;              // consumer warpgroups
@@ -219,6 +225,11 @@ __global__ void __launch_bounds__(rows_cfg<NX, MB, kSwiglu>::kThreads, 1)
     const int64_t row0 = c * a.N / G, rows = (c + 1) * a.N / G - row0;
     const int steps = (int)((a.K + kLKC - 1) / kLKC);
 
+    if (tid == 4 * C::kWG * 32) {  // the producer: fetch the descriptors while the barriers are set up
+        asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tw)) : "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tx)) : "memory");
+        if (kSwiglu) asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tg)) : "memory");
+    }
     if (tid == 0) {
         for (int st = 0; st < stages; st++) {
             mbar_init(full(st), 1);
@@ -318,9 +329,15 @@ template <typename T, int NX, int MB, bool kSwiglu>
 int lin_rows_launch(const qk_linear_args *a, cudaStream_t stream, int64_t G, int br) {
     using C = rows_cfg<NX, MB, kSwiglu>;
     alignas(64) CUtensorMap tw, tg, tx;
-    if (!lin_map(&tw, a->w, a->dtype, a->N, a->K, a->w_stride, br) || !lin_map(&tx, a->x, a->dtype, a->M, a->K, a->x_stride, NX))
+    // The weights' L2 promotion: 128 bytes (the box's row) for linear, 256 for swiglu (H200, µs,
+    // 128 against 256, two runs: linear M=8 4096x4096 11.39 / 11.41 against 11.68 / 11.73, 14336x4096
+    // 30.44 / 30.35 against 31.13 / 30.88, 28672x4096 even; swiglu M=8 14336x4096 59.62 / 59.78
+    // against 59.36 / 59.47).
+    const CUtensorMapL2promotion promo = kSwiglu ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B : CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
+    if (!lin_map(&tw, a->w, a->dtype, a->N, a->K, a->w_stride, br, promo) ||
+        !lin_map(&tx, a->x, a->dtype, a->M, a->K, a->x_stride, NX))
         return QK_E_UNSUPPORTED;
-    if (kSwiglu ? !lin_map(&tg, a->gate, a->dtype, a->N, a->K, a->gate_stride, br) : (tg = tw, false))
+    if (kSwiglu ? !lin_map(&tg, a->gate, a->dtype, a->N, a->K, a->gate_stride, br, promo) : (tg = tw, false))
         return QK_E_UNSUPPORTED;
     // As deep a ring as fits (227 KB a block, less the 1 KB alignment pad).
     int stages = (int)((227 * 1024 - 1024) / C::kStage);
