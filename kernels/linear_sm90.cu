@@ -196,23 +196,25 @@ template <typename T> int lin_wgmma_run(const qk_linear_args *a, cudaStream_t st
 // 4.3-4.5 TB/s at the median CTA with ~2% between the median and the slowest, where the tile
 // kernels' 8-row x 64-byte cp.async fragments reach ~3.7 TB/s (weight_roofline.py).  Each stage
 // holds MB m64 blocks per weight (MB * 64 >= BR); rows past BR compute values nobody stores.
-template <int NX, int MB, bool kSwiglu> struct rows_cfg {
+// kAlt (MB = 1): the two consumer warpgroups take alternate stages of the one block and add their
+// sums at the end (warpgroup 0's plus warpgroup 1's: a fixed order, bitwise reproducible).
+template <int NX, int MB, bool kSwiglu, bool kAlt> struct rows_cfg {
     static constexpr int NW = kSwiglu ? 2 : 1;               // weight matrices (up, gate)
-    static constexpr int kWG = MB < 2 ? MB : 2;              // consumer warpgroups
-    static constexpr int kBPW = MB / kWG;                    // m64 blocks per warpgroup
+    static constexpr int kWG = kAlt || MB >= 2 ? 2 : 1;      // consumer warpgroups
+    static constexpr int kBPW = kAlt ? 1 : MB / kWG;         // m64 blocks per warpgroup
     static constexpr int kThreads = 128 * kWG + 32;          // + the producer warp
     static constexpr uint32_t kWBytes = MB * 64 * kLKC * 2;  // a stage's rows of one weight (MB * 64)
     static constexpr uint32_t kStage = NW * kWBytes + NX * kLKC * 2;
     static constexpr int kMaxStages = 32;
-    static_assert(kWG * kBPW == MB, "MB splits evenly over the warpgroups");
+    static_assert(kAlt ? MB == 1 : kWG * kBPW == MB, "MB splits evenly over the warpgroups");
 };
 
-template <typename T, int NX, int MB, bool kSwiglu>
-__global__ void __launch_bounds__(rows_cfg<NX, MB, kSwiglu>::kThreads, 1)
+template <typename T, int NX, int MB, bool kSwiglu, bool kAlt>
+__global__ void __launch_bounds__(rows_cfg<NX, MB, kSwiglu, kAlt>::kThreads, 1)
     lin_rows(const __grid_constant__ CUtensorMap tw, const __grid_constant__ CUtensorMap tg,
              const __grid_constant__ CUtensorMap tx, qk_linear_args a, int box_rows, int stages) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using C = rows_cfg<NX, MB, kSwiglu>;
+    using C = rows_cfg<NX, MB, kSwiglu, kAlt>;
     constexpr int NW = C::NW;
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) uint64_t bars[2 * C::kMaxStages];
@@ -233,7 +235,7 @@ __global__ void __launch_bounds__(rows_cfg<NX, MB, kSwiglu>::kThreads, 1)
     if (tid == 0) {
         for (int st = 0; st < stages; st++) {
             mbar_init(full(st), 1);
-            mbar_init(empty(st), 4 * C::kWG);  // the consumer warps
+            mbar_init(empty(st), kAlt ? 4 : 4 * C::kWG);  // the consumer warps that read the stage
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -263,8 +265,9 @@ __global__ void __launch_bounds__(rows_cfg<NX, MB, kSwiglu>::kThreads, 1)
         // Warp-uniform (a shuffle from lane 0), so the descriptors stay in uniform registers and
         // ptxas keeps the wgmma asynchronous.
         const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0);
-        int st = 0, ph = 0, prev = 0;
-        for (int i = 0; i < steps; i++) {
+        const int step = kAlt ? 2 : 1;  // kAlt: the two warpgroups take alternate stages
+        int st = kAlt ? wg : 0, ph = 0, prev = 0;
+        for (int i = kAlt ? wg : 0; i < steps; i += step) {
             mbar_wait(full(st), ph);
             const uint32_t base = ring + st * C::kStage;
             const uint64_t dx = make_desc(base + NW * C::kWBytes, 16, 1024);
@@ -275,23 +278,44 @@ __global__ void __launch_bounds__(rows_cfg<NX, MB, kSwiglu>::kThreads, 1)
             for (int q = 0; q < NW; q++)
 #pragma unroll
                 for (int b = 0; b < C::kBPW; b++) {
-                    const uint64_t dw = make_desc(base + q * C::kWBytes + (wg * C::kBPW + b) * 64 * 128, 16, 1024);
+                    const int blk = kAlt ? 0 : wg * C::kBPW + b;
+                    const uint64_t dw = make_desc(base + q * C::kWBytes + blk * 64 * 128, 16, 1024);
 #pragma unroll
                     for (int kk = 0; kk < kLKC / 16; kk++)  // 32 bytes along the swizzled row per k16 step
                         qk_wgmma::SS<T, NX>::template mma<0, 0>(acc[q * C::kBPW + b], dw + ((kk * 32) >> 4),
                                                                  dx + ((kk * 32) >> 4), 1);
                 }
             wg_commit();
-            wg_wait<1>();  // the previous step's products are done: release its stage
+            // The previous step's products are done: release its stage.  (Waiting for this step's
+            // and releasing it at once measured slower everywhere: 4096x14336 M=64 40.5 against 35.9.)
+            wg_wait<1>();
 #pragma unroll
             for (int b = 0; b < NW * C::kBPW; b++) pin(acc[b]);
-            if (i > 0 && lane == 0) mbar_arrive(empty(prev));
+            if (i >= step && lane == 0) mbar_arrive(empty(prev));
             prev = st;
-            if (++st == stages) st = 0, ph ^= 1;
+            st += step;
+            if (st >= stages) st -= stages, ph ^= 1;
         }
         wg_wait<0>();
 #pragma unroll
         for (int b = 0; b < NW * C::kBPW; b++) pin(acc[b]);
+        if (kAlt) {  // warpgroup 1's sums into warpgroup 0's, through the ring (every stage consumed)
+            float *red = reinterpret_cast<float *>(smem_raw + (ring - (uint32_t)__cvta_generic_to_shared(smem_raw)));
+            const int ct = tid & 127;
+            asm volatile("bar.sync 1, 256;" ::: "memory");
+            if (wg == 1) {
+#pragma unroll
+                for (int q = 0; q < NW; q++)
+#pragma unroll
+                    for (int i = 0; i < NX / 2; i++) red[(q * (NX / 2) + i) * 128 + ct] = acc[q][i];
+            }
+            asm volatile("bar.sync 1, 256;" ::: "memory");
+            if (wg == 1) return;
+#pragma unroll
+            for (int q = 0; q < NW; q++)
+#pragma unroll
+                for (int i = 0; i < NX / 2; i++) acc[q][i] += red[(q * (NX / 2) + i) * 128 + ct];
+        }
         // acc[b]: weight rows 64 (wg BPW + b) + 16 (warp % 4) + g (+ 8), x rows 8 j + 2 t (+ 1).
         const int g = lane >> 2, t = lane & 3;
         const T *bias = static_cast<const T *>(a.bias);
@@ -300,7 +324,7 @@ __global__ void __launch_bounds__(rows_cfg<NX, MB, kSwiglu>::kThreads, 1)
         for (int b = 0; b < C::kBPW; b++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const int r = (wg * C::kBPW + b) * 64 + 16 * (warp & 3) + g + 8 * h;
+                const int r = (kAlt ? 0 : wg * C::kBPW + b) * 64 + 16 * (warp & 3) + g + 8 * h;
                 if (r >= rows) continue;
                 const int64_t n = row0 + r;
                 const float bv = !kSwiglu && bias ? qk_to_float(bias[n * a.bias_stride]) : 0.f;
@@ -325,9 +349,9 @@ __global__ void __launch_bounds__(rows_cfg<NX, MB, kSwiglu>::kThreads, 1)
 #endif
 }
 
-template <typename T, int NX, int MB, bool kSwiglu>
+template <typename T, int NX, int MB, bool kSwiglu, bool kAlt>
 int lin_rows_launch(const qk_linear_args *a, cudaStream_t stream, int64_t G, int br) {
-    using C = rows_cfg<NX, MB, kSwiglu>;
+    using C = rows_cfg<NX, MB, kSwiglu, kAlt>;
     alignas(64) CUtensorMap tw, tg, tx;
     // The weights' L2 promotion: 128 bytes (the box's row) for linear, 256 for swiglu (H200, µs,
     // 128 against 256, two runs: linear M=8 4096x4096 11.39 / 11.41 against 11.68 / 11.73, 14336x4096
@@ -344,7 +368,7 @@ int lin_rows_launch(const qk_linear_args *a, cudaStream_t stream, int64_t G, int
     stages = stages > C::kMaxStages ? C::kMaxStages : stages;
     if (stages < 2) return QK_E_UNSUPPORTED;
     const size_t smem = 1024 + (size_t)stages * C::kStage;
-    const void *kernel = (const void *)lin_rows<T, NX, MB, kSwiglu>;
+    const void *kernel = (const void *)lin_rows<T, NX, MB, kSwiglu, kAlt>;
     QK_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     qk_linear_args p = *a;
     int br_arg = br, st_arg = stages;
@@ -354,9 +378,12 @@ int lin_rows_launch(const qk_linear_args *a, cudaStream_t stream, int64_t G, int
 
 template <typename T, int NX, bool kSwiglu>
 int lin_rows_mb(const qk_linear_args *a, cudaStream_t stream, int64_t G, int br) {
-    if (br <= 64) return lin_rows_launch<T, NX, 1, kSwiglu>(a, stream, G, br);
-    if (br <= 128) return lin_rows_launch<T, NX, 2, kSwiglu>(a, stream, G, br);
-    return lin_rows_launch<T, NX, 4, kSwiglu>(a, stream, G, br);
+    // Boxes of at most 64 rows fill one m64 block: two warpgroups take alternate stages (H200, µs,
+    // against one warpgroup: 4096x4096 M=1 / 8 / 16 / 64 11.20 / 11.14 / 11.22 / 12.68 against
+    // 11.90 / 11.69 / 12.01 / 13.09; 4096x14336 M=32 / 64 32.6 / 35.9 against 34.3 / 41.0).
+    if (br <= 64) return lin_rows_launch<T, NX, 1, kSwiglu, true>(a, stream, G, br);
+    if (br <= 128) return lin_rows_launch<T, NX, 2, kSwiglu, false>(a, stream, G, br);
+    return lin_rows_launch<T, NX, 4, kSwiglu, false>(a, stream, G, br);
 }
 
 template <typename T, bool kSwiglu> int lin_rows_run(const qk_linear_args *a, cudaStream_t stream) {
