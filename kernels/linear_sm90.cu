@@ -146,11 +146,12 @@ __global__ void __launch_bounds__(kLThreads, 2)
 }
 
 // A [rows, K] row-major matrix as a 2D tensor map with [box_rows][64] boxes in the 128-byte
-// swizzle; false when the copy engine cannot describe it (alignment, strides).
+// swizzle; false when the copy engine cannot describe it (alignment, strides) or when a box
+// coordinate would not fit the int the kernels pass (K or rows past 2^31 - 1).
 bool lin_map(CUtensorMap *tm, const void *base, int dtype, int64_t rows, int64_t K, int64_t stride, int box_rows,
              CUtensorMapL2promotion promo = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
     static const auto encode = (PFN_cuTensorMapEncodeTiled_v12000)qk_driver_entry("cuTensorMapEncodeTiled");
-    if (!encode || !qk_aligned16(base) || K % 8 || (rows > 1 && stride % 8) || K >= (1ll << 32) || rows >= (1ll << 32))
+    if (!encode || !qk_aligned16(base) || K % 8 || (rows > 1 && stride % 8) || K >= (1ll << 31) || rows >= (1ll << 31))
         return false;
     const int64_t st = rows > 1 ? stride * 2 : K * 2;  // a single row's stride is never used
     cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)st};
