@@ -370,7 +370,8 @@ int lin_rows_launch(const qk_linear_args *a, cudaStream_t stream, int64_t G, int
     if (stages < 2) return QK_E_UNSUPPORTED;
     const size_t smem = 1024 + (size_t)stages * C::kStage;
     const void *kernel = (const void *)lin_rows<T, NX, MB, kSwiglu, kAlt>;
-    QK_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    // The shared-memory opt-in, once per kernel and device (smem is fixed per instantiation).
+    QK_CUDA_TRY((cudaError_t)qk_kernel_residency(kernel, C::kThreads, smem, nullptr));
     qk_linear_args p = *a;
     int br_arg = br, st_arg = stages;
     void *args[] = {&tw, &tg, &tx, &p, &br_arg, &st_arg};

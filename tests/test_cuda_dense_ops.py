@@ -29,7 +29,8 @@ NS = [1, 129, 4096, 14336]
 
 @pytest.fixture(params=["picked", "mma", "gemv", "rows"])
 def linear_kernel(request, monkeypatch):
-    """linear's kernel: the one the launcher picks (on sm_90, wgmma for 16 < M <= 64; the CUDA-core
+    """linear's kernel: the one the launcher picks (on sm_90 the row kernel for M <= 64 with at least
+    16 weight rows per SM and K >= 2048, the cluster wgmma kernel for the rest of 16 < M <= 64; the CUDA-core
     GEMV for M = 1 and N >= 64 per SM), linear.cu's mma.sync kernel, which QKERNELS_LINEAR_KERNEL=mma
     forces, its CUDA-core GEMV for M <= 8 (=gemv; the tile kernels elsewhere), and the sm_90
     one-CTA-per-SM row kernel for M <= 64 (=rows; with 16-byte aligned rows and K % 8 == 0, the
@@ -198,8 +199,8 @@ def test_one_dimensional_x_and_empty(dtype):
 @pytest.mark.parametrize("m,k,n", [(5, 4096, 28672), (16, 4104, 16400), (40, 4096, 16400), (7, 8200, 129)])
 def test_linear_large_n(m, k, n, linear_kernel):
     """Past 16384 weight rows (the 28672 x 4096 benchmark shape and a ragged 16400 with K % 32 != 0)
-    and past K = 8192 at small N: the tiles chosen from those sizes (M <= 8, M <= 16) and the wgmma
-    kernel."""
+    and past K = 8192 at small N: the tiles chosen from those sizes (M <= 8, M <= 16), the row kernel
+    and the wgmma kernel."""
     w, _, b = weights(n, k, "bfloat16")
     x = randn(m, k, seed=m + 3)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
