@@ -55,6 +55,7 @@ LINEAR_WEIGHTS = ((14336, 4096), (4096, 14336), (28672, 4096))
 LINEAR_MS = (1, 8, 16, 32, 64)
 SQUARE_MS = (1, 8, 16)
 SWIGLU_MS = (1, 4, 8, 16)
+LARGE_MS = (128, 512)  # M past 64: cuBLASLt (kernels/linear_lt.cu)
 
 
 @dataclass
@@ -118,11 +119,11 @@ def linear_case(m, n, k, target):
         Impl("qkernels", call, ours=True),
         Impl("cuBLAS (F.linear)", lambda s: F.linear(s["x"], s["w"]), reference=True, min_ratio=target),
     ]
-    # Beside the launcher's pick (on sm_90 the row kernel, or the GEMV at M = 1 with N large): the
-    # mma.sync tile kernel, and at M = 1 the row kernel forced.
+    # Beside the launcher's pick (on sm_90 the row kernel): the mma.sync tile kernel, and at M = 1
+    # the CUDA-core GEMV forced (the pick there before the row kernel became a programmatic dependent).
     impls.insert(1, Impl("qkernels, mma.sync kernel", on_linear_kernel("mma", call)))
     if m == 1:
-        impls.insert(1, Impl("qkernels, row kernel (forced)", on_linear_kernel("rows", call)))
+        impls.insert(1, Impl("qkernels, GEMV (forced)", on_linear_kernel("gemv", call)))
     return Case("linear", f"M={m} W={n}x{k}", make_inputs, nbytes, impls)
 
 
@@ -147,6 +148,8 @@ def linear_cases(quick):
     ms, square_ms = ((1, 16), (1, 16)) if quick else (LINEAR_MS, SQUARE_MS)
     cases = [linear_case(m, n, k, 1.0) for n, k in weights for m in ms]
     cases += [linear_case(m, 4096, 4096, 1.2) for m in square_ms]
+    if not quick:  # past the decode range, where cuBLASLt runs (no target: the same library as the anchor)
+        cases += [linear_case(m, n, 4096, None) for n in (4096, 14336) for m in LARGE_MS]
     return cases
 
 
@@ -158,7 +161,7 @@ def swiglu_eager(x, up, gate):
     return F.linear(x, up) * F.silu(F.linear(x, gate))
 
 
-def swiglu_case(m, n, k):
+def swiglu_case(m, n, k, target=1.15):
     def make_inputs(gen):
         return {"x": randn(gen, m, k), "up": randn(gen, n, k, scale=k ** -0.5),
                 "gate": randn(gen, n, k, scale=2 * k ** -0.5)}
@@ -169,16 +172,19 @@ def swiglu_case(m, n, k):
     impls = [
         Impl("qkernels", call, ours=True),
         Impl("eager linear*silu(linear)", lambda s: swiglu_eager(s["x"], s["up"], s["gate"]), reference=True,
-             min_ratio=1.15),
+             min_ratio=target),
     ]
     impls.insert(1, Impl("qkernels, mma.sync kernel", on_linear_kernel("mma", call)))
-    if m == 1:  # beside the GEMV the launcher picks at M = 1
-        impls.insert(1, Impl("qkernels, row kernel (forced)", on_linear_kernel("rows", call)))
+    if m == 1:  # beside the row kernel, the GEMV forced (see linear)
+        impls.insert(1, Impl("qkernels, GEMV (forced)", on_linear_kernel("gemv", call)))
     return Case("swiglu", f"M={m} up/gate={n}x{k}", make_inputs, nbytes, impls)
 
 
 def swiglu_cases(quick):
-    return [swiglu_case(m, 14336, 4096) for m in ((1, 16) if quick else SWIGLU_MS)]
+    cases = [swiglu_case(m, 14336, 4096) for m in ((1, 16) if quick else SWIGLU_MS)]
+    if not quick:  # two cuBLASLt products in fp32 and the combine (no target)
+        cases += [swiglu_case(m, 14336, 4096, None) for m in LARGE_MS[:1]]
+    return cases
 
 
 # ---------------------------------------------------------------------------------------------

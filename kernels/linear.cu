@@ -26,6 +26,7 @@
 #include <cooperative_groups.h>
 
 extern "C" int qk_linear_sm90(const qk_linear_args *a, int swiglu, cudaStream_t stream);  // linear_sm90.cu
+extern "C" int qk_linear_lt(const qk_linear_args *a, int swiglu, cudaStream_t stream);    // linear_lt.cu
 
 namespace {
 
@@ -143,6 +144,7 @@ __device__ __forceinline__ void lin_step_elementwise(float (&acc)[C::NW][C::kNT]
 template <class C, typename T, bool kVec>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) lin_kernel(qk_linear_args a, int cs, int mchunks) {
     constexpr int NW = C::NW, NT = C::kNT, MT = C::kMT, WN = C::kWN, WK = C::kWK, RD = C::RD;
+    qk_dependent_wait();  // launched by qk_launch_clusters(..., dependent)
     extern __shared__ __align__(16) unsigned char lin_smem[];
     // The reduction tile reuses the ring once every warp has left the main loop.
     float(*tile)[C::MTILE][C::LD] = reinterpret_cast<float(*)[C::MTILE][C::LD]>(lin_smem);
@@ -313,7 +315,7 @@ int lin_run(const qk_linear_args *a, cudaStream_t stream, int max_cs) {
     int cs_arg = cs, mchunks_arg = (int)mchunks;
     void *args[] = {&p, &cs_arg, &mchunks_arg};
     const dim3 grid((unsigned)(blocks * cs)), block(C::kThreads);
-    return qk_launch_clusters(kernel, grid, block, C::kSmem, stream, args, (unsigned)cs);
+    return qk_launch_clusters(kernel, grid, block, C::kSmem, stream, args, (unsigned)cs, true);
 }
 
 // max_cs: the largest cluster the launcher may split K over (a tile choice's measured best).
@@ -354,6 +356,7 @@ template <typename T, int MM, int R, bool kSwiglu>
 __global__ void __launch_bounds__(kGemvThreads, MM == 1 ? 4 : 1) lin_gemv(qk_linear_args a) {
     constexpr int NW = kSwiglu ? 2 : 1;
     constexpr int U = 8 / (R * NW) > 0 ? 8 / (R * NW) : 1;  // chunks of each row in flight
+    qk_dependent_wait();  // launched by qk_launch_dependent
     const int lane = threadIdx.x & 31;
     const int64_t n0 = ((int64_t)blockIdx.x * (kGemvThreads / 32) + (threadIdx.x >> 5)) * R;
     if (n0 >= a.N) return;
@@ -448,11 +451,12 @@ int lin_gemv_run(const qk_linear_args *a, cudaStream_t stream) {
     if (blocks > 0x7fffffff) return QK_E_UNSUPPORTED;
     qk_linear_args p = *a;
     void *args[] = {&p};
-    return qk_launch(kernel, dim3((unsigned)blocks), dim3(kGemvThreads), 0, stream, args);
+    return qk_launch_dependent(kernel, dim3((unsigned)blocks), dim3(kGemvThreads), 0, stream, args);
 }
 
 // Where lin_gemv runs: M = 1 (linear and swiglu) with at least 4 rows per warp at 16 warps per SM
-// (N >= 8448 on 132 SMs).  H200, same call, us: linear 14336x4096 29.1 (mma.sync kernel 32.3,
+// (N >= 8448 on 132 SMs) where linear_sm90.cu's row kernel does not (GPUs other than sm_90, or
+// shapes the copy engine cannot describe).  H200, same call, before the row kernel, us: linear 14336x4096 29.1 (mma.sync kernel 32.3,
 // cuBLAS 30.7), 28672x4096 56.1 (58.7, 56.4); swiglu 14336x4096 56.5 (62.5; eager 66.0).  Not
 // elsewhere: with fewer, longer rows (4096x14336) it took 36.3 against 31.7, and at M = 8 twice the
 // tile kernel's time (x re-read from L1 for every row).  QKERNELS_LINEAR_KERNEL=gemv forces it for
@@ -531,6 +535,10 @@ int lin_dispatch(const qk_linear_args *a, cudaStream_t stream) {
 template <bool kSwiglu>
 int lin_entry(const qk_linear_args *a, void *stream) {
     if (kSwiglu && a->gate == nullptr) return QK_E_UNSUPPORTED;
+    if (a->M > 64 && qk_linear_kernel_env() == QK_LINEAR_PICKED) {  // past decode sizes: cuBLASLt, if present
+        const int r = qk_linear_lt(a, kSwiglu, (cudaStream_t)stream);
+        if (r != QK_E_UNSUPPORTED) return r;
+    }
     {  // sm_90: the row kernel and the wgmma kernel (linear_sm90.cu), where they apply
         const int r = qk_linear_sm90(a, kSwiglu, (cudaStream_t)stream);
         if (r != QK_E_UNSUPPORTED) return r;

@@ -69,6 +69,7 @@ __global__ void __launch_bounds__(kLThreads, 2)
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
+    qk_dependent_start();  // launched by qk_launch_clusters(..., dependent): the set-up above may overlap
     __syncthreads();
 
     float acc[32];
@@ -76,12 +77,15 @@ __global__ void __launch_bounds__(kLThreads, 2)
     for (int i = 0; i < 32; i++) acc[i] = 0.f;
     if (warp == 4 * kLWG) {  // the producer warp
         if (lane == 0) {
+            // x's box holds its M rows (rows_x_box): the ring's rows past M keep stale values that
+            // meet only accumulators nobody stores.
+            const uint32_t bytes = kLWBytes + (uint32_t)(a.M < kLMX ? a.M : kLMX) * kLKC * 2;
             for (int i = 0; i < nst; i++) {
                 const int st = i % kLStages, ph = (i / kLStages) & 1;
                 if (i >= kLStages) mbar_wait(empty(st), ph ^ 1);
                 const uint32_t dst = ring + st * kLStageBytes;
                 const int k = (int)((s0 + i) * kLKC);
-                mbar_expect_tx(full(st), kLStageBytes);
+                mbar_expect_tx(full(st), bytes);
                 tma_load_2d(dst, &tw, k, (int)n0, full(st));
                 tma_load_2d(dst + kLWBytes, &tx, k, 0, full(st));
             }
@@ -164,7 +168,7 @@ bool lin_map(CUtensorMap *tm, const void *base, int dtype, int64_t rows, int64_t
 template <typename T> int lin_wgmma_run(const qk_linear_args *a, cudaStream_t stream) {
     alignas(64) CUtensorMap tw, tx;
     if (!lin_map(&tw, a->w, a->dtype, a->N, a->K, a->w_stride, kLBN) ||
-        !lin_map(&tx, a->x, a->dtype, a->M, a->K, a->x_stride, kLMX))
+        !lin_map(&tx, a->x, a->dtype, a->M, a->K, a->x_stride, a->M < kLMX ? (int)a->M : kLMX))
         return QK_E_UNSUPPORTED;
     const void *kernel = (const void *)lin_wgmma<T>;
     int per_sm, sms;
@@ -183,7 +187,7 @@ template <typename T> int lin_wgmma_run(const qk_linear_args *a, cudaStream_t st
     int cs_arg = cs;
     void *args[] = {&tw, &tx, &p, &cs_arg};
     const dim3 grid((unsigned)(ntiles * cs)), block(kLThreads);
-    return qk_launch_clusters(kernel, grid, block, kLSmem, stream, args, (unsigned)cs);
+    return qk_launch_clusters(kernel, grid, block, kLSmem, stream, args, (unsigned)cs, true);
 }
 
 // ---- lin_rows: one CTA per SM, each owning a contiguous run of weight rows over all of K --------
@@ -199,24 +203,37 @@ template <typename T> int lin_wgmma_run(const qk_linear_args *a, cudaStream_t st
 // holds MB m64 blocks per weight (MB * 64 >= BR); rows past BR compute values nobody stores.
 // kAlt (MB = 1): the two consumer warpgroups take alternate stages of the one block and add their
 // sums at the end (warpgroup 0's plus warpgroup 1's: a fixed order, bitwise reproducible).
-template <int NX, int MB, bool kSwiglu, bool kAlt> struct rows_cfg {
+// SW > 0 (swapped operands, for boxes of at most SW rows at M > 32): x's 64 rows are the m64
+// operand and the box's weight rows the n = SW one, so a 32-row box does not pad an m64 block
+// with 32 rows of nothing.
+// x's box: its M rows, at most NX.  A box that ran past M would have the copy engine zero-fill the
+// rest on every stage, which measured slow (H200, µs, M rows against NX: 4096x14336 M=40 31.9
+// against 43.3, 4096x4096 M=33 10.8 against 15.7).  The ring's rows past M keep stale
+// values; they meet only the accumulators of x rows past M, which nobody stores.
+inline int rows_x_box(int64_t M, int NX) { return M < NX ? (int)M : NX; }
+
+template <int NX, int MB, bool kSwiglu, bool kAlt, int SW> struct rows_cfg {
     static constexpr int NW = kSwiglu ? 2 : 1;               // weight matrices (up, gate)
     static constexpr int kWG = kAlt || MB >= 2 ? 2 : 1;      // consumer warpgroups
     static constexpr int kBPW = kAlt ? 1 : MB / kWG;         // m64 blocks per warpgroup
     static constexpr int kThreads = 128 * kWG + 32;          // + the producer warp
-    static constexpr uint32_t kWBytes = MB * 64 * kLKC * 2;  // a stage's rows of one weight (MB * 64)
+    static constexpr int kWRows = SW ? SW : MB * 64;         // a stage's rows of one weight
+    static constexpr uint32_t kWBytes = kWRows * kLKC * 2;
     static constexpr uint32_t kStage = NW * kWBytes + NX * kLKC * 2;
+    static constexpr int kN = SW ? SW : NX;                  // the wgmma n
     static constexpr int kMaxStages = 32;
     static_assert(kAlt ? MB == 1 : kWG * kBPW == MB, "MB splits evenly over the warpgroups");
+    static_assert(!SW || (kAlt && NX == 64), "swapped operands: x's 64 rows, one block");
+    static_assert(kN % 8 == 0 && kN <= 64, "wgmma n");
 };
 
-template <typename T, int NX, int MB, bool kSwiglu, bool kAlt>
-__global__ void __launch_bounds__(rows_cfg<NX, MB, kSwiglu, kAlt>::kThreads, 1)
+template <typename T, int NX, int MB, bool kSwiglu, bool kAlt, int SW>
+__global__ void __launch_bounds__(rows_cfg<NX, MB, kSwiglu, kAlt, SW>::kThreads, 1)
     lin_rows(const __grid_constant__ CUtensorMap tw, const __grid_constant__ CUtensorMap tg,
-             const __grid_constant__ CUtensorMap tx, qk_linear_args a, int box_rows, int stages) {
+             const __grid_constant__ CUtensorMap tx, qk_linear_args a, int box_rows, int x_box, int stages) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using C = rows_cfg<NX, MB, kSwiglu, kAlt>;
-    constexpr int NW = C::NW;
+    using C = rows_cfg<NX, MB, kSwiglu, kAlt, SW>;
+    constexpr int NW = C::NW, NA = C::kN / 2;  // NA: accumulators per thread and block
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) uint64_t bars[2 * C::kMaxStages];
     const uint32_t ring = ((uint32_t)__cvta_generic_to_shared(smem_raw) + 1023) & ~1023u;
@@ -240,16 +257,21 @@ __global__ void __launch_bounds__(rows_cfg<NX, MB, kSwiglu, kAlt>::kThreads, 1)
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
+    // A programmatic dependent (qk_dependent_start): the set-up above may overlap the previous
+    // kernel's tail.  Measured -1.1 to -1.6 µs a call in graph replay (H200: 28672x4096 M=8 55.1
+    // against 56.4, swiglu 14336x4096 M=8 56.6 against 58.1, 4096x4096 M=8 9.9 against 11.1); cuBLAS
+    // overlaps consecutive calls too (its replay time, 56.6 µs, is below its ncu duration, 57.6).
+    qk_dependent_start();
     __syncthreads();
 
-    float acc[NW * C::kBPW][NX / 2];  // [q * BPW + b]: weight q, m64 block b
+    float acc[NW * C::kBPW][NA];  // [q * BPW + b]: weight q, m64 block b
 #pragma unroll
     for (int b = 0; b < NW * C::kBPW; b++)
 #pragma unroll
-        for (int i = 0; i < NX / 2; i++) acc[b][i] = 0.f;
+        for (int i = 0; i < NA; i++) acc[b][i] = 0.f;
     if (warp == 4 * C::kWG) {  // the producer warp
         if (lane == 0) {
-            const uint32_t bytes = (uint32_t)(NW * box_rows + NX) * kLKC * 2;
+            const uint32_t bytes = (uint32_t)(NW * box_rows + x_box) * kLKC * 2;
             int st = 0, ph = 0;
             for (int i = 0; i < steps; i++) {
                 if (i >= stages) mbar_wait(empty(st), ph ^ 1);
@@ -282,9 +304,11 @@ __global__ void __launch_bounds__(rows_cfg<NX, MB, kSwiglu, kAlt>::kThreads, 1)
                     const int blk = kAlt ? 0 : wg * C::kBPW + b;
                     const uint64_t dw = make_desc(base + q * C::kWBytes + blk * 64 * 128, 16, 1024);
 #pragma unroll
-                    for (int kk = 0; kk < kLKC / 16; kk++)  // 32 bytes along the swizzled row per k16 step
-                        qk_wgmma::SS<T, NX>::template mma<0, 0>(acc[q * C::kBPW + b], dw + ((kk * 32) >> 4),
-                                                                 dx + ((kk * 32) >> 4), 1);
+                    for (int kk = 0; kk < kLKC / 16; kk++) {  // 32 bytes along the swizzled row per k16 step
+                        const uint64_t ow = dw + ((kk * 32) >> 4), ox = dx + ((kk * 32) >> 4);
+                        if (SW) qk_wgmma::SS<T, C::kN>::template mma<0, 0>(acc[q * C::kBPW + b], ox, ow, 1);
+                        else qk_wgmma::SS<T, C::kN>::template mma<0, 0>(acc[q * C::kBPW + b], ow, ox, 1);
+                    }
                 }
             wg_commit();
             // The previous step's products are done: release its stage.  (Waiting for this step's
@@ -308,59 +332,64 @@ __global__ void __launch_bounds__(rows_cfg<NX, MB, kSwiglu, kAlt>::kThreads, 1)
 #pragma unroll
                 for (int q = 0; q < NW; q++)
 #pragma unroll
-                    for (int i = 0; i < NX / 2; i++) red[(q * (NX / 2) + i) * 128 + ct] = acc[q][i];
+                    for (int i = 0; i < NA; i++) red[(q * NA + i) * 128 + ct] = acc[q][i];
             }
             asm volatile("bar.sync 1, 256;" ::: "memory");
             if (wg == 1) return;
 #pragma unroll
             for (int q = 0; q < NW; q++)
 #pragma unroll
-                for (int i = 0; i < NX / 2; i++) acc[q][i] += red[(q * (NX / 2) + i) * 128 + ct];
+                for (int i = 0; i < NA; i++) acc[q][i] += red[(q * NA + i) * 128 + ct];
         }
-        // acc[b]: weight rows 64 (wg BPW + b) + 16 (warp % 4) + g (+ 8), x rows 8 j + 2 t (+ 1).
+        // acc[b][4 j + 2 h + e]: the m64 row 64 (wg BPW + b) + 16 (warp % 4) + g + 8 h and the n column
+        // 8 j + 2 t + e; the m row is a weight row and the column an x row, or the reverse with SW.
         const int g = lane >> 2, t = lane & 3;
         const T *bias = static_cast<const T *>(a.bias);
         T *out = static_cast<T *>(a.out);
+        // out[m, row0 + r] from accumulator i of block b, in fp32 with one rounding.
+        auto emit = [&](int64_t m, int r, int b, int i) {
+            if (m >= a.M || r >= rows) return;
+            const int64_t n = row0 + r;
+            float y;
+            if (kSwiglu) {
+                const float gv = acc[C::kBPW + b][i];
+                y = acc[b][i] * (gv / (1.f + expf(-gv)));  // as linear.cu's epilogue
+            } else {
+                y = acc[b][i];
+                if (bias) y += qk_to_float(bias[n * a.bias_stride]);
+            }
+            out[m * a.out_stride + n] = qk_from_float<T>(y);
+        };
 #pragma unroll
         for (int b = 0; b < C::kBPW; b++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const int r = (kAlt ? 0 : wg * C::kBPW + b) * 64 + 16 * (warp & 3) + g + 8 * h;
-                if (r >= rows) continue;
-                const int64_t n = row0 + r;
-                const float bv = !kSwiglu && bias ? qk_to_float(bias[n * a.bias_stride]) : 0.f;
+                const int mrow = (kAlt ? 0 : wg * C::kBPW + b) * 64 + 16 * (warp & 3) + g + 8 * h;
 #pragma unroll
-                for (int j = 0; j < NX / 8; j++)
+                for (int j = 0; j < C::kN / 8; j++)
 #pragma unroll
                     for (int e = 0; e < 2; e++) {
-                        const int64_t m = 8 * j + 2 * t + e;
-                        if (m >= a.M) continue;
-                        const int i = 4 * j + 2 * h + e;
-                        float y;
-                        if (kSwiglu) {
-                            const float gv = acc[C::kBPW + b][i];
-                            y = acc[b][i] * (gv / (1.f + expf(-gv)));  // as linear.cu's epilogue
-                        } else {
-                            y = acc[b][i] + bv;
-                        }
-                        out[m * a.out_stride + n] = qk_from_float<T>(y);
+                        const int ncol = 8 * j + 2 * t + e, i = 4 * j + 2 * h + e;
+                        if (SW) emit(mrow, ncol, b, i);
+                        else emit(ncol, mrow, b, i);
                     }
             }
     }
 #endif
 }
 
-template <typename T, int NX, int MB, bool kSwiglu, bool kAlt>
+template <typename T, int NX, int MB, bool kSwiglu, bool kAlt, int SW = 0>
 int lin_rows_launch(const qk_linear_args *a, cudaStream_t stream, int64_t G, int br) {
-    using C = rows_cfg<NX, MB, kSwiglu, kAlt>;
+    using C = rows_cfg<NX, MB, kSwiglu, kAlt, SW>;
     alignas(64) CUtensorMap tw, tg, tx;
+    const int x_box = rows_x_box(a->M, NX);
     // The weights' L2 promotion: 128 bytes (the box's row) for linear, 256 for swiglu (H200, µs,
     // 128 against 256, two runs: linear M=8 4096x4096 11.39 / 11.41 against 11.68 / 11.73, 14336x4096
     // 30.44 / 30.35 against 31.13 / 30.88, 28672x4096 even; swiglu M=8 14336x4096 59.62 / 59.78
     // against 59.36 / 59.47).
     const CUtensorMapL2promotion promo = kSwiglu ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B : CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
     if (!lin_map(&tw, a->w, a->dtype, a->N, a->K, a->w_stride, br, promo) ||
-        !lin_map(&tx, a->x, a->dtype, a->M, a->K, a->x_stride, NX))
+        !lin_map(&tx, a->x, a->dtype, a->M, a->K, a->x_stride, x_box))
         return QK_E_UNSUPPORTED;
     if (kSwiglu ? !lin_map(&tg, a->gate, a->dtype, a->N, a->K, a->gate_stride, br, promo) : (tg = tw, false))
         return QK_E_UNSUPPORTED;
@@ -369,13 +398,13 @@ int lin_rows_launch(const qk_linear_args *a, cudaStream_t stream, int64_t G, int
     stages = stages > C::kMaxStages ? C::kMaxStages : stages;
     if (stages < 2) return QK_E_UNSUPPORTED;
     const size_t smem = 1024 + (size_t)stages * C::kStage;
-    const void *kernel = (const void *)lin_rows<T, NX, MB, kSwiglu, kAlt>;
+    const void *kernel = (const void *)lin_rows<T, NX, MB, kSwiglu, kAlt, SW>;
     // The shared-memory opt-in, once per kernel and device (smem is fixed per instantiation).
     QK_CUDA_TRY((cudaError_t)qk_kernel_residency(kernel, C::kThreads, smem, nullptr));
     qk_linear_args p = *a;
-    int br_arg = br, st_arg = stages;
-    void *args[] = {&tw, &tg, &tx, &p, &br_arg, &st_arg};
-    return qk_launch(kernel, dim3((unsigned)G), dim3(C::kThreads), smem, stream, args);
+    int br_arg = br, xb_arg = x_box, st_arg = stages;
+    void *args[] = {&tw, &tg, &tx, &p, &br_arg, &xb_arg, &st_arg};
+    return qk_launch_dependent(kernel, dim3((unsigned)G), dim3(C::kThreads), smem, stream, args);
 }
 
 template <typename T, int NX, bool kSwiglu>
@@ -383,6 +412,10 @@ int lin_rows_mb(const qk_linear_args *a, cudaStream_t stream, int64_t G, int br)
     // Boxes of at most 64 rows fill one m64 block: two warpgroups take alternate stages (H200, µs,
     // against one warpgroup: 4096x4096 M=1 / 8 / 16 / 64 11.20 / 11.14 / 11.22 / 12.68 against
     // 11.90 / 11.69 / 12.01 / 13.09; 4096x14336 M=32 / 64 32.6 / 35.9 against 34.3 / 41.0).
+    // At M > 32 a box of at most 32 rows takes the swapped operands, x the m64 one (H200, µs, against
+    // unswapped: 4096x14336 M=64 / 40 32.1 / 31.9 against 34.2 / 33.4; 4096x4096 M=33 10.8 against
+    // 11.3; swiglu 4096x4096 M=64 23.2 against 27.4).
+    if (NX == 64 && br <= 32) return lin_rows_launch<T, 64, 1, kSwiglu, true, 32>(a, stream, G, br);
     if (br <= 64) return lin_rows_launch<T, NX, 1, kSwiglu, true>(a, stream, G, br);
     if (br <= 128) return lin_rows_launch<T, NX, 2, kSwiglu, false>(a, stream, G, br);
     return lin_rows_launch<T, NX, 4, kSwiglu, false>(a, stream, G, br);
@@ -408,14 +441,13 @@ template <typename T, bool kSwiglu> int lin_rows_run(const qk_linear_args *a, cu
 #endif
 
 // Where the row kernel runs when nothing is forced: M <= 64 with at least 16 weight rows per SM and
-// K >= 2048 (the measured region, N and K >= 4096), except M = 1 where the GEMV runs (N >= 64 rows
-// per SM).  H200, graph replay, cold L2, µs, row kernel against the previous pick and cuBLAS:
-// M=8 14336x4096 30.6 / 33.6 / 29.8, 28672x4096 57.2 / 62.1 / 55.5, 4096x4096 11.5 / 12.2 / 13.1;
-// M=32 28672x4096 59.0 / 64.2 / 57.2; M=1 4096x14336 31.5 / 31.9 / 31.5, but 14336x4096 30.3
-// against the GEMV's 28.9.
+// K >= 2048 (the measured region, N and K >= 4096).  H200, graph replay, cold L2, µs, row kernel
+// against the previous pick and cuBLAS: M=8 14336x4096 30.6 / 33.6 / 29.8, 28672x4096 57.2 / 62.1 /
+// 55.5, 4096x4096 11.5 / 12.2 / 13.1; M=32 28672x4096 59.0 / 64.2 / 57.2.  M = 1 too since it is a
+// programmatic dependent: against the GEMV (linear.cu), 14336x4096 28.3 against 29.1, swiglu 56.0
+// against 56.2, 28672x4096 56.3 against 56.2 (before, the GEMV led at 14336x4096, 28.9 against 30.3).
 bool lin_rows_pays(const qk_linear_args *a, int sms) {
-    if (a->M > kLMX || a->N < 16ll * sms || a->K < 2048) return false;
-    return !(a->M == 1 && a->N >= 64ll * sms);
+    return a->M <= kLMX && a->N >= 16ll * sms && a->K >= 2048;
 }
 
 // linear and swiglu on a compute-capability-9.0 GPU: the row kernel (M <= 64, see lin_rows_pays),

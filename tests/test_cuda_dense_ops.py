@@ -30,8 +30,8 @@ NS = [1, 129, 4096, 14336]
 @pytest.fixture(params=["picked", "mma", "gemv", "rows"])
 def linear_kernel(request, monkeypatch):
     """linear's kernel: the one the launcher picks (on sm_90 the row kernel for M <= 64 with at least
-    16 weight rows per SM and K >= 2048, the cluster wgmma kernel for the rest of 16 < M <= 64; the CUDA-core
-    GEMV for M = 1 and N >= 64 per SM), linear.cu's mma.sync kernel, which QKERNELS_LINEAR_KERNEL=mma
+    16 weight rows per SM and K >= 2048, the cluster wgmma kernel for the rest of 16 < M <= 64; elsewhere the
+    CUDA-core GEMV for M = 1 and N >= 64 per SM), linear.cu's mma.sync kernel, which QKERNELS_LINEAR_KERNEL=mma
     forces, its CUDA-core GEMV for M <= 8 (=gemv; the tile kernels elsewhere), and the sm_90
     one-CTA-per-SM row kernel for M <= 64 (=rows; with 16-byte aligned rows and K % 8 == 0, the
     other kernels elsewhere)."""
@@ -219,9 +219,10 @@ def test_bitwise_determinism(m, k, n, linear_kernel):
         assert all(torch.equal(p, q) for p, q in zip(first, again))
 
 
+@pytest.mark.parametrize("m", [33, 130])  # 130: cuBLASLt on the picked path (linear_lt.cu)
 @pytest.mark.parametrize("dtype", HALF)
-def test_poisoned_strided_out_and_strided_rows(dtype, linear_kernel):
-    m, k, n = 33, 1536, 4096
+def test_poisoned_strided_out_and_strided_rows(dtype, m, linear_kernel):
+    k, n = 1536, 4096
     up, gate, b = weights(n, k, dtype)
     xb = randn(m, k + 64, dtype=dtype, seed=5)
     x = xb[:, 32:32 + k]  # row stride k + 64
@@ -311,10 +312,11 @@ def test_rotary_strided_views_and_poisoned_out():
 
 # ---- streams, graphs, dispatch ----------------------------------------------------------------
 
-def test_runs_on_the_callers_current_stream(linear_kernel):
+@pytest.mark.parametrize("rows", [33, 130])  # 130: cuBLASLt on the picked path, its workspace on `side`
+def test_runs_on_the_callers_current_stream(rows, linear_kernel):
     w, g, b = weights(4096, 4096, "bfloat16")
-    x = randn(33, 4096)  # 33 rows: the wgmma kernel on sm_90
-    new_x = randn(33, 4096, seed=9)
+    x = randn(rows, 4096)
+    new_x = randn(rows, 4096, seed=9)
     side = torch.cuda.Stream()
     torch.cuda.synchronize()
     with torch.cuda.stream(side):
@@ -327,16 +329,17 @@ def test_runs_on_the_callers_current_stream(linear_kernel):
     close_to_naive(out2, F.linear(new_x, w) * F.silu(F.linear(new_x, g)), swiglu_ref(new_x, w, g))
 
 
-def test_cuda_graph_capture_and_replay(linear_kernel):
+@pytest.mark.parametrize("rows", [40, 130])  # 130: cuBLASLt on the picked path, scratch from the graph
+def test_cuda_graph_capture_and_replay(rows, linear_kernel):
     w, g, b = weights(4096, 4096, "bfloat16")
-    x = randn(40, 4096)  # 40 rows: the wgmma kernel on sm_90 (and its cluster split of K)
+    x = randn(rows, 4096)
     q = randn(8, 32, 128)
     f = freqs_for((8,), 128)
     calls = lambda: (qkernels.linear(x, w, b), qkernels.swiglu(x, w, g),  # noqa: E731
                      qkernels.rotary_emb(q, f), qkernels.rotary_emb(q, f, interleaved=False))
     graph, outs = capture_graph(calls)
     for i in range(3):
-        x.copy_(randn(40, 4096, seed=100 + i))
+        x.copy_(randn(rows, 4096, seed=100 + i))
         q.copy_(randn(8, 32, 128, seed=200 + i))
         f.copy_(freqs_for((8,), 128, seed=300 + i))
         for o in outs:
