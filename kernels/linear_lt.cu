@@ -1,0 +1,325 @@
+// linear and swiglu past the decode range (M > 64) through cuBLASLt, loaded at run time (SPEC §7: for
+// large M the cuda backend may call cuBLAS(Lt) from the CUDA toolkit).  There the product is
+// compute-bound and the skinny kernels lose by 2.5-4x (H200, µs against F.linear: M=300 4096x4096
+// 84 against 20; M=128 14336x4096 87 against 34); a full-size wgmma GEMM of our own is not in scope.
+//
+// linear: one cublasLtMatmul computing out^T [N, M] (column-major, ld out_stride) = W^T' x^T: W [N, K]
+// row-major is the K x N column-major A taken transposed, x [M, K] the K x M column-major B; the
+// bias through the BIAS epilogue, added to the fp32 sum before the one rounding.  swiglu: the two
+// products in fp32 into stream-ordered scratch, then silu(gate) * up in fp32 and one rounding
+// (lt_swiglu_combine), as the other kernels.  Split-K algorithms may reduce only in fp32
+// (CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE), never in the output type (lt_plan); workspace comes from
+// cudaMallocAsync on the caller's stream, so graphs capture it and concurrent streams never share it.
+//
+// No cuBLAS header ships with every toolkit image (this machine's has none), so the few ABI pieces
+// used are declared below from cublasLt.h's documented values.  The library: the copy already
+// loaded (torch's), else QKERNELS_CUBLASLT (a path; the Python package points it at the nvidia
+// wheel when one is installed), else libcublasLt.so.13 by name, else the toolkit's lib64.  Absent or of
+// another major version: QK_E_UNSUPPORTED, and linear.cu's tile kernels run.
+#include "common.cuh"
+#include <dlfcn.h>
+#include <initializer_list>
+#include <type_traits>
+#include <pthread.h>
+
+namespace {
+
+// ---- the cuBLASLt 13 ABI (cublasLt.h) ----------------------------------------------------------
+typedef void *LtHandle;
+typedef void *LtDesc;
+typedef void *LtLayout;
+typedef void *LtPref;
+struct LtAlgo {
+    uint64_t data[8];
+};
+struct LtHeuristic {
+    LtAlgo algo;
+    size_t workspace_size;
+    int state;
+    float waves;
+    int reserved[4];
+};
+enum {
+    kLtR32F = 0, kLtR16F = 2, kLtR16BF = 14,   // cudaDataType_t
+    kLtCompute32F = 68,                          // cublasComputeType_t
+    kLtOpN = 0, kLtOpT = 1,                      // cublasOperation_t
+    kLtDescTransA = 3, kLtDescTransB = 4, kLtDescEpilogue = 7, kLtDescBiasPointer = 8,
+    kLtDescBiasDataType = 26,                    // cublasLtMatmulDescAttributes_t
+    kLtEpilogueDefault = 1, kLtEpilogueBias = 4,
+    kLtPrefMaxWorkspace = 1, kLtPrefAlignA = 5,  // .. D = 8
+    kLtReduceComputeType = 2,                    // cublasLtReductionScheme_t
+    kLtAlgoSplitK = 2, kLtAlgoReduction = 3,     // cublasLtMatmulAlgoConfigAttributes_t
+    kLtStatusAllocFailed = 3,
+};
+constexpr int kLtMajor = 13;
+
+struct LtApi {
+    int (*create)(LtHandle *);
+    size_t (*version)();
+    int (*desc_create)(LtDesc *, int compute, int scale);
+    int (*desc_destroy)(LtDesc);
+    int (*desc_set)(LtDesc, int attr, const void *buf, size_t n);
+    int (*layout_create)(LtLayout *, int type, uint64_t rows, uint64_t cols, int64_t ld);
+    int (*layout_destroy)(LtLayout);
+    int (*pref_create)(LtPref *);
+    int (*pref_destroy)(LtPref);
+    int (*pref_set)(LtPref, int attr, const void *buf, size_t n);
+    int (*heuristic)(LtHandle, LtDesc, LtLayout, LtLayout, LtLayout, LtLayout, LtPref, int, LtHeuristic *, int *);
+    int (*algo_config_get)(const LtAlgo *, int attr, void *buf, size_t n, size_t *written);
+    int (*matmul)(LtHandle, LtDesc, const void *, const void *, LtLayout, const void *, LtLayout, const void *,
+                  const void *, LtLayout, void *, LtLayout, const LtAlgo *, void *, size_t, cudaStream_t);
+};
+
+LtApi g_lt;
+bool g_lt_ok = false;
+pthread_once_t g_lt_once = PTHREAD_ONCE_INIT;
+
+void *lt_open() {
+    // One already in the process (torch's) first: a second copy would work but cost memory.
+    if (void *h = dlopen("libcublasLt.so.13", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD)) return h;
+    if (const char *p = getenv("QKERNELS_CUBLASLT"))
+        if (void *h = dlopen(p, RTLD_NOW | RTLD_LOCAL)) return h;
+    if (void *h = dlopen("libcublasLt.so.13", RTLD_NOW | RTLD_LOCAL)) return h;
+    char path[4096];
+    for (const char *env : {"CUDA_HOME", "CUDA_PATH"}) {
+        const char *root = getenv(env);
+        if (!root) continue;
+        snprintf(path, sizeof path, "%s/lib64/libcublasLt.so.13", root);
+        if (void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL)) return h;
+    }
+    return dlopen("/usr/local/cuda/lib64/libcublasLt.so.13", RTLD_NOW | RTLD_LOCAL);
+}
+
+void lt_load() {
+    void *h = lt_open();
+    if (!h) return;
+    bool ok = true;
+    auto sym = [&](auto &fn, const char *name) {
+        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(h, name));
+        ok = ok && fn != nullptr;
+    };
+    sym(g_lt.create, "cublasLtCreate");
+    sym(g_lt.version, "cublasLtGetVersion");
+    sym(g_lt.desc_create, "cublasLtMatmulDescCreate");
+    sym(g_lt.desc_destroy, "cublasLtMatmulDescDestroy");
+    sym(g_lt.desc_set, "cublasLtMatmulDescSetAttribute");
+    sym(g_lt.layout_create, "cublasLtMatrixLayoutCreate");
+    sym(g_lt.layout_destroy, "cublasLtMatrixLayoutDestroy");
+    sym(g_lt.pref_create, "cublasLtMatmulPreferenceCreate");
+    sym(g_lt.pref_destroy, "cublasLtMatmulPreferenceDestroy");
+    sym(g_lt.pref_set, "cublasLtMatmulPreferenceSetAttribute");
+    sym(g_lt.heuristic, "cublasLtMatmulAlgoGetHeuristic");
+    sym(g_lt.algo_config_get, "cublasLtMatmulAlgoConfigGetAttribute");
+    sym(g_lt.matmul, "cublasLtMatmul");
+    // The declarations above are the 13.x ABI: another major version is not used.
+    g_lt_ok = ok && g_lt.version() / 10000 == kLtMajor;
+}
+
+// One matmul's descriptors and algorithm, cached by everything the heuristic looked at.
+struct LtKey {
+    int dev, in_type, out_type, bias;
+    int64_t M, N, K, ldx, ldw, ldo;
+    uint32_t align[4];  // x, w, out, bias: the largest power of two (<= 256) dividing the address
+    bool operator==(const LtKey &o) const { return memcmp(this, &o, sizeof *this) == 0; }
+};
+struct LtPlan {
+    LtKey key;
+    LtDesc desc;
+    LtLayout lw, lx, lo;
+    LtAlgo algo;
+    size_t workspace;
+};
+constexpr int kLtPlans = 64;
+LtPlan g_plans[kLtPlans];
+int g_nplans = 0, g_next_evict = 0;
+LtHandle g_handles[64];
+pthread_mutex_t g_lt_mu = PTHREAD_MUTEX_INITIALIZER;
+
+uint32_t lt_align(const void *p) {
+    const uintptr_t v = (uintptr_t)p;
+    uint32_t a = 256;
+    while (a > 1 && v % a) a >>= 1;
+    return a;
+}
+
+void lt_free_plan(LtPlan &p) {
+    g_lt.layout_destroy(p.lw);
+    g_lt.layout_destroy(p.lx);
+    g_lt.layout_destroy(p.lo);
+    g_lt.desc_destroy(p.desc);
+}
+
+// The plan for key (g_lt_mu held): cached, or built and cached; nullptr where cuBLASLt offers none.
+LtPlan *lt_plan(const LtKey &k, const void *bias) {
+    for (int i = 0; i < g_nplans; i++)
+        if (g_plans[i].key == k) return &g_plans[i];
+    if (!g_handles[k.dev] && g_lt.create(&g_handles[k.dev])) return nullptr;
+    LtPlan p = {};
+    p.key = k;
+    if (g_lt.desc_create(&p.desc, kLtCompute32F, kLtR32F)) return nullptr;
+    const int32_t ta = kLtOpT, tb = kLtOpN;
+    const uint32_t epi = k.bias ? kLtEpilogueBias : kLtEpilogueDefault;
+    const int32_t bias_type = k.out_type;
+    bool ok = !g_lt.desc_set(p.desc, kLtDescTransA, &ta, sizeof ta) && !g_lt.desc_set(p.desc, kLtDescTransB, &tb, sizeof tb) &&
+              !g_lt.desc_set(p.desc, kLtDescEpilogue, &epi, sizeof epi);
+    if (ok && k.bias)  // the heuristic reads the bias address for its alignment
+        ok = !g_lt.desc_set(p.desc, kLtDescBiasDataType, &bias_type, sizeof bias_type) &&
+             !g_lt.desc_set(p.desc, kLtDescBiasPointer, &bias, sizeof bias);
+    p.lw = p.lx = p.lo = nullptr;
+    ok = ok && !g_lt.layout_create(&p.lw, k.in_type, (uint64_t)k.K, (uint64_t)k.N, k.ldw) &&
+         !g_lt.layout_create(&p.lx, k.in_type, (uint64_t)k.K, (uint64_t)k.M, k.ldx) &&
+         !g_lt.layout_create(&p.lo, k.out_type, (uint64_t)k.N, (uint64_t)k.M, k.ldo);
+    // The heuristic's best algorithm whose split-K partials (if any) are summed in fp32, never in
+    // the output type.  Ranking the unfiltered list and skipping the rest keeps the heuristic's
+    // first choice where it qualifies (on the H200 it did at every measured shape: M=65 4096x14336
+    // splits K 4 ways in fp32, the rest do not split); filtering through the preference's reduction
+    // mask instead measured 200 against 184 µs at 4096^3, a worse first choice.
+    LtPref pref = nullptr;
+    LtHeuristic hs[8];
+    int found = 0, pick = -1;
+    if (ok && !g_lt.pref_create(&pref)) {
+        const uint64_t max_ws = 32ull << 20;
+        const uint32_t al[4] = {k.align[1], k.align[0], k.align[2], k.align[2]};  // A = w, B = x, C = D = out
+        ok = !g_lt.pref_set(pref, kLtPrefMaxWorkspace, &max_ws, sizeof max_ws);
+        for (int i = 0; i < 4 && ok; i++) ok = !g_lt.pref_set(pref, kLtPrefAlignA + i, &al[i], sizeof al[i]);
+        ok = ok && !g_lt.heuristic(g_handles[k.dev], p.desc, p.lw, p.lx, p.lo, p.lo, pref, 8, hs, &found);
+        for (int i = 0; ok && i < found && pick < 0; i++) {
+            uint32_t splits = 1, scheme = 0;
+            size_t w1 = 0, w2 = 0;
+            if (hs[i].state || g_lt.algo_config_get(&hs[i].algo, kLtAlgoSplitK, &splits, sizeof splits, &w1) ||
+                g_lt.algo_config_get(&hs[i].algo, kLtAlgoReduction, &scheme, sizeof scheme, &w2))
+                continue;
+            if (splits <= 1 || scheme == kLtReduceComputeType) pick = i;
+        }
+        g_lt.pref_destroy(pref);
+        ok = ok && pick >= 0;
+    } else {
+        ok = false;
+    }
+    if (!ok) {
+        if (p.lw) g_lt.layout_destroy(p.lw);
+        if (p.lx) g_lt.layout_destroy(p.lx);
+        if (p.lo) g_lt.layout_destroy(p.lo);
+        g_lt.desc_destroy(p.desc);
+        return nullptr;
+    }
+    p.algo = hs[pick].algo;
+    p.workspace = hs[pick].workspace_size;
+    if (g_nplans < kLtPlans) {
+        g_plans[g_nplans] = p;
+        return &g_plans[g_nplans++];
+    }
+    LtPlan &slot = g_plans[g_next_evict];  // full: replace round-robin
+    g_next_evict = (g_next_evict + 1) % kLtPlans;
+    lt_free_plan(slot);
+    slot = p;
+    return &slot;
+}
+
+// out (out_type, ld ldo) = x w^T (+ bias) on stream: 0, a CUDA error, or QK_E_UNSUPPORTED where
+// cuBLASLt is absent or declines (nothing was enqueued then).
+int lt_matmul(const qk_linear_args *a, const void *w, int64_t ldw, void *out, int out_type, int64_t ldo, const void *bias,
+              cudaStream_t stream) {
+    int dev;
+    QK_CUDA_TRY(cudaGetDevice(&dev));
+    if (dev < 0 || dev >= 64) return QK_E_UNSUPPORTED;
+    LtKey k;
+    memset(&k, 0, sizeof k);  // the key is compared bytewise
+    k.dev = dev;
+    k.in_type = a->dtype == QK_BF16 ? kLtR16BF : kLtR16F;
+    k.out_type = out_type;
+    k.bias = bias != nullptr;
+    k.M = a->M, k.N = a->N, k.K = a->K;
+    k.ldx = a->x_stride, k.ldw = ldw, k.ldo = ldo;
+    k.align[0] = lt_align(a->x), k.align[1] = lt_align(w), k.align[2] = lt_align(out), k.align[3] = bias ? lt_align(bias) : 0;
+    pthread_mutex_lock(&g_lt_mu);
+    LtPlan *p = lt_plan(k, bias);
+    int st = QK_E_UNSUPPORTED;
+    if (p) {
+        void *ws = nullptr;
+        cudaError_t e = p->workspace ? cudaMallocAsync(&ws, p->workspace, stream) : cudaSuccess;
+        if (e == cudaSuccess && bias) e = g_lt.desc_set(p->desc, kLtDescBiasPointer, &bias, sizeof bias) ? cudaErrorInvalidValue : cudaSuccess;
+        if (e == cudaSuccess) {
+            const float one = 1.f, zero = 0.f;
+            const int s = g_lt.matmul(g_handles[dev], p->desc, &one, w, p->lw, a->x, p->lx, &zero, out, p->lo, out, p->lo,
+                                      &p->algo, ws, p->workspace, stream);
+            // A refusal enqueues nothing: the tile kernels take the call.  A CUDA error is reported.
+            const cudaError_t last = cudaGetLastError();
+            e = s == 0 ? last : last != cudaSuccess ? last : s == kLtStatusAllocFailed ? cudaErrorMemoryAllocation : cudaSuccess;
+            st = s == 0 || e != cudaSuccess ? (int)e : QK_E_UNSUPPORTED;
+        } else {
+            st = (int)e;
+        }
+        if (ws) {
+            const cudaError_t f = cudaFreeAsync(ws, stream);
+            if (st == QK_OK && f != cudaSuccess) st = (int)f;
+        }
+    }
+    pthread_mutex_unlock(&g_lt_mu);
+    return st;
+}
+
+// out[m, n] = up * silu(gate) from the two fp32 products ([M, N] each, contiguous), one rounding.
+// Rows along y, four columns a thread where N % 4 == 0 and out's rows take 8-byte stores (no 64-bit
+// division per element: a flat index measured the combine at ~35 µs for M=512 x 14336).
+__device__ __forceinline__ float lt_swish_mul(float u, float g) { return u * (g / (1.f + expf(-g))); }  // as linear.cu
+
+template <typename T, bool kVec4>
+__global__ void lt_swiglu_combine(const float *up, const float *gate, T *out, int64_t M, int64_t N, int64_t ldo) {
+    for (int64_t m = blockIdx.y; m < M; m += gridDim.y) {
+        const float *u = up + m * N, *g = gate + m * N;
+        T *o = out + m * ldo;
+        if (kVec4) {
+            for (int64_t n = 4 * ((int64_t)blockIdx.x * blockDim.x + threadIdx.x); n < N; n += 4 * (int64_t)gridDim.x * blockDim.x) {
+                const float4 uv = *reinterpret_cast<const float4 *>(u + n), gv = *reinterpret_cast<const float4 *>(g + n);
+                const T r[4] = {qk_from_float<T>(lt_swish_mul(uv.x, gv.x)), qk_from_float<T>(lt_swish_mul(uv.y, gv.y)),
+                                qk_from_float<T>(lt_swish_mul(uv.z, gv.z)), qk_from_float<T>(lt_swish_mul(uv.w, gv.w))};
+                *reinterpret_cast<uint2 *>(o + n) = *reinterpret_cast<const uint2 *>(r);
+            }
+        } else {
+            for (int64_t n = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; n < N; n += (int64_t)gridDim.x * blockDim.x)
+                o[n] = qk_from_float<T>(lt_swish_mul(u[n], g[n]));
+        }
+    }
+}
+
+template <typename T>
+int lt_combine(const float *scratch, const qk_linear_args *a, cudaStream_t stream) {
+    const int64_t each = a->M * a->N;
+    const bool vec = a->N % 4 == 0 && a->out_stride % 4 == 0 && (uintptr_t)a->out % 8 == 0;
+    const int64_t per_block = vec ? 1024 : 256;
+    const int64_t bx = (a->N + per_block - 1) / per_block;
+    const dim3 grid((unsigned)(bx < 1024 ? bx : 1024), (unsigned)(a->M < 65535 ? a->M : 65535));
+    T *out = static_cast<T *>(a->out);
+    if (vec) lt_swiglu_combine<T, true><<<grid, 256, 0, stream>>>(scratch, scratch + each, out, a->M, a->N, a->out_stride);
+    else lt_swiglu_combine<T, false><<<grid, 256, 0, stream>>>(scratch, scratch + each, out, a->M, a->N, a->out_stride);
+    return (int)cudaGetLastError();
+}
+
+bool lt_shape_ok(const qk_linear_args *a) {
+    // cuBLASLt's leading dimensions must cover the rows; the rest goes to the tile kernels.
+    return (a->dtype == QK_BF16 || a->dtype == QK_F16) && a->M > 0 && a->N > 0 && a->K > 0 && a->x_stride >= a->K &&
+           a->w_stride >= a->K && a->out_stride >= a->N && a->M < (1ll << 31) && a->N < (1ll << 31) && a->K < (1ll << 31);
+}
+
+}  // namespace
+
+// M > 64 (the caller decides) through cuBLASLt; QK_E_UNSUPPORTED where it is absent or declines.
+extern "C" int qk_linear_lt(const qk_linear_args *a, int swiglu, cudaStream_t stream) {
+    pthread_once(&g_lt_once, lt_load);
+    if (!g_lt_ok || !lt_shape_ok(a)) return QK_E_UNSUPPORTED;
+    if (swiglu && a->gate_stride < a->K) return QK_E_UNSUPPORTED;
+    const int out_type = a->dtype == QK_BF16 ? kLtR16BF : kLtR16F;
+    if (!swiglu) {
+        if (a->bias && a->bias_stride != 1) return QK_E_UNSUPPORTED;  // the epilogue reads a contiguous bias
+        return lt_matmul(a, a->w, a->w_stride, a->out, out_type, a->out_stride, a->bias, stream);
+    }
+    const size_t each = (size_t)a->M * (size_t)a->N;
+    float *scratch = nullptr;
+    QK_CUDA_TRY(cudaMallocAsync((void **)&scratch, 2 * each * sizeof(float), stream));
+    int st = lt_matmul(a, a->w, a->w_stride, scratch, kLtR32F, a->N, nullptr, stream);
+    if (st == QK_OK) st = lt_matmul(a, a->gate, a->gate_stride, scratch + each, kLtR32F, a->N, nullptr, stream);
+    if (st == QK_OK) st = a->dtype == QK_BF16 ? lt_combine<__nv_bfloat16>(scratch, a, stream) : lt_combine<__half>(scratch, a, stream);
+    const cudaError_t f = cudaFreeAsync(scratch, stream);
+    return st != QK_OK ? st : (int)f;
+}
