@@ -13,11 +13,12 @@
 //
 // No cuBLAS header ships with every toolkit image (this machine's has none), so the few ABI pieces
 // used are declared below from cublasLt.h's documented values.  The library: the copy already
-// loaded (torch's), else QKERNELS_CUBLASLT (a path; the Python package points it at the nvidia
-// wheel when one is installed), else libcublasLt.so.13 by name, else the toolkit's lib64.  Absent or of
+// loaded (torch's), else QKERNELS_CUBLASLT (a path), else libcublasLt.so.13 by name, else the
+// nvidia wheel beside an installed qkernels, else the toolkit's lib64.  Absent or of
 // another major version: QK_E_UNSUPPORTED, and linear.cu's tile kernels run.
 #include "common.cuh"
 #include <dlfcn.h>
+#include <glob.h>
 #include <initializer_list>
 #include <type_traits>
 #include <pthread.h>
@@ -74,12 +75,31 @@ LtApi g_lt;
 bool g_lt_ok = false;
 pthread_once_t g_lt_once = PTHREAD_ONCE_INIT;
 
+// The nvidia wheel's copy (what torch, CuPy and JAX install) beside an installed qkernels:
+// <site-packages>/nvidia/*/lib/libcublasLt.so.13, site-packages being two levels above this library.
+void *lt_open_wheel() {
+    Dl_info info;
+    if (!dladdr((const void *)&lt_open_wheel, &info) || !info.dli_fname) return nullptr;
+    char pattern[4096];
+    const char *slash = strrchr(info.dli_fname, '/');
+    if (!slash) return nullptr;
+    snprintf(pattern, sizeof pattern, "%.*s/../nvidia/*/lib/libcublasLt.so.13", (int)(slash - info.dli_fname), info.dli_fname);
+    glob_t g;
+    void *h = nullptr;
+    if (glob(pattern, 0, nullptr, &g) == 0) {
+        for (size_t i = 0; i < g.gl_pathc && !h; i++) h = dlopen(g.gl_pathv[i], RTLD_NOW | RTLD_LOCAL);
+        globfree(&g);
+    }
+    return h;
+}
+
 void *lt_open() {
     // One already in the process (torch's) first: a second copy would work but cost memory.
     if (void *h = dlopen("libcublasLt.so.13", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD)) return h;
     if (const char *p = getenv("QKERNELS_CUBLASLT"))
         if (void *h = dlopen(p, RTLD_NOW | RTLD_LOCAL)) return h;
     if (void *h = dlopen("libcublasLt.so.13", RTLD_NOW | RTLD_LOCAL)) return h;
+    if (void *h = lt_open_wheel()) return h;
     char path[4096];
     for (const char *env : {"CUDA_HOME", "CUDA_PATH"}) {
         const char *root = getenv(env);

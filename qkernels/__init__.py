@@ -16,24 +16,6 @@ except ImportError as e:  # the source tree, imported without a built extension 
         "(or `python setup.py build_ext --inplace`), or run from outside the source tree after "
         f"`pip install .` ({e})") from e
 from ._C import Tensor, from_dlpack
-
-
-def _point_at_cublaslt() -> None:
-    """linear and swiglu past M = 64 call cuBLASLt (kernels/linear_lt.cu), loaded at first use: the
-    copy already in the process, else QKERNELS_CUBLASLT, which this sets to the nvidia wheel's copy
-    (what torch and CuPy install) when unset, else the system's.  Without one the own kernels run."""
-    if os.environ.get("QKERNELS_CUBLASLT"):
-        return
-    import glob
-    import sys
-    for root in sys.path:
-        hits = sorted(glob.glob(os.path.join(root or ".", "nvidia", "*", "lib", "libcublasLt.so.13")))
-        if hits:
-            os.environ["QKERNELS_CUBLASLT"] = hits[0]
-            return
-
-
-_point_at_cublaslt()
 from ._dispatch import (
     BACKENDS,
     FAMILIES,
