@@ -2,6 +2,7 @@
  * Python layer needs besides the ops. */
 #define _GNU_SOURCE /* dladdr */
 #include "qk.h"
+#include "cpu/cpu.h"
 
 #include <dlfcn.h>
 
@@ -153,6 +154,24 @@ fail:
     return NULL;
 }
 
+static PyObject *qk_parallel_selftest_py(PyObject *module, PyObject *args) {
+    (void)module;
+    int jobs, few, many;
+    if (!PyArg_ParseTuple(args, "iii:_parallel_selftest", &jobs, &few, &many)) return NULL;
+    if (jobs < 1 || few < 1 || many < 1 || few > 64 || many > 64) {
+        PyErr_Format(PyExc_ValueError, "_parallel_selftest: expected jobs >= 1 and thread counts in [1, 64], got %d, %d, %d",
+                     jobs, few, many);
+        return NULL;
+    }
+    int64_t bad = 0, late = 0;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = qk_parallel_selftest(jobs, few, many, &bad, &late);
+    Py_END_ALLOW_THREADS
+    if (qk_raise_status("_parallel_selftest", status) < 0) return NULL;
+    return Py_BuildValue("(LL)", (long long)bad, (long long)late);
+}
+
 static PyObject *qk_live_storages(PyObject *module, PyObject *Py_UNUSED(ignored)) {
     (void)module;
     return PyLong_FromLong(qk_tensor_live_storages());
@@ -298,6 +317,9 @@ static PyMethodDef qk_methods[] = {
      "_configure(*, check_indices=None, use_exchange_api=None, num_threads=None)\n--\n\n"
      "Change debug settings (normally from QKERNELS_CHECK, QKERNELS_NO_EXCHANGE_API, QKERNELS_NUM_THREADS); "
      "returns the previous ones."},
+    {"_parallel_selftest", (PyCFunction)qk_parallel_selftest_py, METH_VARARGS,
+     "_parallel_selftest(jobs, few, many)\n--\n\n(shares that ran other than once, shares still running after "
+     "their call returned) over `jobs` CPU-pool calls alternating between `few` and `many` threads (for tests)."},
     {"_live_storages", (PyCFunction)qk_live_storages, METH_NOARGS,
      "_live_storages()\n--\n\nNumber of qkernels.Tensor memory blocks not yet freed (for leak tests)."},
     {NULL, NULL, 0, NULL},

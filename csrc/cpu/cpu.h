@@ -38,6 +38,10 @@ static inline void qk_share(int64_t n, int tid, int nthreads, int64_t *begin, in
 typedef void (*qk_worker_fn)(void *ctx, int tid, int nthreads);
 int qk_parallel_run(int nthreads, qk_worker_fn fn, void *ctx);
 
+/* Test of the pool: `jobs` calls alternating between `few` and `many` threads; *bad_runs counts
+ * shares that ran other than once, *late_runs shares still running after their call returned. */
+int qk_parallel_selftest(int jobs, int few, int many, int64_t *bad_runs, int64_t *late_runs);
+
 /* Threads worth using for `work` multiply-adds: one per ~1M, at most max_threads. */
 int qk_threads_for(int64_t work, int max_threads);
 

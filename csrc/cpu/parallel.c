@@ -13,8 +13,10 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <time.h>
 
 #define QK_POOL_MAX 64
+_Static_assert(QK_POOL_MAX < 256, "a job's thread count fits the low byte of pool.gen");
 #define QK_SPIN 2000 /* pause-loop iterations before sleeping: ~0.1 ms */
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -28,11 +30,15 @@ static struct {
     pthread_mutex_t mu;    /* with cv: sleeping workers */
     pthread_cond_t cv;
     int nworkers;
-    atomic_ulong gen; /* bumped once per job */
+    /* (job number << 8) | the job's thread count: one word, so a worker decides from what it read
+     * whether it takes part.  Workers that sit a job out are not waited for; had they read the
+     * count from a field of its own, the next job could rewrite it first, and a worker woken for a
+     * small job would run a share of the next one twice, the second time after its call returned
+     * (on its freed context: a rare SIGSEGV; qk_parallel_selftest counts such shares). */
+    atomic_ulong gen;
     atomic_int remaining;
-    qk_worker_fn fn;
+    qk_worker_fn fn; /* read only by the job's participants, which the caller waits for */
     void *ctx;
-    int nthreads;
     unsigned long start_gen[QK_POOL_MAX];
 } pool = {.owner = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
@@ -67,10 +73,11 @@ static void *pool_worker(void *arg) {
             break;
         }
         seen = g;
-        /* fn, ctx and nthreads were written before gen (release) and read after it (acquire); the
-         * next job cannot start before every participant of this one has counted itself done. */
-        if (id + 1 < pool.nthreads) {
-            pool.fn(pool.ctx, id + 1, pool.nthreads);
+        /* fn and ctx were written before gen (release) and are read after it (acquire), by
+         * participants only: the next job cannot start before each has counted itself done. */
+        const int nthreads = (int)(g & 0xff);
+        if (id + 1 < nthreads) {
+            pool.fn(pool.ctx, id + 1, nthreads);
             atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_release);
         }
     }
@@ -139,10 +146,10 @@ int qk_parallel_run(int nthreads, qk_worker_fn fn, void *ctx) {
     }
     pool.fn = fn;
     pool.ctx = ctx;
-    pool.nthreads = nthreads;
     atomic_store_explicit(&pool.remaining, nthreads - 1, memory_order_relaxed);
     pthread_mutex_lock(&pool.mu);
-    atomic_fetch_add_explicit(&pool.gen, 1, memory_order_release);
+    const unsigned long g = atomic_load_explicit(&pool.gen, memory_order_relaxed); /* only the owner writes it */
+    atomic_store_explicit(&pool.gen, (((g >> 8) + 1) << 8) | (unsigned long)nthreads, memory_order_release);
     pthread_cond_broadcast(&pool.cv);
     pthread_mutex_unlock(&pool.mu);
     fn(ctx, 0, nthreads);
@@ -160,3 +167,47 @@ int qk_threads_for(int64_t work, int max_threads) {
     if (t < 1) t = 1;
     return (int)(t < max_threads ? t : max_threads);
 }
+
+/* ---- a self-test of the pool (tests/test_parallel.py) ----------------------------------------
+ * Jobs alternate between few and many threads, as the CPU ops' thread counts do from one call to
+ * the next; every share records itself in its job's row, and a share still running after its
+ * qk_parallel_run returned records that too.  The rows live on the heap until the end, so a late
+ * share never touches freed memory. */
+typedef struct {
+    atomic_int runs[QK_POOL_MAX];
+    atomic_int finished; /* set once qk_parallel_run has returned */
+    atomic_int late;
+} selftest_job;
+
+static void selftest_share(void *ctx, int tid, int nthreads) {
+    selftest_job *j = ctx;
+    (void)nthreads;
+    for (volatile int i = 0; i < 64; i++) { /* a little work, so shares overlap the next job's set-up */
+    }
+    atomic_fetch_add(&j->runs[tid], 1);
+    if (atomic_load(&j->finished)) atomic_fetch_add(&j->late, 1);
+}
+
+int qk_parallel_selftest(int jobs, int few, int many, int64_t *bad_runs, int64_t *late_runs) {
+    if (jobs < 1 || few < 1 || many < 1 || few > QK_POOL_MAX || many > QK_POOL_MAX) return QK_E_UNSUPPORTED;
+    selftest_job *rows = calloc((size_t)jobs, sizeof *rows);
+    if (!rows) return QK_E_NOMEM;
+    int status = QK_OK;
+    for (int i = 0; i < jobs && status == QK_OK; i++) {
+        status = qk_parallel_run(i % 2 ? many : few, selftest_share, &rows[i]);
+        atomic_store(&rows[i].finished, 1);
+    }
+    struct timespec pause = {0, 20 * 1000 * 1000}; /* let any straggler finish before counting */
+    nanosleep(&pause, NULL);
+    int64_t bad = 0, late = 0;
+    for (int i = 0; i < jobs; i++) {
+        const int n = i % 2 ? many : few;
+        for (int t = 0; t < QK_POOL_MAX; t++) bad += atomic_load(&rows[i].runs[t]) != (t < n);
+        late += atomic_load(&rows[i].late);
+    }
+    free(rows);
+    *bad_runs = bad;
+    *late_runs = late;
+    return status;
+}
+
