@@ -91,10 +91,8 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
     extern __shared__ __align__(128) unsigned char smem[];
     T *sq = reinterpret_cast<T *>(smem);                 // [kM][D]
     unsigned char *pipe = smem + kM * D * 2;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // The combine kernel may be scheduled now; it waits for this grid's end before reading.
-    if (!kCluster) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
+    if (!kCluster) qk_dependent_launch();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int split = blockIdx.x, b = blockIdx.z;
     const int G = (int)(a.Hq / a.Hkv), groups = (G + kM - 1) / kM;
@@ -420,9 +418,7 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
 template <int D, bool kWide> __host__ __device__ constexpr int combine_slices() { return kWide ? (D + 31) / 32 : 1; }
 template <typename T, int D, bool kWide>
 __global__ void __launch_bounds__(kThreads) decode_combine(qk_attn_decode_args a, const float *ws, int nsplit) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
+    qk_dependent_wait();
     constexpr int kSlices = combine_slices<D, kWide>();
     constexpr int kPer = kWide ? 1 : (D + 31) / 32;     // columns per lane, 32 apart
     const int64_t wid = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);

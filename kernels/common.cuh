@@ -118,6 +118,13 @@ inline cudaLaunchConfig_t qk_launch_config(dim3 grid, dim3 block, size_t smem, c
     cfg.numAttrs = n;
     return cfg;
 }
+// The attribute that makes a launch a programmatic dependent of the previous kernel on its stream.
+inline cudaLaunchAttribute qk_dependent_attr() {
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    return attr;
+}
 inline cudaLaunchAttribute qk_cluster_attr(unsigned x) {
     cudaLaunchAttribute attr = {};
     attr.id = cudaLaunchAttributeClusterDimension;
@@ -133,31 +140,34 @@ inline int qk_launch_clusters(const void *kernel, dim3 grid, dim3 block, size_t 
     if (cs == 1)
         return dependent ? qk_launch_dependent(kernel, grid, block, smem, stream, args)
                          : qk_launch(kernel, grid, block, smem, stream, args);
-    cudaLaunchAttribute attr[2] = {qk_cluster_attr(cs), {}};
-    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[1].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchAttribute attr[2] = {qk_cluster_attr(cs), qk_dependent_attr()};
     const cudaLaunchConfig_t cfg = qk_launch_config(grid, block, smem, stream, attr, dependent ? 2 : 1);
     return (int)cudaLaunchKernelExC(&cfg, kernel, args);
 }
 
 // In a kernel launched as a programmatic dependent: wait until the previous kernel on the stream
-// has finished and its writes are visible (nothing in global memory may be touched before).  The
-// next kernel is scheduled when this one ends.  No-op on a plain launch and before sm_90.
+// has finished and its writes are visible (nothing in global memory may be touched before).
+// Without qk_dependent_launch the next kernel is scheduled when this one ends.  No-op on a plain
+// launch and before sm_90.
 __device__ __forceinline__ void qk_dependent_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
-// The same, then let the next kernel be scheduled at once (it waits the same way, so that is always
-// safe).  Only for a grid of one CTA per SM that holds its SM to the end (the row kernel): in the
-// GEMV, whose blocks share SMs, the early trigger cost 2-5 µs a call (H200, graph replay: linear
-// 14336x4096 M=1 31.6 against 29.1 without a trigger, swiglu M=1 61.5 against 56.2).
-__device__ __forceinline__ void qk_dependent_start() {
-    qk_dependent_wait();
+// Let the next kernel on the stream be scheduled now (it waits with qk_dependent_wait, so that is
+// always safe).  Where blocks share SMs the early start can cost: in the GEMV 2-5 µs a call (H200,
+// graph replay: linear 14336x4096 M=1 31.6 against 29.1 without it, swiglu M=1 61.5 against 56.2),
+// where the row kernel, one CTA per SM to the end, gains 1.1-1.6 µs; the wgmma kernel (up to two
+// CTAs per SM, untimed shapes) and the decode split kernel use it unmeasured.
+__device__ __forceinline__ void qk_dependent_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+
+// swiglu's epilogue in fp32, before its one rounding: up * silu(gate), silu(g) = g / (1 + e^-g)
+// (the CPU kernel, csrc/cpu/linear.c, computes the same expression).
+__device__ __forceinline__ float qk_silu_mul(float up, float gate) { return up * (gate / (1.f + expf(-gate))); }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // The sum over the ranks 0 .. cs-1 of a thread-block cluster of the float at `p` in each rank's

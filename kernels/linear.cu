@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) lin_kernel(qk_line
         float y;
         if (C::kSwi) {
             const float gv = v[NW - 1];
-            y = v[0] * (gv / (1.f + expf(-gv)));
+            y = qk_silu_mul(v[0], gv);
         } else {
             y = v[0];
             if (bias) y += qk_to_float(bias[n * a.bias_stride]);
@@ -427,7 +427,7 @@ __global__ void __launch_bounds__(kGemvThreads, MM == 1 ? 4 : 1) lin_gemv(qk_lin
             if (lane != (r * MM + m) % 32 || m >= M || n >= a.N) continue;
             float y;
             if (kSwiglu) {
-                y = v[0] * (v[NW - 1] / (1.f + expf(-v[NW - 1])));
+                y = qk_silu_mul(v[0], v[NW - 1]);
             } else {
                 y = v[0];
                 if (bias) y += qk_to_float(bias[n * a.bias_stride]);

@@ -152,7 +152,8 @@ struct LtPlan {
 constexpr int kLtPlans = 64;
 LtPlan g_plans[kLtPlans];
 int g_nplans = 0, g_next_evict = 0;
-LtHandle g_handles[64];
+constexpr int kLtDevices = 64;
+LtHandle g_handles[kLtDevices];
 pthread_mutex_t g_lt_mu = PTHREAD_MUTEX_INITIALIZER;
 
 uint32_t lt_align(const void *p) {
@@ -162,11 +163,10 @@ uint32_t lt_align(const void *p) {
     return a;
 }
 
-void lt_free_plan(LtPlan &p) {
-    g_lt.layout_destroy(p.lw);
-    g_lt.layout_destroy(p.lx);
-    g_lt.layout_destroy(p.lo);
-    g_lt.desc_destroy(p.desc);
+void lt_free_plan(LtPlan &p) {  // also a partly built one: what was not created is null
+    for (LtLayout l : {p.lw, p.lx, p.lo})
+        if (l) g_lt.layout_destroy(l);
+    if (p.desc) g_lt.desc_destroy(p.desc);
 }
 
 // The plan for key (g_lt_mu held): cached, or built and cached; nullptr where cuBLASLt offers none.
@@ -185,7 +185,6 @@ LtPlan *lt_plan(const LtKey &k, const void *bias) {
     if (ok && k.bias)  // the heuristic reads the bias address for its alignment
         ok = !g_lt.desc_set(p.desc, kLtDescBiasDataType, &bias_type, sizeof bias_type) &&
              !g_lt.desc_set(p.desc, kLtDescBiasPointer, &bias, sizeof bias);
-    p.lw = p.lx = p.lo = nullptr;
     ok = ok && !g_lt.layout_create(&p.lw, k.in_type, (uint64_t)k.K, (uint64_t)k.N, k.ldw) &&
          !g_lt.layout_create(&p.lx, k.in_type, (uint64_t)k.K, (uint64_t)k.M, k.ldx) &&
          !g_lt.layout_create(&p.lo, k.out_type, (uint64_t)k.N, (uint64_t)k.M, k.ldo);
@@ -217,10 +216,7 @@ LtPlan *lt_plan(const LtKey &k, const void *bias) {
         ok = false;
     }
     if (!ok) {
-        if (p.lw) g_lt.layout_destroy(p.lw);
-        if (p.lx) g_lt.layout_destroy(p.lx);
-        if (p.lo) g_lt.layout_destroy(p.lo);
-        g_lt.desc_destroy(p.desc);
+        lt_free_plan(p);
         return nullptr;
     }
     p.algo = hs[pick].algo;
@@ -242,7 +238,7 @@ int lt_matmul(const qk_linear_args *a, const void *w, int64_t ldw, void *out, in
               cudaStream_t stream) {
     int dev;
     QK_CUDA_TRY(cudaGetDevice(&dev));
-    if (dev < 0 || dev >= 64) return QK_E_UNSUPPORTED;
+    if (dev < 0 || dev >= kLtDevices) return QK_E_UNSUPPORTED;
     LtKey k;
     memset(&k, 0, sizeof k);  // the key is compared bytewise
     k.dev = dev;
@@ -263,10 +259,11 @@ int lt_matmul(const qk_linear_args *a, const void *w, int64_t ldw, void *out, in
             const float one = 1.f, zero = 0.f;
             const int s = g_lt.matmul(g_handles[dev], p->desc, &one, w, p->lw, a->x, p->lx, &zero, out, p->lo, out, p->lo,
                                       &p->algo, ws, p->workspace, stream);
-            // A refusal enqueues nothing: the tile kernels take the call.  A CUDA error is reported.
+            // A CUDA error is reported; a refusal enqueues nothing: the tile kernels take the call.
             const cudaError_t last = cudaGetLastError();
-            e = s == 0 ? last : last != cudaSuccess ? last : s == kLtStatusAllocFailed ? cudaErrorMemoryAllocation : cudaSuccess;
-            st = s == 0 || e != cudaSuccess ? (int)e : QK_E_UNSUPPORTED;
+            if (last != cudaSuccess) st = (int)last;
+            else if (s == 0) st = QK_OK;
+            else st = s == kLtStatusAllocFailed ? (int)cudaErrorMemoryAllocation : QK_E_UNSUPPORTED;
         } else {
             st = (int)e;
         }
@@ -282,8 +279,6 @@ int lt_matmul(const qk_linear_args *a, const void *w, int64_t ldw, void *out, in
 // out[m, n] = up * silu(gate) from the two fp32 products ([M, N] each, contiguous), one rounding.
 // Rows along y, four columns a thread where N % 4 == 0 and out's rows take 8-byte stores (no 64-bit
 // division per element: a flat index measured the combine at ~35 µs for M=512 x 14336).
-__device__ __forceinline__ float lt_swish_mul(float u, float g) { return u * (g / (1.f + expf(-g))); }  // as linear.cu
-
 template <typename T, bool kVec4>
 __global__ void lt_swiglu_combine(const float *up, const float *gate, T *out, int64_t M, int64_t N, int64_t ldo) {
     for (int64_t m = blockIdx.y; m < M; m += gridDim.y) {
@@ -292,13 +287,13 @@ __global__ void lt_swiglu_combine(const float *up, const float *gate, T *out, in
         if (kVec4) {
             for (int64_t n = 4 * ((int64_t)blockIdx.x * blockDim.x + threadIdx.x); n < N; n += 4 * (int64_t)gridDim.x * blockDim.x) {
                 const float4 uv = *reinterpret_cast<const float4 *>(u + n), gv = *reinterpret_cast<const float4 *>(g + n);
-                const T r[4] = {qk_from_float<T>(lt_swish_mul(uv.x, gv.x)), qk_from_float<T>(lt_swish_mul(uv.y, gv.y)),
-                                qk_from_float<T>(lt_swish_mul(uv.z, gv.z)), qk_from_float<T>(lt_swish_mul(uv.w, gv.w))};
+                const T r[4] = {qk_from_float<T>(qk_silu_mul(uv.x, gv.x)), qk_from_float<T>(qk_silu_mul(uv.y, gv.y)),
+                                qk_from_float<T>(qk_silu_mul(uv.z, gv.z)), qk_from_float<T>(qk_silu_mul(uv.w, gv.w))};
                 *reinterpret_cast<uint2 *>(o + n) = *reinterpret_cast<const uint2 *>(r);
             }
         } else {
             for (int64_t n = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; n < N; n += (int64_t)gridDim.x * blockDim.x)
-                o[n] = qk_from_float<T>(lt_swish_mul(u[n], g[n]));
+                o[n] = qk_from_float<T>(qk_silu_mul(u[n], g[n]));
         }
     }
 }

@@ -11,8 +11,8 @@
 // near the SM's shared-memory bandwidth at the copy rate (measured 0.51-0.71x cuBLAS at M = 64).
 // wgmma reads both operands from shared memory once per warpgroup: 2 bytes per weight byte at
 // M = 64.  Work: a CTA owns kLBN = 128 weight rows (two consumer warpgroups of 64) and all M rows
-// of x; a producer warp's first thread copies 64-wide K steps of W ([128][64]) and x ([64][64],
-// rows past M zero-filled by the copy engine) with TMA in the 128-byte swizzle into a
+// of x; a producer warp's first thread copies 64-wide K steps of W ([128][64]) and x ([M][64],
+// rows_x_box) with TMA in the 128-byte swizzle into a
 // kLStages-deep ring of 'full' (bytes landed) and 'empty' (both consumer warpgroups done)
 // mbarriers.  When the weight tiles alone cannot fill the GPU, a cluster of up to 8 CTAs splits K
 // and their partial tiles are added through distributed shared memory in rank order, as in
@@ -43,6 +43,12 @@ constexpr int kLLD = kLBN + 4;  // padded row of the reduction tile
 constexpr size_t kLRing = (size_t)kLStages * kLStageBytes, kLTile = (size_t)kLMX * kLLD * 4;
 constexpr size_t kLSmem = 1024 + (kLRing > kLTile ? kLRing : kLTile);  // +1024: stages on 1024-byte boundaries
 
+// x's box in both kernels: its M rows, at most NX.  A box that ran past M would have the copy engine
+// zero-fill the rest on every stage, which measured slow (H200, µs, M rows against NX: 4096x14336
+// M=40 31.9 against 43.3, 4096x4096 M=33 10.8 against 15.7).  The ring's rows past M keep stale
+// values; they meet only the accumulators of x rows past M, which nobody stores.
+__host__ __device__ inline int rows_x_box(int64_t M, int NX) { return M < NX ? (int)M : NX; }
+
 template <typename T>
 __global__ void __launch_bounds__(kLThreads, 2)
     lin_wgmma(const __grid_constant__ CUtensorMap tw, const __grid_constant__ CUtensorMap tx, qk_linear_args a, int cs) {
@@ -69,7 +75,9 @@ __global__ void __launch_bounds__(kLThreads, 2)
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    qk_dependent_start();  // launched by qk_launch_clusters(..., dependent): the set-up above may overlap
+    // Launched by qk_launch_clusters(..., dependent): the set-up above may overlap the previous kernel.
+    qk_dependent_wait();
+    qk_dependent_launch();
     __syncthreads();
 
     float acc[32];
@@ -77,9 +85,7 @@ __global__ void __launch_bounds__(kLThreads, 2)
     for (int i = 0; i < 32; i++) acc[i] = 0.f;
     if (warp == 4 * kLWG) {  // the producer warp
         if (lane == 0) {
-            // x's box holds its M rows (rows_x_box): the ring's rows past M keep stale values that
-            // meet only accumulators nobody stores.
-            const uint32_t bytes = kLWBytes + (uint32_t)(a.M < kLMX ? a.M : kLMX) * kLKC * 2;
+            const uint32_t bytes = kLWBytes + (uint32_t)rows_x_box(a.M, kLMX) * kLKC * 2;
             for (int i = 0; i < nst; i++) {
                 const int st = i % kLStages, ph = (i / kLStages) & 1;
                 if (i >= kLStages) mbar_wait(empty(st), ph ^ 1);
@@ -168,7 +174,7 @@ bool lin_map(CUtensorMap *tm, const void *base, int dtype, int64_t rows, int64_t
 template <typename T> int lin_wgmma_run(const qk_linear_args *a, cudaStream_t stream) {
     alignas(64) CUtensorMap tw, tx;
     if (!lin_map(&tw, a->w, a->dtype, a->N, a->K, a->w_stride, kLBN) ||
-        !lin_map(&tx, a->x, a->dtype, a->M, a->K, a->x_stride, a->M < kLMX ? (int)a->M : kLMX))
+        !lin_map(&tx, a->x, a->dtype, a->M, a->K, a->x_stride, rows_x_box(a->M, kLMX)))
         return QK_E_UNSUPPORTED;
     const void *kernel = (const void *)lin_wgmma<T>;
     int per_sm, sms;
@@ -206,11 +212,6 @@ template <typename T> int lin_wgmma_run(const qk_linear_args *a, cudaStream_t st
 // SW > 0 (swapped operands, for boxes of at most SW rows at M > 32): x's 64 rows are the m64
 // operand and the box's weight rows the n = SW one, so a 32-row box does not pad an m64 block
 // with 32 rows of nothing.
-// x's box: its M rows, at most NX.  A box that ran past M would have the copy engine zero-fill the
-// rest on every stage, which measured slow (H200, µs, M rows against NX: 4096x14336 M=40 31.9
-// against 43.3, 4096x4096 M=33 10.8 against 15.7).  The ring's rows past M keep stale
-// values; they meet only the accumulators of x rows past M, which nobody stores.
-inline int rows_x_box(int64_t M, int NX) { return M < NX ? (int)M : NX; }
 
 template <int NX, int MB, bool kSwiglu, bool kAlt, int SW> struct rows_cfg {
     static constexpr int NW = kSwiglu ? 2 : 1;               // weight matrices (up, gate)
@@ -257,11 +258,12 @@ __global__ void __launch_bounds__(rows_cfg<NX, MB, kSwiglu, kAlt, SW>::kThreads,
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    // A programmatic dependent (qk_dependent_start): the set-up above may overlap the previous
+    // A programmatic dependent (qk_launch_dependent): the set-up above may overlap the previous
     // kernel's tail.  Measured -1.1 to -1.6 µs a call in graph replay (H200: 28672x4096 M=8 55.1
     // against 56.4, swiglu 14336x4096 M=8 56.6 against 58.1, 4096x4096 M=8 9.9 against 11.1); cuBLAS
     // overlaps consecutive calls too (its replay time, 56.6 µs, is below its ncu duration, 57.6).
-    qk_dependent_start();
+    qk_dependent_wait();
+    qk_dependent_launch();
     __syncthreads();
 
     float acc[NW * C::kBPW][NA];  // [q * BPW + b]: weight q, m64 block b
@@ -352,8 +354,7 @@ __global__ void __launch_bounds__(rows_cfg<NX, MB, kSwiglu, kAlt, SW>::kThreads,
             const int64_t n = row0 + r;
             float y;
             if (kSwiglu) {
-                const float gv = acc[C::kBPW + b][i];
-                y = acc[b][i] * (gv / (1.f + expf(-gv)));  // as linear.cu's epilogue
+                y = qk_silu_mul(acc[b][i], acc[C::kBPW + b][i]);
             } else {
                 y = acc[b][i];
                 if (bias) y += qk_to_float(bias[n * a.bias_stride]);

@@ -79,9 +79,7 @@ int qk_launch_dependent(const void *kernel, dim3 grid, dim3 block, size_t smem, 
     int cc;
     QK_CUDA_TRY((cudaError_t)qk_device_cc(&cc));
     if (cc >= 90) {
-        cudaLaunchAttribute attr = {};
-        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr.val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchAttribute attr = qk_dependent_attr();
         const cudaLaunchConfig_t cfg = qk_launch_config(grid, block, smem, stream, &attr);
         const cudaError_t e = cudaLaunchKernelExC(&cfg, kernel, args);
         if (e == cudaSuccess) return 0;

@@ -30,11 +30,11 @@ NS = [1, 129, 4096, 14336]
 @pytest.fixture(params=["picked", "mma", "gemv", "rows"])
 def linear_kernel(request, monkeypatch):
     """linear's kernel: the one the launcher picks (cuBLASLt past M = 64 where the library loads; on
-    sm_90 the row kernel for M <= 64 with at least 16 weight rows per SM and K >= 2048, the cluster wgmma
-    kernel for the rest of 16 < M <= 64; elsewhere the CUDA-core GEMV for M = 1 and N >= 64 per SM), linear.cu's mma.sync kernel, which QKERNELS_LINEAR_KERNEL=mma
-    forces, its CUDA-core GEMV for M <= 8 (=gemv; the tile kernels elsewhere), and the sm_90
-    one-CTA-per-SM row kernel for M <= 64 (=rows; with 16-byte aligned rows and K % 8 == 0, the
-    other kernels elsewhere)."""
+    sm_90 the row kernel for M <= 64 with at least 16 weight rows per SM and K >= 2048, the cluster
+    wgmma kernel for the rest of 16 < M <= 64; elsewhere the CUDA-core GEMV for M = 1 and N >= 64 per
+    SM), linear.cu's mma.sync kernel, which QKERNELS_LINEAR_KERNEL=mma forces, its CUDA-core GEMV for
+    M <= 8 (=gemv; the tile kernels elsewhere), and the sm_90 one-CTA-per-SM row kernel for M <= 64
+    (=rows; with 16-byte aligned rows and K % 8 == 0, the other kernels elsewhere)."""
     if request.param != "picked":
         monkeypatch.setenv("QKERNELS_LINEAR_KERNEL", request.param)
     else:
