@@ -66,6 +66,30 @@ void qk_view_release(qk_view *v) {
     }
 }
 
+int qk_nbytes(int ndim, const int64_t *shape, size_t itemsize, int64_t *numel, int64_t *bytes) {
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++)
+        if (shape[i] < 0 || __builtin_mul_overflow(n, shape[i], &n)) return -1;
+    *numel = n;
+    return __builtin_mul_overflow(n, (int64_t)itemsize, bytes) ? -1 : 0;
+}
+
+int qk_view_extent(const qk_view *v, size_t itemsize, int64_t *numel, int64_t *span) {
+    int64_t bytes;
+    if (qk_nbytes(v->ndim, v->shape, itemsize, numel, &bytes) < 0) return -1;
+    /* The bytes between the lowest and the highest element, plus one element: what a kernel can touch. */
+    int64_t reach = 0;
+    for (int i = 0; i < v->ndim && *numel > 0; i++) {
+        uint64_t stride = v->strides[i] < 0 ? 0 - (uint64_t)v->strides[i] : (uint64_t)v->strides[i];
+        int64_t step;
+        if (stride > INT64_MAX || __builtin_mul_overflow(v->shape[i] - 1, (int64_t)stride, &step) ||
+            __builtin_add_overflow(reach, step, &reach))
+            return -1;
+    }
+    if (__builtin_add_overflow(reach, 1, &reach) || __builtin_mul_overflow(reach, (int64_t)itemsize, span)) return -1;
+    return 0;
+}
+
 /* Fill v from a DLTensor (borrowed pointers are copied out, so the DLTensor may go away). */
 static int qk_view_from_dl(const DLTensor *t, int readonly, const char *op, const char *arg, qk_view *v) {
     if (t->dtype.lanes != 1) {
@@ -105,17 +129,40 @@ static int qk_view_from_dl(const DLTensor *t, int readonly, const char *op, cons
                      QK_MAX_DIMS);
         return -1;
     }
-    v->raw_device_type = t->device.device_type;
-    v->dtype = dtype;
-    v->ndim = t->ndim;
-    v->readonly = readonly;
-    v->data = (char *)t->data + t->byte_offset;
+    if (t->ndim > 0 && t->shape == NULL) {
+        PyErr_Format(PyExc_BufferError, "%s: %s is a malformed DLPack tensor: %d dimensions but no shape", op, arg,
+                     (int)t->ndim);
+        return -1;
+    }
     int64_t contiguous = 1;
     for (int i = t->ndim - 1; i >= 0; i--) {
+        if (t->shape[i] < 0) {
+            PyErr_Format(PyExc_BufferError, "%s: %s is a malformed DLPack tensor: size %lld in dimension %d", op, arg,
+                         (long long)t->shape[i], i);
+            return -1;
+        }
         v->shape[i] = t->shape[i];
         v->strides[i] = t->strides ? t->strides[i] : contiguous;
-        contiguous *= t->shape[i];
+        if (__builtin_mul_overflow(contiguous, t->shape[i], &contiguous)) contiguous = INT64_MAX;
     }
+    v->ndim = t->ndim;
+    int64_t numel, span;
+    if (qk_view_extent(v, qk_dtype_size(dtype), &numel, &span) < 0) {
+        char shape[160];
+        qk_shape_str(shape, sizeof shape, v->shape, v->ndim);
+        PyErr_Format(PyExc_ValueError, "%s: %s of shape %s and %s is too large: its size in bytes overflows 64 bits",
+                     op, arg, shape, qk_dtype_name(dtype));
+        return -1;
+    }
+    if (numel > 0 && t->data == NULL) {
+        PyErr_Format(PyExc_BufferError, "%s: %s is a malformed DLPack tensor: %lld elements at a NULL data pointer",
+                     op, arg, (long long)numel);
+        return -1;
+    }
+    v->raw_device_type = t->device.device_type;
+    v->dtype = dtype;
+    v->readonly = readonly;
+    v->data = (char *)t->data + t->byte_offset;
     return 0;
 }
 
@@ -155,33 +202,94 @@ int qk_import_capsule(PyObject *capsule, const char *op, const char *arg, qk_vie
     return -1;
 }
 
-/* Look up (once per type) the DLPack C exchange API a framework publishes on its tensor type. */
-const DLPackExchangeAPI *qk_exchange_api(qk_state *st, PyTypeObject *type) {
+/* What the importer knows about a tensor type, looked up once per type: the DLPack C exchange API
+ * it publishes (NULL: none) and whether its tensors carry autograd state (torch's requires_grad and
+ * lazy negation bit, which DLPack cannot express). */
+typedef struct {
+    const DLPackExchangeAPI *api;
+    int autograd;
+} qk_type_info;
+
+static qk_type_info qk_type_lookup(qk_state *st, PyTypeObject *type) {
     for (int i = 0; i < st->num_api_types; i++)
-        if (st->api_types[i] == type) return st->apis[i];
-    const DLPackExchangeAPI *api = NULL;
+        if (st->api_types[i] == type) return (qk_type_info){st->apis[i], st->autograd[i]};
+    qk_type_info info = {NULL, 0};
     PyObject *cap = PyObject_GetAttr((PyObject *)type, st->str_exchange_api);
     if (cap == NULL) {
         PyErr_Clear();
     } else {
         if (PyCapsule_CheckExact(cap) && PyCapsule_IsValid(cap, QK_CAPSULE_EXCHANGE_API)) {
-            api = PyCapsule_GetPointer(cap, QK_CAPSULE_EXCHANGE_API);
+            const DLPackExchangeAPI *api = PyCapsule_GetPointer(cap, QK_CAPSULE_EXCHANGE_API);
             /* Only tables whose major version we know, with the entries we call. */
-            if (api && (api->header.version.major != 1 || api->dltensor_from_py_object_no_sync == NULL ||
-                        api->current_work_stream == NULL || api->managed_tensor_allocator == NULL ||
-                        api->managed_tensor_to_py_object_no_sync == NULL))
-                api = NULL;
+            if (api && api->header.version.major == 1 && api->dltensor_from_py_object_no_sync &&
+                api->current_work_stream && api->managed_tensor_allocator && api->managed_tensor_to_py_object_no_sync)
+                info.api = api;
         }
         /* The table must stay alive for the process (DLPack's rule); the capsule is held by the type. */
         Py_DECREF(cap);
     }
+    info.autograd = PyObject_HasAttr((PyObject *)type, st->str_requires_grad) &&
+                    PyObject_HasAttr((PyObject *)type, st->str_is_neg);
     if (st->num_api_types < QK_MAX_API_TYPES) {
         Py_INCREF(type);
         st->api_types[st->num_api_types] = type;
-        st->apis[st->num_api_types] = api;
+        st->apis[st->num_api_types] = info.api;
+        st->autograd[st->num_api_types] = (unsigned char)info.autograd;
         st->num_api_types++;
     }
-    return api;
+    return info;
+}
+
+const DLPackExchangeAPI *qk_exchange_api(qk_state *st, PyTypeObject *type) { return qk_type_lookup(st, type).api; }
+
+/* torch.is_grad_enabled(), found once; 1, 0 or -1 with an exception set. */
+static int qk_grad_enabled(qk_state *st) {
+    if (st->grad_enabled == NULL) {
+        PyObject *torch = PyImport_ImportModule("torch"); /* already imported: the caller holds a tensor */
+        if (torch == NULL) return -1;
+        st->grad_enabled = PyObject_GetAttrString(torch, "is_grad_enabled");
+        Py_DECREF(torch);
+        if (st->grad_enabled == NULL) return -1;
+    }
+    PyObject *on = PyObject_CallNoArgs(st->grad_enabled);
+    if (on == NULL) return -1;
+    int r = PyObject_IsTrue(on);
+    Py_DECREF(on);
+    return r;
+}
+
+/* A tensor whose autograd state DLPack would drop: refuse it rather than compute without it.
+ * 1: it requires grad but grad mode is off (export a detached view); 0: nothing to drop; -1: error. */
+static int qk_autograd_check(qk_state *st, PyObject *obj, const char *op, const char *arg) {
+    PyObject *flag = PyObject_GetAttr(obj, st->str_requires_grad);
+    if (flag == NULL) return -1;
+    int requires = PyObject_IsTrue(flag);
+    Py_DECREF(flag);
+    if (requires < 0) return -1;
+    if (requires) {
+        int on = qk_grad_enabled(st);
+        if (on < 0) return -1;
+        if (on) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "%s: %s requires grad, but qkernels ops do not record gradients; call the op under "
+                         "torch.no_grad() or torch.inference_mode(), or pass %s.detach()",
+                         op, arg, arg);
+            return -1;
+        }
+    }
+    flag = PyObject_CallMethodNoArgs(obj, st->str_is_neg);
+    if (flag == NULL) return -1;
+    int neg = PyObject_IsTrue(flag);
+    Py_DECREF(flag);
+    if (neg < 0) return -1;
+    if (neg) {
+        PyErr_Format(PyExc_BufferError,
+                     "%s: %s is a view with torch's lazy negation bit set (such as z.conj().imag), which DLPack "
+                     "cannot express; pass %s.resolve_neg()",
+                     op, arg, arg);
+        return -1;
+    }
+    return requires;
 }
 
 /* obj.__dlpack__(stream=..., max_version=(1, 1)), falling back to the legacy signature for
@@ -199,6 +307,25 @@ static PyObject *qk_call_dlpack(qk_state *st, PyObject *obj, PyObject *stream) {
     return cap;
 }
 
+/* A producer's own __dlpack__ error, re-raised as the same kind with the op and argument named
+ * (NumPy's "DLPack only supports native byte order" says neither). */
+static void qk_name_producer_error(const char *op, const char *arg) {
+    PyObject *cause = qk_exception_take();
+    if (cause == NULL) return;
+    PyObject *exc = PyExc_BufferError; /* a protocol failure unless the producer said more precisely */
+    if (PyErr_GivenExceptionMatches(cause, PyExc_TypeError)) exc = PyExc_TypeError;
+    else if (PyErr_GivenExceptionMatches(cause, PyExc_ValueError)) exc = PyExc_ValueError;
+    else if (PyErr_GivenExceptionMatches(cause, PyExc_MemoryError)) exc = PyExc_MemoryError;
+    PyErr_Format(exc, "%s: %s could not be exported through DLPack: %S", op, arg, cause);
+    PyObject *named = qk_exception_take();
+    if (named) {
+        PyException_SetCause(named, Py_NewRef(cause)); /* as `raise ... from cause` */
+        PyException_SetContext(named, Py_NewRef(cause));
+        qk_exception_raise(named);
+    }
+    Py_DECREF(cause);
+}
+
 /* Device of a __dlpack__ producer, so CPU producers get stream=None and CUDA ones a stream. */
 static int qk_producer_device(qk_state *st, PyObject *obj, const char *op, const char *arg, int *device_type) {
     PyObject *dev = PyObject_CallMethodNoArgs(obj, st->str_dlpack_device);
@@ -208,6 +335,7 @@ static int qk_producer_device(qk_state *st, PyObject *obj, const char *op, const
             *device_type = kDLCPU;
             return 0;
         }
+        qk_name_producer_error(op, arg);
         return -1;
     }
     long t = -1;
@@ -224,29 +352,34 @@ static int qk_producer_device(qk_state *st, PyObject *obj, const char *op, const
 }
 
 int qk_import(qk_state *st, PyObject *obj, const char *op, const char *arg, void *stream, qk_view *v) {
+    return qk_import_ex(st, obj, op, arg, stream, 0, v);
+}
+
+int qk_import_ex(qk_state *st, PyObject *obj, const char *op, const char *arg, void *stream, int via_capsule,
+                 qk_view *v) {
     memset(v, 0, sizeof *v);
     if (qk_is_tensor(st, obj)) {
         qk_tensor_fill_view(obj, v);
         return 0;
     }
     PyTypeObject *type = Py_TYPE(obj);
-    if (st->use_exchange_api) {
-        const DLPackExchangeAPI *api = qk_exchange_api(st, type);
-        if (api) {
-            DLTensor t;
-            if (api->dltensor_from_py_object_no_sync(obj, &t) != 0) {
-                if (!PyErr_Occurred()) PyErr_Format(PyExc_BufferError, "%s: %s could not be exported", op, arg);
-                return -1;
-            }
-            if (qk_view_from_dl(&t, 0, op, arg, v) < 0) return -1;
-            v->api = api;
-            return 0;
-        }
-    }
     if (PyCapsule_CheckExact(obj)) return qk_import_capsule(obj, op, arg, v);
+    const qk_type_info info = qk_type_lookup(st, type);
+    int detach = 0;
+    if (info.autograd && (detach = qk_autograd_check(st, obj, op, arg)) < 0) return -1;
+    if (info.api && st->use_exchange_api && !via_capsule) {
+        DLTensor t;
+        if (info.api->dltensor_from_py_object_no_sync(obj, &t) != 0) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_BufferError, "%s: %s could not be exported", op, arg);
+            return -1;
+        }
+        if (qk_view_from_dl(&t, 0, op, arg, v) < 0) return -1;
+        v->api = info.api;
+        return 0;
+    }
     if (!PyObject_HasAttr(obj, st->str_dlpack)) {
         PyErr_Format(PyExc_TypeError, "%s: %s must be a tensor supporting DLPack (__dlpack__), got %.200s", op, arg,
-                     type->tp_name);
+                     obj == Py_None ? "None" : type->tp_name);
         return -1;
     }
     int device_type;
@@ -260,9 +393,16 @@ int qk_import(qk_state *st, PyObject *obj, const char *op, const char *arg, void
         stream_obj = Py_NewRef(Py_None);
     }
     if (stream_obj == NULL) return -1;
-    PyObject *cap = qk_call_dlpack(st, obj, stream_obj);
+    /* torch's __dlpack__ refuses a tensor that requires grad even with grad mode off, where the op
+     * may read it: export a detached view of the same memory. */
+    PyObject *producer = detach ? PyObject_CallMethodNoArgs(obj, st->str_detach) : Py_NewRef(obj);
+    PyObject *cap = producer ? qk_call_dlpack(st, producer, stream_obj) : NULL;
+    Py_XDECREF(producer);
     Py_DECREF(stream_obj);
-    if (cap == NULL) return -1;
+    if (cap == NULL) {
+        qk_name_producer_error(op, arg);
+        return -1;
+    }
     int r;
     if (!PyCapsule_CheckExact(cap)) {
         PyErr_Format(PyExc_BufferError, "%s: %s.__dlpack__() returned %.200s, not a capsule", op, arg,

@@ -65,6 +65,14 @@ int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_
                       const int64_t *shape, const qk_launch *l, qk_view *ov, qk_output *o) {
     memset(o, 0, sizeof *o);
     memset(ov, 0, sizeof *ov);
+    int64_t numel, bytes;
+    if (qk_nbytes(ndim, shape, qk_dtype_size(dtype), &numel, &bytes) < 0) {
+        char want[160];
+        qk_shape_str(want, sizeof want, shape, ndim);
+        PyErr_Format(PyExc_MemoryError, "%s: out of shape %s and dtype %s would need more than 2^63 bytes", op, want,
+                     qk_dtype_name(dtype));
+        return -1;
+    }
     if (out_obj && out_obj != Py_None) {
         if (qk_import(st, out_obj, op, "out", l->stream, ov) < 0) return -1;
         char want[160], got[160];
@@ -130,7 +138,7 @@ int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_
         }
         return 0;
     }
-    o->result = qk_tensor_empty(st, dtype, ndim, shape, l->device_type, l->device_id, l->stream);
+    o->result = qk_tensor_empty(st, op, dtype, ndim, shape, l->device_type, l->device_id, l->stream);
     if (o->result == NULL) return -1;
     qk_tensor_fill_view(o->result, ov);
     return 0;

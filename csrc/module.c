@@ -76,12 +76,8 @@ static PyObject *qk_from_dlpack(PyObject *module, PyObject *const *args, Py_ssiz
     if (qk_stream_arg("from_dlpack", a[1], &stream, &given) < 0) return NULL;
     if (qk_is_tensor(st, a[0])) return Py_NewRef(a[0]);
     /* Always through a capsule: a Tensor must own a reference to the producer's memory. */
-    int saved = st->use_exchange_api;
-    st->use_exchange_api = 0;
     qk_view v;
-    int r = qk_import(st, a[0], "from_dlpack", "x", stream, &v);
-    st->use_exchange_api = saved;
-    if (r < 0) return NULL;
+    if (qk_import_ex(st, a[0], "from_dlpack", "x", stream, 1, &v) < 0) return NULL;
     PyObject *t = qk_tensor_from_view(st, &v);
     qk_views_release(&v, 1);
     return t;
@@ -344,10 +340,14 @@ static int qk_exec(PyObject *module) {
     st->str_dlpack = PyUnicode_InternFromString("__dlpack__");
     st->str_dlpack_device = PyUnicode_InternFromString("__dlpack_device__");
     st->str_exchange_api = PyUnicode_InternFromString("__dlpack_c_exchange_api__");
+    st->str_requires_grad = PyUnicode_InternFromString("requires_grad");
+    st->str_is_neg = PyUnicode_InternFromString("is_neg");
+    st->str_detach = PyUnicode_InternFromString("detach");
     st->kw_versioned = Py_BuildValue("(ss)", "stream", "max_version");
     st->kw_legacy = Py_BuildValue("(s)", "stream");
     st->max_version = Py_BuildValue("(ii)", QK_DLPACK_MAJOR, QK_DLPACK_MINOR);
-    if (!st->str_dlpack || !st->str_dlpack_device || !st->str_exchange_api || !st->kw_versioned || !st->kw_legacy ||
+    if (!st->str_dlpack || !st->str_dlpack_device || !st->str_exchange_api || !st->str_requires_grad || !st->str_is_neg ||
+        !st->str_detach || !st->kw_versioned || !st->kw_legacy ||
         !st->max_version)
         return -1;
     st->use_exchange_api = !qk_env_flag("QKERNELS_NO_EXCHANGE_API");
@@ -368,6 +368,7 @@ static int qk_traverse(PyObject *module, visitproc visit, void *arg) {
     Py_VISIT(st->direct_ops);
     Py_VISIT(st->direct_types);
     Py_VISIT(st->fallbacks);
+    Py_VISIT(st->grad_enabled);
     for (int i = 0; i < st->num_api_types; i++) Py_VISIT(st->api_types[i]);
     return 0;
 }
@@ -378,6 +379,10 @@ static int qk_clear(PyObject *module) {
     Py_CLEAR(st->str_dlpack);
     Py_CLEAR(st->str_dlpack_device);
     Py_CLEAR(st->str_exchange_api);
+    Py_CLEAR(st->str_requires_grad);
+    Py_CLEAR(st->str_is_neg);
+    Py_CLEAR(st->str_detach);
+    Py_CLEAR(st->grad_enabled);
     Py_CLEAR(st->kw_versioned);
     Py_CLEAR(st->kw_legacy);
     Py_CLEAR(st->max_version);

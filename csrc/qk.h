@@ -21,10 +21,16 @@ typedef struct {
     PyObject *kw_versioned;      /* ("stream", "max_version") */
     PyObject *kw_legacy;         /* ("stream",) */
     PyObject *max_version;       /* (1, 1) */
-    /* Types whose __dlpack_c_exchange_api__ was looked up, with the table (NULL: none). */
+    PyObject *str_requires_grad; /* "requires_grad" */
+    PyObject *str_is_neg;        /* "is_neg" */
+    PyObject *str_detach;        /* "detach" */
+    /* Types seen by the importer: their __dlpack_c_exchange_api__ table (NULL: none) and whether
+     * their tensors carry autograd state (torch). */
     PyTypeObject *api_types[QK_MAX_API_TYPES];
     const DLPackExchangeAPI *apis[QK_MAX_API_TYPES];
+    unsigned char autograd[QK_MAX_API_TYPES];
     int num_api_types;
+    PyObject *grad_enabled; /* torch.is_grad_enabled, found with the first autograd type */
     int use_exchange_api; /* QKERNELS_NO_EXCHANGE_API=1 turns the fast path off (tests) */
     int check_indices;    /* QKERNELS_CHECK=1: validate indices on cuda too */
     int num_threads;      /* CPU workers; QKERNELS_NUM_THREADS or the core count */
@@ -59,15 +65,22 @@ int qk_dtype_from_name(const char *name);
 DLDataType qk_dtype_to_dl(int dtype);
 const DLPackExchangeAPI *qk_exchange_api(qk_state *st, PyTypeObject *type);
 int qk_import(qk_state *st, PyObject *obj, const char *op, const char *arg, void *stream, qk_view *v);
+/* via_capsule: always through __dlpack__ (a view that must own the producer's memory) */
+int qk_import_ex(qk_state *st, PyObject *obj, const char *op, const char *arg, void *stream, int via_capsule,
+                 qk_view *v);
 int qk_import_capsule(PyObject *capsule, const char *op, const char *arg, qk_view *v);
 void qk_view_release(qk_view *v);      /* any thread, no GIL needed */
 void qk_views_release(qk_view *v, int n); /* GIL held; keeps a pending exception */
 void qk_device_str(char *buf, size_t n, int device_type, int device_id);
+/* numel and numel * itemsize of a shape, -1 when either overflows int64 (no exception set) */
+int qk_nbytes(int ndim, const int64_t *shape, size_t itemsize, int64_t *numel, int64_t *bytes);
+/* numel and the bytes from v's lowest to its highest element, -1 on overflow (no exception set) */
+int qk_view_extent(const qk_view *v, size_t itemsize, int64_t *numel, int64_t *span);
 
 /* tensor.c */
 typedef struct qk_storage qk_storage;
 int qk_tensor_type_init(PyObject *module, qk_state *st);
-PyObject *qk_tensor_empty(qk_state *st, int dtype, int ndim, const int64_t *shape, int device_type,
+PyObject *qk_tensor_empty(qk_state *st, const char *op, int dtype, int ndim, const int64_t *shape, int device_type,
                           int device_id, void *stream);
 PyObject *qk_tensor_from_view(qk_state *st, qk_view *v); /* takes over v's owner */
 void qk_tensor_fill_view(PyObject *tensor, qk_view *v);
@@ -171,6 +184,9 @@ PyObject *qk_public_swiglu(PyObject *module, PyObject *const *args, Py_ssize_t n
 typedef PyObject *qk_saved_error;
 static inline qk_saved_error qk_error_save(void) { return PyErr_GetRaisedException(); }
 static inline void qk_error_restore(qk_saved_error e) { PyErr_SetRaisedException(e); }
+/* The pending exception as one normalised object (NULL if none), cleared. */
+static inline PyObject *qk_exception_take(void) { return PyErr_GetRaisedException(); }
+static inline void qk_exception_raise(PyObject *exc) { PyErr_SetRaisedException(exc); }
 #else
 typedef struct {
     PyObject *type, *value, *tb;
@@ -181,6 +197,20 @@ static inline qk_saved_error qk_error_save(void) {
     return e;
 }
 static inline void qk_error_restore(qk_saved_error e) { PyErr_Restore(e.type, e.value, e.tb); }
+static inline PyObject *qk_exception_take(void) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (type == NULL) return NULL;
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb) PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+}
+static inline void qk_exception_raise(PyObject *exc) {
+    PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+    Py_DECREF(exc);
+}
 #endif
 
 static inline qk_state *qk_get_state(PyObject *module) { return (qk_state *)PyModule_GetState(module); }

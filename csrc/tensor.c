@@ -75,8 +75,8 @@ static qk_tensor *qk_tensor_alloc(qk_state *st) {
     return t;
 }
 
-PyObject *qk_tensor_empty(qk_state *st, int dtype, int ndim, const int64_t *shape, int device_type, int device_id,
-                          void *stream) {
+PyObject *qk_tensor_empty(qk_state *st, const char *op, int dtype, int ndim, const int64_t *shape, int device_type,
+                          int device_id, void *stream) {
     qk_tensor *t = qk_tensor_alloc(st);
     if (t == NULL) return NULL;
     t->v.dtype = dtype;
@@ -84,21 +84,26 @@ PyObject *qk_tensor_empty(qk_state *st, int dtype, int ndim, const int64_t *shap
     t->v.device_type = t->v.raw_device_type = device_type;
     t->v.device_id = device_type == kDLCUDA ? device_id : 0;
     t->stream = stream;
-    int64_t numel = 1;
+    int64_t numel, nbytes;
+    if (qk_nbytes(ndim, shape, qk_dtype_size(dtype), &numel, &nbytes) < 0) {
+        PyErr_Format(PyExc_MemoryError, "%s: out would need more than 2^63 bytes", op);
+        goto fail;
+    }
+    numel = 1;
     for (int i = ndim - 1; i >= 0; i--) {
         t->v.shape[i] = shape[i];
         t->v.strides[i] = numel;
         numel *= shape[i];
     }
-    size_t bytes = (size_t)numel * qk_dtype_size(dtype);
+    size_t bytes = (size_t)nbytes;
     void *ptr = NULL;
     int kind;
     if (device_type == kDLCUDA) {
-        const qk_cuda_api *api = qk_cuda(st, "Tensor");
+        const qk_cuda_api *api = qk_cuda(st, op);
         if (api == NULL) goto fail;
         int status = api->malloc(&ptr, bytes);
         if (status) {
-            qk_raise_status("Tensor", status);
+            qk_raise_status(op, status);
             goto fail;
         }
         kind = QK_STORAGE_CUDA;
@@ -106,7 +111,7 @@ PyObject *qk_tensor_empty(qk_state *st, int dtype, int ndim, const int64_t *shap
         /* 64-byte alignment: vector loads, and consumers (JAX) that copy less aligned buffers. */
         ptr = aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
         if (ptr == NULL) {
-            PyErr_NoMemory();
+            PyErr_Format(PyExc_MemoryError, "%s: could not allocate %lld bytes for out", op, (long long)nbytes);
             goto fail;
         }
         kind = QK_STORAGE_HOST;
