@@ -3,14 +3,16 @@ a separate shared object (qkernels/_qkernels_cuda.so) that _C opens at first CUD
 
 Environment:
   QKERNELS_CUDA=0         build the CPU-only extension even when nvcc is present
-  QKERNELS_CUDA_ARCH      compute capabilities to compile, e.g. "90" or "80;89;90" (default);
-                          PTX for the highest is embedded too
+  QKERNELS_CUDA_ARCH      compute capabilities to compile, e.g. "90" or "80;89;90"; PTX for the
+                          highest is embedded too.  Default: the GPUs nvidia-smi lists, or "90"
+                          when none is visible (the build says which)
   CUDA_HOME / CUDA_PATH   the toolkit to use (else nvcc on PATH)
   QKERNELS_ASAN=1         build _C with AddressSanitizer (debug)
 """
 
 import concurrent.futures
 import glob
+import hashlib
 import os
 import shutil
 import subprocess
@@ -62,6 +64,22 @@ def cuda_include_dirs():
     return dirs
 
 
+def cuda_archs():
+    """(compute capabilities to build, why): QKERNELS_CUDA_ARCH, else the visible GPUs', else 90."""
+    env = os.environ.get("QKERNELS_CUDA_ARCH")
+    if env:
+        return [a.strip() for a in env.replace(",", ";").split(";") if a.strip()], "QKERNELS_CUDA_ARCH"
+    try:
+        caps = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        caps = []
+    archs = sorted({c.replace(".", "") for c in caps if c.replace(".", "").isdigit()}, key=int)
+    if archs:
+        return archs, "the GPUs nvidia-smi lists"
+    return ["90"], "no GPU visible; QKERNELS_CUDA_ARCH='80;89;90' builds for A100, L40 and H100/H200 too"
+
+
 class BuildExt(build_ext):
     def run(self):
         super().run()
@@ -85,11 +103,11 @@ class BuildExt(build_ext):
             if os.path.exists(target):
                 os.remove(target)
             return
-        archs = [a.strip() for a in os.environ.get("QKERNELS_CUDA_ARCH", "80;89;90").replace(",", ";").split(";") if a.strip()]
+        archs, why_archs = cuda_archs()
         gencode, defines = [], []
         for a in archs:
             # sm_90 machine code is built as sm_90a: the Hopper-only instructions (wgmma) of
-            # attention_prefill_sm90.cu need it, and it runs on every compute capability 9.0 GPU.
+            # attn_prefill_sm90.cu need it, and it runs on every compute capability 9.0 GPU.
             v = a + "a" if a == "90" else a
             gencode += ["-gencode", f"arch=compute_{v},code=sm_{v}"]
             if a == "90":
@@ -97,25 +115,34 @@ class BuildExt(build_ext):
         top = max(archs, key=int)
         gencode += ["-gencode", f"arch=compute_{top},code=compute_{top}"]
         arch_str = " ".join(f"sm_{a}a" if a == "90" else f"sm_{a}" for a in archs) + f" +PTX(compute_{top})"
-        # Objects are kept per architecture set and reused while newer than their source and the
-        # shared headers; the sources compile in parallel (nvcc is single-threaded).
-        obj_dir = os.path.join(self.build_temp, "cuda-" + "-".join(a + "a" if a == "90" else a for a in archs))
+        # Objects live in the checkout's build/ folder, named by a hash of the command, the source
+        # and every header, so any later build (pip's editable or regular one, setup.py) reuses them.
+        obj_dir = os.path.join(HERE, "build", "cuda-objects")
         os.makedirs(obj_dir, exist_ok=True)
-        includes = [f"-I{d}" for d in cuda_include_dirs()]
+        includes = [f"-I{os.path.join(HERE, 'include')}"] + [f"-I{d}" for d in cuda_include_dirs()]
         sources = sorted(glob.glob(os.path.join(HERE, "kernels", "*.cu")))
-        headers = glob.glob(os.path.join(HERE, "kernels", "*.h")) + glob.glob(os.path.join(HERE, "kernels", "*.cuh"))
-        newest_header = max((os.path.getmtime(h) for h in headers), default=0)
+        headers = sorted(glob.glob(os.path.join(HERE, "kernels", "*.cuh")) +
+                         glob.glob(os.path.join(HERE, "include", "qkernels", "*.h")))
+        header_digest = hashlib.sha256(b"".join(open(h, "rb").read() for h in headers)).digest()
         objects, jobs = [], []
         for src in sources:
-            obj = os.path.join(obj_dir, os.path.basename(src) + ".o")
+            flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden", f'-DQK_ARCHS="{arch_str}"', *defines,
+                     "-lineinfo", *gencode]
+            h = hashlib.sha256(header_digest + open(src, "rb").read() + " ".join(flags).encode()).hexdigest()[:16]
+            obj = os.path.join(obj_dir, f"{os.path.basename(src)}.{h}.o")
             objects.append(obj)
-            if os.path.exists(obj) and os.path.getmtime(obj) > max(os.path.getmtime(src), newest_header):
-                continue
-            jobs.append([nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
-                         f'-DQK_ARCHS="{arch_str}"', *defines, "-lineinfo", *includes, *gencode])
-        log(f"compiling {len(jobs)} of {len(sources)} CUDA sources with {nvcc} for {arch_str}")
+            if not os.path.exists(obj):
+                jobs.append(([nvcc, "-c", src, "-o", obj + ".tmp", *flags, *includes], obj))
+        log(f"CUDA kernels for {arch_str} ({why_archs}): compiling {len(jobs)} of {len(sources)} sources"
+            + (" (minutes: nvcc is slow on few cores; QKERNELS_CUDA=0 skips it)" if jobs else
+               ", reusing build/cuda-objects"))
+
+        def compile_one(cmd, obj):  # renamed once whole, so an interrupted build leaves no object to reuse
+            subprocess.check_call(cmd)
+            os.replace(obj + ".tmp", obj)
+
         with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-            for fut in [pool.submit(subprocess.check_call, cmd) for cmd in jobs]:
+            for fut in [pool.submit(compile_one, *job) for job in jobs]:
                 fut.result()
         os.makedirs(out_dir, exist_ok=True)
         link = [nvcc, "-shared", "-o", target, *objects, *gencode]
@@ -145,7 +172,8 @@ setup(
         Extension(
             "qkernels._C",
             sources=sources,
-            depends=glob.glob("csrc/**/*.h", recursive=True) + ["kernels/qk_launch.h"],
+            include_dirs=["include"],
+            depends=glob.glob("csrc/**/*.h", recursive=True) + glob.glob("include/qkernels/*.h"),
             extra_compile_args=extra_compile,
             extra_link_args=extra_link,
             libraries=["dl"],

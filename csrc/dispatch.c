@@ -1,40 +1,82 @@
-/* The public op entry points (qkernels.sparse_aggregate, ...) are C functions: a call with no
- * backend= whose selection is automatic and lands where the data lives goes straight to the op,
- * with the Python dispatcher's own state read in place; anything else goes to the Python
- * dispatcher (qkernels/_dispatch.py, which owns every decision).  Measured on the H200: the
- * Python frame this saves is ~0.4 µs of a ~7 µs call. */
+/* The public op entry points (qkernels.<op>) are C functions.  Python decides, C executes: a
+ * call the Python dispatcher has already decided to run on our kernels with the caller's tensors
+ * as they are (no backend=, no use_backend context, every tensor of a direct type) goes straight
+ * to the op; anything else goes to the Python dispatcher (qkernels/_dispatch.py, which owns every
+ * decision and records the direct ones in direct_plans).  docs/dispatch.md gives the figures. */
 #include "qk.h"
 
 #include <string.h>
 
 PyObject *qk_install_dispatch(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    static const char *const names[] = {"context", "direct_ops", "direct_types", "fallbacks", NULL};
+    static const char *const names[] = {"context", "direct_plans", "direct_types", "fallbacks", NULL};
     PyObject *a[4] = {NULL, NULL, NULL, NULL};
     if (qk_parse_args("_install_dispatch", args, nargs, kwnames, names, 4, 4, a) < 0) return NULL;
     if (!PyContextVar_CheckExact(a[0]) || !PyDict_CheckExact(a[1]) || !PyAnySet_CheckExact(a[2]) ||
         !PyDict_CheckExact(a[3])) {
-        PyErr_SetString(PyExc_TypeError, "_install_dispatch(context: ContextVar, direct_ops: dict, direct_types: set, "
+        PyErr_SetString(PyExc_TypeError, "_install_dispatch(context: ContextVar, direct_plans: dict, direct_types: set, "
                                          "fallbacks: dict)");
         return NULL;
     }
     qk_state *st = qk_get_state(module);
     Py_XSETREF(st->dispatch_ctx, Py_NewRef(a[0]));
-    Py_XSETREF(st->direct_ops, Py_NewRef(a[1]));
+    Py_XSETREF(st->direct_plans, Py_NewRef(a[1]));
     Py_XSETREF(st->direct_types, Py_NewRef(a[2]));
     Py_XSETREF(st->fallbacks, Py_NewRef(a[3]));
     Py_RETURN_NONE;
 }
 
+/* The key of a direct plan: what the dispatcher's predicates read from a call beyond the op
+ * (device, dtype, last dimension, mask or not).  NULL without an exception: not a tensor the
+ * exchange API reads. */
+static PyObject *qk_direct_key_of(qk_state *st, PyObject *x, int has_mask) {
+    const DLPackExchangeAPI *api = st->use_exchange_api ? qk_exchange_api(st, Py_TYPE(x)) : NULL;
+    DLTensor t;
+    if (api == NULL || api->dltensor_from_py_object_no_sync(x, &t) != 0) {
+        PyErr_Clear();
+        return NULL;
+    }
+    const int dt = t.device.device_type;
+    const long long device_kind = (dt == kDLCUDA || dt == kDLCUDAManaged) ? 2 : 1;
+    const long long last = t.ndim > 0 && t.shape[t.ndim - 1] < (1LL << 40) ? t.shape[t.ndim - 1] : -1;
+    const long long code = (long long)t.dtype.code | (long long)t.dtype.bits << 8 | (long long)t.dtype.lanes << 16;
+    return PyLong_FromLongLong(((last + 1) << 24 | code) << 3 | device_kind << 1 | has_mask);
+}
+
+PyObject *qk_direct_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"x", "has_mask", NULL};
+    PyObject *a[2] = {NULL, NULL};
+    if (qk_parse_args("_direct_key", args, nargs, kwnames, names, 2, 2, a) < 0) return NULL;
+    int has_mask = PyObject_IsTrue(a[1]);
+    if (has_mask < 0) return NULL;
+    PyObject *key = qk_direct_key_of(qk_get_state(module), a[0], has_mask);
+    return key ? key : PyLong_FromLong(-1);
+}
+
+/* A value that is not a tensor: it cannot mix frameworks. */
+static inline int qk_is_scalar(PyObject *o) {
+    return o == Py_None || PyLong_CheckExact(o) || PyFloat_CheckExact(o) || PyBool_Check(o);
+}
+
 /* 1: run directly; 0: ask the Python dispatcher; -1: error set. */
-static int qk_direct(qk_state *st, PyObject *op_name, PyObject *deciding, PyObject *kwnames) {
-    if (st->direct_ops == NULL || deciding == NULL) return 0;
-    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    for (Py_ssize_t i = 0; i < nkw; i++)
-        if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, i), "backend") == 0) return 0;
-    int r = PySet_Contains(st->direct_types, (PyObject *)Py_TYPE(deciding));
+static int qk_direct(qk_state *st, PyObject *op_name, int deciding, PyObject *const *args, Py_ssize_t nargs,
+                     PyObject *kwnames) {
+    if (st->direct_plans == NULL || nargs <= deciding) return 0;
+    PyObject *x = args[deciding];
+    PyTypeObject *type = Py_TYPE(x);
+    int r = PySet_Contains(st->direct_types, (PyObject *)type);
     if (r != 1) return r;
-    PyObject *flag = PyDict_GetItemWithError(st->direct_ops, op_name);
-    if (flag != Py_True) return flag == NULL && PyErr_Occurred() ? -1 : 0;
+    int has_mask = 0;
+    const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t i = 0; i < nargs + nkw; i++) {
+        PyObject *o = args[i];
+        if (i >= nargs) {
+            PyObject *name = PyTuple_GET_ITEM(kwnames, i - nargs);
+            if (PyUnicode_CompareWithASCIIString(name, "backend") == 0) return 0;
+            if (o != Py_None && PyUnicode_CompareWithASCIIString(name, "mask") == 0) has_mask = 1;
+        }
+        if (Py_IS_TYPE(o, type) || qk_is_scalar(o)) continue;
+        if ((r = PySet_Contains(st->direct_types, (PyObject *)Py_TYPE(o))) != 1) return r; /* mixed: Python checks */
+    }
     PyObject *ctx;
     if (PyContextVar_Get(st->dispatch_ctx, NULL, &ctx) < 0) return -1;
     if (ctx == NULL) return 0;
@@ -42,14 +84,21 @@ static int qk_direct(qk_state *st, PyObject *op_name, PyObject *deciding, PyObje
     r = PyTuple_Check(ctx) && PyTuple_GET_SIZE(ctx) == 2 && PyLong_Check(PyTuple_GET_ITEM(ctx, 1)) &&
         PyLong_AsLong(PyTuple_GET_ITEM(ctx, 1)) == 0;
     Py_DECREF(ctx);
-    return r;
+    if (r != 1) return r;
+    PyObject *plans = PyDict_GetItemWithError(st->direct_plans, op_name);
+    if (plans == NULL || !PyDict_CheckExact(plans)) return PyErr_Occurred() ? -1 : 0;
+    PyObject *key = qk_direct_key_of(st, x, has_mask);
+    if (key == NULL) return 0;
+    PyObject *hit = PyDict_GetItemWithError(plans, key);
+    Py_DECREF(key);
+    return hit == Py_True ? 1 : (PyErr_Occurred() ? -1 : 0);
 }
 
 static PyObject *qk_dispatch(PyObject *module, const char *op, PyObject *op_name, int deciding_arg,
-                      PyObject *(*run)(PyObject *, PyObject *const *, Py_ssize_t, PyObject *),
-                      PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+                             PyObject *(*run)(PyObject *, PyObject *const *, Py_ssize_t, PyObject *),
+                             PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     qk_state *st = qk_get_state(module);
-    int direct = qk_direct(st, op_name, nargs > deciding_arg ? args[deciding_arg] : NULL, kwnames);
+    int direct = qk_direct(st, op_name, deciding_arg, args, nargs, kwnames);
     if (direct < 0) return NULL;
     if (direct) return run(module, args, nargs, kwnames);
     PyObject *fallback = st->fallbacks ? PyDict_GetItemWithError(st->fallbacks, op_name) : NULL;
@@ -69,14 +118,6 @@ static PyObject *qk_dispatch(PyObject *module, const char *op, PyObject *op_name
         return qk_dispatch(module, name, op_name, deciding, raw, args, nargs, kwnames);                   \
     }
 
-QK_PUBLIC(qk_public_sparse_aggregate, "sparse_aggregate", 3, qk_op_sparse_aggregate)
-QK_PUBLIC(qk_public_edge_features, "fused_edge_features", 0, qk_op_edge_features)
-QK_PUBLIC(qk_public_norm_residual, "fused_norm_residual", 0, qk_op_norm_residual)
-QK_PUBLIC(qk_public_graph_bce, "graph_norm_bce", 0, qk_op_graph_bce)
-QK_PUBLIC(qk_public_rotary, "rotary_emb", 0, qk_op_rotary)
-QK_PUBLIC(qk_public_linear, "linear", 0, qk_op_linear)
-QK_PUBLIC(qk_public_swiglu, "swiglu", 0, qk_op_swiglu)
-QK_PUBLIC(qk_public_attn_decode, "attn_decode", 0, qk_op_attn_decode)
-QK_PUBLIC(qk_public_attn_paged_decode, "attn_paged_decode", 0, qk_op_attn_paged_decode)
-QK_PUBLIC(qk_public_attn_prefill, "attn_prefill", 0, qk_op_attn_prefill)
-QK_PUBLIC(qk_public_attn_paged_prefill, "attn_paged_prefill", 0, qk_op_attn_paged_prefill)
+#define QK_PUBLIC_OP(op, launcher, family, deciding) QK_PUBLIC(qk_public_##op, #op, deciding, qk_op_##op)
+QK_OPS(QK_PUBLIC_OP)
+#undef QK_PUBLIC_OP

@@ -173,136 +173,17 @@ static PyObject *qk_live_storages(PyObject *module, PyObject *Py_UNUSED(ignored)
     return PyLong_FromLong(qk_tensor_live_storages());
 }
 
-#define QK_RAW_DOC                                                                                         \
-    "The op without dispatch: runs where the tensors live, on `stream` (default: the framework's current "  \
-    "stream through the DLPack exchange API, else the legacy default stream); returns the framework's "    \
-    "tensor when it publishes an exchange API, else a qkernels.Tensor."
-#define QK_GRAPH_DOC                                                                                       \
-    "float32 on cpu and cuda, float16/bfloat16 on cuda (fp32 arithmetic).  Results come back in the\n"      \
-    "caller's framework; backend= picks cuda or cpu (see qkernels.explain).  Index values are checked\n"    \
-    "on cpu; on cuda an out-of-range index is never followed outside the tensors (QKERNELS_CHECK=1\n"      \
-    "validates sparse_aggregate's)."
-
-#define QK_ATTN_DOC                                                                                        \
-    "bfloat16/float16 on cuda (head_dim 32, 64, 128 or 256), also float32 on cpu; fp32 scores, softmax and\n" \
-    "accumulation, one rounding; scale defaults to 1/sqrt(D); a sequence with no kept key gives 0.\n"         \
-    "backend= picks cuda, flash (attn_decode and attn_prefill without mask) or cpu (see qkernels.explain).\n"  \
-    "Index values are checked on cpu; on cuda lengths are clamped and out-of-range slots skipped."
-
-#define QK_DENSE_DOC                                                                                       \
-    "bfloat16/float16 on cuda, also float32 on cpu; all tensors but freqs_cis of one dtype.  Inner\n"      \
-    "dimensions must be unit-stride; rows may be strided.  backend= picks cuda or cpu (see\n"            \
-    "qkernels.explain)."
-
 static PyMethodDef qk_methods[] = {
-    {"sparse_aggregate_raw", (PyCFunction)(void (*)(void))qk_op_sparse_aggregate, METH_FASTCALL | METH_KEYWORDS,
-     "sparse_aggregate_raw(row_ptr, col_idx, edge_weight, node_feat, *, out=None, stream=None)\n--\n\n" QK_RAW_DOC},
-    {"sparse_aggregate", (PyCFunction)(void (*)(void))qk_public_sparse_aggregate, METH_FASTCALL | METH_KEYWORDS,
-     "sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, *, out=None, backend=None)\n--\n\n"
-     "Multi-head CSR SpMM (message aggregation of a GNN layer).\n\n"
-     "row_ptr [N_dst+1] and col_idx [E] (int32 or int64, the same for both), edge_weight [E, H],\n"
-     "node_feat [N_src, H, D] -> [N_dst, H, D] with out[i,h,:] = sum over e in [row_ptr[i], row_ptr[i+1])\n"
-     "of edge_weight[e,h] * node_feat[col_idx[e],h,:]; rows without edges are 0.\n" QK_GRAPH_DOC},
-    {"fused_edge_features_raw", (PyCFunction)(void (*)(void))qk_op_edge_features, METH_FASTCALL | METH_KEYWORDS,
-     "fused_edge_features_raw(x, edge_index, edge_attr=None, *, out=None, stream=None)\n--\n\n" QK_RAW_DOC},
-    {"fused_edge_features", (PyCFunction)(void (*)(void))qk_public_edge_features, METH_FASTCALL | METH_KEYWORDS,
-     "fused_edge_features(x, edge_index, edge_attr=None, *, out=None, backend=None)\n--\n\n"
-     "Edge features of a message-passing layer in one pass.\n\n"
-     "x [N, H], edge_index [2, E] (row 0 src, row 1 dst; int32 or int64), edge_attr [E, H] ->\n"
-     "[E, 3H] = cat(x[src] + x[dst], |x[src] - x[dst]|, edge_attr), or [E, 2H] without edge_attr.\n"
-     QK_GRAPH_DOC},
-    {"fused_norm_residual_raw", (PyCFunction)(void (*)(void))qk_op_norm_residual, METH_FASTCALL | METH_KEYWORDS,
-     "fused_norm_residual_raw(x, residual, gamma, beta, *, p=0.0, training=False, eps=1e-5, seed=None, out=None, "
-     "stream=None)\n--\n\n" QK_RAW_DOC},
-    {"fused_norm_residual", (PyCFunction)(void (*)(void))qk_public_norm_residual, METH_FASTCALL | METH_KEYWORDS,
-     "fused_norm_residual(x, residual, gamma, beta, *, p=0.0, training=False, eps=1e-5, seed=None, out=None, "
-     "backend=None)\n--\n\n"
-     "LayerNorm over the last dim (population variance, two-pass), * gamma + beta, dropout with\n"
-     "probability p when training (kept values scaled by 1/(1-p)), + residual.  x, residual [R, H];\n"
-     "gamma, beta [H].  The dropout mask is a Philox4x32-10 draw keyed by (seed, r * H + h): the same\n"
-     "on cpu and cuda for the same seed; seed=None draws a fresh one.\n" QK_GRAPH_DOC},
-    {"graph_norm_bce_raw", (PyCFunction)(void (*)(void))qk_op_graph_bce, METH_FASTCALL | METH_KEYWORDS,
-     "graph_norm_bce_raw(logits, target, edge_graph, num_graphs, *, pos_weight=None, stream=None)\n--\n\n"
-     QK_RAW_DOC},
-    {"graph_norm_bce", (PyCFunction)(void (*)(void))qk_public_graph_bce, METH_FASTCALL | METH_KEYWORDS,
-     "graph_norm_bce(logits, target, edge_graph, num_graphs, *, pos_weight=None, backend=None)\n--\n\n"
-     "Graph-normalised binary cross-entropy with logits, as a 0-d float32 tensor: the mean over\n"
-     "g < num_graphs of (sum of bce(e) over edges with edge_graph[e] == g) / max(count_g, 1), where\n"
-     "bce = max(l, 0) - l*t + log1p(exp(-|l|)), times 1 + (pos_weight - 1)*t when pos_weight is given.\n"
-     "Graphs without edges contribute 0 but count.  Sorted edge_graph (PyG batches) is the fast path;\n"
-     "unsorted is right too.  Deterministic: the same inputs give the same bits.\n" QK_GRAPH_DOC},
-    {"attn_decode_raw", (PyCFunction)(void (*)(void))qk_op_attn_decode, METH_FASTCALL | METH_KEYWORDS,
-     "attn_decode_raw(q, k, v, *, kv_lens=None, mask=None, scale=None, out=None, stream=None)\n--\n\n" QK_RAW_DOC},
-    {"attn_decode", (PyCFunction)(void (*)(void))qk_public_attn_decode, METH_FASTCALL | METH_KEYWORDS,
-     "attn_decode(q, k, v, *, kv_lens=None, mask=None, scale=None, out=None, backend=None)\n--\n\n"
-     "Decode attention: one query token per sequence against its KV cache.\n\n"
-     "q [B, 1, Hq, D], k and v [B, Lkv, Hkv, D] -> [B, 1, Hq, D], out[b,0,h] = softmax(scale * q.k_j) v_j\n"
-     "over the kept keys j of sequence b, with kv head h // (Hq / Hkv) (GQA).  kv_lens [B] (int32 or\n"
-     "int64) keeps keys j < min(kv_lens[b], Lkv); mask bool [B, Lkv] or [B, 1, Lkv], True = keep.\n"
-     QK_ATTN_DOC},
-    {"attn_paged_decode_raw", (PyCFunction)(void (*)(void))qk_op_attn_paged_decode, METH_FASTCALL | METH_KEYWORDS,
-     "attn_paged_decode_raw(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, *, new_k=None, "
-     "new_v=None, mask=None, scale=None, out=None, stream=None)\n--\n\n" QK_RAW_DOC},
-    {"attn_paged_decode", (PyCFunction)(void (*)(void))qk_public_attn_paged_decode, METH_FASTCALL | METH_KEYWORDS,
-     "attn_paged_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, *, new_k=None, "
-     "new_v=None, mask=None, scale=None, out=None, backend=None)\n--\n\n"
-     "Decode attention over a token-pool KV cache.\n\n"
-     "q [B, Hq, D]; k_cache, v_cache [S, Hkv, D] token pools; req_to_token [R, max_ctx] maps (request,\n"
-     "position) to a pool slot; sequence b is request req_pool_indices[b] with kv_indptr[b+1] - kv_indptr[b]\n"
-     "tokens (the new one included) -> [B, Hq, D].  new_k, new_v [B, Hkv, D] (both or neither) are first\n"
-     "written into the pools at position len_b - 1 and used there.  mask bool [B, max_ctx], True = keep.\n"
-     QK_ATTN_DOC},
-    {"attn_prefill_raw", (PyCFunction)(void (*)(void))qk_op_attn_prefill, METH_FASTCALL | METH_KEYWORDS,
-     "attn_prefill_raw(q, k, v, *, is_causal=False, mask=None, scale=None, out=None, stream=None)\n--\n\n"
-     QK_RAW_DOC},
-    {"attn_prefill", (PyCFunction)(void (*)(void))qk_public_attn_prefill, METH_FASTCALL | METH_KEYWORDS,
-     "attn_prefill(q, k, v, *, is_causal=False, mask=None, scale=None, out=None, backend=None)\n--\n\n"
-     "Prefill attention: many query tokens per sequence against its keys.\n\n"
-     "q [B, Lq, Hq, D], k and v [B, Lkv, Hkv, D] -> [B, Lq, Hq, D], out[b,i,h] = softmax(scale * q.k_j) v_j\n"
-     "over the kept keys j, with kv head h // (Hq / Hkv) (GQA).  The queries are the last Lq of the Lkv\n"
-     "positions: is_causal keeps j <= i + Lkv - Lq (bottom-right aligned; with Lq > Lkv the first\n"
-     "Lq - Lkv queries keep nothing and give 0).  mask bool [B, Lkv] (per key) or [B, 1|Hq, Lq, Lkv]\n"
-     "(per query, shared by the heads or per head), True = keep; with is_causal both apply.\n"
-     QK_ATTN_DOC},
-    {"attn_paged_prefill_raw", (PyCFunction)(void (*)(void))qk_op_attn_paged_prefill, METH_FASTCALL | METH_KEYWORDS,
-     "attn_paged_prefill_raw(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, qo_indptr, *, "
-     "is_causal=False, mask=None, scale=None, out=None, stream=None)\n--\n\n" QK_RAW_DOC},
-    {"attn_paged_prefill", (PyCFunction)(void (*)(void))qk_public_attn_paged_prefill, METH_FASTCALL | METH_KEYWORDS,
-     "attn_paged_prefill(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, qo_indptr, *, "
-     "is_causal=False, mask=None, scale=None, out=None, backend=None)\n--\n\n"
-     "Prefill attention over a token-pool KV cache, a ragged batch.\n\n"
-     "q [total_q, Hq, D]: request b's queries are rows qo_indptr[b] .. qo_indptr[b+1] - 1 (q_len_b), the\n"
-     "last q_len_b of its kv_len_b = kv_indptr[b+1] - kv_indptr[b] keys (q_len_b <= kv_len_b); key j is\n"
-     "pool slot req_to_token[req_pool_indices[b], j] of k_cache, v_cache [S, Hkv, D] -> [total_q, Hq, D].\n"
-     "is_causal keeps j <= i + kv_len_b - q_len_b for query i of request b.  mask bool [B, max_ctx] over\n"
-     "each request's keys, True = keep.  Rows of q outside qo_indptr[0] .. qo_indptr[B] - 1 give 0.\n"
-     QK_ATTN_DOC},
-    {"rotary_emb_raw", (PyCFunction)(void (*)(void))qk_op_rotary, METH_FASTCALL | METH_KEYWORDS,
-     "rotary_emb_raw(x, freqs_cis, *, interleaved=True, out=None, stream=None)\n--\n\n" QK_RAW_DOC},
-    {"rotary_emb", (PyCFunction)(void (*)(void))qk_public_rotary, METH_FASTCALL | METH_KEYWORDS,
-     "rotary_emb(x, freqs_cis, *, interleaved=True, out=None, backend=None)\n--\n\n"
-     "Rotary position embedding.\n\n"
-     "x [T, H, D] or [B, S, H, D] (D even), freqs_cis float32 [T, D/2, 2] or [B, S, D/2, 2] holding\n"
-     "(cos, sin) per pair.  interleaved=True rotates pairs (x[2i], x[2i+1]); False the rotate-half (NeoX)\n"
-     "pairs (x[i], x[i + D/2]): (xe*c - xo*s, xe*s + xo*c) in fp32, rounded once.  In place with out=x.\n"
-     QK_DENSE_DOC},
-    {"linear_raw", (PyCFunction)(void (*)(void))qk_op_linear, METH_FASTCALL | METH_KEYWORDS,
-     "linear_raw(x, weight, bias=None, *, out=None, stream=None)\n--\n\n" QK_RAW_DOC},
-    {"linear", (PyCFunction)(void (*)(void))qk_public_linear, METH_FASTCALL | METH_KEYWORDS,
-     "linear(x, weight, bias=None, *, out=None, backend=None)\n--\n\n"
-     "x @ weight^T + bias.\n\n"
-     "x [M, K] (or [K], giving [N]), weight [N, K], bias [N] -> [M, N]; fp32 accumulation, bias added in\n"
-     "fp32, one rounding.\n" QK_DENSE_DOC},
-    {"swiglu_raw", (PyCFunction)(void (*)(void))qk_op_swiglu, METH_FASTCALL | METH_KEYWORDS,
-     "swiglu_raw(x, up_weight, gate_weight, *, out=None, stream=None)\n--\n\n" QK_RAW_DOC},
-    {"swiglu", (PyCFunction)(void (*)(void))qk_public_swiglu, METH_FASTCALL | METH_KEYWORDS,
-     "swiglu(x, up_weight, gate_weight, *, out=None, backend=None)\n--\n\n"
-     "The gated MLP's first half in one pass: linear(x, up_weight) * silu(linear(x, gate_weight)).\n\n"
-     "x [M, K] (or [K]), up_weight and gate_weight [N, K] -> [M, N] (or [N]); fp32 throughout\n"
-     "(silu(g) = g / (1 + exp(-g))), one rounding.\n" QK_DENSE_DOC},
+#define QK_METHODS(op, launcher, family, deciding)                                                  \
+    {#op "_raw", (PyCFunction)(void (*)(void))qk_op_##op, METH_FASTCALL | METH_KEYWORDS, qk_raw_doc_##op}, \
+    {#op, (PyCFunction)(void (*)(void))qk_public_##op, METH_FASTCALL | METH_KEYWORDS, qk_doc_##op},
+    QK_OPS(QK_METHODS)
+#undef QK_METHODS
     {"_install_dispatch", (PyCFunction)(void (*)(void))qk_install_dispatch, METH_FASTCALL | METH_KEYWORDS,
-     "_install_dispatch(context, direct_ops, direct_types, fallbacks)\n--\n\n"
+     "_install_dispatch(context, direct_plans, direct_types, fallbacks)\n--\n\n"
      "Hand the Python dispatcher's state to the public entry points (called by qkernels at import)."},
+    {"_direct_key", (PyCFunction)(void (*)(void))qk_direct_key, METH_FASTCALL | METH_KEYWORDS,
+     "_direct_key(x, has_mask)\n--\n\nThe key under which the dispatcher records a direct plan for x (-1: none)."},
     {"from_dlpack", (PyCFunction)(void (*)(void))qk_from_dlpack, METH_FASTCALL | METH_KEYWORDS,
      "from_dlpack(x, *, stream=None)\n--\n\nA zero-copy qkernels.Tensor viewing any DLPack producer or capsule."},
     {"describe", (PyCFunction)qk_describe, METH_O,
@@ -334,6 +215,14 @@ static PyObject *qk_find_cuda_library(void) {
     return PyUnicode_DecodeFSDefault(path);
 }
 
+static int qk_dict_set_pair(PyObject *dict, const char *key, const char *family, int position) {
+    PyObject *value = Py_BuildValue("(si)", family, position);
+    if (value == NULL) return -1;
+    int r = PyDict_SetItemString(dict, key, value);
+    Py_DECREF(value);
+    return r;
+}
+
 static int qk_exec(PyObject *module) {
     qk_state *st = qk_get_state(module);
     if (qk_tensor_type_init(module, st) < 0) return -1;
@@ -358,6 +247,19 @@ static int qk_exec(PyObject *module) {
     st->cuda_path = qk_find_cuda_library();
     if (st->cuda_path == NULL) return -1;
     if (PyModule_AddIntConstant(module, "DLPACK_MAJOR", QK_DLPACK_MAJOR) < 0) return -1;
+    /* The op table for the Python layer: op -> (family, position of the deciding argument). */
+    PyObject *ops = PyDict_New();
+    if (ops == NULL) return -1;
+#define QK_OP_ENTRY(op, launcher, family, deciding)                          \
+    if (qk_dict_set_pair(ops, #op, #family, deciding) < 0) {                 \
+        Py_DECREF(ops);                                                       \
+        return -1;                                                            \
+    }
+    QK_OPS(QK_OP_ENTRY)
+#undef QK_OP_ENTRY
+    int added = PyModule_AddObjectRef(module, "OPS", ops);
+    Py_DECREF(ops);
+    if (added < 0) return -1;
     return PyModule_AddObjectRef(module, "CUDA_LIBRARY", st->cuda_path);
 }
 
@@ -365,7 +267,7 @@ static int qk_traverse(PyObject *module, visitproc visit, void *arg) {
     qk_state *st = qk_get_state(module);
     Py_VISIT(st->tensor_type);
     Py_VISIT(st->dispatch_ctx);
-    Py_VISIT(st->direct_ops);
+    Py_VISIT(st->direct_plans);
     Py_VISIT(st->direct_types);
     Py_VISIT(st->fallbacks);
     Py_VISIT(st->grad_enabled);
@@ -388,7 +290,7 @@ static int qk_clear(PyObject *module) {
     Py_CLEAR(st->max_version);
     Py_CLEAR(st->cuda_path);
     Py_CLEAR(st->dispatch_ctx);
-    Py_CLEAR(st->direct_ops);
+    Py_CLEAR(st->direct_plans);
     Py_CLEAR(st->direct_types);
     Py_CLEAR(st->fallbacks);
     for (int i = 0; i < st->num_api_types; i++) Py_CLEAR(st->api_types[i]);

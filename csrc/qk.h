@@ -7,7 +7,7 @@
 #include <stdint.h>
 
 #include "dlpack.h"
-#include "../kernels/qk_launch.h"
+#include "qkernels/launch.h"
 
 #define QK_MAX_DIMS 8
 #define QK_MAX_API_TYPES 8
@@ -37,7 +37,7 @@ typedef struct {
     PyObject *cuda_path;  /* the CUDA shared object beside this module, or None */
     /* The Python dispatcher's state, installed by qkernels/_dispatch.py (see dispatch.c). */
     PyObject *dispatch_ctx;    /* ContextVar holding (mapping, token) */
-    PyObject *direct_ops;      /* dict op name -> bool */
+    PyObject *direct_plans;    /* dict op name -> dict of direct keys (see dispatch.c) */
     PyObject *direct_types;    /* set of tensor types */
     PyObject *fallbacks;       /* dict op name -> Python callable taking the public signature */
 } qk_state;
@@ -125,17 +125,17 @@ PyObject *qk_output_finish(qk_output *o, qk_view *ov, int ok);
 /* The common end of every op: restore the device, hand out (or drop) the output, release inputs. */
 PyObject *qk_op_finish(qk_launch *l, int launched, qk_output *o, qk_view *ov, int ok, qk_view *in, int n_in);
 
-/* Run an op's launcher where the data lives: the CUDA one on the launch stream, or the CPU one
- * with the GIL released. */
-#define QK_RUN(status, l, cuda_launcher, cpu_launcher, args) \
-    do {                                                      \
-        if ((l)->device_type == kDLCUDA) {                    \
-            (status) = (l)->cuda->cuda_launcher((args), (l)->stream); \
-        } else {                                              \
-            Py_BEGIN_ALLOW_THREADS                            \
-            (status) = cpu_launcher((args), NULL);            \
-            Py_END_ALLOW_THREADS                              \
-        }                                                     \
+/* Run launcher `name` of QK_LAUNCHERS where the data lives: qk_<name>_cuda on the launch stream,
+ * or qk_<name>_cpu with the GIL released. */
+#define QK_RUN(status, l, name, args)                               \
+    do {                                                            \
+        if ((l)->device_type == kDLCUDA) {                          \
+            (status) = (l)->cuda->name((args), (l)->stream);        \
+        } else {                                                    \
+            Py_BEGIN_ALLOW_THREADS                                  \
+            (status) = qk_##name##_cpu((args), NULL);               \
+            Py_END_ALLOW_THREADS                                    \
+        }                                                           \
     } while (0)
 
 /* Shape/dtype checks raising ValueError/TypeError with the op and argument named. */
@@ -154,30 +154,44 @@ int qk_check_inner_unit(const char *op, const char *arg, const qk_view *v);
 
 /* dispatch.c: the public entry points' zero-lookup path */
 PyObject *qk_install_dispatch(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+PyObject *qk_direct_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 
-/* ops: the raw entry points (no dispatch); dispatch.c wraps each as the public one */
-PyObject *qk_op_sparse_aggregate(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_op_edge_features(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_op_norm_residual(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_op_graph_bce(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_public_sparse_aggregate(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_public_edge_features(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_public_norm_residual(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_public_graph_bce(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_public_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_public_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_op_attn_prefill(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_public_attn_prefill(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_public_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_op_rotary(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_op_linear(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_op_swiglu(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_public_rotary(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_public_linear(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *qk_public_swiglu(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+/* csrc/ops/: each op's binding (its raw entry point, no dispatch) and docstrings; dispatch.c wraps
+ * each as the public entry point. */
+typedef PyObject *(*qk_fastcall)(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+#define QK_OP_DECLARE(op, launcher, family, deciding)                                                          \
+    PyObject *qk_op_##op(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);     \
+    PyObject *qk_public_##op(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames); \
+    extern const char qk_doc_##op[], qk_raw_doc_##op[];
+QK_OPS(QK_OP_DECLARE)
+#undef QK_OP_DECLARE
+
+/* An op's docstrings beside its binding: params is the signature without backend= (public) or
+ * stream= (raw), which the two entry points add. */
+#define QK_DOCS(op, params, body)                                                   \
+    const char qk_doc_##op[] = #op "(" params ", backend=None)\n--\n\n" body;      \
+    const char qk_raw_doc_##op[] = #op "_raw(" params ", stream=None)\n--\n\n" QK_RAW_DOC;
+
+#define QK_RAW_DOC                                                                                         \
+    "The op without dispatch: runs where the tensors live, on `stream` (default: the framework's current "  \
+    "stream through the DLPack exchange API, else the legacy default stream); returns the framework's "    \
+    "tensor when it publishes an exchange API, else a qkernels.Tensor."
+#define QK_GRAPH_DOC                                                                                       \
+    "float32 on cpu and cuda, float16/bfloat16 on cuda (fp32 arithmetic).  Results come back in the\n"      \
+    "caller's framework; backend= picks cuda or cpu (see qkernels.explain).  Index values are checked\n"    \
+    "on cpu; on cuda an out-of-range index is never followed outside the tensors (QKERNELS_CHECK=1\n"      \
+    "validates sparse_aggregate's)."
+
+#define QK_ATTN_DOC                                                                                        \
+    "bfloat16/float16 on cuda (head_dim 32, 64, 128 or 256), also float32 on cpu; fp32 scores, softmax and\n" \
+    "accumulation, one rounding; scale defaults to 1/sqrt(D); a sequence with no kept key gives 0.\n"         \
+    "backend= picks cuda, flash (attn_decode and attn_prefill without mask) or cpu (see qkernels.explain).\n"  \
+    "Index values are checked on cpu; on cuda lengths are clamped and out-of-range slots skipped."
+
+#define QK_DENSE_DOC                                                                                       \
+    "bfloat16/float16 on cuda, also float32 on cpu; all tensors but freqs_cis of one dtype.  Inner\n"      \
+    "dimensions must be unit-stride; rows may be strided.  backend= picks cuda or cpu (see\n"            \
+    "qkernels.explain)."
 
 /* Keep a pending exception across calls that may run Python code (3.12 deprecates PyErr_Fetch). */
 #if PY_VERSION_HEX >= 0x030C0000

@@ -526,7 +526,7 @@ def environment_plan(device, dtype, cfg):
     other families go back to the automatic chain and attention takes the dense path."""
     q = torch.zeros(1, cfg.heads, cfg.head_dim, device=device, dtype=dtype)
     notes, families = [], {}
-    for op, fam, args in (("linear", "linear", (q[0], q[0])), ("rotary_emb", "rotary", (q, q)),
+    for op, fam, args in (("linear", "linear", (q[0], q[0])), ("rotary_emb", "rotary_emb", (q, q)),
                           ("swiglu", "swiglu", (q[0], q[0], q[0]))):
         d = qkernels.resolve(op, *args)
         if d.winner is None and d.requested == "flash":

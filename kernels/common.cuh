@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "qk_launch.h"
+#include "qkernels/launch.h"
 
 // fp32 arithmetic for every storage type.
 __device__ __forceinline__ float qk_to_float(float v) { return v; }
@@ -186,7 +186,7 @@ __device__ __forceinline__ float qk_cluster_sum(const float *p, int cs) {
 #endif
 
 // cp.async groups (sm_80+): close the copies issued so far into a group; wait until at most N
-// groups are pending.  The copies themselves are per kernel family (attention_common.cuh, linear.cu).
+// groups are pending.  The copies themselves are per kernel family (attn_common.cuh, linear.cu).
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 

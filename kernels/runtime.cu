@@ -1,5 +1,5 @@
 // The CUDA shared object's one entry point, qk_cuda_get_api: a table of device utilities and
-// op launchers that the C module loads with dlopen at first CUDA use (see qk_launch.h).
+// op launchers that the C module loads with dlopen at first CUDA use (see include/qkernels/launch.h).
 #include "common.cuh"
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -143,16 +143,10 @@ int qk_sm_count(int *count) {
                              [](int d, int *v) { return cudaDeviceGetAttribute(v, cudaDevAttrMultiProcessorCount, d); });
 }
 
-extern "C" int qk_sparse_aggregate_cuda(const qk_sparse_aggregate_args *a, void *stream);
+#define QK_DECLARE(name, args) extern "C" int qk_##name##_cuda(const qk_##args##_args *a, void *stream);
+QK_LAUNCHERS(QK_DECLARE)
+#undef QK_DECLARE
 extern "C" int qk_sparse_aggregate_check_cuda(qk_sparse_aggregate_args *a, void *stream);
-extern "C" int qk_edge_features_cuda(const qk_edge_features_args *a, void *stream);
-extern "C" int qk_norm_residual_cuda(const qk_norm_residual_args *a, void *stream);
-extern "C" int qk_graph_bce_cuda(const qk_graph_bce_args *a, void *stream);
-extern "C" int qk_attn_decode_cuda(const qk_attn_decode_args *a, void *stream);
-extern "C" int qk_attn_prefill_cuda(const qk_attn_prefill_args *a, void *stream);
-extern "C" int qk_rotary_cuda(const qk_rotary_args *a, void *stream);
-extern "C" int qk_linear_cuda(const qk_linear_args *a, void *stream);
-extern "C" int qk_swiglu_cuda(const qk_linear_args *a, void *stream);
 extern "C" int qk_index_check_cuda(const void *p, int dtype, int64_t n, int64_t stride, int64_t lo, int64_t hi,
                                    int64_t *bad_pos, int64_t *bad_value, void *stream);
 
@@ -216,17 +210,11 @@ qk_cuda_api make_api() {
     t.malloc = qk_malloc;
     t.free = qk_free;
     t.stream_wait = stream_wait;
-    t.sparse_aggregate = qk_sparse_aggregate_cuda;
     t.sparse_aggregate_check = qk_sparse_aggregate_check_cuda;
-    t.edge_features = qk_edge_features_cuda;
-    t.norm_residual = qk_norm_residual_cuda;
-    t.graph_bce = qk_graph_bce_cuda;
-    t.attn_decode = qk_attn_decode_cuda;
-    t.attn_prefill = qk_attn_prefill_cuda;
-    t.rotary = qk_rotary_cuda;
-    t.linear = qk_linear_cuda;
-    t.swiglu = qk_swiglu_cuda;
     t.index_check = qk_index_check_cuda;
+#define QK_FILL(name, args) t.name = qk_##name##_cuda;
+    QK_LAUNCHERS(QK_FILL)
+#undef QK_FILL
     return t;
 }
 

@@ -21,31 +21,25 @@ from dataclasses import dataclass, field
 from . import _C
 
 BACKENDS = ("cuda", "flash", "cpu")
-GRAPH_FAMILIES = ("edge_features", "norm_residual", "graph_bce", "sparse_aggregate")
-LLM_FAMILIES = ("attention", "rotary", "linear", "swiglu")
+GRAPH_FAMILIES = ("fused_edge_features", "fused_norm_residual", "graph_norm_bce", "sparse_aggregate")
+LLM_FAMILIES = ("attention", "rotary_emb", "linear", "swiglu")
 FAMILIES = LLM_FAMILIES + GRAPH_FAMILIES
 GROUPS = {"graph": GRAPH_FAMILIES, "llm": LLM_FAMILIES}
 ENV_GROUPS = (("ASTR_BACKEND", LLM_FAMILIES), ("QECDEC_BACKEND", GRAPH_FAMILIES))
 LEGACY_SPELLINGS = {"torch_native": "cpu", "pytorch": "cpu", "compiled": "cpu"}
+# Family names before families were named after their op; still accepted, with a warning.
+LEGACY_FAMILIES = {"edge_features": "fused_edge_features", "norm_residual": "fused_norm_residual",
+                   "graph_bce": "graph_norm_bce", "rotary": "rotary_emb"}
 
-# op name -> (family, position and name of the argument whose device/dtype/framework decide,
-# whether the automatic chain always picks the backend of the device the data is on)
-OPS = {
-    "sparse_aggregate": ("sparse_aggregate", 3, "node_feat", True),
-    "fused_edge_features": ("edge_features", 0, "x", True),
-    "fused_norm_residual": ("norm_residual", 0, "x", True),
-    "graph_norm_bce": ("graph_bce", 0, "logits", True),
-    # cuda takes bfloat16/float16 only, so float32 on a GPU goes to cpu: the chain is not the device
-    "rotary_emb": ("rotary", 0, "x", False),
-    "linear": ("linear", 0, "x", False),
-    "swiglu": ("swiglu", 0, "x", False),
-    # cuda, flash or cpu by head_dim, mask and dtype: the chain is not the device either
-    "attn_decode": ("attention", 0, "q", False),
-    "attn_paged_decode": ("attention", 0, "q", False),
-    "attn_prefill": ("attention", 0, "q", False),
-    "attn_paged_prefill": ("attention", 0, "q", False),
-}
 
+def _deciding_name(op, position):
+    sig = getattr(_C, op).__text_signature__  # "(row_ptr, col_idx, ...)"
+    return sig.strip("()").split(",")[position].split("=")[0].strip()
+
+
+# op name -> (family, position and name of the argument whose device/dtype/framework decide),
+# from the C op table.
+OPS = {op: (family, position, _deciding_name(op, position)) for op, (family, position) in _C.OPS.items()}
 
 def _attention_axes(paged):
     def axes(args, kwargs):
@@ -108,9 +102,9 @@ _FLASH_CALLS = {
 _PREDICATES = {
     "cuda": {
         "sparse_aggregate": [_ON_CUDA, _CUDA_FLOATS],
-        "edge_features": [_ON_CUDA, _CUDA_FLOATS],
-        "norm_residual": [_ON_CUDA, _CUDA_FLOATS],
-        "graph_bce": [_ON_CUDA, _CUDA_FLOATS],
+        "fused_edge_features": [_ON_CUDA, _CUDA_FLOATS],
+        "fused_norm_residual": [_ON_CUDA, _CUDA_FLOATS],
+        "graph_norm_bce": [_ON_CUDA, _CUDA_FLOATS],
     },
     "flash": {
         # flash_attn_with_kvcache (decode: contiguous [B, Lkv, Hkv, D] caches with cache_seqlens) and
@@ -132,7 +126,7 @@ _PREDICATES = {
 
 # The dense LLM ops: our CUDA kernels take bfloat16/float16, the C CPU kernels float32 too.
 _HALVES = _req("dtype float16 or bfloat16", lambda a: a["dtype"] in ("float16", "bfloat16"))
-for _family in ("rotary", "linear", "swiglu"):
+for _family in ("rotary_emb", "linear", "swiglu"):
     _PREDICATES["cuda"][_family] = [_ON_CUDA, _HALVES]
     _PREDICATES["cpu"][_family] = [_CUDA_FLOATS]
 
@@ -190,18 +184,36 @@ _cache = {}
 _warned = set()
 
 
-def _normalize(value, source):
+def _warn_once(key, message, stacklevel):
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, DeprecationWarning if key[0] == "family" else UserWarning, stacklevel=stacklevel + 1)
+
+
+def _normalize(value, source, stacklevel=4):
     v = str(value).strip().lower()
     if v in LEGACY_SPELLINGS:
-        if (source, v) not in _warned:
-            _warned.add((source, v))
-            warnings.warn(f"{source}={value!r} is a legacy spelling; it selects the 'cpu' backend "
-                          f"(qkernels' C kernels)", UserWarning, stacklevel=4)
+        _warn_once(("backend", source, v), f"{source}={value!r} is a legacy spelling; it selects the 'cpu' backend "
+                   f"(qkernels' C kernels)", stacklevel)
         return "cpu"
     if v not in BACKENDS + ("auto",):
         raise ValueError(f"{source} must be one of cuda, flash, cpu, auto (or legacy torch_native, pytorch, "
                          f"compiled), got {value!r}")
     return v
+
+
+def _families(key, source, stacklevel=4):
+    """The families a name selects: a group (graph, llm), a family, or a family's legacy name."""
+    if key in GROUPS:
+        return GROUPS[key]
+    if key in FAMILIES:
+        return (key,)
+    if key in LEGACY_FAMILIES:
+        new = LEGACY_FAMILIES[key]
+        _warn_once(("family", source, key), f"{source}: family {key!r} is now spelled {new!r}", stacklevel)
+        return (new,)
+    raise ValueError(f"{source}: unknown family {key!r}; expected one of {', '.join(FAMILIES)}, or the groups "
+                     f"graph and llm")
 
 
 def _parse_env():
@@ -218,11 +230,11 @@ def _parse_env():
             if not item.strip():
                 continue
             fam, sep, val = item.partition("=")
-            fam = fam.strip()
-            if not sep or fam not in FAMILIES:
-                raise ValueError(f"QKERNELS_OPS entries must be family=backend with family one of "
-                                 f"{', '.join(FAMILIES)}; got {item.strip()!r}")
-            sel[fam] = (_normalize(val, f"QKERNELS_OPS[{fam}]"), "env QKERNELS_OPS")
+            if not sep:
+                raise ValueError(f"QKERNELS_OPS entries must be name=backend with a family or the groups graph and "
+                                 f"llm; got {item.strip()!r}")
+            for f in _families(fam.strip(), "QKERNELS_OPS"):
+                sel[f] = (_normalize(val, f"QKERNELS_OPS[{fam.strip()}]"), "env QKERNELS_OPS")
     return sel
 
 
@@ -230,22 +242,16 @@ def _env():
     global _env_cache
     if _env_cache is None:
         _env_cache = _parse_env()
-        _refresh_direct()
     return _env_cache
 
 
-# The zero-lookup path (ops.py): a call with no explicit backend and no context whose deciding
-# tensor's type is in direct_types goes straight to _C when direct_ops[op] is true.  That holds
-# when automatic selection applies to the op's family, the chain picks the backend of the device
-# the data is on (what _C does by itself), and cuda is available, so nothing would be staged.
-direct_ops = {}
+# The direct path (csrc/dispatch.c): a public op called with no backend= and no use_backend()
+# context, whose tensors all have a type in direct_types (torch, read through the DLPack C
+# exchange API), runs the C op at once when direct_plans[op] holds the call's key
+# (_C._direct_key: device, dtype, last dimension, mask or not).  choose() records a key there
+# after deciding that the call runs unstaged on our kernels and returns the caller's tensor as is.
+direct_plans = {op: {} for op in OPS}
 direct_types = set()
-
-
-def _refresh_direct():
-    cuda_ok = backend_available("cuda")[0]
-    for op, (family, _, _, chain_is_device) in OPS.items():
-        direct_ops[op] = chain_is_device and cuda_ok and _env_cache.get(family, ("auto",))[0] == "auto"
 
 
 def reload_env():
@@ -253,7 +259,8 @@ def reload_env():
     global _env_cache
     _env_cache = None
     _cache.clear()
-    direct_ops.clear()
+    for plans in direct_plans.values():
+        plans.clear()
     try:
         _env()
     except ValueError:
@@ -269,17 +276,11 @@ def use_backend(backend=None, /, **families):
     """
     mapping = dict(_ctx.get()[0])
     if backend is not None:
-        b = _normalize(backend, "use_backend")
+        b = _normalize(backend, "use_backend", stacklevel=5)
         mapping.update({f: b for f in FAMILIES})
     for key, value in families.items():
-        if key in GROUPS:
-            targets = GROUPS[key]
-        elif key in FAMILIES:
-            targets = (key,)
-        else:
-            raise ValueError(f"use_backend: unknown family {key!r}; expected one of {', '.join(FAMILIES)}, "
-                             f"graph or llm")
-        b = _normalize(value, f"use_backend({key}=...)")
+        targets = _families(key, "use_backend", stacklevel=5)
+        b = _normalize(value, f"use_backend({key}=...)", stacklevel=5)
         mapping.update({f: b for f in targets})
     token = _ctx.set((mapping, next(_ctx_tokens)))
     try:
@@ -365,7 +366,7 @@ def resolve(op, *args, backend=None, **kwargs):
     """The decision for ``op(*args, **kwargs)`` as data (a Decision)."""
     if op not in OPS:
         raise ValueError(f"resolve: unknown op {op!r}; expected one of {', '.join(OPS)}")
-    _, idx, arg, _ = OPS[op]
+    _, idx, arg = OPS[op]
     x = args[idx] if len(args) > idx else kwargs.get(arg)
     if x is None:
         raise TypeError(f"resolve: {op} needs its argument {arg!r} to decide")
@@ -393,6 +394,8 @@ def configure(**settings):
     old = _C._configure(**settings)
     _cache.clear()
     direct_types.clear()
+    for plans in direct_plans.values():
+        plans.clear()
     return old
 
 
@@ -402,8 +405,16 @@ def _is_direct(x, staged):
     return hasattr(type(x), "__dlpack_c_exchange_api__") and _C._configure()["use_exchange_api"]
 
 
+def record_direct(op, x, has_mask):
+    """Let the C entry point run calls like this one itself (see direct_plans)."""
+    plans = direct_plans[op]
+    if len(plans) > 4096:
+        plans.clear()
+    plans[_C._direct_key(x, has_mask)] = True
+
+
 def choose(op, x, explicit, extra=()):
-    """Hot path: the Plan for a call whose deciding tensor is x (extra: the CALL_AXES values)."""
+    """The Plan for a call whose deciding tensor is x (extra: the CALL_AXES values)."""
     key = (op, type(x), _describe(x), explicit, _ctx.get()[1], extra)
     hit = _cache.get(key)
     if hit is not None:

@@ -1,16 +1,16 @@
 """Public ops.
 
-Each public op is a C entry point (``_C.<op>``) that runs directly when selection is
-automatic and lands where the data lives (torch in, torch out), and otherwise calls the Python
-path below: the dispatcher's decision, then the C op (``_C.<op>_raw``), with results in the
-caller's framework.
+Each public op is a C entry point (``_C.<op>``, one per row of the C op table) that runs a call
+itself when the dispatcher has already decided such a call (torch in, torch out, our kernels),
+and otherwise calls the Python path below: the dispatcher's decision, then the C op
+(``_C.<op>_raw``), with results in the caller's framework.
 """
 
 from __future__ import annotations
 
 from . import _C
 from . import _dispatch, _flash
-from ._dispatch import _ctx, choose, direct_ops, direct_types
+from ._dispatch import _ctx, choose, direct_plans, direct_types, record_direct
 from ._frameworks import run
 
 
@@ -23,7 +23,7 @@ _WRITTEN = {
 def _python_path(name):
     """The Python side of public op `name`: decide, then run the raw op and convert the result."""
     raw = getattr(_C, name + "_raw")
-    _, position, arg, _ = _dispatch.OPS[name]
+    _, position, arg = _dispatch.OPS[name]
     call_axes = _dispatch.CALL_AXES.get(name)
     written = _WRITTEN.get(name)
 
@@ -33,6 +33,8 @@ def _python_path(name):
             return raw(*args, **kwargs)  # the raw op names what is missing
         plan = choose(name, x, backend, call_axes(args, kwargs) if call_axes else ())
         if plan[2]:  # torch in, torch out, all in C
+            if backend is None and _ctx.get()[1] == 0:
+                record_direct(name, x, kwargs.get("mask") is not None)
             return raw(*args, **kwargs)
         if plan[0] == "flash":
             return _flash.OPS[name](*args, **kwargs)
@@ -42,16 +44,7 @@ def _python_path(name):
     return call
 
 
-_C._install_dispatch(_ctx, direct_ops, direct_types, {name: _python_path(name) for name in _dispatch.OPS})
+_C._install_dispatch(_ctx, direct_plans, direct_types, {name: _python_path(name) for name in _dispatch.OPS})
 
-sparse_aggregate = _C.sparse_aggregate
-fused_edge_features = _C.fused_edge_features
-fused_norm_residual = _C.fused_norm_residual
-graph_norm_bce = _C.graph_norm_bce
-attn_decode = _C.attn_decode
-attn_paged_decode = _C.attn_paged_decode
-attn_prefill = _C.attn_prefill
-attn_paged_prefill = _C.attn_paged_prefill
-rotary_emb = _C.rotary_emb
-linear = _C.linear
-swiglu = _C.swiglu
+globals().update({name: getattr(_C, name) for name in _C.OPS})
+__all__ = list(_C.OPS)

@@ -13,7 +13,7 @@ lib_path = qkernels._C.CUDA_LIBRARY
 pytestmark = pytest.mark.skipif(lib_path is None, reason="built without CUDA kernels")
 
 
-HEADER = (pathlib.Path(__file__).parents[1] / "kernels" / "qk_launch.h").read_text()
+HEADER = (pathlib.Path(__file__).parents[1] / "include" / "qkernels" / "launch.h").read_text()
 ABI = int(re.search(r"#define QK_CUDA_ABI (\d+)", HEADER).group(1))
 # the function pointers declared in the table's struct
 ENTRIES = len(re.findall(r"\(\*\w+\)\(", HEADER.split("} qk_cuda_api;")[0].rsplit("typedef struct {", 1)[1]))

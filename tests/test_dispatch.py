@@ -71,14 +71,14 @@ def test_qkernels_ops_wins_over_group_variables(env, args):
     d = qkernels.resolve("sparse_aggregate", *args)
     assert d.winner == "cpu" and d.origin == "env QKERNELS_OPS"
     assert _dispatch._env()["linear"] == ("flash", "env QKERNELS_OPS")
-    assert _dispatch._env()["graph_bce"] == ("cuda", "env QECDEC_BACKEND")
+    assert _dispatch._env()["graph_norm_bce"] == ("cuda", "env QECDEC_BACKEND")
 
 
 @pytest.mark.parametrize("var,value,match", [
     ("QECDEC_BACKEND", "gpu", "QECDEC_BACKEND must be one of"),
     ("ASTR_BACKEND", "fast", "ASTR_BACKEND must be one of"),
-    ("QKERNELS_OPS", "nonsense=cpu", "QKERNELS_OPS entries must be family=backend"),
-    ("QKERNELS_OPS", "sparse_aggregate", "QKERNELS_OPS entries must be family=backend"),
+    ("QKERNELS_OPS", "nonsense=cpu", "QKERNELS_OPS: unknown family 'nonsense'; expected one of attention, "),
+    ("QKERNELS_OPS", "sparse_aggregate", "QKERNELS_OPS entries must be name=backend"),
     ("QKERNELS_OPS", "linear=tpu", r"QKERNELS_OPS\[linear\] must be one of"),
 ])
 def test_bad_env_value_raises_at_first_use(env, args, var, value, match):

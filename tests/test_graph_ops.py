@@ -237,7 +237,7 @@ def test_torch_cpu_and_dispatch(rng):
     for op, a in [("fused_edge_features", (x, ei)), ("fused_norm_residual", args), ("graph_norm_bce", (lg, t, eg, 9))]:
         d = qkernels.resolve(op, *a)
         assert d.winner == "cpu" and d.family in qkernels.FAMILIES
-    with pytest.raises(qkernels.ExplicitSelectionError, match="'cuda' selected by explicit cannot run family 'graph_bce'"):
+    with pytest.raises(qkernels.ExplicitSelectionError, match="'cuda' selected by explicit cannot run family 'graph_norm_bce'"):
         qkernels.graph_norm_bce(lg, t, eg, 9, backend="cuda")
     with pytest.raises(qkernels.ExplicitSelectionError):
         with qkernels.use_backend(graph="flash"):

@@ -3,7 +3,7 @@
 #ifndef QK_CPU_H
 #define QK_CPU_H
 
-#include "../../kernels/qk_launch.h"
+#include "qkernels/launch.h"
 
 /* Hot loops are compiled for AVX-512 and AVX2 besides the x86-64 baseline, the best picked at
  * load time (GCC function multiversioning); PyTorch's CPU kernels dispatch the same way. */
@@ -13,15 +13,9 @@
 #define QK_MULTIVERSION
 #endif
 
-int qk_sparse_aggregate_cpu(qk_sparse_aggregate_args *a, void *stream);
-int qk_edge_features_cpu(qk_edge_features_args *a, void *stream);
-int qk_norm_residual_cpu(qk_norm_residual_args *a, void *stream);
-int qk_graph_bce_cpu(qk_graph_bce_args *a, void *stream);
-int qk_attn_decode_cpu(qk_attn_decode_args *a, void *stream); /* both ops (a->paged) */
-int qk_attn_prefill_cpu(qk_attn_prefill_args *a, void *stream); /* both ops (a->paged) */
-int qk_rotary_cpu(qk_rotary_args *a, void *stream);
-int qk_linear_cpu(qk_linear_args *a, void *stream);
-int qk_swiglu_cpu(qk_linear_args *a, void *stream);
+#define QK_CPU_DECLARE(name, args) int qk_##name##_cpu(qk_##args##_args *a, void *stream);
+QK_LAUNCHERS(QK_CPU_DECLARE)
+#undef QK_CPU_DECLARE
 
 static inline int64_t qk_index(const void *base, int dtype, int64_t pos, int64_t stride) {
     return dtype == QK_I32 ? (int64_t)((const int32_t *)base)[pos * stride] : ((const int64_t *)base)[pos * stride];

@@ -10,7 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "../../kernels/qk_launch.h"
+#include "qkernels/launch.h"
 
 static inline float qk_bits_f32(uint32_t u) {
     float f;

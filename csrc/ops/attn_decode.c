@@ -15,6 +15,22 @@ static void ad_set_mask(qk_attn_decode_args *a, const qk_view *m) {
 #undef OP
 #define OP "attn_decode"
 
+QK_DOCS(attn_decode, "q, k, v, *, kv_lens=None, mask=None, scale=None, out=None",
+    "Decode attention: one query token per sequence against its KV cache.\n\n"
+    "q [B, 1, Hq, D], k and v [B, Lkv, Hkv, D] -> [B, 1, Hq, D], out[b,0,h] = softmax(scale * q.k_j) v_j\n"
+    "over the kept keys j of sequence b, with kv head h // (Hq / Hkv) (GQA).  kv_lens [B] (int32 or\n"
+    "int64) keeps keys j < min(kv_lens[b], Lkv); mask bool [B, Lkv] or [B, 1, Lkv], True = keep.\n"
+    QK_ATTN_DOC)
+
+QK_DOCS(attn_paged_decode, "q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, *, new_k=None, "
+     "new_v=None, mask=None, scale=None, out=None",
+    "Decode attention over a token-pool KV cache.\n\n"
+    "q [B, Hq, D]; k_cache, v_cache [S, Hkv, D] token pools; req_to_token [R, max_ctx] maps (request,\n"
+    "position) to a pool slot; sequence b is request req_pool_indices[b] with kv_indptr[b+1] - kv_indptr[b]\n"
+    "tokens (the new one included) -> [B, Hq, D].  new_k, new_v [B, Hkv, D] (both or neither) are first\n"
+    "written into the pools at position len_b - 1 and used there.  mask bool [B, max_ctx], True = keep.\n"
+    QK_ATTN_DOC)
+
 PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"q", "k", "v", "kv_lens", "mask", "scale", "out", "stream", NULL};
     enum { Q, K, V, KV_LENS, MASK, NUM_INPUTS };
@@ -82,7 +98,7 @@ PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t 
     ad.dtype = in[Q].dtype;
     ad.num_threads = st->num_threads;
     int status = QK_OK;
-    if (B > 0 && Hq > 0) QK_RUN(status, &l, attn_decode, qk_attn_decode_cpu, &ad);
+    if (B > 0 && Hq > 0) QK_RUN(status, &l, attn_decode, &ad);
     if (status) qk_raise_status(OP, status);
     else ok = 1;
 done:
@@ -201,7 +217,7 @@ PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ss
                                      &ad.bad_value, l.stream);
         ad.bad_arg = 0;
     }
-    if (B > 0 && status == QK_OK) QK_RUN(status, &l, attn_decode, qk_attn_decode_cpu, &ad);
+    if (B > 0 && status == QK_OK) QK_RUN(status, &l, attn_decode, &ad);
     if (status == QK_E_INDEX) qk_attn_raise_pool_index(OP, ad.bad_arg, ad.bad_pos, ad.bad_value, R, max_ctx, S);
     else if (status) qk_raise_status(OP, status);
     else ok = 1;

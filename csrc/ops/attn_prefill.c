@@ -6,6 +6,25 @@
 #include "attn_common.h" /* first: Python.h before any system header */
 #include "../cpu/cpu.h"
 
+QK_DOCS(attn_prefill, "q, k, v, *, is_causal=False, mask=None, scale=None, out=None",
+    "Prefill attention: many query tokens per sequence against its keys.\n\n"
+    "q [B, Lq, Hq, D], k and v [B, Lkv, Hkv, D] -> [B, Lq, Hq, D], out[b,i,h] = softmax(scale * q.k_j) v_j\n"
+    "over the kept keys j, with kv head h // (Hq / Hkv) (GQA).  The queries are the last Lq of the Lkv\n"
+    "positions: is_causal keeps j <= i + Lkv - Lq (bottom-right aligned; with Lq > Lkv the first\n"
+    "Lq - Lkv queries keep nothing and give 0).  mask bool [B, Lkv] (per key) or [B, 1|Hq, Lq, Lkv]\n"
+    "(per query, shared by the heads or per head), True = keep; with is_causal both apply.\n"
+    QK_ATTN_DOC)
+
+QK_DOCS(attn_paged_prefill, "q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, qo_indptr, *, "
+     "is_causal=False, mask=None, scale=None, out=None",
+    "Prefill attention over a token-pool KV cache, a ragged batch.\n\n"
+    "q [total_q, Hq, D]: request b's queries are rows qo_indptr[b] .. qo_indptr[b+1] - 1 (q_len_b), the\n"
+    "last q_len_b of its kv_len_b = kv_indptr[b+1] - kv_indptr[b] keys (q_len_b <= kv_len_b); key j is\n"
+    "pool slot req_to_token[req_pool_indices[b], j] of k_cache, v_cache [S, Hkv, D] -> [total_q, Hq, D].\n"
+    "is_causal keeps j <= i + kv_len_b - q_len_b for query i of request b.  mask bool [B, max_ctx] over\n"
+    "each request's keys, True = keep.  Rows of q outside qo_indptr[0] .. qo_indptr[B] - 1 give 0.\n"
+    QK_ATTN_DOC)
+
 static int ap_causal(const char *op, PyObject *obj, int *causal) {
     *causal = obj ? PyObject_IsTrue(obj) : 0;
     if (*causal >= 0) return 0;
@@ -98,7 +117,7 @@ PyObject *qk_op_attn_prefill(PyObject *module, PyObject *const *args, Py_ssize_t
     pa.dtype = in[Q].dtype;
     pa.num_threads = st->num_threads;
     int status = QK_OK;
-    if (B > 0 && Lq > 0 && Hq > 0) QK_RUN(status, &l, attn_prefill, qk_attn_prefill_cpu, &pa);
+    if (B > 0 && Lq > 0 && Hq > 0) QK_RUN(status, &l, attn_prefill, &pa);
     if (status) qk_raise_status(OP, status);
     else ok = 1;
 done:
@@ -214,7 +233,7 @@ PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_s
     }
     /* B = 0 still runs when there are query rows: they belong to no request and are written as 0 */
     if ((B > 0 || total_q > 0) && Hq > 0 && status == QK_OK)
-        QK_RUN(status, &l, attn_prefill, qk_attn_prefill_cpu, &pa);
+        QK_RUN(status, &l, attn_prefill, &pa);
     if (status == QK_E_INDEX && pa.bad_arg == 3) ap_raise_rows(&pa);
     else if (status == QK_E_INDEX) qk_attn_raise_pool_index(OP, pa.bad_arg, pa.bad_pos, pa.bad_value, R, max_ctx, S);
     else if (status) qk_raise_status(OP, status);

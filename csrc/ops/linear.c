@@ -4,6 +4,16 @@
 #include "../qk.h"
 #include "../cpu/cpu.h"
 
+QK_DOCS(linear, "x, weight, bias=None, *, out=None",
+    "x @ weight^T + bias.\n\n"
+    "x [M, K] (or [K], giving [N]), weight [N, K], bias [N] -> [M, N]; fp32 accumulation, bias added in\n"
+    "fp32, one rounding.\n" QK_DENSE_DOC)
+
+QK_DOCS(swiglu, "x, up_weight, gate_weight, *, out=None",
+    "The gated MLP's first half in one pass: linear(x, up_weight) * silu(linear(x, gate_weight)).\n\n"
+    "x [M, K] (or [K]), up_weight and gate_weight [N, K] -> [M, N] (or [N]); fp32 throughout\n"
+    "(silu(g) = g / (1 + exp(-g))), one rounding.\n" QK_DENSE_DOC)
+
 /* in[0] x, in[1] the (up) weight, in[2] bias (linear) or gate_weight (swiglu) */
 static PyObject *ln_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int swiglu) {
     static const char *const linear_names[] = {"x", "weight", "bias", "out", "stream", NULL};
@@ -77,8 +87,8 @@ static PyObject *ln_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     la.num_threads = st->num_threads;
     int status = QK_OK;
     if (M > 0 && N > 0) {
-        if (swiglu) QK_RUN(status, &l, swiglu, qk_swiglu_cpu, &la);
-        else QK_RUN(status, &l, linear, qk_linear_cpu, &la);
+        if (swiglu) QK_RUN(status, &l, swiglu, &la);
+        else QK_RUN(status, &l, linear, &la);
     }
     if (status) qk_raise_status(op, status);
     else ok = 1;

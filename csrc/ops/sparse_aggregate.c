@@ -7,6 +7,12 @@
 
 #define OP "sparse_aggregate"
 
+QK_DOCS(sparse_aggregate, "row_ptr, col_idx, edge_weight, node_feat, *, out=None",
+    "Multi-head CSR SpMM (message aggregation of a GNN layer).\n\n"
+    "row_ptr [N_dst+1] and col_idx [E] (int32 or int64, the same for both), edge_weight [E, H],\n"
+    "node_feat [N_src, H, D] -> [N_dst, H, D] with out[i,h,:] = sum over e in [row_ptr[i], row_ptr[i+1])\n"
+    "of edge_weight[e,h] * node_feat[col_idx[e],h,:]; rows without edges are 0.\n" QK_GRAPH_DOC)
+
 enum { ROW_PTR, COL_IDX, EDGE_WEIGHT, NODE_FEAT, NUM_INPUTS };
 
 static int sa_check(qk_view *in) {
@@ -97,7 +103,7 @@ PyObject *qk_op_sparse_aggregate(PyObject *module, PyObject *const *args, Py_ssi
 
     int status = QK_OK;
     if (l.device_type == kDLCUDA && st->check_indices) status = l.cuda->sparse_aggregate_check(&sa, l.stream);
-    if (status == QK_OK) QK_RUN(status, &l, sparse_aggregate, qk_sparse_aggregate_cpu, &sa);
+    if (status == QK_OK) QK_RUN(status, &l, sparse_aggregate, &sa);
     if (status == QK_E_INDEX) sa_raise_index(&sa);
     else if (status) qk_raise_status(OP, status);
     else ok = 1;

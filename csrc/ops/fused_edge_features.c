@@ -4,7 +4,13 @@
 
 #define OP "fused_edge_features"
 
-PyObject *qk_op_edge_features(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+QK_DOCS(fused_edge_features, "x, edge_index, edge_attr=None, *, out=None",
+    "Edge features of a message-passing layer in one pass.\n\n"
+    "x [N, H], edge_index [2, E] (row 0 src, row 1 dst; int32 or int64), edge_attr [E, H] ->\n"
+    "[E, 3H] = cat(x[src] + x[dst], |x[src] - x[dst]|, edge_attr), or [E, 2H] without edge_attr.\n"
+    QK_GRAPH_DOC)
+
+PyObject *qk_op_fused_edge_features(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"x", "edge_index", "edge_attr", "out", "stream", NULL};
     qk_state *st = qk_get_state(module);
     PyObject *a[5] = {NULL, NULL, NULL, NULL, NULL};
@@ -40,7 +46,7 @@ PyObject *qk_op_edge_features(PyObject *module, PyObject *const *args, Py_ssize_
     const int64_t shape[2] = {E, (2 + has_attr) * H};
     if (qk_output_prepare(st, OP, a[3], &in[0], in[0].dtype, 2, shape, &l, &ov, &o) < 0) goto done;
 
-    qk_edge_features_args ef = {0};
+    qk_fused_edge_features_args ef = {0};
     ef.x = in[0].data;
     ef.edge_index = in[1].data;
     ef.edge_attr = has_attr ? in[2].data : NULL;
@@ -65,7 +71,7 @@ PyObject *qk_op_edge_features(PyObject *module, PyObject *const *args, Py_ssize_
                                          l.stream);
             ef.bad_row = row;
         }
-    if (status == QK_OK && E > 0 && H > 0) QK_RUN(status, &l, edge_features, qk_edge_features_cpu, &ef);
+    if (status == QK_OK && E > 0 && H > 0) QK_RUN(status, &l, fused_edge_features, &ef);
     if (status == QK_E_INDEX)
         PyErr_Format(PyExc_ValueError, OP ": edge_index[%d, %lld] = %lld is out of range for x with N = %lld",
                      ef.bad_row, (long long)ef.bad_pos, (long long)ef.bad_value, (long long)ef.num_nodes);

@@ -13,7 +13,7 @@
 #define GB_BLOCK 256
 
 typedef struct {
-    const qk_graph_bce_args *a;
+    const qk_graph_norm_bce_args *a;
     int64_t chunk, nchunks;
     double *partial;  /* [nchunks][num_graphs] */
     int64_t *count;   /* [nchunks][num_graphs] */
@@ -39,7 +39,7 @@ static inline float gb_softplus_neg(float a) {
 }
 
 /* Not multiversioned: its AVX-512 clone measured 2x slower than the baseline SSE build here. */
-static void gb_terms(const qk_graph_bce_args *a, int64_t e0, int n, float *restrict out) {
+static void gb_terms(const qk_graph_norm_bce_args *a, int64_t e0, int n, float *restrict out) {
     const float *lg = (const float *)a->logits + e0 * a->logits_stride;
     const float *tg = (const float *)a->target + e0 * a->target_stride;
     const int64_t ls = a->logits_stride, ts = a->target_stride;
@@ -59,7 +59,7 @@ static void gb_terms(const qk_graph_bce_args *a, int64_t e0, int n, float *restr
 
 static void gb_chunks(void *p, int tid, int nthreads) {
     gb_job *j = p;
-    const qk_graph_bce_args *a = j->a;
+    const qk_graph_norm_bce_args *a = j->a;
     const int64_t G = a->num_graphs;
     float terms[GB_BLOCK];
     int64_t c0, c1;
@@ -101,7 +101,7 @@ static void gb_graphs(void *p, int tid, int nthreads) {
     }
 }
 
-int qk_graph_bce_cpu(qk_graph_bce_args *a, void *stream) {
+int qk_graph_norm_bce_cpu(qk_graph_norm_bce_args *a, void *stream) {
     (void)stream;
     if (a->dtype != QK_F32) return QK_E_UNSUPPORTED;
     const int64_t E = a->num_edges, G = a->num_graphs;

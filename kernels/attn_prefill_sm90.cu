@@ -23,7 +23,7 @@
 // 128-query tile.  Causal skipping and masking as in attention_prefill.cu.  Measured (H200, bf16,
 // H=32, benchmarks/results/h200-prefill.md): dense D=128 517-635 TFLOP/s (1.7-1.9x SDPA FLASH,
 // 0.95-1.02x cuDNN), D=64 390, D=256 500; paged (page size 1, random slots) 456, 80% of dense.
-#include "attention_prefill.cuh"
+#include "attn_prefill.cuh"
 #include "sm90.cuh"
 #include "wgmma.cuh"
 

@@ -5,7 +5,14 @@
 
 #define OP "rotary_emb"
 
-PyObject *qk_op_rotary(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+QK_DOCS(rotary_emb, "x, freqs_cis, *, interleaved=True, out=None",
+    "Rotary position embedding.\n\n"
+    "x [T, H, D] or [B, S, H, D] (D even), freqs_cis float32 [T, D/2, 2] or [B, S, D/2, 2] holding\n"
+    "(cos, sin) per pair.  interleaved=True rotates pairs (x[2i], x[2i+1]); False the rotate-half (NeoX)\n"
+    "pairs (x[i], x[i + D/2]): (xe*c - xo*s, xe*s + xo*c) in fp32, rounded once.  In place with out=x.\n"
+    QK_DENSE_DOC)
+
+PyObject *qk_op_rotary_emb(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"x", "freqs_cis", "interleaved", "out", "stream", NULL};
     static const char *const in_names[] = {"x", "freqs_cis"};
     qk_state *st = qk_get_state(module);
@@ -65,7 +72,7 @@ PyObject *qk_op_rotary(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (qk_output_prepare(st, OP, a[3], x, x->dtype, x->ndim, x->shape, &l, &ov, &o) < 0) goto done;
     if (qk_check_inner_unit(OP, "out", &ov) < 0) goto done;
 
-    qk_rotary_args ra = {0};
+    qk_rotary_emb_args ra = {0};
     ra.x = x->data;
     ra.out = ov.data;
     ra.freqs = (const float *)f->data;
@@ -83,7 +90,7 @@ PyObject *qk_op_rotary(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     ra.dtype = x->dtype;
     ra.num_threads = st->num_threads;
     int status = QK_OK;
-    if (B > 0 && S > 0 && H > 0 && D > 0) QK_RUN(status, &l, rotary, qk_rotary_cpu, &ra);
+    if (B > 0 && S > 0 && H > 0 && D > 0) QK_RUN(status, &l, rotary_emb, &ra);
     if (status) qk_raise_status(OP, status);
     else ok = 1;
 done:

@@ -4,7 +4,14 @@
 
 #define OP "graph_norm_bce"
 
-PyObject *qk_op_graph_bce(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+QK_DOCS(graph_norm_bce, "logits, target, edge_graph, num_graphs, *, pos_weight=None",
+    "Graph-normalised binary cross-entropy with logits, as a 0-d float32 tensor: the mean over\n"
+    "g < num_graphs of (sum of bce(e) over edges with edge_graph[e] == g) / max(count_g, 1), where\n"
+    "bce = max(l, 0) - l*t + log1p(exp(-|l|)), times 1 + (pos_weight - 1)*t when pos_weight is given.\n"
+    "Graphs without edges contribute 0 but count.  Sorted edge_graph (PyG batches) is the fast path;\n"
+    "unsorted is right too.  Deterministic: the same inputs give the same bits.\n" QK_GRAPH_DOC)
+
+PyObject *qk_op_graph_norm_bce(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"logits", "target", "edge_graph", "num_graphs", "pos_weight", "stream", NULL};
     static const char *const in_names[] = {"logits", "target", "edge_graph"};
     qk_state *st = qk_get_state(module);
@@ -57,7 +64,7 @@ PyObject *qk_op_graph_bce(PyObject *module, PyObject *const *args, Py_ssize_t na
     launched = 1;
     if (qk_output_prepare(st, OP, NULL, &in[0], QK_F32, 0, NULL, &l, &ov, &o) < 0) goto done;
 
-    qk_graph_bce_args gb = {0};
+    qk_graph_norm_bce_args gb = {0};
     gb.logits = in[0].data;
     gb.target = in[1].data;
     gb.edge_graph = in[2].data;
@@ -77,7 +84,7 @@ PyObject *qk_op_graph_bce(PyObject *module, PyObject *const *args, Py_ssize_t na
     if (l.device_type == kDLCUDA && st->check_indices) /* QKERNELS_CHECK=1 */
         status = l.cuda->index_check(gb.edge_graph, gb.index_dtype, E, gb.graph_stride, 0, G, &gb.bad_pos,
                                      &gb.bad_value, l.stream);
-    if (status == QK_OK) QK_RUN(status, &l, graph_bce, qk_graph_bce_cpu, &gb);
+    if (status == QK_OK) QK_RUN(status, &l, graph_norm_bce, &gb);
     if (status == QK_E_INDEX)
         PyErr_Format(PyExc_ValueError, OP ": edge_graph[%lld] = %lld is out of range for num_graphs = %lld",
                      (long long)gb.bad_pos, (long long)gb.bad_value, G);

@@ -6,7 +6,7 @@
  * loses nothing to the mean) with 8 independent partial sums, which the compiler turns into SIMD
  * code; rows with unit inner strides take that path, others a strided loop in double. */
 #include "cpu.h"
-#include "../../kernels/qk_philox.h"
+#include "qkernels/philox.h"
 
 #include <math.h>
 
@@ -30,7 +30,7 @@ static float nr_pass(const float *restrict p, int64_t n, float shift, float mean
     return s;
 }
 
-static void nr_row_contiguous(const qk_norm_residual_args *a, int64_t r) {
+static void nr_row_contiguous(const qk_fused_norm_residual_args *a, int64_t r) {
     const int64_t H = a->H;
     const float *restrict x = (const float *)a->x + r * a->x_stride[0];
     const float *restrict res = (const float *)a->residual + r * a->res_stride[0];
@@ -53,7 +53,7 @@ static void nr_row_contiguous(const qk_norm_residual_args *a, int64_t r) {
     }
 }
 
-static void nr_row_strided(const qk_norm_residual_args *a, int64_t r) {
+static void nr_row_strided(const qk_fused_norm_residual_args *a, int64_t r) {
     const int64_t H = a->H, xc = a->x_stride[1];
     const float *xr = (const float *)a->x + r * a->x_stride[0], *rr = (const float *)a->residual + r * a->res_stride[0];
     const float *gamma = a->gamma, *beta = a->beta;
@@ -75,7 +75,7 @@ static void nr_row_strided(const qk_norm_residual_args *a, int64_t r) {
 }
 
 QK_MULTIVERSION static void nr_worker(void *p, int tid, int nthreads) {
-    const qk_norm_residual_args *a = p;
+    const qk_fused_norm_residual_args *a = p;
     const int contiguous = a->x_stride[1] == 1 && a->res_stride[1] == 1 && a->out_stride[1] == 1 &&
                            a->gamma_stride == 1 && a->beta_stride == 1;
     int64_t r0, r1;
@@ -86,7 +86,7 @@ QK_MULTIVERSION static void nr_worker(void *p, int tid, int nthreads) {
     }
 }
 
-int qk_norm_residual_cpu(qk_norm_residual_args *a, void *stream) {
+int qk_fused_norm_residual_cpu(qk_fused_norm_residual_args *a, void *stream) {
     (void)stream;
     if (a->dtype != QK_F32) return QK_E_UNSUPPORTED;
     return qk_parallel_run(qk_threads_for(a->R * a->H * 8, a->num_threads > 0 ? a->num_threads : 1), nr_worker, a);

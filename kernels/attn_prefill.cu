@@ -23,7 +23,7 @@
 //
 // Bad indices never address memory outside the tensors: lengths and row ranges are clamped, and
 // keys at an out-of-range pool row or slot are skipped (probability 0).
-#include "attention_prefill.cuh"
+#include "attn_prefill.cuh"
 
 #include <math.h>
 

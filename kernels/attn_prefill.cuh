@@ -1,7 +1,7 @@
 // Per-CTA work assignment shared by the prefill kernels (attention_prefill.cu: mma.sync, any
 // sm_80+; attention_prefill_sm90.cu: wgmma, sm_90a).  See attention_prefill.cu for the layout.
 #pragma once
-#include "attention_common.cuh"
+#include "attn_common.cuh"
 
 namespace qk_attn {
 

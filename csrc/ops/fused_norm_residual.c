@@ -9,6 +9,12 @@
 
 #define OP "fused_norm_residual"
 
+QK_DOCS(fused_norm_residual, "x, residual, gamma, beta, *, p=0.0, training=False, eps=1e-5, seed=None, out=None",
+    "LayerNorm over the last dim (population variance, two-pass), * gamma + beta, dropout with\n"
+    "probability p when training (kept values scaled by 1/(1-p)), + residual.  x, residual [R, H];\n"
+    "gamma, beta [H].  The dropout mask is a Philox4x32-10 draw keyed by (seed, r * H + h): the same\n"
+    "on cpu and cuda for the same seed; seed=None draws a fresh one.\n" QK_GRAPH_DOC)
+
 /* seed=None: a fresh seed per call (splitmix64 of a process counter and the clock). */
 static uint64_t nr_fresh_seed(void) {
     static atomic_ullong counter;
@@ -33,7 +39,7 @@ static int nr_float_arg(PyObject *obj, const char *arg, double dflt, double *v) 
     return 0;
 }
 
-PyObject *qk_op_norm_residual(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+PyObject *qk_op_fused_norm_residual(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"x", "residual", "gamma", "beta", "p", "training", "eps", "seed", "out",
                                         "stream", NULL};
     static const char *const in_names[] = {"x", "residual", "gamma", "beta"};
@@ -97,7 +103,7 @@ PyObject *qk_op_norm_residual(PyObject *module, PyObject *const *args, Py_ssize_
     const int64_t shape[2] = {R, H};
     if (qk_output_prepare(st, OP, a[8], &in[0], in[0].dtype, 2, shape, &l, &ov, &o) < 0) goto done;
 
-    qk_norm_residual_args nr = {0};
+    qk_fused_norm_residual_args nr = {0};
     nr.x = in[0].data;
     nr.residual = in[1].data;
     nr.gamma = in[2].data;
@@ -122,7 +128,7 @@ PyObject *qk_op_norm_residual(PyObject *module, PyObject *const *args, Py_ssize_
     nr.dtype = in[0].dtype;
     nr.num_threads = st->num_threads;
     int status = QK_OK;
-    if (R > 0 && H > 0) QK_RUN(status, &l, norm_residual, qk_norm_residual_cpu, &nr);
+    if (R > 0 && H > 0) QK_RUN(status, &l, fused_norm_residual, &nr);
     if (status) qk_raise_status(OP, status);
     else ok = 1;
 done:

@@ -7,9 +7,9 @@
 // are of unit size, so neither the fp32 sum nor the deviations lose digits to the mean.  Other rows take the scalar kernel, which reads
 // the row three times (the re-reads hit L1/L2).  Bytes: read x and residual, write out (R*H*3
 // elements, plus gamma/beta once); fp32 R=1M H=128: 1.5 GB.  The dropout mask is
-// qk_dropout_keep(seed, r*H + h) from qk_philox.h, bit-identical to the CPU kernel's.
+// qk_dropout_keep(seed, r*H + h) from qkernels/philox.h, bit-identical to the CPU kernel's.
 #include "common.cuh"
-#include "qk_philox.h"
+#include "qkernels/philox.h"
 
 namespace {
 
@@ -22,7 +22,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 constexpr int kRowsPerBlock = 8;
 
 template <typename T, int K, bool kTrain>
-__global__ void __launch_bounds__(kRowsPerBlock * 32) nr_registers(qk_norm_residual_args a) {
+__global__ void __launch_bounds__(kRowsPerBlock * 32) nr_registers(qk_fused_norm_residual_args a) {
     constexpr int V = qk_vec<T>::N;
     const int lane = threadIdx.x & 31;
     const int nvec = (int)(a.H / V);
@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) nr_registers(qk_norm_resid
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kRowsPerBlock * 32) nr_scalar(qk_norm_residual_args a) {
+__global__ void __launch_bounds__(kRowsPerBlock * 32) nr_scalar(qk_fused_norm_residual_args a) {
     const int lane = threadIdx.x & 31;
     const T *x = static_cast<const T *>(a.x), *res = static_cast<const T *>(a.residual);
     const T *gamma = static_cast<const T *>(a.gamma), *beta = static_cast<const T *>(a.beta);
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) nr_scalar(qk_norm_residual
 }
 
 template <typename T>
-int nr_chunks_per_lane(const qk_norm_residual_args *a) {
+int nr_chunks_per_lane(const qk_fused_norm_residual_args *a) {
     constexpr int V = qk_vec<T>::N;
     const bool layout = a->H % V == 0 && a->x_stride[1] == 1 && a->res_stride[1] == 1 && a->out_stride[1] == 1 &&
                         a->gamma_stride == 1 && a->beta_stride == 1 && a->x_stride[0] % V == 0 &&
@@ -133,9 +133,9 @@ const void *nr_pick(bool train) {
 
 }  // namespace
 
-extern "C" int qk_norm_residual_cuda(const qk_norm_residual_args *a, void *stream) {
+extern "C" int qk_fused_norm_residual_cuda(const qk_fused_norm_residual_args *a, void *stream) {
     if (a->R == 0 || a->H == 0) return QK_OK;
-    qk_norm_residual_args p = *a;
+    qk_fused_norm_residual_args p = *a;
     void *args[] = {&p};
     // One row per warp (no grid-stride loop): measured against a 132*64-block grid-stride grid below.
     const int grid = qk_grid_for(a->R, kRowsPerBlock, 1 << 30);

@@ -73,12 +73,12 @@ typedef struct {
     int index_dtype, dtype, num_threads;
     int bad_row; /* QK_E_INDEX: 0 src, 1 dst */
     int64_t bad_pos, bad_value;
-} qk_edge_features_args;
+} qk_fused_edge_features_args;
 
 /* fused_norm_residual: y = LayerNorm(x) * gamma + beta over the last dim (population variance,
  * two-pass: mean, then squared deviations), then when training dropout with probability p (kept
  * values scaled by 1/(1-p)), then + residual.  The mask bit of element (r, h) is
- * qk_dropout_keep(seed, r * H + h, threshold) from qk_philox.h, identical on cpu and cuda. */
+ * qk_dropout_keep(seed, r * H + h, threshold) from qkernels/philox.h, identical on cpu and cuda. */
 typedef struct {
     const void *x, *residual, *gamma, *beta; /* [R, H], [R, H], [H], [H] */
     void *out;                               /* [R, H] */
@@ -89,7 +89,7 @@ typedef struct {
     int training;             /* 0: no dropout */
     uint64_t seed;
     int dtype, num_threads;
-} qk_norm_residual_args;
+} qk_fused_norm_residual_args;
 
 /* graph_norm_bce: mean over g < num_graphs of (sum of bce(e) over edges with edge_graph[e] == g) /
  * max(count_g, 1), bce = max(l,0) - l*t + log1p(exp(-|l|)), times 1 + (pos_weight-1)*t when
@@ -104,7 +104,7 @@ typedef struct {
     int has_pos_weight;
     int dtype, index_dtype, num_threads;
     int64_t bad_pos, bad_value; /* QK_E_INDEX: edge_graph[bad_pos] = bad_value outside [0, num_graphs) */
-} qk_graph_bce_args;
+} qk_graph_norm_bce_args;
 
 /* attn_decode and attn_paged_decode: one query token per sequence,
  *   out[b,h,:] = sum_j softmax_j(scale * q[b,h,:].k_j) v_j   over the kept keys j of sequence b,
@@ -213,7 +213,7 @@ typedef struct {
     int64_t x_stride[3], out_stride[3]; /* {b, s, h} */
     int64_t f_stride[3];                /* {b, s, i} */
     int interleaved, dtype, num_threads;
-} qk_rotary_args;
+} qk_rotary_emb_args;
 
 /* linear: out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]), fp32 accumulation, bias added in fp32, one
  *   rounding.  swiglu: out[m, n] = (x w_up[n]) * silu(x w_gate[n]) with w = up, gate = gate weight,
@@ -230,8 +230,43 @@ typedef struct {
     int num_threads;
 } qk_linear_args;
 
+/* The op table.  Every layer follows these two lists; adding an op is a row in each (see
+ * docs/adding-an-op.md).
+ *
+ * QK_LAUNCHERS(X): X(name, args), one row per kernel entry point.  The CPU launcher is
+ *   int qk_<name>_cpu(qk_<args>_args *a, void *stream) (csrc/cpu/), the CUDA launcher
+ *   int qk_<name>_cuda(const qk_<args>_args *a, void *stream) (kernels/), reached through the
+ *   qk_cuda_api entry <name>.
+ * QK_OPS(X): X(op, launcher, family, deciding), one row per public op qkernels.<op>: its binding
+ *   is qk_op_<op> (csrc/ops/), its docstrings qk_doc_<op> / qk_raw_doc_<op>, it runs launcher
+ *   <launcher>, belongs to dispatch family <family> (the names use_backend and QKERNELS_OPS take),
+ *   and its argument at position <deciding> picks the backend. */
+#define QK_LAUNCHERS(X)                         \
+    X(sparse_aggregate, sparse_aggregate)       \
+    X(fused_edge_features, fused_edge_features) \
+    X(fused_norm_residual, fused_norm_residual) \
+    X(graph_norm_bce, graph_norm_bce)           \
+    X(attn_decode, attn_decode)                 \
+    X(attn_prefill, attn_prefill)               \
+    X(rotary_emb, rotary_emb)                   \
+    X(linear, linear)                           \
+    X(swiglu, linear)
+
+#define QK_OPS(X)                                                         \
+    X(sparse_aggregate, sparse_aggregate, sparse_aggregate, 3)            \
+    X(fused_edge_features, fused_edge_features, fused_edge_features, 0)   \
+    X(fused_norm_residual, fused_norm_residual, fused_norm_residual, 0)   \
+    X(graph_norm_bce, graph_norm_bce, graph_norm_bce, 0)                  \
+    X(rotary_emb, rotary_emb, rotary_emb, 0)                              \
+    X(linear, linear, linear, 0)                                          \
+    X(swiglu, swiglu, swiglu, 0)                                          \
+    X(attn_decode, attn_decode, attention, 0)                             \
+    X(attn_paged_decode, attn_decode, attention, 0)                       \
+    X(attn_prefill, attn_prefill, attention, 0)                           \
+    X(attn_paged_prefill, attn_prefill, attention, 0)
+
 /* The CUDA shared object exports one symbol, qk_cuda_get_api, returning this table. */
-#define QK_CUDA_ABI 6
+#define QK_CUDA_ABI 7
 
 typedef struct {
     int abi;
@@ -248,21 +283,16 @@ typedef struct {
     int (*free)(void *ptr);
     /* Make `consumer` wait for work already queued on `producer` (event record + wait; no device sync). */
     int (*stream_wait)(void *consumer, void *producer);
-    int (*sparse_aggregate)(const qk_sparse_aggregate_args *a, void *stream);
     /* Debug validation (QKERNELS_CHECK=1): synchronises the stream, fills bad_* on QK_E_INDEX. */
     int (*sparse_aggregate_check)(qk_sparse_aggregate_args *a, void *stream);
-    int (*edge_features)(const qk_edge_features_args *a, void *stream);
-    int (*norm_residual)(const qk_norm_residual_args *a, void *stream);
-    int (*graph_bce)(const qk_graph_bce_args *a, void *stream);
-    int (*attn_decode)(const qk_attn_decode_args *a, void *stream);
-    int (*rotary)(const qk_rotary_args *a, void *stream);
-    int (*linear)(const qk_linear_args *a, void *stream);
-    int (*swiglu)(const qk_linear_args *a, void *stream);
     /* Debug validation (QKERNELS_CHECK=1), synchronises the stream: the first of n indices
      * p[i * stride] (dtype QK_I32/QK_I64) outside [lo, hi) -> QK_E_INDEX with *bad_pos, *bad_value. */
     int (*index_check)(const void *p, int dtype, int64_t n, int64_t stride, int64_t lo, int64_t hi,
                        int64_t *bad_pos, int64_t *bad_value, void *stream);
-    int (*attn_prefill)(const qk_attn_prefill_args *a, void *stream);
+    /* One entry per launcher, named as in QK_LAUNCHERS. */
+#define QK_CUDA_ENTRY(name, args) int (*name)(const qk_##args##_args *a, void *stream);
+    QK_LAUNCHERS(QK_CUDA_ENTRY)
+#undef QK_CUDA_ENTRY
 } qk_cuda_api;
 
 typedef const qk_cuda_api *(*qk_cuda_get_api_fn)(int abi);

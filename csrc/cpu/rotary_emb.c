@@ -18,7 +18,7 @@ static inline __attribute__((always_inline)) void ro_row(const void *x, void *ou
 }
 
 QK_MULTIVERSION static void ro_worker(void *p, int tid, int nthreads) {
-    const qk_rotary_args *a = p;
+    const qk_rotary_emb_args *a = p;
     const int64_t S = a->S, H = a->H, half = a->D / 2;
     const size_t esize = a->dtype == QK_F32 ? 4 : 2;
     int64_t r0, r1;
@@ -41,7 +41,7 @@ QK_MULTIVERSION static void ro_worker(void *p, int tid, int nthreads) {
     }
 }
 
-int qk_rotary_cpu(qk_rotary_args *a, void *stream) {
+int qk_rotary_emb_cpu(qk_rotary_emb_args *a, void *stream) {
     (void)stream;
     if (a->dtype != QK_F32 && a->dtype != QK_F16 && a->dtype != QK_BF16) return QK_E_UNSUPPORTED;
     if (a->D % 2) return QK_E_UNSUPPORTED;

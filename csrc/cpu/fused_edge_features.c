@@ -6,7 +6,7 @@
 #include <math.h>
 
 QK_MULTIVERSION static void ef_worker(void *p, int tid, int nthreads) {
-    const qk_edge_features_args *a = p;
+    const qk_fused_edge_features_args *a = p;
     const float *x = a->x, *ea = a->edge_attr;
     float *out = a->out;
     const int64_t H = a->H;
@@ -30,7 +30,7 @@ QK_MULTIVERSION static void ef_worker(void *p, int tid, int nthreads) {
     }
 }
 
-int qk_edge_features_cpu(qk_edge_features_args *a, void *stream) {
+int qk_fused_edge_features_cpu(qk_fused_edge_features_args *a, void *stream) {
     (void)stream;
     if (a->dtype != QK_F32) return QK_E_UNSUPPORTED;
     for (int row = 0; row < 2; row++) {

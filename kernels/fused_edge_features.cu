@@ -10,14 +10,14 @@
 namespace {
 
 template <typename I>
-__device__ __forceinline__ int64_t ef_node(const qk_edge_features_args &a, int row, int64_t e, bool &valid) {
+__device__ __forceinline__ int64_t ef_node(const qk_fused_edge_features_args &a, int row, int64_t e, bool &valid) {
     const int64_t v = qk_load_index<I>(a.edge_index, row * a.ei_stride[0] + e * a.ei_stride[1], 1);
     valid = v >= 0 && v < a.num_nodes;
     return valid ? v : 0;
 }
 
 template <typename T, typename I, bool kAttr>
-__global__ void __launch_bounds__(256) ef_vector(qk_edge_features_args a) {
+__global__ void __launch_bounds__(256) ef_vector(qk_fused_edge_features_args a) {
     constexpr int V = qk_vec<T>::N;
     const int64_t chunks = a.H / V, total = a.num_edges * chunks;
     const T *x = static_cast<const T *>(a.x);
@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(256) ef_vector(qk_edge_features_args a) {
 }
 
 template <typename T, typename I>
-__global__ void __launch_bounds__(256) ef_scalar(qk_edge_features_args a) {
+__global__ void __launch_bounds__(256) ef_scalar(qk_fused_edge_features_args a) {
     const int64_t total = a.num_edges * a.H;
     const T *x = static_cast<const T *>(a.x), *ea = static_cast<const T *>(a.edge_attr);
     T *out = static_cast<T *>(a.out);
@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(256) ef_scalar(qk_edge_features_args a) {
 }
 
 template <typename T>
-bool ef_vectorisable(const qk_edge_features_args *a) {
+bool ef_vectorisable(const qk_fused_edge_features_args *a) {
     constexpr int V = qk_vec<T>::N;
     const bool attr_ok = !a->edge_attr || (a->ea_stride[1] == 1 && a->ea_stride[0] % V == 0 && qk_aligned16(a->edge_attr));
     return a->H % V == 0 && a->x_stride[1] == 1 && a->out_stride[1] == 1 && a->x_stride[0] % V == 0 &&
@@ -69,9 +69,9 @@ bool ef_vectorisable(const qk_edge_features_args *a) {
 
 }  // namespace
 
-extern "C" int qk_edge_features_cuda(const qk_edge_features_args *a, void *stream) {
+extern "C" int qk_fused_edge_features_cuda(const qk_fused_edge_features_args *a, void *stream) {
     if (a->num_edges == 0 || a->H == 0) return QK_OK;
-    qk_edge_features_args p = *a;
+    qk_fused_edge_features_args p = *a;
     void *args[] = {&p};
     const dim3 block(256);
     QK_DISPATCH_FLOAT(a->dtype, T, QK_DISPATCH_INDEX(a->index_dtype, I, {

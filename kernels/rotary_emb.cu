@@ -129,7 +129,7 @@ __device__ __forceinline__ void ro_load_freqs(const float *f, int64_t i0, int64_
 // Rotate-half, P pairs per thread (V: uint2 for P = 4, 8 bytes of each half; uint4 for P = 8, 16
 // bytes) of chunk j of heads hs, hs + 2 hpar, ... of one token, two heads (h, h + hpar) a step.
 template <typename T, int P, typename V, bool kFVec>
-__device__ __forceinline__ void ro_half_heads(const qk_rotary_args &a, const T *xt, T *ot, const float *ft, int j,
+__device__ __forceinline__ void ro_half_heads(const qk_rotary_emb_args &a, const T *xt, T *ot, const float *ft, int j,
                                               int64_t hs, int64_t H, int hpar, int64_t half) {
     float c[P], sn[P];
     ro_load_freqs<P, kFVec>(ft, P * (int64_t)j, a.f_stride[2], c, sn);
@@ -157,7 +157,7 @@ __device__ __forceinline__ void ro_half_heads(const qk_rotary_args &a, const T *
 }
 
 template <typename T, int kMode, bool kFVec, int kD = 0>
-__global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4) ro_kernel(qk_rotary_args a, int nc, int nct, int hpar, int tpb,
+__global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4) ro_kernel(qk_rotary_emb_args a, int nc, int nct, int hpar, int tpb,
                                                       int64_t ngroups) {
     const int tid = threadIdx.x;
     const int jt = tid % nct, r = tid / nct;
@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4) ro_kernel
 }
 
 template <typename T>
-int ro_launch(const qk_rotary_args *a, cudaStream_t stream) {
+int ro_launch(const qk_rotary_emb_args *a, cudaStream_t stream) {
     constexpr int V = 8;  // 16 bytes of a 2-byte type
     bool strides_vec = qk_aligned16(a->x) && qk_aligned16(a->out);
     for (int i = 0; i < 3; i++) strides_vec = strides_vec && a->x_stride[i] % V == 0 && a->out_stride[i] % V == 0;
@@ -270,7 +270,7 @@ int ro_launch(const qk_rotary_args *a, cudaStream_t stream) {
     int64_t bx = (cap + by - 1) / by;
     if (bx > ngroups) bx = ngroups;
     if (bx < 1) bx = 1;
-    qk_rotary_args p = *a;
+    qk_rotary_emb_args p = *a;
     int nc = (int)nc64;
     int64_t ng = ngroups;
     int nct_ = nct, hpar_ = hpar, tpb_ = tpb;
@@ -295,7 +295,7 @@ int ro_launch(const qk_rotary_args *a, cudaStream_t stream) {
 
 }  // namespace
 
-extern "C" int qk_rotary_cuda(const qk_rotary_args *a, void *stream) {
+extern "C" int qk_rotary_emb_cuda(const qk_rotary_emb_args *a, void *stream) {
     if (a->B <= 0 || a->S <= 0 || a->H <= 0 || a->D <= 0) return QK_OK;
     if (a->D % 2) return QK_E_UNSUPPORTED;
     switch (a->dtype) {

@@ -61,21 +61,21 @@ struct Work {
     long long run_len;  // edges per warp, a multiple of 32 * kRun
 };
 
-__device__ __forceinline__ float bce_value(float l, float t, const qk_graph_bce_args &a) {
+__device__ __forceinline__ float bce_value(float l, float t, const qk_graph_norm_bce_args &a) {
     float v = fmaxf(l, 0.f) - l * t + log1pf(__expf(-fabsf(l)));
     if (a.has_pos_weight) v *= 1.f + (a.pos_weight - 1.f) * t;
     return v;
 }
 
 template <typename T>
-__device__ __forceinline__ float bce_term(const qk_graph_bce_args &a, int64_t e) {
+__device__ __forceinline__ float bce_term(const qk_graph_norm_bce_args &a, int64_t e) {
     const float l = qk_to_float(static_cast<const T *>(a.logits)[e * a.logits_stride]);
     const float t = qk_to_float(static_cast<const T *>(a.target)[e * a.target_stride]);
     return bce_value(l, t, a);
 }
 
 template <typename I>
-__device__ __forceinline__ long long graph_of(const qk_graph_bce_args &a, int64_t e) {
+__device__ __forceinline__ long long graph_of(const qk_graph_norm_bce_args &a, int64_t e) {
     const long long g = (long long)qk_load_index<I>(a.edge_graph, e, a.graph_stride);
     return g >= 0 && g < a.num_graphs ? g : -1;
 }
@@ -107,7 +107,7 @@ __device__ __forceinline__ Boundary load_boundary(const Boundary *p) {
 // The last block of the sorted kernel: boundaries first_0, last_0, first_1, ... are sorted by graph.
 // Thread i takes block i's pair (and its partial) in one round of loads, merges equal neighbours
 // with a segmented scan, adds each merged graph's mean, then everything in a fixed order.
-__device__ __noinline__ void fold_sorted(const qk_graph_bce_args &a, const Work &w, int nblocks) {
+__device__ __noinline__ void fold_sorted(const qk_graph_norm_bce_args &a, const Work &w, int nblocks) {
     using Scan = cub::BlockScan<Seg, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
     using Reduce = cub::BlockReduce<double, kThreads>;
     __shared__ union {
@@ -204,7 +204,7 @@ __device__ __forceinline__ void finish(const Run &r, int range_first, Run &first
 // instructions (ncu: 42% SM, 32% DRAM); per-thread runs read lanes 128 bytes apart: 53 µs, DRAM
 // over-fetch.)  kVector: unit strides and 16-byte aligned arrays: whole vector loads.
 template <typename T, typename I, bool kVector>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSM) bce_sorted(qk_graph_bce_args a, Work w) {
+__global__ void __launch_bounds__(kThreads, kBlocksPerSM) bce_sorted(qk_graph_norm_bce_args a, Work w) {
     constexpr int kWarps = kThreads / 32;
     __shared__ Run warp_first[kWarps], warp_last[kWarps];
     __shared__ double warp_acc[kWarps];
@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSM) bce_sorted(qk_graph_bc
 // Unsorted input only: one block per graph, all edges, fixed-order reductions; the last block
 // takes the mean over graphs.
 template <typename T, typename I>
-__global__ void __launch_bounds__(kThreads) bce_per_graph(qk_graph_bce_args a, Work w) {
+__global__ void __launch_bounds__(kThreads) bce_per_graph(qk_graph_norm_bce_args a, Work w) {
     if (!*(volatile int *)w.unsorted) return;
     using Reduce = cub::BlockReduce<float, kThreads>;
     using ReduceCount = cub::BlockReduce<unsigned int, kThreads>;
@@ -399,7 +399,7 @@ size_t align16(size_t n) { return (n + 15) / 16 * 16; }
 
 }  // namespace
 
-extern "C" int qk_graph_bce_cuda(const qk_graph_bce_args *a, void *stream) {
+extern "C" int qk_graph_norm_bce_cuda(const qk_graph_norm_bce_args *a, void *stream) {
     cudaStream_t s = (cudaStream_t)stream;
     if (a->num_edges == 0) return (int)cudaMemsetAsync(a->out, 0, sizeof(float), s);  // every graph contributes 0
     int sms;
@@ -427,7 +427,7 @@ extern "C" int qk_graph_bce_cuda(const qk_graph_bce_args *a, void *stream) {
     int status = (int)cudaMemsetAsync(scratch, 0, 2 * sizeof(unsigned int), s);
     const bool vector = a->logits_stride == 1 && a->target_stride == 1 && a->graph_stride == 1 &&
                         qk_aligned16(a->logits) && qk_aligned16(a->target) && qk_aligned16(a->edge_graph);
-    qk_graph_bce_args p = *a;
+    qk_graph_norm_bce_args p = *a;
     void *args[] = {&p, &w};
     if (!status) {
         status = [&]() -> int {

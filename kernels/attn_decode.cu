@@ -31,7 +31,7 @@
 // loads the slot of key k of the tile one tile ahead and the copies get it by shuffle.  With
 // new_k/new_v, position len_b - 1 is read from new_k/new_v, and the CTA owning it (head group 0)
 // also writes them into the pool.
-#include "attention_common.cuh"
+#include "attn_common.cuh"
 
 #include <cooperative_groups.h>
 #include <math.h>
