@@ -144,6 +144,51 @@ int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_
     return 0;
 }
 
+/* [lo, hi): the bytes a view can touch; empty when it has no elements. */
+static void qk_view_bytes(const qk_view *v, uintptr_t *lo, uintptr_t *hi) {
+    int64_t first = 0, last = 0;
+    for (int i = 0; i < v->ndim; i++) {
+        if (v->shape[i] == 0) {
+            *lo = *hi = 0;
+            return;
+        }
+        const int64_t step = (v->shape[i] - 1) * v->strides[i]; /* bounded by qk_view_extent at import */
+        if (step < 0) first += step;
+        else last += step;
+    }
+    const int64_t size = (int64_t)qk_dtype_size(v->dtype);
+    *lo = (uintptr_t)v->data + (uintptr_t)(first * size);
+    *hi = (uintptr_t)v->data + (uintptr_t)((last + 1) * size);
+}
+
+static int qk_same_view(const qk_view *a, const qk_view *b) {
+    if (a->data != b->data || a->dtype != b->dtype || a->ndim != b->ndim) return 0;
+    for (int i = 0; i < a->ndim; i++)
+        if (a->shape[i] != b->shape[i] || (a->shape[i] > 1 && a->strides[i] != b->strides[i])) return 0;
+    return 1;
+}
+
+int qk_out_overlap(const char *op, const qk_view *out, const qk_view *in, const char *const *names, int n,
+                   unsigned in_place) {
+    uintptr_t olo, ohi;
+    qk_view_bytes(out, &olo, &ohi);
+    for (int i = 0; i < n && olo < ohi; i++) {
+        if (in[i].data == NULL || in[i].device_type != out->device_type || in[i].device_id != out->device_id) continue;
+        uintptr_t lo, hi;
+        qk_view_bytes(&in[i], &lo, &hi);
+        if (lo >= hi || hi <= olo || ohi <= lo) continue;
+        if ((in_place >> i & 1) && qk_same_view(out, &in[i])) continue;
+        PyErr_Format(PyExc_ValueError,
+                     (in_place >> i & 1) ? "%s: out overlaps %s in memory; pass out=%s itself for the in-place "
+                                           "form, or a separate tensor"
+                                         : "%s: out overlaps %s in memory, which the op reads while writing out; pass "
+                                           "a separate tensor%s",
+                     op, names[i], (in_place >> i & 1) ? names[i] : "");
+        return -1;
+    }
+    return 0;
+}
+
 PyObject *qk_op_finish(qk_launch *l, int launched, qk_output *o, qk_view *ov, int ok, qk_view *in, int n_in) {
     if (launched) qk_launch_end(l);
     PyObject *result = launched ? qk_output_finish(o, ov, ok) : NULL;

@@ -122,6 +122,10 @@ void qk_launch_end(qk_launch *l);
 int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_view *like, int dtype,
                       int ndim, const int64_t *shape, const qk_launch *l, qk_view *ov, qk_output *o);
 PyObject *qk_output_finish(qk_output *o, qk_view *ov, int ok);
+/* ValueError when out shares memory with one of the n inputs, unless bit i of in_place is set and
+ * out is exactly input i (the op's supported in-place form).  Inputs with data == NULL are absent. */
+int qk_out_overlap(const char *op, const qk_view *out, const qk_view *in, const char *const *names, int n,
+                   unsigned in_place);
 /* The common end of every op: restore the device, hand out (or drop) the output, release inputs. */
 PyObject *qk_op_finish(qk_launch *l, int launched, qk_output *o, qk_view *ov, int ok, qk_view *in, int n_in);
 

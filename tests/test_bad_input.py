@@ -141,3 +141,91 @@ def test_producer_errors_name_the_op_and_argument():
 
     with pytest.raises(ValueError, match=r"^linear: weight could not be exported through DLPack: no export today"):
         qkernels.linear(np.ones((2, 8), np.float32), Broken())
+
+
+IN_PLACE = {"rotary_emb": (0,), "fused_norm_residual": (0, 1), "attn_decode": (0,), "attn_prefill": (0,),
+            "attn_paged_decode": (0,), "attn_paged_prefill": (0,)}
+
+
+def _result_shape(op, args, kwargs):
+    return np.asarray(call(op, list(args), kwargs)).shape
+
+
+@pytest.mark.parametrize("op", [op for op in OPS if op != "graph_norm_bce"])
+def test_out_overlapping_an_input(op):
+    """Every input the op reads, given as (or overlapping) out: refused, or exactly right in place."""
+    args, kwargs = sample(op)
+    expected = call(op, list(args), kwargs)
+    shape = np.asarray(expected).shape
+    names = getattr(qkernels, op).__text_signature__.strip("()").split(",")
+    for pos, a in enumerate(args):
+        if not isinstance(a, np.ndarray) or a.dtype != np.float32:
+            continue
+        arg = names[pos].split("=")[0].strip()
+        fresh = [b.copy() if isinstance(b, np.ndarray) else b for b in args]
+        if pos in IN_PLACE.get(op, ()) and fresh[pos].shape == shape:
+            r = call(op, fresh, kwargs, out=fresh[pos])
+            assert r is fresh[pos]
+            np.testing.assert_array_equal(r, expected)
+            continue
+        # a buffer of out's shape whose memory includes the input's: out's first rows hold it
+        flat = np.zeros(max(fresh[pos].size, int(np.prod(shape))) + 7, np.float32)
+        fresh[pos] = flat[: fresh[pos].size].reshape(fresh[pos].shape)
+        fresh[pos][...] = args[pos]
+        out = flat[3: 3 + int(np.prod(shape))].reshape(shape)
+        with pytest.raises(ValueError, match=rf"^{op}: out overlaps {arg} in memory"):
+            call(op, fresh, kwargs, out=out)
+
+
+def test_out_as_a_column_block_of_an_input():
+    x = np.random.default_rng(2).standard_normal((6, 36)).astype(np.float32)
+    ei = np.array([[0, 1, 2], [3, 4, 5]])
+    with pytest.raises(ValueError, match="^fused_edge_features: out overlaps x in memory"):
+        qkernels.fused_edge_features(x[:, :12], ei[:, :3], x[:3, 24:], out=x[:3])
+
+
+def test_strided_in_place_needs_the_same_view():
+    x, f = sample("rotary_emb")[0]
+    with pytest.raises(ValueError, match=r"^rotary_emb: out overlaps x in memory; pass out=x itself"):
+        qkernels.rotary_emb(x[1:], f[1:], out=x[:-1])
+
+
+def test_values_validated_in_the_precision_used():
+    args, _ = sample("attn_prefill")
+    for scale in (1e39, 3e38, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="^attn_prefill: scale must be finite in float32"):
+            qkernels.attn_prefill(*args, scale=scale)
+    args, _ = sample("fused_norm_residual")
+    with pytest.raises(ValueError, match="^fused_norm_residual: eps must be a finite value"):
+        qkernels.fused_norm_residual(*args, eps=1e39)
+    args, _ = sample("graph_norm_bce")
+    with pytest.raises(ValueError, match="^graph_norm_bce: pos_weight must be finite in float32"):
+        qkernels.graph_norm_bce(*args, pos_weight=1e39)
+
+
+def test_num_graphs_out_of_range():
+    args, _ = sample("graph_norm_bce")
+    with pytest.raises(ValueError, match=r"^graph_norm_bce: num_graphs must be between 1 and 2\^63 - 1, got 9223372036854775808$"):
+        qkernels.graph_norm_bce(*args[:3], 2**63)
+    with pytest.raises(ValueError, match="^graph_norm_bce: num_graphs must be between 1"):
+        qkernels.graph_norm_bce(*args[:3], 0)
+    with pytest.raises(MemoryError, match="^graph_norm_bce: num_graphs = 4611686018427387904 needs more"):
+        qkernels.graph_norm_bce(*args[:3], 2**62)
+
+
+@pytest.mark.parametrize("op", ["attn_decode", "attn_prefill", "attn_paged_decode", "attn_paged_prefill"])
+def test_required_tensor_given_as_none(op):
+    args, kwargs = sample(op)
+    names = getattr(qkernels, op).__text_signature__.strip("()").split(",")
+    for pos in range(1, len(args)):
+        broken = list(args)
+        broken[pos] = None
+        arg = names[pos].strip()
+        with pytest.raises(TypeError, match=rf"^{op}: {arg} must be a tensor supporting DLPack .*got None"):
+            call(op, broken, kwargs)
+
+
+def test_edge_index_checked_without_features():
+    x = np.zeros((4, 0), np.float32)
+    with pytest.raises(ValueError, match=r"^fused_edge_features: edge_index\[1, 2\] = 9 is out of range"):
+        qkernels.fused_edge_features(x, np.array([[0, 1, 2], [3, 0, 9]]))

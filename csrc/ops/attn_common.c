@@ -3,10 +3,13 @@
 
 #include <math.h>
 
-int qk_attn_import(qk_state *st, const char *op, PyObject **a, const char *const *names, int n, void *stream,
+int qk_attn_import(qk_state *st, const char *op, PyObject **a, const char *const *names, int nrequired, int n,
+                   void *stream,
                    qk_view *in, int *n_in) {
     for (*n_in = 0; *n_in < n; (*n_in)++)
-        if (QK_GIVEN(a[*n_in]) && qk_import(st, a[*n_in], op, names[*n_in], stream, &in[*n_in]) < 0) return -1;
+        if ((*n_in < nrequired || QK_GIVEN(a[*n_in])) && /* a required None: TypeError naming it */
+            qk_import(st, a[*n_in], op, names[*n_in], stream, &in[*n_in]) < 0)
+            return -1;
     qk_view present[16];
     const char *present_names[16];
     int k = 0;
@@ -120,8 +123,9 @@ int qk_attn_scale(const char *op, PyObject *obj, int64_t D, float *scale) {
         PyErr_Format(PyExc_TypeError, "%s: scale must be a float or None, got %.200s", op, Py_TYPE(obj)->tp_name);
         return -1;
     }
-    if (!isfinite(s)) {
-        PyErr_Format(PyExc_ValueError, "%s: scale must be finite, got %R", op, obj);
+    /* Checked as the kernels use it: in float32, times log2(e) for exp2. */
+    if (!isfinite((float)s) || !isfinite((float)s * 1.4426950408889634f)) {
+        PyErr_Format(PyExc_ValueError, "%s: scale must be finite in float32 (|scale| < 2.3e38), got %R", op, obj);
         return -1;
     }
     *scale = (float)s;

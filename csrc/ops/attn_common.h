@@ -9,7 +9,8 @@
 
 /* Import the tensor arguments a[0..n) that were given (None and absent stay zeroed views); *n_in
  * counts the views to release; all on one device. */
-int qk_attn_import(qk_state *st, const char *op, PyObject **a, const char *const *names, int n, void *stream,
+int qk_attn_import(qk_state *st, const char *op, PyObject **a, const char *const *names, int nrequired, int n,
+                   void *stream,
                    qk_view *in, int *n_in);
 /* The last dim is unit-stride (an empty tensor's strides are arbitrary). */
 int qk_attn_check_unit(const char *op, const char *arg, const qk_view *v);

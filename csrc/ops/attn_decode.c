@@ -45,7 +45,7 @@ PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t 
     qk_output o = {0};
     qk_launch l = {0};
     int ok = 0, launched = 0, n_in = 0;
-    if (qk_attn_import(st, OP, a, names, NUM_INPUTS, stream, in, &n_in) < 0) goto done;
+    if (qk_attn_import(st, OP, a, names, 3, NUM_INPUTS, stream, in, &n_in) < 0) goto done;
     if (qk_check_ndim(OP, "q", &in[Q], 4, "[B, 1, Hq, D]") < 0 || qk_check_dtype_llm(OP, "q", &in[Q]) < 0) goto done;
     const int64_t B = in[Q].shape[0], Hq = in[Q].shape[2], D = in[Q].shape[3];
     char layout[128];
@@ -67,6 +67,7 @@ PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t 
     launched = 1;
     const int64_t shape[4] = {B, 1, Hq, D};
     if (qk_output_prepare(st, OP, a[6], &in[Q], in[Q].dtype, 4, shape, &l, &ov, &o) < 0 ||
+        qk_out_overlap(OP, &ov, in, names, NUM_INPUTS, 1u << Q) < 0 ||
         qk_attn_check_unit(OP, "out", &ov) < 0)
         goto done;
 
@@ -129,7 +130,7 @@ PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ss
     qk_output o = {0};
     qk_launch l = {0};
     int ok = 0, launched = 0, n_in = 0;
-    if (qk_attn_import(st, OP, a, names, NUM_INPUTS, stream, in, &n_in) < 0) goto done;
+    if (qk_attn_import(st, OP, a, names, 6, NUM_INPUTS, stream, in, &n_in) < 0) goto done;
     if (qk_check_ndim(OP, "q", &in[Q], 3, "[B, Hq, D]") < 0 || qk_check_dtype_llm(OP, "q", &in[Q]) < 0 ||
         qk_attn_check_pool(OP, &in[Q], &in[KC], in[Q].shape[0]) < 0)
         goto done;
@@ -165,6 +166,7 @@ PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ss
     launched = 1;
     const int64_t shape[3] = {B, Hq, D};
     if (qk_output_prepare(st, OP, a[10], &in[Q], in[Q].dtype, 3, shape, &l, &ov, &o) < 0 ||
+        qk_out_overlap(OP, &ov, in, names, NUM_INPUTS, 1u << Q) < 0 ||
         qk_attn_check_unit(OP, "out", &ov) < 0)
         goto done;
 

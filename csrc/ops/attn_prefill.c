@@ -82,7 +82,7 @@ PyObject *qk_op_attn_prefill(PyObject *module, PyObject *const *args, Py_ssize_t
     qk_launch l = {0};
     qk_attn_prefill_args pa = {0};
     int ok = 0, launched = 0, n_in = 0;
-    if (qk_attn_import(st, OP, a, names, NUM_INPUTS, stream, in, &n_in) < 0) goto done;
+    if (qk_attn_import(st, OP, a, names, 3, NUM_INPUTS, stream, in, &n_in) < 0) goto done;
     if (qk_check_ndim(OP, "q", &in[Q], 4, "[B, Lq, Hq, D]") < 0 || qk_check_dtype_llm(OP, "q", &in[Q]) < 0 ||
         qk_attn_check_dense_kv(OP, &in[Q], &in[K], &in[V]) < 0)
         goto done;
@@ -94,6 +94,7 @@ PyObject *qk_op_attn_prefill(PyObject *module, PyObject *const *args, Py_ssize_t
     launched = 1;
     const int64_t shape[4] = {B, Lq, Hq, D};
     if (qk_output_prepare(st, OP, a[6], &in[Q], in[Q].dtype, 4, shape, &l, &ov, &o) < 0 ||
+        qk_out_overlap(OP, &ov, in, names, NUM_INPUTS, 1u << Q) < 0 ||
         qk_attn_check_unit(OP, "out", &ov) < 0 || qk_attn_check_rows16(OP, "out", &ov) < 0)
         goto done;
 
@@ -162,7 +163,7 @@ PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_s
     qk_launch l = {0};
     qk_attn_prefill_args pa = {0};
     int ok = 0, launched = 0, n_in = 0;
-    if (qk_attn_import(st, OP, a, names, NUM_INPUTS, stream, in, &n_in) < 0) goto done;
+    if (qk_attn_import(st, OP, a, names, 7, NUM_INPUTS, stream, in, &n_in) < 0) goto done;
     if (qk_check_ndim(OP, "q", &in[Q], 3, "[total_q, Hq, D]") < 0 || qk_check_dtype_llm(OP, "q", &in[Q]) < 0 ||
         qk_check_ndim(OP, "req_pool_indices", &in[RPI], 1, "[B]") < 0 ||
         qk_attn_check_pool(OP, &in[Q], &in[KC], in[RPI].shape[0]) < 0)
@@ -188,6 +189,7 @@ PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_s
     launched = 1;
     const int64_t shape[3] = {total_q, Hq, D};
     if (qk_output_prepare(st, OP, a[10], &in[Q], in[Q].dtype, 3, shape, &l, &ov, &o) < 0 ||
+        qk_out_overlap(OP, &ov, in, names, NUM_INPUTS, 1u << Q) < 0 ||
         qk_attn_check_unit(OP, "out", &ov) < 0 || qk_attn_check_rows16(OP, "out", &ov) < 0)
         goto done;
 

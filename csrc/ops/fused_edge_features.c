@@ -44,7 +44,9 @@ PyObject *qk_op_fused_edge_features(PyObject *module, PyObject *const *args, Py_
     if (qk_launch_begin(st, OP, &in[0], stream, stream_given, &l) < 0) goto done;
     launched = 1;
     const int64_t shape[2] = {E, (2 + has_attr) * H};
-    if (qk_output_prepare(st, OP, a[3], &in[0], in[0].dtype, 2, shape, &l, &ov, &o) < 0) goto done;
+    if (qk_output_prepare(st, OP, a[3], &in[0], in[0].dtype, 2, shape, &l, &ov, &o) < 0 ||
+        qk_out_overlap(OP, &ov, in, in_names, n_in, 0) < 0)
+        goto done;
 
     qk_fused_edge_features_args ef = {0};
     ef.x = in[0].data;
@@ -71,7 +73,8 @@ PyObject *qk_op_fused_edge_features(PyObject *module, PyObject *const *args, Py_
                                          l.stream);
             ef.bad_row = row;
         }
-    if (status == QK_OK && E > 0 && H > 0) QK_RUN(status, &l, fused_edge_features, &ef);
+    /* the CPU launcher validates edge_index even when there are no features to write */
+    if (status == QK_OK && E > 0 && (H > 0 || l.device_type != kDLCUDA)) QK_RUN(status, &l, fused_edge_features, &ef);
     if (status == QK_E_INDEX)
         PyErr_Format(PyExc_ValueError, OP ": edge_index[%d, %lld] = %lld is out of range for x with N = %lld",
                      ef.bad_row, (long long)ef.bad_pos, (long long)ef.bad_value, (long long)ef.num_nodes);

@@ -55,7 +55,7 @@ PyObject *qk_op_fused_norm_residual(PyObject *module, PyObject *const *args, Py_
         PyErr_Format(PyExc_ValueError, OP ": p must be in [0, 1], got %R", a[4]);
         return NULL;
     }
-    if (!(eps >= 0.0) || isinf(eps)) {
+    if (!(eps >= 0.0) || isinf((float)eps)) { /* the kernels add eps in float32 */
         PyErr_Format(PyExc_ValueError, OP ": eps must be a finite value >= 0, got %R", a[6]);
         return NULL;
     }
@@ -101,7 +101,9 @@ PyObject *qk_op_fused_norm_residual(PyObject *module, PyObject *const *args, Py_
     if (qk_launch_begin(st, OP, &in[0], stream, stream_given, &l) < 0) goto done;
     launched = 1;
     const int64_t shape[2] = {R, H};
-    if (qk_output_prepare(st, OP, a[8], &in[0], in[0].dtype, 2, shape, &l, &ov, &o) < 0) goto done;
+    if (qk_output_prepare(st, OP, a[8], &in[0], in[0].dtype, 2, shape, &l, &ov, &o) < 0 ||
+        qk_out_overlap(OP, &ov, in, in_names, n_in, 1u << 0 | 1u << 1) < 0) /* out=x, out=residual */
+        goto done;
 
     qk_fused_norm_residual_args nr = {0};
     nr.x = in[0].data;

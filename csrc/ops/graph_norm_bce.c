@@ -2,6 +2,8 @@
 #include "../qk.h"
 #include "../cpu/cpu.h"
 
+#include <math.h>
+
 #define OP "graph_norm_bce"
 
 QK_DOCS(graph_norm_bce, "logits, target, edge_graph, num_graphs, *, pos_weight=None",
@@ -24,10 +26,15 @@ PyObject *qk_op_graph_norm_bce(PyObject *module, PyObject *const *args, Py_ssize
         PyErr_Format(PyExc_TypeError, OP ": num_graphs must be an int, got %.200s", Py_TYPE(a[3])->tp_name);
         return NULL;
     }
-    const long long G = PyLong_AsLongLong(a[3]);
+    int overflow = 0;
+    const long long G = PyLong_AsLongLongAndOverflow(a[3], &overflow);
     if (G == -1 && PyErr_Occurred()) return NULL;
-    if (G < 1) {
-        PyErr_Format(PyExc_ValueError, OP ": num_graphs must be at least 1, got %lld", G);
+    if (overflow || G < 1) {
+        PyErr_Format(PyExc_ValueError, OP ": num_graphs must be between 1 and 2^63 - 1, got %R", a[3]);
+        return NULL;
+    }
+    if (G > INT64_MAX / 32) { /* the kernels keep a few words per graph */
+        PyErr_Format(PyExc_MemoryError, OP ": num_graphs = %lld needs more than 2^63 bytes of scratch", G);
         return NULL;
     }
     double pos_weight = 1.0;
@@ -42,6 +49,10 @@ PyObject *qk_op_graph_norm_bce(PyObject *module, PyObject *const *args, Py_ssize
         }
     }
 
+    if (has_pw && !isfinite((float)pos_weight)) { /* the kernels weigh in float32 */
+        PyErr_Format(PyExc_ValueError, OP ": pos_weight must be finite in float32, got %R", a[4]);
+        return NULL;
+    }
     qk_view in[3] = {{0}}, ov = {0};
     qk_output o = {0};
     qk_launch l = {0};

@@ -65,7 +65,8 @@ static PyObject *ln_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (qk_launch_begin(st, op, x, stream, stream_given, &l) < 0) goto done;
     launched = 1;
     const int64_t shape2[2] = {M, N}, shape1[1] = {N};
-    if (qk_output_prepare(st, op, a[3], x, x->dtype, x->ndim, x->ndim == 2 ? shape2 : shape1, &l, &ov, &o) < 0)
+    if (qk_output_prepare(st, op, a[3], x, x->dtype, x->ndim, x->ndim == 2 ? shape2 : shape1, &l, &ov, &o) < 0 ||
+        qk_out_overlap(op, &ov, in, names, n_in, 0) < 0)
         goto done;
     if (qk_check_inner_unit(op, "out", &ov) < 0) goto done;
 

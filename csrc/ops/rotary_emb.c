@@ -69,7 +69,9 @@ PyObject *qk_op_rotary_emb(PyObject *module, PyObject *const *args, Py_ssize_t n
     if (qk_check_inner_unit(OP, "x", x) < 0 || qk_check_inner_unit(OP, "freqs_cis", f) < 0) goto done;
     if (qk_launch_begin(st, OP, x, stream, stream_given, &l) < 0) goto done;
     launched = 1;
-    if (qk_output_prepare(st, OP, a[3], x, x->dtype, x->ndim, x->shape, &l, &ov, &o) < 0) goto done;
+    if (qk_output_prepare(st, OP, a[3], x, x->dtype, x->ndim, x->shape, &l, &ov, &o) < 0 ||
+        qk_out_overlap(OP, &ov, in, in_names, 2, 1u << 0) < 0) /* out=x */
+        goto done;
     if (qk_check_inner_unit(OP, "out", &ov) < 0) goto done;
 
     qk_rotary_emb_args ra = {0};

@@ -79,7 +79,9 @@ PyObject *qk_op_sparse_aggregate(PyObject *module, PyObject *const *args, Py_ssi
     if (qk_launch_begin(st, OP, &in[NODE_FEAT], stream, stream_given, &l) < 0) goto done;
     launched = 1;
     const int64_t shape[3] = {in[ROW_PTR].shape[0] - 1, in[NODE_FEAT].shape[1], in[NODE_FEAT].shape[2]};
-    if (qk_output_prepare(st, OP, a[4], &in[NODE_FEAT], in[NODE_FEAT].dtype, 3, shape, &l, &ov, &o) < 0) goto done;
+    if (qk_output_prepare(st, OP, a[4], &in[NODE_FEAT], in[NODE_FEAT].dtype, 3, shape, &l, &ov, &o) < 0 ||
+        qk_out_overlap(OP, &ov, in, input_names, NUM_INPUTS, 0) < 0)
+        goto done;
 
     qk_sparse_aggregate_args sa = {0};
     sa.row_ptr = in[ROW_PTR].data;
