@@ -166,6 +166,24 @@ static int qk_view_from_dl(const DLTensor *t, int readonly, const char *op, cons
     return 0;
 }
 
+const DLTensor *qk_capsule_peek(PyObject *obj) {
+    if (!PyCapsule_CheckExact(obj)) return NULL;
+    const char *name = PyCapsule_GetName(obj);
+    if (name == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (strcmp(name, QK_CAPSULE_VERSIONED) == 0) {
+        const DLManagedTensorVersioned *m = PyCapsule_GetPointer(obj, QK_CAPSULE_VERSIONED);
+        return m && m->version.major <= QK_DLPACK_MAJOR ? &m->dl_tensor : NULL;
+    }
+    if (strcmp(name, QK_CAPSULE_LEGACY) == 0) {
+        const DLManagedTensor *m = PyCapsule_GetPointer(obj, QK_CAPSULE_LEGACY);
+        return m ? &m->dl_tensor : NULL;
+    }
+    return NULL;
+}
+
 /* Take ownership of the managed tensor in a capsule and rename it so nobody uses it twice. */
 int qk_import_capsule(PyObject *capsule, const char *op, const char *arg, qk_view *v) {
     const char *name = PyCapsule_GetName(capsule);
@@ -312,11 +330,18 @@ static PyObject *qk_call_dlpack(qk_state *st, PyObject *obj, PyObject *stream) {
 static void qk_name_producer_error(const char *op, const char *arg) {
     PyObject *cause = qk_exception_take();
     if (cause == NULL) return;
-    PyObject *exc = PyExc_BufferError; /* a protocol failure unless the producer said more precisely */
-    if (PyErr_GivenExceptionMatches(cause, PyExc_TypeError)) exc = PyExc_TypeError;
-    else if (PyErr_GivenExceptionMatches(cause, PyExc_ValueError)) exc = PyExc_ValueError;
-    else if (PyErr_GivenExceptionMatches(cause, PyExc_MemoryError)) exc = PyExc_MemoryError;
-    PyErr_Format(exc, "%s: %s could not be exported through DLPack: %S", op, arg, cause);
+    /* whatever the producer raised (torch: RuntimeError, ValueError), the tensor cannot cross DLPack */
+    PyObject *exc = PyErr_GivenExceptionMatches(cause, PyExc_MemoryError) ? PyExc_MemoryError : PyExc_BufferError;
+    /* the producer's first line: torch appends its C++ stack after it */
+    PyObject *text = PyObject_Str(cause), *line = NULL;
+    if (text) {
+        Py_ssize_t end = PyUnicode_FindChar(text, '\n', 0, PyUnicode_GET_LENGTH(text), 1);
+        line = end >= 0 ? PyUnicode_Substring(text, 0, end) : Py_NewRef(text);
+        Py_DECREF(text);
+    }
+    if (line == NULL) PyErr_Clear();
+    PyErr_Format(exc, "%s: %s could not be exported through DLPack: %S", op, arg, line ? line : Py_None);
+    Py_XDECREF(line);
     PyObject *named = qk_exception_take();
     if (named) {
         PyException_SetCause(named, Py_NewRef(cause)); /* as `raise ... from cause` */
@@ -370,7 +395,9 @@ int qk_import_ex(qk_state *st, PyObject *obj, const char *op, const char *arg, v
     if (info.api && st->use_exchange_api && !via_capsule) {
         DLTensor t;
         if (info.api->dltensor_from_py_object_no_sync(obj, &t) != 0) {
+            /* torch's meta and sparse tensors land here with a C++ stack: name the op and argument */
             if (!PyErr_Occurred()) PyErr_Format(PyExc_BufferError, "%s: %s could not be exported", op, arg);
+            else qk_name_producer_error(op, arg);
             return -1;
         }
         if (qk_view_from_dl(&t, 0, op, arg, v) < 0) return -1;

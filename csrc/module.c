@@ -20,11 +20,19 @@ static int qk_env_flag(const char *name) {
 static PyObject *qk_describe(PyObject *module, PyObject *obj) {
     qk_state *st = qk_get_state(module);
     int device_kind = -1, dtype = 255;
+    const DLTensor *peek = qk_capsule_peek(obj);
     if (qk_is_tensor(st, obj)) {
         qk_view v;
         qk_tensor_fill_view(obj, &v);
         device_kind = v.device_type == kDLCUDA ? 2 : 1;
         dtype = v.dtype;
+    } else if (peek) {
+        const int dt = peek->device.device_type;
+        device_kind = (dt == kDLCUDA || dt == kDLCUDAManaged) ? 2 : 1;
+        for (int i = 0; i <= QK_BOOL; i++) {
+            DLDataType d = qk_dtype_to_dl(i);
+            if (d.code == peek->dtype.code && d.bits == peek->dtype.bits && peek->dtype.lanes == 1) dtype = i;
+        }
     } else {
         const DLPackExchangeAPI *api = st->use_exchange_api ? qk_exchange_api(st, Py_TYPE(obj)) : NULL;
         if (api) {
@@ -241,9 +249,19 @@ static int qk_exec(PyObject *module) {
         return -1;
     st->use_exchange_api = !qk_env_flag("QKERNELS_NO_EXCHANGE_API");
     st->check_indices = qk_env_flag("QKERNELS_CHECK");
-    const char *nt = getenv("QKERNELS_NUM_THREADS");
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    st->num_threads = nt && atoi(nt) > 0 ? atoi(nt) : (cores > 0 ? (int)cores : 1);
+    st->num_threads = cores > 0 ? (int)cores : 1;
+    const char *nt = getenv("QKERNELS_NUM_THREADS");
+    if (nt && *nt) {
+        char *end;
+        long n = strtol(nt, &end, 10);
+        if (*end != 0 || n < 1 || n > 4096) {
+            PyErr_Format(PyExc_ValueError, "QKERNELS_NUM_THREADS must be a whole number of CPU threads from 1 to "
+                         "4096, got '%s'", nt);
+            return -1;
+        }
+        st->num_threads = (int)n;
+    }
     st->cuda_path = qk_find_cuda_library();
     if (st->cuda_path == NULL) return -1;
     if (PyModule_AddIntConstant(module, "DLPACK_MAJOR", QK_DLPACK_MAJOR) < 0) return -1;

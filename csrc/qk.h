@@ -69,6 +69,8 @@ int qk_import(qk_state *st, PyObject *obj, const char *op, const char *arg, void
 int qk_import_ex(qk_state *st, PyObject *obj, const char *op, const char *arg, void *stream, int via_capsule,
                  qk_view *v);
 int qk_import_capsule(PyObject *capsule, const char *op, const char *arg, qk_view *v);
+/* The DLTensor inside an unconsumed DLPack capsule, without taking it; NULL for anything else. */
+const DLTensor *qk_capsule_peek(PyObject *obj);
 void qk_view_release(qk_view *v);      /* any thread, no GIL needed */
 void qk_views_release(qk_view *v, int n); /* GIL held; keeps a pending exception */
 void qk_device_str(char *buf, size_t n, int device_type, int device_id);

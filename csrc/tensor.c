@@ -208,8 +208,16 @@ static PyObject *tensor_dlpack(qk_tensor *self, PyObject *const *args, Py_ssize_
     PyObject *stream = a[0] ? a[0] : Py_None, *max_version = a[1] ? a[1] : Py_None;
     PyObject *dl_device = a[2] ? a[2] : Py_None, *copy = a[3] ? a[3] : Py_None;
     if (dl_device != Py_None) {
-        int dt, di;
-        if (!PyArg_ParseTuple(dl_device, "ii:Tensor.__dlpack__", &dt, &di)) return NULL;
+        int dt = 0, di = 0;
+        if (!PyTuple_Check(dl_device) || PyTuple_GET_SIZE(dl_device) != 2 ||
+            !PyArg_ParseTuple(dl_device, "ii:Tensor.__dlpack__", &dt, &di)) {
+            if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_TypeError, "Tensor.__dlpack__: dl_device must be a (device_type, device_id) tuple "
+                             "of ints, got %R", dl_device);
+            }
+            return NULL;
+        }
         if (dt != self->v.raw_device_type || (self->v.device_type == kDLCUDA && di != self->v.device_id)) {
             PyErr_Format(PyExc_BufferError,
                          "Tensor.__dlpack__: dl_device=(%d, %d) differs from the tensor's device (%d, %d); "
@@ -318,7 +326,45 @@ static PyObject *tensor_repr(qk_tensor *self) {
     return r;
 }
 
+/* NumPy's array protocol for host tensors: a zero-copy view through DLPack (np.asarray(t)). */
+static PyObject *tensor_array(qk_tensor *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"dtype", "copy", NULL};
+    PyObject *a[2] = {NULL, NULL};
+    if (qk_parse_args("Tensor.__array__", args, nargs, kwnames, names, 1, 0, a) < 0) return NULL;
+    if (self->v.device_type != kDLCPU) {
+        char dev[64];
+        qk_device_str(dev, sizeof dev, self->v.device_type, self->v.device_id);
+        PyErr_Format(PyExc_TypeError, "Tensor.__array__: the tensor is on %s; NumPy reads host memory only (hand it "
+                     "to a GPU framework, e.g. torch.from_dlpack(t))", dev);
+        return NULL;
+    }
+    PyObject *np = PyImport_ImportModule("numpy");
+    if (np == NULL) return NULL;
+    PyObject *arr = PyObject_CallMethod(np, "from_dlpack", "O", (PyObject *)self);
+    Py_DECREF(np);
+    if (arr == NULL) return NULL;
+    int copy = 0;
+    if (a[1] != NULL && a[1] != Py_None && (copy = PyObject_IsTrue(a[1])) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
+    if ((a[0] == NULL || a[0] == Py_None) && !copy) return arr;
+    PyObject *dtype = a[0] != NULL && a[0] != Py_None ? Py_NewRef(a[0]) : PyObject_GetAttrString(arr, "dtype");
+    PyObject *astype = dtype ? PyObject_GetAttrString(arr, "astype") : NULL, *r = NULL;
+    if (astype) {
+        PyObject *argv[2] = {dtype, copy ? Py_True : Py_False}, *kw = Py_BuildValue("(s)", "copy");
+        r = kw ? PyObject_Vectorcall(astype, argv, 1, kw) : NULL;
+        Py_XDECREF(kw);
+        Py_DECREF(astype);
+    }
+    Py_XDECREF(dtype);
+    Py_DECREF(arr);
+    return r;
+}
+
 static PyMethodDef tensor_methods[] = {
+    {"__array__", (PyCFunction)(void (*)(void))tensor_array, METH_FASTCALL | METH_KEYWORDS,
+     "__array__(dtype=None, copy=None)\n--\n\nA NumPy view of a host tensor (np.asarray(t))."},
     {"__dlpack__", (PyCFunction)(void (*)(void))tensor_dlpack, METH_FASTCALL | METH_KEYWORDS,
      "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
      "Export as a DLPack capsule: versioned when max_version >= (1, 0) is given, legacy otherwise. "

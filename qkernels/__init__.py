@@ -4,15 +4,13 @@ Tensors go in and out through DLPack (torch, JAX, CuPy, NumPy or qkernels.Tensor
 dispatcher picks a backend per call (cuda, flash, cpu).  See README.md.
 """
 
-from __future__ import annotations
-
-import os
+import os as _os
 
 try:
     from . import _C
 except ImportError as e:  # the source tree, imported without a built extension beside it
     raise ImportError(
-        f"qkernels._C is not built next to {os.path.dirname(__file__)}: install with `pip install -e .` "
+        f"qkernels._C is not built next to {_os.path.dirname(__file__)}: install with `pip install -e .` "
         "(or `python setup.py build_ext --inplace`), or run from outside the source tree after "
         f"`pip install .` ({e})") from e
 from ._C import Tensor, from_dlpack
@@ -57,8 +55,12 @@ def info():
         "devices": cuda["devices"],
         "backends": {b: dict(zip(("available", "reason"), backend_available(b))) for b in BACKENDS},
         "cpu_threads": _C._configure()["num_threads"],
-        "env": {k: os.environ.get(k) for k in ("ASTR_BACKEND", "QECDEC_BACKEND", "QKERNELS_OPS", "QKERNELS_CHECK")},
+        "env": {k: _os.environ.get(k) for k in ("ASTR_BACKEND", "QECDEC_BACKEND", "QKERNELS_OPS", "QKERNELS_CHECK")},
     }
+
+
+def __dir__():
+    return sorted(set(__all__) | {"ops", "testing"})
 
 
 def __getattr__(name):

@@ -73,9 +73,24 @@ def _axes_from_code(code, framework):
     return {"framework": framework, "device": device, "dtype": dtype}
 
 
+_framework_of_type = {}
+
+
 def framework_name(x):
-    mod = type(x).__module__.split(".")[0]
-    return {"jaxlib": "jax", "qkernels": "qkernels"}.get(mod, mod)
+    """The framework a tensor belongs to: torch, numpy, jax, cupy, qkernels (our Tensor) or dlpack
+    (a raw capsule); otherwise the top-level module of its type."""
+    t = type(x)
+    name = _framework_of_type.get(t)
+    if name is None:
+        mod = t.__module__.split(".")[0]
+        name = "dlpack" if t.__name__ == "PyCapsule" else {"jaxlib": "jax"}.get(mod, mod)
+        if len(_framework_of_type) < 256:
+            _framework_of_type[t] = name
+    return name
+
+
+# Tensors that belong to no framework: they mix with any.
+NEUTRAL_FRAMEWORKS = ("qkernels", "dlpack")
 
 
 # ---- backends: availability and per-family predicates ---------------------------------------
@@ -217,13 +232,18 @@ def _families(key, source, stacklevel=4):
 
 
 def _parse_env():
+    """family -> (backend, origin), or (None, message) for a family whose variable is bad: the
+    error is raised by that family's calls only."""
     sel = {}
     for var, families in ENV_GROUPS:
         raw = os.environ.get(var)
         if raw:
-            b = _normalize(raw, var)
+            try:
+                b = _normalize(raw, var)
+            except ValueError as e:
+                b, var = None, str(e)
             for f in families:
-                sel[f] = (b, f"env {var}")
+                sel[f] = (b, var if b is None else f"env {var}")
     raw = os.environ.get("QKERNELS_OPS")
     if raw:
         for item in raw.split(","):
@@ -276,11 +296,11 @@ def use_backend(backend=None, /, **families):
     """
     mapping = dict(_ctx.get()[0])
     if backend is not None:
-        b = _normalize(backend, "use_backend", stacklevel=5)
+        b = _normalize(backend, "use_backend", stacklevel=4)
         mapping.update({f: b for f in FAMILIES})
     for key, value in families.items():
-        targets = _families(key, "use_backend", stacklevel=5)
-        b = _normalize(value, f"use_backend({key}=...)", stacklevel=5)
+        targets = _families(key, "use_backend", stacklevel=4)
+        b = _normalize(value, f"use_backend({key}=...)", stacklevel=4)
         mapping.update({f: b for f in targets})
     token = _ctx.set((mapping, next(_ctx_tokens)))
     try:
@@ -341,10 +361,18 @@ def _decide(op, x, explicit, extra=()):
             d.requested, d.origin = ctx[family], "context"
         else:
             env = _env().get(family)
+            if env and env[0] is None:
+                raise ValueError(env[1])
             if env:
                 d.requested, d.origin = env
     if d.requested != "auto":
         reason = _check(d.requested, family, axes, op)
+        if reason is not None and not any(status == "MATCH" for _, status, _ in d.candidates):
+            # No backend takes the call (a dtype nobody supports, say): as in the chain below, the
+            # kernel layer where the data lives reports it, naming the argument.
+            reason = None
+            d.error = "no backend matches; the call goes to the kernel layer, which reports the problem"
+            d.requested = "cuda" if axes["device"] == "cuda" and backend_available("cuda")[0] else "cpu"
         if reason is not None:
             d.error = (f"{op}: backend '{d.requested}' selected by {d.origin} cannot run family '{family}' "
                        f"for this call: {reason}")

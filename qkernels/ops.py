@@ -8,9 +8,11 @@ and otherwise calls the Python path below: the dispatcher's decision, then the C
 
 from __future__ import annotations
 
+import itertools
+
 from . import _C
 from . import _dispatch, _flash
-from ._dispatch import _ctx, choose, direct_plans, direct_types, record_direct
+from ._dispatch import NEUTRAL_FRAMEWORKS, _ctx, choose, direct_plans, direct_types, framework_name, record_direct
 from ._frameworks import run
 
 
@@ -20,6 +22,26 @@ _WRITTEN = {
 }
 
 
+def _one_framework(op, params, args, kwargs):
+    """ValueError unless every tensor argument, out= included, comes from one framework (our Tensor
+    and raw capsules mix with any): the result's framework would otherwise be a guess."""
+    first = None
+    for key, value in itertools.chain(zip(params, args), kwargs.items()):
+        if value is None or type(value) in _SCALARS or not hasattr(value, "__dlpack__") and type(value).__name__ != "PyCapsule":
+            continue
+        fw = framework_name(value)
+        if fw in NEUTRAL_FRAMEWORKS:
+            continue
+        if first is None:
+            first = (key, fw)
+        elif fw != first[1]:
+            raise ValueError(f"{op}: all tensors must come from one framework; {first[0]} comes from {first[1]} "
+                             f"but {key} from {fw}")
+
+
+_SCALARS = (int, float, bool, str)
+
+
 def _python_path(name):
     """The Python side of public op `name`: decide, then run the raw op and convert the result."""
     raw = getattr(_C, name + "_raw")
@@ -27,7 +49,11 @@ def _python_path(name):
     call_axes = _dispatch.CALL_AXES.get(name)
     written = _WRITTEN.get(name)
 
+    params = [p.split("=")[0].strip(" *") for p in getattr(_C, name).__text_signature__.strip("()").split(",")]
+    params = [p for p in params if p]
+
     def call(*args, backend=None, **kwargs):
+        _one_framework(name, params, args, kwargs)
         x = args[position] if len(args) > position else kwargs.get(arg)
         if x is None:
             return raw(*args, **kwargs)  # the raw op names what is missing

@@ -139,8 +139,8 @@ def test_producer_errors_name_the_op_and_argument():
         def __dlpack_device__(self):
             return (1, 0)
 
-    with pytest.raises(ValueError, match=r"^linear: weight could not be exported through DLPack: no export today"):
-        qkernels.linear(np.ones((2, 8), np.float32), Broken())
+    with pytest.raises(BufferError, match=r"^linear: weight could not be exported through DLPack: no export today"):
+        qkernels.linear(qkernels.from_dlpack(np.ones((2, 8), np.float32)), Broken())
 
 
 IN_PLACE = {"rotary_emb": (0,), "fused_norm_residual": (0, 1), "attn_decode": (0,), "attn_prefill": (0,),
@@ -229,3 +229,138 @@ def test_edge_index_checked_without_features():
     x = np.zeros((4, 0), np.float32)
     with pytest.raises(ValueError, match=r"^fused_edge_features: edge_index\[1, 2\] = 9 is out of range"):
         qkernels.fused_edge_features(x, np.array([[0, 1, 2], [3, 0, 9]]))
+
+
+FRAMEWORKS = {
+    "numpy": lambda a: a,
+    "torch": lambda a: torch.from_numpy(a),
+    "jax": lambda a: pytest.importorskip("jax.numpy").asarray(a),
+}
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("first,second", [("numpy", "torch"), ("torch", "numpy"), ("jax", "numpy"),
+                                          ("torch", "jax")])
+def test_mixed_frameworks_refused(op, first, second):
+    args, kwargs = sample(op)
+    names = getattr(qkernels, op).__text_signature__.strip("()").split(",")
+    tensors = [i for i, a in enumerate(args) if isinstance(a, np.ndarray)]
+    for pos in tensors[1:]:
+        mixed = [FRAMEWORKS[first](a) if isinstance(a, np.ndarray) else a for a in args]
+        mixed[pos] = FRAMEWORKS[second](args[pos])
+        arg = names[pos].split("=")[0].strip()
+        deciding = names[tensors[0]].strip()
+        with pytest.raises(ValueError, match=rf"^{op}: all tensors must come from one framework; "
+                                             rf"{deciding} comes from {first} but {arg} from {second}"):
+            call(op, mixed, kwargs)
+
+
+def test_out_from_another_framework_refused():
+    args, _ = sample("linear")
+    with pytest.raises(ValueError, match="^linear: .* x comes from torch but out from numpy"):
+        qkernels.linear(*[torch.from_numpy(a) for a in args], out=np.zeros((3, 7), np.float32))
+
+
+def test_framework_neutral_tensors_mix_with_any():
+    x, w, b = sample("linear")[0]
+    expected = qkernels.linear(x, w, b)
+    r = qkernels.linear(torch.from_numpy(x), qkernels.from_dlpack(w), b.__dlpack__())
+    assert isinstance(r, torch.Tensor)
+    np.testing.assert_array_equal(r.numpy(), expected)
+
+
+@pytest.mark.parametrize("backend", ["cpu", None])
+def test_raw_capsules_with_any_selection(backend):
+    x, w, b = sample("linear")[0]
+    expected = qkernels.linear(x, w, b)
+    r = qkernels.linear(x.__dlpack__(), w.__dlpack__(), b.__dlpack__(), backend=backend)
+    np.testing.assert_array_equal(np.asarray(r), expected)
+    with qkernels.use_backend("cpu"):
+        np.testing.assert_array_equal(np.asarray(qkernels.linear(x.__dlpack__(), w.__dlpack__())),
+                                      qkernels.linear(x, w))
+
+
+def test_unsupported_dtype_is_a_type_error_however_chosen():
+    args, _ = sample("sparse_aggregate")
+    args = list(args)
+    args[3] = args[3].astype(np.int32)
+    for backend in ("cpu", None):
+        with pytest.raises(TypeError, match="^sparse_aggregate: node_feat must be float32, got int32"):
+            qkernels.sparse_aggregate(*args, backend=backend)
+
+
+def test_swiglu_gate_none():
+    x, up, gate = sample("swiglu")[0]
+    with pytest.raises(TypeError, match="^swiglu: gate_weight must be a tensor supporting DLPack .*got None"):
+        qkernels.swiglu(x, up, None)
+
+
+@pytest.mark.parametrize("device", ["meta", "sparse"])
+def test_torch_tensors_dlpack_cannot_carry(device, exchange):
+    x = torch.ones(2, 8, device="meta") if device == "meta" else torch.ones(2, 8).to_sparse()
+    with pytest.raises(BufferError, match=r"^linear: x could not be exported through DLPack: [^\n]*$"):
+        qkernels.linear(x, torch.ones(3, 8))
+
+
+def test_tensor_dlpack_bad_dl_device():
+    t = qkernels.from_dlpack(np.ones(3, np.float32))
+    with pytest.raises(TypeError, match=r"^Tensor.__dlpack__: dl_device must be a \(device_type, device_id\) tuple"):
+        t.__dlpack__(dl_device="cpu")
+
+
+def test_tensor_is_array_like():
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2]
+    t = qkernels.from_dlpack(a)
+    assert (t.shape, t.dtype, t.device) == ((3, 2), "float32", "cpu")
+    assert repr(t) == "qkernels.Tensor(shape=(3, 2), dtype=float32, device=cpu)"
+    view = np.asarray(t)
+    np.testing.assert_array_equal(view, a)
+    assert np.shares_memory(view, a)
+    np.testing.assert_array_equal(np.asarray(t, dtype=np.float64), a)
+    copied = np.array(t, copy=True)
+    assert not np.shares_memory(copied, a)
+
+
+def test_namespace_is_the_api():
+    public = [n for n in dir(qkernels) if not n.startswith("_")]
+    assert "os" not in public and "annotations" not in public
+    assert set(qkernels._C.OPS) <= set(public)
+
+
+@pytest.mark.parametrize("value", ["abc", "-3", "0", "1.5", "99999"])
+def test_num_threads_env_validated(value):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", "import qkernels"], env={**__import__("os").environ,
+                       "QKERNELS_NUM_THREADS": value}, capture_output=True, text=True)
+    assert r.returncode != 0
+    assert f"ValueError: QKERNELS_NUM_THREADS must be a whole number of CPU threads from 1 to 4096, got '{value}'" \
+        in r.stderr
+
+
+def test_from_dlpack_beside_other_threads_calls():
+    """from_dlpack once cleared a module-wide flag while it ran: ops on other threads then returned
+    qkernels.Tensor instead of torch tensors."""
+    import threading
+    x, w, b = (torch.from_numpy(a) for a in sample("linear")[0])
+    stop, wrong = threading.Event(), []
+
+    def importer():
+        while not stop.is_set():
+            qkernels.from_dlpack(x)
+
+    def caller():
+        for _ in range(3000):
+            r = qkernels.linear(x, w, b)
+            if not isinstance(r, torch.Tensor):
+                wrong.append(type(r))
+    threads = [threading.Thread(target=importer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        caller()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not wrong

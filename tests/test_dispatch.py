@@ -42,13 +42,16 @@ def test_explicit_backend_is_strict(env, args):
 
 def test_strict_error_names_the_requirement(env, args):
     env()
+    # cpu takes these host tensors, so a strict choice of another backend is refused as such
+    with pytest.raises(ExplicitSelectionError, match="backend 'flash' selected by explicit cannot run family "
+                                                     "'sparse_aggregate' for this call: (unavailable|no flash kernel)"):
+        qkernels.sparse_aggregate(*args, backend="flash")
+    # A dtype no backend takes is the kernel layer's TypeError naming the argument, however chosen.
     a = list(args)
     a[3] = a[3].astype(np.float64)
-    with pytest.raises(ExplicitSelectionError, match="requires dtype float32; got numpy cpu float64"):
-        qkernels.sparse_aggregate(*a, backend="cpu")
-    # The automatic chain lets the kernel layer report the dtype precisely instead.
-    with pytest.raises(TypeError, match="node_feat must be float32, got float64"):
-        qkernels.sparse_aggregate(*a)
+    for backend in ("cpu", None):
+        with pytest.raises(TypeError, match="^sparse_aggregate: node_feat must be float32, got float64"):
+            qkernels.sparse_aggregate(*a, backend=backend)
 
 
 def test_qecdec_backend_env(env, args):
@@ -83,8 +86,12 @@ def test_qkernels_ops_wins_over_group_variables(env, args):
 ])
 def test_bad_env_value_raises_at_first_use(env, args, var, value, match):
     env(**{var: value})
-    with pytest.raises(ValueError, match=match):
-        qkernels.sparse_aggregate(*args)
+    from qkernels.testing import sample
+    with pytest.raises(ValueError, match=match):  # at the first call of a family the variable selects
+        if var == "ASTR_BACKEND":
+            qkernels.linear(*sample("linear")[0])
+        else:
+            qkernels.sparse_aggregate(*args)
 
 
 @pytest.mark.parametrize("legacy", ["torch_native", "pytorch", "compiled", "PyTorch"])
@@ -289,3 +296,32 @@ def test_flash_unavailable_without_the_package(env):
     env()
     d = qkernels.resolve("attn_decode", *fake_decode())
     assert statuses(d)["flash"] == ("unavailable", "the flash_attn package is not installed")
+
+
+def test_groups_in_qkernels_ops(env, args):
+    env(QKERNELS_OPS="graph=cpu,llm=auto")
+    assert all(_dispatch._env()[f] == ("cpu", "env QKERNELS_OPS") for f in _dispatch.GRAPH_FAMILIES)
+    assert all(_dispatch._env()[f] == ("auto", "env QKERNELS_OPS") for f in _dispatch.LLM_FAMILIES)
+
+
+@pytest.mark.parametrize("old,new", sorted(_dispatch.LEGACY_FAMILIES.items()))
+def test_legacy_family_names(env, old, new):
+    with pytest.warns(DeprecationWarning, match=f"QKERNELS_OPS: family '{old}' is now spelled '{new}'"):
+        env(QKERNELS_OPS=f"{old}=cpu")
+        _dispatch._warned.clear()
+        _dispatch.reload_env()
+    assert _dispatch._env()[new] == ("cpu", "env QKERNELS_OPS")
+    _dispatch._warned.clear()
+    with pytest.warns(DeprecationWarning, match=f"use_backend: family '{old}' is now spelled '{new}'") as w:
+        with qkernels.use_backend(**{old: "cpu"}):
+            assert _dispatch._ctx.get()[0][new] == "cpu"
+    assert w[0].filename == __file__  # the warning points at the caller
+
+
+def test_bad_graph_variable_leaves_llm_ops_alone(env):
+    """Each variable is checked where it applies: a bad QECDEC_BACKEND fails graph calls only."""
+    env(QECDEC_BACKEND="bogus")
+    from qkernels.testing import sample
+    with pytest.raises(ValueError, match="QECDEC_BACKEND must be one of"):
+        qkernels.sparse_aggregate(*sample("sparse_aggregate")[0])
+    qkernels.linear(*sample("linear")[0])

@@ -293,6 +293,12 @@ def to_input(a, dtype):
     return as_bf16(a)[0] if dtype == "bfloat16" else a
 
 
+def beside(a, dtype):
+    """A NumPy index or mask array to pass beside to_input(..., dtype)'s tensors: one framework per
+    call, so beside torch's bfloat16 it goes as a (framework-neutral) qkernels.Tensor."""
+    return qkernels.from_dlpack(a) if dtype == "bfloat16" else a
+
+
 def checked_result(r, out, buf, shape, dtype):
     """check_out for every dtype (buf: out's whole bfloat16 buffer) -> the result as float64 NumPy."""
     if dtype != "bfloat16":
@@ -338,7 +344,7 @@ def test_attn_prefill_property(seed, B, Lq, Lkv, hkv, ratio, D, dtype, layouts, 
     if mask:
         m = rng.random((B, Lkv) if mask == "keys" else (B, 1 if mask == "shared" else Hq, Lq, Lkv)) < rng.random()
         m[rng.random(B) < 0.3] = False  # all-False sequences: 0, not NaN
-        kw["mask"] = view(rng, m, mask_layout)
+        kw["mask"] = beside(view(rng, m, mask_layout), dtype)
     ref = attn_prefill_ref(q, k, v, is_causal, m, scale)
     mag = attn_prefill_ref(q, k, np.abs(np.asarray(v, np.float64)), is_causal, m, scale)
     out, buf = prefill_out(q.shape, dtype, out_layout)
@@ -375,13 +381,13 @@ def test_attn_paged_prefill_property(seed, reqs, hkv, ratio, D, dtype, idx, layo
     if mask:
         m = rng.random((B, r2t.shape[1])) < rng.random()
         m[rng.random(B) < 0.3] = False
-        kw["mask"] = view(rng, m, idx_layouts[4])
+        kw["mask"] = beside(view(rng, m, idx_layouts[4]), dtype)
     ref = attn_paged_prefill_ref(q, kc, vc, *indices, is_causal=is_causal, mask=m, scale=scale)
     mag = attn_paged_prefill_ref(q, kc, np.abs(np.asarray(vc, np.float64)), *indices, is_causal=is_causal, mask=m,
                                  scale=scale)
     out, buf = prefill_out(q.shape, dtype, out_layout)
     pools = [to_input(a, dtype) for a in (kc, vc)]
-    r = qkernels.attn_paged_prefill(to_input(q, dtype), *pools, *indices, out=out, **kw)
+    r = qkernels.attn_paged_prefill(to_input(q, dtype), *pools, *(beside(a, dtype) for a in indices), out=out, **kw)
     res = checked_result(r, out, buf, q.shape, dtype)
     for pool, before in zip(pools, (kc, vc)):  # the pools are only read
         np.testing.assert_array_equal(np.asarray(pool.float() if dtype == "bfloat16" else pool), before)

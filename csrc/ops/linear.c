@@ -26,7 +26,7 @@ static PyObject *ln_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     void *stream;
     int stream_given;
     if (qk_stream_arg(op, a[4], &stream, &stream_given) < 0) return NULL;
-    const int has_third = a[2] != NULL && a[2] != Py_None;
+    const int has_third = swiglu || (a[2] != NULL && a[2] != Py_None); /* swiglu's gate None: a TypeError */
 
     qk_view in[3] = {{0}}, ov = {0};
     qk_output o = {0};
