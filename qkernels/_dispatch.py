@@ -387,6 +387,10 @@ def _decide(op, x, explicit, extra=()):
             d.winner = "cuda" if axes["device"] == "cuda" and backend_available("cuda")[0] else "cpu"
             d.error = "no backend matches; the call goes to the kernel layer, which reports the problem"
     d.staged = d.winner == "cpu" and axes["device"] == "cuda"
+    if d.staged and axes["framework"] in NEUTRAL_FRAMEWORKS:
+        # Our Tensor and raw capsules cannot be staged (no framework to copy them): they run where
+        # they live, and the kernel layer says what is missing there.
+        d.winner, d.staged = "cuda", False
     return d
 
 
