@@ -246,7 +246,7 @@ def _randn(rng, dtype, *shape, scale=1.0):
     return (scale * rng.standard_normal(shape)).astype(dtype)
 
 
-def _sample_sparse_aggregate(rng, dt, ix, n_dst=7, n_src=5, heads=2, dim=3, degrees=None, avg_degree=2):
+def _sample_sparse_aggregate(rng, dt, ix, n_dst=7, n_src=5, heads=2, dim=3, degrees=None, avg_degree=4):
     """A CSR graph: row i has degrees[i] edges (Poisson(avg_degree) unless given) to random sources."""
     degrees = rng.poisson(avg_degree, n_dst) if degrees is None else np.asarray(degrees, np.int64)
     row_ptr = np.concatenate([[0], np.cumsum(degrees)]).astype(ix)

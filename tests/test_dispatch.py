@@ -8,12 +8,12 @@ import pytest
 
 import qkernels
 from qkernels import ExplicitSelectionError, _dispatch
-from conftest import random_inputs
+from qkernels.testing import sample
 
 
 @pytest.fixture
 def args():
-    return random_inputs(np.random.default_rng(3), 10, 6, 2, 4)
+    return sample("sparse_aggregate", np.random.default_rng(3), n_dst=10, n_src=6, heads=2, dim=4)[0]
 
 
 def test_chain_picks_cpu_for_host_data(env, args):
