@@ -200,6 +200,21 @@ def to_device(op, args, device):
     return [a.to(device) if type(a).__module__.startswith("torch") else a for a in host_tensors(op, args)]
 
 
+def replaced(args, pos, value):
+    """A list of args with the argument at pos (an index, or a tuple of them) replaced by value."""
+    args = list(args)
+    for p in pos if isinstance(pos, tuple) else (pos,):
+        args[p] = value
+    return args
+
+
+class RecordingOut:
+    """An out= for the flash backend, which hands its result to out.copy_: keeps it as .got."""
+
+    def copy_(self, src):
+        self.got = src
+
+
 def cuda(a, dtype=None):
     """A NumPy array as a torch CUDA tensor (cast there to the torch dtype named dtype)."""
     import torch

@@ -13,7 +13,7 @@ import pytest
 import qkernels
 from qkernels import _dispatch
 from qkernels.testing import prefill_keep, reference, sample
-from conftest import FakeCudaTensor, close_to_naive, f64, fp32_sum_tol, naive_prefill, rel_err
+from conftest import FakeCudaTensor, RecordingOut, close_to_naive, f64, fp32_sum_tol, naive_prefill, rel_err, replaced
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 requires_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (bfloat16 on the CPU)")
@@ -356,11 +356,8 @@ def dense_args():
     (1, "k", TypeError, "attn_prefill: k must be a tensor supporting DLPack"),
 ])
 def test_prefill_bad_argument(pos, value, exc, msg):
-    args = dense_args()
-    for p in pos if isinstance(pos, tuple) else (pos,):
-        args[p] = value
     with pytest.raises(exc, match=msg):
-        qkernels.attn_prefill(*args)
+        qkernels.attn_prefill(*replaced(dense_args(), pos, value))
 
 
 @pytest.mark.parametrize("kw,exc,msg", [
@@ -403,11 +400,8 @@ def paged_args():
     (1, np.ones((12, 2, 16), np.float32)[..., ::2], ValueError, "attn_paged_prefill: k_cache must be unit-stride in its last dimension"),
 ])
 def test_paged_bad_argument(pos, value, exc, msg):
-    args = paged_args()
-    for p in pos if isinstance(pos, tuple) else (pos,):
-        args[p] = value
     with pytest.raises(exc, match=msg):
-        qkernels.attn_paged_prefill(*args)
+        qkernels.attn_paged_prefill(*replaced(paged_args(), pos, value))
 
 
 def test_paged_bad_keywords():
@@ -479,11 +473,7 @@ def test_flash_receives_the_call(env, fake_flash):
     (cq, ck, cv, kw), = fake_flash
     assert cq is q and ck is k and cv is v and kw == {"softmax_scale": None, "causal": True}
 
-    class Out:
-        def copy_(self, src):
-            self.got = src
-
-    out = Out()
+    out = RecordingOut()
     assert qkernels.attn_prefill(*fake_prefill(), out=out, scale=0.5, backend="flash") is out
     assert out.got == "flash_attn_func result"
     assert fake_flash[-1][3] == {"softmax_scale": 0.5, "causal": False}

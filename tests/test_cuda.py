@@ -11,7 +11,7 @@ import pytest
 
 import qkernels
 from qkernels.testing import reference, sample
-from conftest import capture_graph, cuda, fp32_sum_tol, rel_err, requires_cuda
+from conftest import capture_graph, close_to_naive, cuda, f64, fp32_sum_tol, rel_err, requires_cuda
 
 pytestmark = requires_cuda
 _C = qkernels._C
@@ -286,14 +286,12 @@ def test_half_precision(rng, dtype, heads, dim):
     t[2], t[3] = t[2].to(getattr(torch, dtype)), t[3].to(getattr(torch, dtype))
     out = qkernels.sparse_aggregate(*t)
     assert out.dtype == t[3].dtype
-    ref = reference("sparse_aggregate", args[0], args[1], t[2].double().cpu().numpy(), t[3].double().cpu().numpy())
+    ref = reference("sparse_aggregate", args[0], args[1], f64(t[2]), f64(t[3]))
     # naive same precision: messages and their sum in the storage dtype
     naive = torch.zeros_like(out).index_add_(0, torch.repeat_interleave(torch.arange(2000, device="cuda"),
                                                                           torch.diff(t[0])),
                                              t[2][:, :, None] * t[3][t[1]])
-    e_ours = np.abs(out.double().cpu().numpy() - ref).max()
-    e_naive = np.abs(naive.double().cpu().numpy() - ref).max()
-    assert e_ours <= 2 * e_naive + 1e-6, (e_ours, e_naive)
+    close_to_naive(out, naive, ref)
 
 
 @needs_torch_cuda

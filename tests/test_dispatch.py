@@ -158,7 +158,7 @@ def test_resolve_validates_op():
 
 import importlib.util
 
-from conftest import FakeCudaTensor
+from conftest import FakeCudaTensor, RecordingOut
 
 
 def fake_decode(B=2, L=16, Hq=8, Hkv=2, D=128, dtype="bfloat16"):
@@ -236,11 +236,7 @@ def test_flash_receives_the_call(env, fake_flash):
     (cq, ck, cv, kw), = fake_flash
     assert cq is q and ck is k and cv is v and kw == {"cache_seqlens": None, "softmax_scale": None}
 
-    class Out:
-        def copy_(self, src):
-            self.got = src
-
-    out = Out()
+    out = RecordingOut()
     assert qkernels.attn_decode(*fake_decode(), out=out, scale=0.5, backend="flash") is out
     assert out.got == "flash result" and fake_flash[-1][3]["softmax_scale"] == 0.5
     with qkernels.use_backend(llm="flash"):

@@ -101,11 +101,15 @@ def test_handmade_deleter_called_once_and_null_strides_and_byte_offset():
     assert h.deleted == 1
 
 
+def imported(rng, **sizes):
+    """A sparse_aggregate sample as qkernels.Tensors."""
+    return [qkernels.from_dlpack(a) for a in sample("sparse_aggregate", rng, **sizes)[0]]
+
+
 def test_unconsumed_export_is_freed():
     gc.collect()
     base = _C._live_storages()
-    args = [qkernels.from_dlpack(x)
-            for x in sample("sparse_aggregate", np.random.default_rng(0), n_dst=9, n_src=4, heads=2, dim=3)[0]]
+    args = imported(np.random.default_rng(0), n_dst=9, n_src=4, heads=2, dim=3)
     out = qkernels.sparse_aggregate(*args)
     assert _C._live_storages() == base + 5  # 4 imported inputs + the output
     del args
@@ -120,8 +124,7 @@ def test_unconsumed_export_is_freed():
 def test_memory_lives_until_last_consumer_and_frees_from_another_thread():
     gc.collect()
     base = _C._live_storages()
-    args = [qkernels.from_dlpack(x)
-            for x in sample("sparse_aggregate", np.random.default_rng(1), n_dst=50, n_src=10, heads=2, dim=4)[0]]
+    args = imported(np.random.default_rng(1), n_dst=50, n_src=10, heads=2, dim=4)
     out = qkernels.sparse_aggregate(*args)
     expected = np.from_dlpack(out).copy()
     view = np.from_dlpack(out)
