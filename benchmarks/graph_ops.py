@@ -62,7 +62,7 @@ DROPOUT_SEED = 1234  # explicit, so no per-call seed drawing enters the timed re
 
 @dataclass
 class Setup:
-    """Where and how large: the issue's GPU sizes divided by `divisor`."""
+    """Where and how large: the full GPU sizes divided by `divisor`."""
     device: torch.device
     backend: str  # qkernels backend= for our rows: strict, so a call it cannot take fails instead of falling back
     divisor: int
@@ -211,7 +211,7 @@ def sparse_aggregate_case(setup, label, degrees_of, n_nodes, heads, dim, targets
 
 def sparse_aggregate_cases(setup):
     n = setup.size(1_000_000)
-    # The issue's GPU bars; on the CPU every eager anchor's bar is 1.0x.
+    # The GPU bars (anchor time / ours); on the CPU every eager anchor's bar is 1.0x.
     uniform_targets = (1.5, 10.0) if setup.on_gpu else (1.0, 1.0)
     power_law_targets = (1.0, None) if setup.on_gpu else (1.0, 1.0)
     return [

@@ -1,4 +1,4 @@
-"""Greedy generation with a small decoder-only transformer on qkernels' LLM ops (issue 7).
+"""Greedy generation with a small decoder-only transformer on qkernels' LLM ops.
 
 The model: randomly initialised from a seed (build_weights), Llama-shaped.  Per layer: RMSNorm,
 one fused q/k/v projection (qkernels.linear, with bias), rotary embedding on q and k

@@ -1,4 +1,4 @@
-"""Evaluation pass of a small message-passing GNN decoder for the rotated surface code (issue 7).
+"""Evaluation pass of a small message-passing GNN decoder for the rotated surface code.
 
 The code.  Distance d: data qubits on a d x d grid, qubit (i, j) at row i, column j.  Stabilizers
 are the plaquettes with top-left corner (a, b), a, b in -1..d-1, holding the grid qubits among

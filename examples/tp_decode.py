@@ -1,4 +1,4 @@
-"""decode_step.py's model, tensor-parallel over the ranks of one host (issue 9).
+"""decode_step.py's model, tensor-parallel over the ranks of one host.
 
     torchrun --nproc-per-node 2 examples/tp_decode.py                 # NCCL, one GPU per rank
     torchrun --nproc-per-node 2 examples/tp_decode.py --device cpu    # gloo, for a machine without GPUs

@@ -1,7 +1,7 @@
 """rotary_emb, linear and swiglu on the cuda backend (torch CUDA tensors, the public API): the float64
 references of qkernels.testing on host copies of the inputs, bfloat16/float16 held to twice a naive same-precision torch
-computation's error (cuBLAS's F.linear, the unfused silu chain), the full M x K x N grid of issue
-6, each linear case on both CUDA kernels where two apply (wgmma and mma.sync on sm_90),
+computation's error (cuBLAS's F.linear, the unfused silu chain), the full M x K x N grid of
+Llama-3-8B-like decode shapes, each linear case on both CUDA kernels where two apply (wgmma and mma.sync on sm_90),
 bitwise determinism run to run, poisoned and strided outputs, non-contiguous inputs, the
 caller's stream, CUDA-graph capture and replay, and the dispatcher.  Skipped without a GPU."""
 
@@ -72,7 +72,7 @@ def freqs_for(lead, d, seed=0):
     return torch.stack([ang.cos(), ang.sin()], -1).float()
 
 
-# ---- linear and swiglu over issue 6's grid --------------------------------------------------
+# ---- linear and swiglu over the M x K x N grid ---------------------------------------------
 
 @pytest.mark.parametrize("split", ["1", "2", "4", "8"])
 @pytest.mark.parametrize("m,k,n", [(8, 4096, 4096), (40, 4096, 4096), (40, 136, 129), (3, 7, 1)])

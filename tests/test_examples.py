@@ -1,4 +1,4 @@
-"""The examples run end to end (issues 7 and 9), at toy sizes on the CPU: decode_step.py with --check
+"""The examples run end to end, at toy sizes on the CPU: decode_step.py with --check
 (its backends against its float64 torch reference), eval_gnn.py with --check (its backends against a
 float64 NumPy recomputation, its sampler against its edge labels) and tp_decode.py over two gloo
 ranks (the shards against the unsharded model).  Each is a subprocess, so the dispatcher's env and
@@ -50,7 +50,7 @@ def test_eval_gnn_check():
 
 
 # On a GPU: the examples' own defaults on the cuda backend, --check against the same float64
-# references (issue 7's "--check passes on every available backend"; cpu runs inside it too).
+# references: --check must pass on every available backend (cpu runs inside it too).
 @requires_torch
 @requires_cuda
 def test_decode_step_check_cuda():
