@@ -1,4 +1,4 @@
-"""Decode attention beside torch SDPA: time, KV bandwidth and speed-up per case (issue 4).
+"""Decode attention beside torch SDPA: time, KV bandwidth and speed-up per case.
 
 What is measured.  Head config Hq=32, Hkv=8 (GQA 4), D=128, bfloat16, one query token per sequence.
   contiguous  qkernels.attn_decode(q [B,1,Hq,D], k/v [B,L,Hkv,D], backend="cuda") beside
@@ -21,10 +21,10 @@ What is measured.  Head config Hq=32, Hkv=8 (GQA 4), D=128, bfloat16, one query 
                   view is retried on a contiguous copy, timed too), both steps inside the timed region,
                   with each forced SDPA backend; the best one is the anchor.
               B in {1, 8, 32} at L=4k, plus B=8 L=32k.
-Every result is first checked against SDPA's math backend in float32 on the same (bf16) data, with
-the GQA groups folded into the query axis so no kv head is repeated: max|out - ref| / max|ref| below
-2e-2 is PASS.  An impl that raises (as qkernels' cuda backend does for attention until its kernel
-lands) shows the error in the check column and is not timed; the anchors go on.
+Every result is first checked against the float64 reference of qkernels.testing on the same (bf16)
+data, for the first sequence of the batch (its tokens gathered into a pool of their own for the
+paged case): max|out - ref| / max|ref| below 2e-2 is PASS.  An impl that raises shows the error in
+the check column and is not timed; the anchors go on.
 
 How.  As benchmarks/graph_ops.py: N calls are captured in one CUDA graph after warm-up on the
 capture stream, replays are timed with CUDA events, the figure is the median per-call time over
@@ -38,31 +38,26 @@ GB/s = minimal bytes / time: K and V read once, q read once, the output written 
 the req_to_token entries, req_pool_indices and kv_indptr).  The copy ceiling is a 2 GiB
 device-to-device copy timed the same way in the same run (bytes read + written); "% copy" is a
 row's GB/s as a share of it.  anchor/ours = anchor time / qkernels time (>1: qkernels faster).
-Targets (issue 4): ours >= 1.0x the best SDPA backend on every contiguous case (on the best SDPA
+Targets: ours >= 1.0x the best SDPA backend on every contiguous case (on the best SDPA
 row); <= 5 us at B=1 L=1k and <= 7 us at B=1 L=4k; >= 4.4 TB/s when the KV is >= 1 GB; paged >= 85%
 of our contiguous kernel's GB/s (on that row) and >= 3x the best gather + SDPA.
 
     python3 benchmarks/attention_decode.py [--quick] [--cases contiguous,paged] [--markdown FILE] [--samples N]
 """
 
-import argparse
 import math
-import os
-import sys
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-
-import qkernels  # noqa: E402
-import common  # noqa: E402
-from common import (COLD_FOOTPRINT_BYTES, GPU_COPY_BYTES, gpu_copy_ceiling_gbps, gpu_replay_time_us,  # noqa: E402
-                    write_markdown, release_gpu_memory, text_table)
+import common  # first: it puts the checkout's qkernels on sys.path
+import numpy as np
+import qkernels
+import torch
+import torch.nn.functional as F
+from common import (COLD_FOOTPRINT_BYTES, first_line, gpu_copy_ceiling_gbps, gpu_replay_time_us, reference,
+                    release_gpu_memory)
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 CASE_KINDS = ("contiguous", "paged")
 
@@ -77,9 +72,8 @@ DEVICE = "cuda"
 MAX_INPUT_SETS = 256  # B=1 L=1k: 4.2 MB of KV per set, 256 sets span 1.07 GB
 DEVICE_BUDGET_BYTES = 40e9  # a case whose input sets (all layouts) need more is skipped
 REPEAT_BUDGET_BYTES = 24e9  # the repeated-kv-heads fallback anchor is skipped beyond this
-REF_CHUNK_BYTES = 1 << 30  # float32 K+V per chunk of batch rows in the reference
 GRAPH_WORK_US = 4000.0  # device work captured per graph: the replay's own launch stays well under 1%
-REL_TOL = 2e-2  # max|err| / max|ref|, bf16 inputs and output against a float32 reference
+REL_TOL = 2e-2  # max|err| / max|ref|, bf16 inputs and output against the float64 reference
 
 SDPA_BACKENDS = (("FLASH", SDPBackend.FLASH_ATTENTION), ("EFFICIENT", SDPBackend.EFFICIENT_ATTENTION),
                  ("CUDNN", SDPBackend.CUDNN_ATTENTION))
@@ -105,7 +99,7 @@ class Case:
     kind: str
     label: str
     make_inputs: Callable[[torch.Generator], dict]  # one random input set on the device
-    reference: Callable[[dict], torch.Tensor]  # float32 [B,Hq,D] for one input set
+    reference: Callable[[dict], np.ndarray]  # float64 [1, Hq, D]: the first sequence of one input set
     nbytes: int  # minimal bytes moved by one call
     impls: list
 
@@ -157,26 +151,7 @@ def input_sets(case, seed):
 
 
 # ---------------------------------------------------------------------------------------------
-# Reference and anchors
-
-
-def reference_decode(q, k, v):
-    """float32 [B,Hq,D]: SDPA's math backend on the bf16 data upcast, q [B,..,Hq,D], k/v [B,L,Hkv,D].
-
-    q head h uses kv head h // GROUP, so the GROUP query heads of one kv head become the query axis
-    of an ordinary (non-causal) attention against that head: no kv head is repeated.  Batch rows go
-    in chunks so the float32 copies of K and V stay near REF_CHUNK_BYTES.
-    """
-    B, L, Hkv, Dh = k.shape
-    q = q.reshape(B, Hkv, -1, Dh)
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    step = max(1, REF_CHUNK_BYTES // (2 * L * Hkv * Dh * 4))
-    with sdpa_kernel([SDPBackend.MATH]):
-        for b0 in range(0, B, step):
-            rows = slice(b0, b0 + step)
-            out[rows] = F.scaled_dot_product_attention(
-                q[rows].float(), k[rows].float().transpose(1, 2), v[rows].float().transpose(1, 2))
-    return out.reshape(B, -1, Dh)
+# Anchors
 
 
 def sdpa(backend, q, k, v, enable_gqa=True):
@@ -241,7 +216,8 @@ def contiguous_case(B, L):
              Impl("qkernels attn_decode, KV head-major", ours_hnd)]
     impls += sdpa_impls("SDPA", 1.0, kv_bytes)
     label = f"B={B} L={length_label(L)} KV {kv_bytes / 1e6:.0f} MB"
-    return Case("contiguous", label, make_inputs, lambda s: reference_decode(s["q"], s["k"], s["v"]), nbytes, impls)
+    return Case("contiguous", label, make_inputs,
+                lambda s: reference("attn_decode", s["q"][:1], s["k"][:1], s["v"][:1]).reshape(1, HQ, D), nbytes, impls)
 
 
 def gather_sdpa(backend, contiguous):
@@ -280,7 +256,7 @@ def paged_case(B, L):
                 "req_pool_indices": rows.to(torch.int32),
                 "kv_indptr": (torch.arange(B + 1, device=DEVICE) * L).to(torch.int32),
                 "q4": q.unsqueeze(1), "q_s": q.unsqueeze(2),  # [B,1,Hq,D] and SDPA's [B,Hq,1,D]: views
-                # the same KV as one contiguous cache [B,L,Hkv,D], for our contiguous kernel and the reference
+                # the same KV as one contiguous cache [B,L,Hkv,D], for our contiguous kernel
                 "k": k_cache.index_select(0, gathered).view(B, L, HKV, D),
                 "v": v_cache.index_select(0, gathered).view(B, L, HKV, D)}
 
@@ -299,14 +275,19 @@ def paged_case(B, L):
         impls.append(Impl(f"gather + SDPA {label}", gather_sdpa(backend, False), fallback=copy,
                           group="gather + SDPA", min_ratio=3.0))
     label = f"B={B} L={length_label(L)} KV {kv_bytes / 1e6:.0f} MB"
-    return Case("paged", label, make_inputs, lambda s: reference_decode(s["q"], s["k"], s["v"]), nbytes, impls)
+    def check(s):
+        pool = common.one_sequence_pool(s["k_cache"], s["v_cache"], s["req_to_token"], s["req_pool_indices"],
+                                        s["kv_indptr"])
+        return reference("attn_paged_decode", s["q"][:1], *pool)
+
+    return Case("paged", label, make_inputs, check, nbytes, impls)
 
 
 def contiguous_shapes(quick):
     if quick:
         return [(1, 1 * K), (1, 4 * K), (8, 4 * K)]
     shapes = [(B, L) for B in (1, 8, 32, 64) for L in (1 * K, 4 * K, 32 * K)]
-    shapes.insert(shapes.index((64, 32 * K)), (64, 8 * K))  # the issue quotes B=64 L=8k
+    shapes.insert(shapes.index((64, 32 * K)), (64, 8 * K))  # the largest batch at a mid length too
     return shapes
 
 
@@ -331,18 +312,13 @@ def build_cases(kinds, quick):
 # One case: check, time, rows
 
 
-def first_line(exc):
-    text = str(exc).strip().splitlines()
-    return text[0][:120] if text else type(exc).__name__
-
-
 def failure_text(exc, width=None):
-    text = f"n/a: {type(exc).__name__}: {first_line(exc)}"
+    text = f"n/a: {type(exc).__name__}: {first_line(exc, 120)}"
     return text if width is None or len(text) <= width else text[:width - 3] + "..."
 
 
 def check(impl, inputs, want):
-    """'PASS 3.1e-03' / 'FAIL ...' against the float32 reference; raises what the impl raises.
+    """'PASS 3.1e-03' / 'FAIL ...' of the first sequence against the reference; raises what the impl raises.
 
     SDPA explains a refused backend in UserWarnings before raising; the first such reason is
     attached to the exception for the progress line.
@@ -359,8 +335,8 @@ def check(impl, inputs, want):
             except AttributeError:  # an exception type without a __dict__
                 pass
             raise
-    got = got.reshape(want.shape).float()
-    err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    got = got.reshape(-1, HQ, D)[:len(want)]
+    err = common.max_error(got, want)
     ok = math.isfinite(err) and bool(torch.isfinite(got).all()) and err < REL_TOL
     return f"{'PASS' if ok else 'FAIL'} {err:.1e}"
 
@@ -488,49 +464,24 @@ def summary_lines(rows, failed_cases):
     return lines
 
 
-def header_lines(copy_gbps, samples, quick):
-    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    return [
-        f"decode attention: qkernels {qkernels.__version__} vs torch SDPA on {torch.cuda.get_device_name()} "
-        f"(CUDA {torch.version.cuda}, cuDNN {cudnn}); torch {torch.__version__}",
-        f"copy ceiling: {copy_gbps:.0f} GB/s ({GPU_COPY_BYTES >> 30} GiB device-to-device copy, bytes read + written)",
-        f"Hq={HQ} Hkv={HKV} D={D} bf16; CUDA-graph replay, median of {samples} replays; inputs cycled to span "
-        f">= {COLD_FOOTPRINT_BYTES >> 30} GiB" + (" (--quick)" if quick else ""),
-        "GB/s: (K+V + q + out [+ indices]) bytes / time; anchor/ours > 1: qkernels faster; "
-        f"check: max|err|/max|ref| vs float32 SDPA math < {REL_TOL:g}",
-    ]
-
-
 # ---------------------------------------------------------------------------------------------
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a few small cases (smoke run)")
-    p.add_argument("--cases", default=",".join(CASE_KINDS), help=f"comma list from {', '.join(CASE_KINDS)}")
-    p.add_argument("--markdown", help="also write the final table to this file")
-    p.add_argument("--samples", type=int, default=15, help="replays per figure (default 15)")
-    args = p.parse_args(argv)
-    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = [c for c in args.cases if c not in CASE_KINDS]
-    if unknown:
-        p.error(f"unknown case kind(s) {', '.join(unknown)}; expected some of {', '.join(CASE_KINDS)}")
-    if args.samples < 1:
-        p.error("--samples must be at least 1")
-    if not torch.cuda.is_available():
-        p.error("no CUDA device visible to torch: this benchmark times CUDA kernels")
-    return args
+    return common.parse_args(common.argument_parser(__doc__, 15, quick_help="a few small cases (smoke run)",
+                                                    listed=("cases", CASE_KINDS)), argv)
 
 
 def collect(args, copy_gbps=None):
-    """Every case of args.cases, progress printed as it goes: -> (header lines, rows, footer lines).
-
-    copy_gbps: the copy ceiling already measured in this process (benchmarks/run.py); None measures it here.
-    """
-    if copy_gbps is None:
-        copy_gbps = gpu_copy_ceiling_gbps(args.samples, GRAPH_WORK_US)
-    header = header_lines(copy_gbps, args.samples, args.quick)
-    print("\n".join(header), flush=True)
+    """Every case of args.cases, progress printed as it goes: -> (header, rows, footer); copy_gbps:
+    the copy ceiling when benchmarks/run.py measured it already."""
+    copy_gbps = copy_gbps or gpu_copy_ceiling_gbps(args.samples, GRAPH_WORK_US)
+    header = common.header(
+        "decode attention", "torch SDPA", common.copy_line(copy_gbps),
+        f"Hq={HQ} Hkv={HKV} D={D} bf16; CUDA-graph replay, median of {args.samples} replays; inputs cycled to "
+        f"span >= {COLD_FOOTPRINT_BYTES >> 30} GiB" + (" (--quick)" if args.quick else ""),
+        "GB/s: (K+V + q + out [+ indices]) bytes / time; anchor/ours > 1: qkernels faster; "
+        f"check: max|err|/max|ref| of the first sequence vs the float64 reference < {REL_TOL:g}")
 
     rows, failed_cases = [], []
     for case_no, case in enumerate(build_cases(args.cases, args.quick)):
@@ -545,16 +496,5 @@ def collect(args, copy_gbps=None):
     return header, rows, footer
 
 
-def main():
-    args = parse_args()
-    if not qkernels.AVAILABLE:
-        print(f"warning: qkernels CUDA backend unavailable ({qkernels.info()['cuda_reason']}); our rows will be n/a")
-
-    header, rows, footer = collect(args)
-    print("\n" + "\n".join(header + [""] + text_table(rows, COLUMNS) + [""] + footer))
-    if args.markdown:
-        write_markdown(args.markdown, header, rows, footer, COLUMNS)
-
-
 if __name__ == "__main__":
-    main()
+    common.main(parse_args, collect, COLUMNS)

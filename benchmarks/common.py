@@ -1,13 +1,27 @@
-"""What the benchmark scripts share: device time by CUDA-graph replay, the copy and GEMM ceilings,
-and the result table (graph_ops.py, dense_ops.py, attention_decode.py, attention_prefill.py, run.py)."""
+"""What the benchmark scripts share: the checkout's qkernels first on sys.path, their command-line
+options and header lines, device time by CUDA-graph replay, the copy and GEMM ceilings, the check of
+each result against qkernels.testing's float64 reference, the case loop, and the result table
+(graph_ops.py, dense_ops.py, attention_decode.py, attention_prefill.py, overhead.py, run.py)."""
 
+import argparse
 import gc
 import math
+import os
 import statistics
+import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
-import torch
+# Run from a checkout: its qkernels, built in place, comes before an installed one.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import qkernels  # noqa: E402
+from qkernels import testing  # noqa: E402
 
 F32 = 4  # bytes per float32 element
 # The input sets one graph cycles through span at least this much: 17x the H200's 60 MB L2, so a
@@ -96,13 +110,251 @@ def gpu_gemm_ceiling_tflops(samples, work_us=GRAPH_WORK_US):
     return 2 * 8192 ** 3 / us / 1e6
 
 
+# ---------------------------------------------------------------------------------------------
+# Command line and header
+
+
+def argument_parser(doc, samples, samples_help="replays per figure", quick_help="a subset of the cases (smoke run)",
+                    listed=None):
+    """The options every family script takes: --quick, --markdown FILE, --samples N, and with
+    listed = (name, choices) --name, a comma list of choices (default: all)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--markdown", help="also write the final table to this file")
+    p.add_argument("--samples", type=int, default=samples,
+                   help=samples_help + (f" (default {samples})" if samples is not None else ""))
+    if listed:
+        p.add_argument(f"--{listed[0]}", default=",".join(listed[1]), help=f"comma list from {', '.join(listed[1])}")
+    p.listed = listed
+    return p
+
+
+def parse_args(p, argv, need_gpu=True, no_gpu_hint=""):
+    """p's arguments, checked: its listed option as a list of known names, --samples at least 1, a
+    CUDA device visible to torch where need_gpu."""
+    args = p.parse_args(argv)
+    if p.listed:
+        name, choices = p.listed
+        values = [v.strip() for v in getattr(args, name).split(",") if v.strip()]
+        unknown = [v for v in values if v not in choices]
+        if unknown or not values:
+            p.error(f"--{name}: unknown {', '.join(unknown) or '(none given)'}; expected some of {', '.join(choices)}")
+        setattr(args, name, values)
+    if args.samples is not None and args.samples < 1:
+        p.error("--samples must be at least 1")
+    if need_gpu and not torch.cuda.is_available():
+        p.error("no CUDA device visible to torch: this benchmark times CUDA kernels" + no_gpu_hint)
+    return args
+
+
+def header(family, anchors, *lines, machine=None):
+    """A family's header, printed: qkernels against what, on which machine (default: the GPU), with
+    the versions, then lines."""
+    if machine is None:
+        cudnn = f", cuDNN {torch.backends.cudnn.version()}" if torch.backends.cudnn.is_available() else ""
+        machine = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}{cudnn})"
+    lines = [f"{family}: qkernels {qkernels.__version__} vs {anchors} on {machine}; torch {torch.__version__}",
+             *lines]
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def copy_line(copy_gbps, what=f"{GPU_COPY_BYTES >> 30} GiB device-to-device copy"):
+    return f"copy ceiling: {copy_gbps:.0f} GB/s ({what}, bytes read + written)"
+
+
+def main(parse, collect, columns=None):
+    """A family script's main: its table printed (and written with --markdown)."""
+    args = parse()
+    if not getattr(args, "cpu", False) and not qkernels.AVAILABLE:
+        print(f"warning: qkernels CUDA backend unavailable ({qkernels.info()['cuda_reason']}); our rows will be n/a")
+    header, rows, footer = collect(args)
+    columns = columns or COLUMNS
+    print("\n" + "\n".join(header + [""] + text_table(rows, columns) + ([""] + footer if footer else [])))
+    if args.markdown:
+        write_markdown(args.markdown, header, rows, footer, columns)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks against qkernels.testing.reference
+
+
+def host(t):
+    """A tensor as NumPy on the host, 16-bit floats widened to float32 (exactly)."""
+    t = t.detach()
+    return (t.float() if t.is_floating_point() and t.element_size() < 4 else t).cpu().numpy()
+
+
+def reference(op, *args, **kwargs):
+    """qkernels.testing.reference of op on host copies of the tensors among args and kwargs."""
+    def h(a):
+        return host(a) if isinstance(a, torch.Tensor) else a
+    return testing.reference(op, *map(h, args), **{k: h(v) for k, v in kwargs.items()})
+
+
+def one_sequence_pool(k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, b=0):
+    """Sequence b of a token pool as a pool of its own (slot i holds its token i): the arguments
+    k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr of that sequence alone, gathered on
+    the device, small enough to copy to the host for the reference."""
+    n = int(kv_indptr[b + 1] - kv_indptr[b])
+    slots = req_to_token[int(req_pool_indices[b]), :n].long()
+    dev = k_cache.device
+    return (k_cache.index_select(0, slots), v_cache.index_select(0, slots), torch.arange(n, device=dev)[None],
+            torch.zeros(1, dtype=torch.int64, device=dev), torch.tensor([0, n], device=dev))
+
+
 def relative_error(got, want):
-    got, want = got.double(), want.double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-300))
+    """|got - want| / |want| in the 2-norm: got a tensor, want float64 NumPy."""
+    err = np.linalg.norm(host(got).astype(np.float64) - want)
+    return float(err / max(np.linalg.norm(want), 1e-300))
+
+
+def max_error(got, want):
+    """max |got - want| / max |want|: got a tensor, want float64 NumPy."""
+    err = np.abs(host(got).astype(np.float64) - want).max(initial=0)
+    return float(err / max(np.abs(want).max(initial=0), 1e-30))
 
 
 def describe(exc):
     return f"n/a ({type(exc).__name__})"
+
+
+def first_line(exc, width=200):
+    text = str(exc).strip().splitlines()
+    return text[0][:width] if text else type(exc).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases of one op beside its anchors (graph_ops.py, dense_ops.py)
+
+
+@dataclass
+class Impl:
+    name: str
+    fn: Callable[[dict], Any]  # one call on one input set
+    ours: bool = False
+    min_ratio: Optional[float] = None  # target: this anchor's time / ours >= min_ratio
+    min_gbps: Optional[float] = None  # target (ours): GB/s >= min_gbps
+    max_us: Optional[float] = None  # target (ours): time <= max_us
+    min_share: Optional[float] = None  # target: ours' rate / this impl's rate >= min_share
+    skip_check: Optional[str] = None  # why its result is not compared with the reference
+
+
+@dataclass
+class Case:
+    op: str
+    label: str
+    make_inputs: Callable[[torch.Generator], dict]  # one random input set on the device
+    nbytes: int  # minimal bytes moved by one call
+    impls: list
+    reference: Callable[[dict], np.ndarray]  # float64 of the part of the output checked, from one input set
+    part: Callable[[Any], Any] = lambda out: out  # that part of an impl's output
+
+
+def check_results(case, inputs, tol, error=relative_error):
+    """Verdict per impl against the case's reference on one input set, and the impls that raised."""
+    want = case.reference(inputs)
+    verdicts, failures = {}, {}
+    for impl in case.impls:
+        if impl.skip_check:
+            verdicts[impl.name] = f"skip: {impl.skip_check}"
+            continue
+        try:
+            got = case.part(impl.fn(inputs))
+            if tuple(got.shape) != want.shape:
+                raise ValueError(f"got {tuple(got.shape)}, want {want.shape}")
+            err = error(got, want)
+        except Exception as exc:  # a missing kernel, a compile failure: report it, keep benchmarking
+            failures[impl.name] = exc
+            continue
+        verdicts[impl.name] = f"{'PASS' if err < tol else 'FAIL'} {err:.1e}"
+    return verdicts, failures
+
+
+def target_text(impl, ratio, gbps, us, ours_rate=None):
+    parts = []
+    if impl.min_ratio is not None:
+        bar = f">={impl.min_ratio:g}x"
+        parts.append(bar if ratio is None else f"{bar} {'met' if ratio >= impl.min_ratio else 'MISSED'}")
+    if impl.min_gbps is not None:
+        bar = f">={impl.min_gbps / 1e3:.1f} TB/s"
+        parts.append(bar if gbps is None else f"{bar} {'met' if gbps >= impl.min_gbps else 'MISSED'}")
+    if impl.max_us is not None:
+        bar = f"<={impl.max_us:.0f} µs"
+        parts.append(bar if us is None else f"{bar} {'met' if us <= impl.max_us else 'MISSED'}")
+    if impl.min_share is not None:
+        bar = f"ours >={impl.min_share:.0%} of this"
+        share = ours_rate / gbps if ours_rate and gbps else None
+        parts.append(bar if share is None else f"{bar}: {share:.0%} {'met' if share >= impl.min_share else 'MISSED'}")
+    return "; ".join(parts)
+
+
+def case_rows(case, times, verdicts, failures, ceiling, rate=None):
+    """The case's table rows; rate(us) gives the rate column (default: GB/s of case.nbytes), shown as a
+    share of ceiling too."""
+    rate = rate or (lambda us: case.nbytes / us / 1e3)
+    ours_us = next((times.get(impl.name) for impl in case.impls if impl.ours), None)
+    ours_rate = rate(ours_us) if ours_us else None
+    rows = []
+    for impl in case.impls:
+        us = times.get(impl.name)
+        r = rate(us) if us else None
+        ratio = us / ours_us if us and ours_us and not impl.ours else None
+        failure = describe(failures[impl.name]) if impl.name in failures else ""
+        check = "; ".join(text for text in (verdicts.get(impl.name, ""), failure) if text)
+        rows.append(Row(case.op, case.label, impl.name, us, r, 100.0 * r / ceiling if r else None,
+                        ratio, target_text(impl, ratio, r, us, ours_rate), check))
+    return rows
+
+
+def run_case(case, make_sets, time_us, tol, copy_gbps, release=None):
+    """Check every impl against the reference on the first input set, time those that ran, one
+    progress line each: -> the case's rows.  make_sets() -> the input sets; time_us(fn, sets)."""
+    release = release or release_gpu_memory
+    print(f"\n{case.op} | {case.label} | {case.nbytes / 1e6:.1f} MB minimal per call", flush=True)
+    torch._dynamo.reset()  # each case compiles afresh; earlier cases' guards never pile up
+    sets = make_sets()
+    print(f"  {len(sets)} input set(s)", flush=True)
+    verdicts, failures = check_results(case, sets[0], tol)
+    release()
+    times = {}
+    width = max(len(impl.name) for impl in case.impls)
+    for impl in case.impls:
+        if impl.name not in failures:
+            try:
+                times[impl.name] = time_us(impl.fn, sets)
+            except Exception as exc:  # capture refused (a host sync inside), compile failure, ...
+                failures[impl.name] = exc
+            release()
+        failure, us = failures.get(impl.name), times.get(impl.name)
+        if failure is not None:
+            print(f"  {impl.name:<{width}} {describe(failure)}: {first_line(failure)}", flush=True)
+        else:
+            print(f"  {impl.name:<{width}} {fmt_us(us):>9} µs {case.nbytes / us / 1e3:>8.0f} GB/s  "
+                  f"{verdicts.get(impl.name, '')}", flush=True)
+    del sets
+    release()
+    return case_rows(case, times, verdicts, failures, copy_gbps)
+
+
+def run_ops(ops, builders, run_one, release=None):
+    """Every case of each op in ops (builders[op]() -> cases), run_one(case, seed) -> rows, with the
+    seed 1000 * op + 100 * case; a case that fails outside its impls (inputs, reference) is reported
+    and skipped: -> (rows, footer lines)."""
+    rows, skipped = [], []
+    for op_no, op in enumerate(ops):
+        if not hasattr(qkernels, op):
+            print(f"\n{op}: skipped, qkernels has no attribute {op!r} yet", flush=True)
+            skipped.append(op)
+            continue
+        for case_no, case in enumerate(builders[op]()):
+            try:
+                rows += run_one(case, 1000 * op_no + 100 * case_no)
+            except Exception as exc:  # the reference itself or the inputs failed: report, go on
+                print(f"  case failed: {type(exc).__name__}: {first_line(exc)}", flush=True)
+                (release or release_gpu_memory)()
+    return rows, [f"skipped (not in qkernels yet): {', '.join(skipped)}"] if skipped else []
 
 
 # ---------------------------------------------------------------------------------------------

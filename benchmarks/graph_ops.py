@@ -8,9 +8,10 @@ in one process:
   fused_norm_residual  PyTorch eager and torch.compile, inference and training (dropout p=0.1)
   graph_norm_bce       PyTorch eager, torch.compile, and a torch.segment_reduce version over the
                        sorted graph ids
-Every result is first checked against the eager anchor on the same inputs (relative error in the
-float64 2-norm below 1e-4: PASS/FAIL; training-mode dropout draws different masks, so those cases
-are not checked — the inference case of the same size covers the arithmetic), then timed.
+Every result, the anchors' too, is first checked against the float64 reference of qkernels.testing
+on the same inputs (the first CHECK_ROWS output rows; relative error in the 2-norm below REL_TOL:
+PASS/FAIL), then timed.  In training mode only qkernels is checked: the reference draws qkernels'
+documented dropout mask, PyTorch draws its own.
 
 How (GPU).  N calls are captured in one CUDA graph after warm-up on the capture stream; the
 replay is timed with CUDA events and divided by N; the figure is the median over replays.  Host
@@ -23,7 +24,7 @@ GB/s is the op's minimal byte count over the time: each input read once, each ou
 once, gathered rows counted once per gather (the formula sits next to each case below).  The
 copy ceiling is a 2 GiB device-to-device copy timed the same way in the same run (bytes read +
 written); "% copy" is an op's GB/s as a share of it.  The ratio is anchor time / qkernels time
-(>1: qkernels is faster); the target column holds the issue's bar and whether it is met.
+(>1: qkernels is faster); the target column holds the bar and whether it is met.
 
 --cpu runs the same ops at 1/50 of the sizes on the CPU: qkernels backend="cpu" against PyTorch
 CPU eager on the same inputs, timed with time.perf_counter (warm-up, then the median of batches).
@@ -32,32 +33,28 @@ CPU eager on the same inputs, timed with time.perf_counter (warm-up, then the me
     python3 benchmarks/graph_ops.py --cpu [--quick]
 """
 
-import argparse
 import gc
 import math
 import os
 import statistics
-import sys
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import qkernels  # noqa: E402
-from common import (COLD_FOOTPRINT_BYTES, F32, GPU_COPY_BYTES, MAX_CALLS_PER_GRAPH, WARMUP_CALLS, Row,  # noqa: E402
-                    describe, gpu_replay_time_us, write_markdown, relative_error, release_gpu_memory, text_table)
+import common  # first: it puts the checkout's qkernels on sys.path
+import qkernels
+import torch
+import torch.nn.functional as F
+from common import (COLD_FOOTPRINT_BYTES, F32, GPU_COPY_BYTES, MAX_CALLS_PER_GRAPH, WARMUP_CALLS, Case, Impl,
+                    gpu_replay_time_us, reference, release_gpu_memory)
 
 OPS = ("sparse_aggregate", "fused_edge_features", "fused_norm_residual", "graph_norm_bce")
 
 MAX_INPUT_SETS = 64
 CPU_BATCH_S = 0.05  # one CPU sample: long enough for perf_counter to resolve, short enough to take many
 CPU_COPY_BYTES = 1 << 30  # far beyond any last-level cache, yet cheap to fill on a small host
-REL_TOL = 1e-4  # fp32 against fp32 with a different summation order: ~1e-6 expected
+REL_TOL = 1e-4  # fp32 against the float64 reference: ~1e-6 expected
+CHECK_ROWS = 4096  # the output rows (edges for fused_edge_features) checked against the reference
 EPS = 1e-5
 DROPOUT_P = 0.1
 DROPOUT_SEED = 1234  # explicit, so no per-call seed drawing enters the timed region or the capture
@@ -65,7 +62,7 @@ DROPOUT_SEED = 1234  # explicit, so no per-call seed drawing enters the timed re
 
 @dataclass
 class Setup:
-    """Where and how large: the issue's GPU sizes divided by `divisor`."""
+    """Where and how large: the full GPU sizes divided by `divisor`."""
     device: torch.device
     backend: str  # qkernels backend= for our rows: strict, so a call it cannot take fails instead of falling back
     divisor: int
@@ -79,26 +76,6 @@ class Setup:
     @property
     def index_bytes(self):
         return self.index_dtype.itemsize
-
-
-@dataclass
-class Impl:
-    name: str
-    fn: Callable[[dict], torch.Tensor]  # one call on one input set
-    ours: bool = False
-    reference: bool = False  # the eager anchor the others are checked against
-    min_ratio: Optional[float] = None  # target: this anchor's time / ours >= min_ratio
-    max_us: Optional[float] = None  # target: our time <= max_us
-
-
-@dataclass
-class Case:
-    op: str
-    label: str
-    make_inputs: Callable[[torch.Generator], dict]  # one random input set on the device
-    nbytes: int  # minimal bytes moved by one call
-    impls: list
-    skip_check: Optional[str] = None  # why the results are not compared
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,19 +192,26 @@ def sparse_aggregate_case(setup, label, degrees_of, n_nodes, heads, dim, targets
         return qkernels.sparse_aggregate(s["row_ptr"], s["col_idx"], s["edge_weight"], s["node_feat"],
                                          backend=setup.backend)
 
+    def check(s):
+        """The first rows: their edges, each edge's source row gathered on the device (edge e reads row e)."""
+        rows = min(CHECK_ROWS, n_nodes)
+        edges = int(s["row_ptr"][rows])
+        return reference("sparse_aggregate", s["row_ptr"][:rows + 1], torch.arange(edges), s["edge_weight"][:edges],
+                         s["node_feat"].index_select(0, s["col_idx"][:edges]))
+
     impls = [
         Impl("qkernels", ours, ours=True),
         Impl("cuSPARSE: sparse.mm per head" if setup.on_gpu else "torch.sparse.mm per head",
              sparse_aggregate_sparse_mm, min_ratio=sparse_mm_target),
-        Impl("gather + index_add_ (PyG)", sparse_aggregate_gather_index_add, reference=True,
-             min_ratio=gather_target),
+        Impl("gather + index_add_ (PyG)", sparse_aggregate_gather_index_add, min_ratio=gather_target),
     ]
-    return Case("sparse_aggregate", label.format(N=count(n_nodes), E=count(n_edges)), make_inputs, nbytes, impls)
+    return Case("sparse_aggregate", label.format(N=count(n_nodes), E=count(n_edges)), make_inputs, nbytes, impls,
+                check, lambda out: out[:CHECK_ROWS])
 
 
 def sparse_aggregate_cases(setup):
     n = setup.size(1_000_000)
-    # The issue's GPU bars; on the CPU every eager anchor's bar is 1.0x.
+    # The GPU bars (anchor time / ours); on the CPU every eager anchor's bar is 1.0x.
     uniform_targets = (1.5, 10.0) if setup.on_gpu else (1.0, 1.0)
     power_law_targets = (1.0, None) if setup.on_gpu else (1.0, 1.0)
     return [
@@ -269,7 +253,9 @@ def edge_features_case(setup, n_edges, n_nodes, hidden):
 
     impls = [Impl("qkernels", ours, ours=True)] + eager_and_compiled(setup, edge_features_eager, bind, 1.2)
     return Case("fused_edge_features", f"E={count(n_edges)} N={count(n_nodes)} H={hidden} +edge_attr",
-                make_inputs, nbytes, impls)
+                make_inputs, nbytes, impls,
+                lambda s: reference("fused_edge_features", s["x"], s["edge_index"][:, :CHECK_ROWS],
+                                    s["edge_attr"][:CHECK_ROWS]), lambda out: out[:CHECK_ROWS])
 
 
 def fused_edge_features_cases(setup):
@@ -308,10 +294,17 @@ def norm_residual_case(setup, rows, hidden, training):
     def bind(fn, s):
         return fn(s["x"], s["residual"], s["gamma"], s["beta"], DROPOUT_P, training)
 
-    impls = [Impl("qkernels", ours, ours=True)] + eager_and_compiled(setup, norm_residual_eager, bind, 1.0)
+    def check(s):
+        """The first rows: dropout's element i is the same element in them (a row-major prefix)."""
+        return reference("fused_norm_residual", s["x"][:CHECK_ROWS], s["residual"][:CHECK_ROWS], s["gamma"], s["beta"],
+                         p=DROPOUT_P, training=training, eps=EPS, seed=DROPOUT_SEED)
+
+    anchors = eager_and_compiled(setup, norm_residual_eager, bind, 1.0)
+    for impl in anchors if training else ():
+        impl.skip_check = "its own dropout mask"
     mode = f"training p={DROPOUT_P}" if training else "inference"
-    return Case("fused_norm_residual", f"R={count(rows)} H={hidden} {mode}", make_inputs, nbytes, impls,
-                skip_check="dropout masks differ" if training else None)
+    return Case("fused_norm_residual", f"R={count(rows)} H={hidden} {mode}", make_inputs, nbytes,
+                [Impl("qkernels", ours, ours=True)] + anchors, check, lambda out: out[:CHECK_ROWS])
 
 
 def fused_norm_residual_cases(setup):
@@ -374,7 +367,8 @@ def graph_norm_bce_case(setup, n_edges, num_graphs, max_us):
     impls.append(Impl("segment_reduce (sorted lengths)", lambda s: bind(graph_norm_bce_segment_reduce, s),
                       min_ratio=None if setup.on_gpu else 1.0))
     return Case("graph_norm_bce", f"E={count(n_edges)} graphs={num_graphs} pos_weight={pos_weight}", make_inputs,
-                nbytes, impls)
+                nbytes, impls, lambda s: reference("graph_norm_bce", s["logits"], s["target"], s["edge_graph"],
+                                                   num_graphs, pos_weight=pos_weight))
 
 
 def graph_norm_bce_cases(setup):
@@ -393,13 +387,12 @@ CASE_BUILDERS = {
 
 
 def eager_and_compiled(setup, eager_fn, bind, compile_target):
-    """The eager anchor (the reference) and, on the GPU, torch.compile of the same function.
+    """The eager anchor and, on the GPU, torch.compile of the same function.
 
     dynamic=False: each case compiles for its own static shapes, as a model with fixed-size batches
     gets; otherwise the second case's recompile would turn to dynamic-shape kernels.
     """
-    impls = [Impl("PyTorch eager", lambda s: bind(eager_fn, s), reference=True,
-                  min_ratio=None if setup.on_gpu else 1.0)]
+    impls = [Impl("PyTorch eager", lambda s: bind(eager_fn, s), min_ratio=None if setup.on_gpu else 1.0)]
     if setup.on_gpu:
         compiled_fn = torch.compile(eager_fn, dynamic=False)
         impls.append(Impl("torch.compile", lambda s: bind(compiled_fn, s), min_ratio=compile_target))
@@ -457,87 +450,6 @@ def release_memory(setup):
 
 
 # ---------------------------------------------------------------------------------------------
-# One case: check, time, rows
-
-
-def first_line(exc):
-    text = str(exc).strip().splitlines()
-    return text[0][:200] if text else ""
-
-
-def check_results(case, inputs):
-    """Verdict per impl against the reference on one input set, and the impls that raised."""
-    if case.skip_check:
-        return {impl.name: f"skip: {case.skip_check}" for impl in case.impls}, {}
-    reference = next(impl for impl in case.impls if impl.reference)
-    want = reference.fn(inputs)
-    verdicts, failures = {reference.name: "reference"}, {}
-    for impl in case.impls:
-        if impl is reference:
-            continue
-        try:
-            err = relative_error(impl.fn(inputs), want)
-        except Exception as exc:  # a missing dtype, a compile failure: report it, keep benchmarking
-            failures[impl.name] = exc
-            continue
-        verdicts[impl.name] = f"{'PASS' if err < REL_TOL else 'FAIL'} {err:.1e}"
-    return verdicts, failures
-
-
-def run_case(setup, case, seed, copy_gbps):
-    print(f"\n{case.op} | {case.label} | {case.nbytes / 1e6:.1f} MB minimal per call", flush=True)
-    if setup.on_gpu:
-        torch._dynamo.reset()  # each case compiles afresh; earlier cases' guards never pile up
-    sets = input_sets(setup, case, seed)
-    print(f"  {len(sets)} input set(s)", flush=True)
-    verdicts, failures = check_results(case, sets[0])
-    release_memory(setup)
-    times = {}
-    for impl in case.impls:
-        if impl.name not in failures:
-            try:
-                times[impl.name] = time_per_call_us(setup, impl.fn, sets)
-            except Exception as exc:  # capture refused (a host sync inside), compile failure, ...
-                failures[impl.name] = exc
-            release_memory(setup)
-        report_progress(case, impl, times.get(impl.name), verdicts.get(impl.name, ""), failures.get(impl.name))
-    del sets
-    release_memory(setup)
-    return case_rows(case, times, verdicts, failures, copy_gbps)
-
-
-def report_progress(case, impl, us, verdict, failure):
-    if failure is not None:
-        print(f"  {impl.name:<34} {describe(failure)}: {first_line(failure)}", flush=True)
-    else:
-        print(f"  {impl.name:<34} {us:>11.1f} µs {case.nbytes / us / 1e3:>8.0f} GB/s  {verdict}", flush=True)
-
-
-def target_text(impl, ratio, us):
-    if impl.min_ratio is not None:
-        bar = f">={impl.min_ratio:.1f}x"
-        return bar if ratio is None else f"{bar} {'met' if ratio >= impl.min_ratio else 'MISSED'}"
-    if impl.max_us is not None:
-        bar = f"<={impl.max_us:.0f} µs"
-        return bar if us is None else f"{bar} {'met' if us <= impl.max_us else 'MISSED'}"
-    return ""
-
-
-def case_rows(case, times, verdicts, failures, copy_gbps):
-    ours_us = next((times.get(impl.name) for impl in case.impls if impl.ours), None)
-    rows = []
-    for impl in case.impls:
-        us = times.get(impl.name)
-        gbps = case.nbytes / us / 1e3 if us else None
-        ratio = us / ours_us if us and ours_us and not impl.ours else None
-        failure = describe(failures[impl.name]) if impl.name in failures else ""
-        check = "; ".join(text for text in (verdicts.get(impl.name, ""), failure) if text)
-        rows.append(Row(case.op, case.label, impl.name, us, gbps, 100.0 * gbps / copy_gbps if gbps else None,
-                        ratio, target_text(impl, ratio, us), check))
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------
 # Report
 
 
@@ -554,40 +466,31 @@ def cpu_model():
 
 def header_lines(setup, copy_gbps, quick):
     if setup.on_gpu:
-        machine = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
-        copy = f"{GPU_COPY_BYTES >> 30} GiB device-to-device copy"
+        machine, copy = None, f"{GPU_COPY_BYTES >> 30} GiB device-to-device copy"
         timing = f"CUDA-graph replay, median of {setup.samples} replays"
     else:
         machine = f"{cpu_model()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
         copy = f"{CPU_COPY_BYTES >> 30} GiB host-memory copy"
         timing = f"time.perf_counter, median of {setup.samples} batches"
-    scale = f"issue sizes / {setup.divisor}" + (" (--quick; targets are for full sizes)" if quick else "")
-    return [
-        f"graph ops: qkernels {qkernels.__version__} vs anchors on {machine}; torch {torch.__version__}",
-        f"copy ceiling: {copy_gbps:.0f} GB/s ({copy}, bytes read + written)",
+    scale = f"full sizes / {setup.divisor}" + (" (--quick; targets are for full sizes)" if quick else "")
+    return common.header(
+        "graph ops", "anchors", common.copy_line(copy_gbps, copy),
         f"{scale}; float32; {str(setup.index_dtype).replace('torch.', '')} indices; {timing}; "
         f"inputs cycled to span {COLD_FOOTPRINT_BYTES >> 30} GiB",
-        "GB/s: minimal bytes (formulas in benchmarks/graph_ops.py) / time; anchor/ours > 1: qkernels faster",
-    ]
+        "GB/s: minimal bytes (formulas in benchmarks/graph_ops.py) / time; anchor/ours > 1: qkernels faster; "
+        f"check: relative error against the float64 reference < {REL_TOL:g}", machine=machine)
 
 
 # ---------------------------------------------------------------------------------------------
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.argument_parser(__doc__, None, "replays (GPU, default 15) or batches (CPU, default 7) per figure",
+                               "sizes 10x smaller (smoke run)", listed=("ops", OPS))
     p.add_argument("--cpu", action="store_true", help="CPU backend at 1/50 of the sizes, against PyTorch CPU eager")
-    p.add_argument("--quick", action="store_true", help="sizes 10x smaller (smoke run)")
-    p.add_argument("--ops", default=",".join(OPS), help=f"comma list from {', '.join(OPS)}")
-    p.add_argument("--markdown", help="also write the final table to this file")
-    p.add_argument("--samples", type=int, help="replays (GPU, default 15) or batches (CPU, default 7) per figure")
     p.add_argument("--index-dtype", choices=("int64", "int32"), default="int64",
                    help="dtype of row_ptr/col_idx/edge_index/edge_graph (PyG uses int64)")
-    args = p.parse_args(argv)
-    args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
-    unknown = [op for op in args.ops if op not in OPS]
-    if unknown:
-        p.error(f"unknown op(s) {', '.join(unknown)}; expected some of {', '.join(OPS)}")
+    args = common.parse_args(p, argv, need_gpu=False)
     if not args.cpu and not torch.cuda.is_available():
         p.error("no CUDA device visible to torch; use --cpu")
     return args
@@ -606,45 +509,22 @@ def make_setup(args):
 
 
 def collect(args, copy_gbps=None):
-    """Every case of args.ops, progress printed as it goes: -> (header lines, rows, footer lines).
-
-    copy_gbps: the copy ceiling already measured in this process (benchmarks/run.py); None measures it here.
-    """
+    """Every case of args.ops, progress printed as it goes: -> (header, rows, footer); copy_gbps: the
+    copy ceiling when benchmarks/run.py measured it already."""
     setup = make_setup(args)
     warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
-    if copy_gbps is None:
-        copy_gbps = copy_ceiling_gbps(setup)
+    copy_gbps = copy_gbps or copy_ceiling_gbps(setup)
     header = header_lines(setup, copy_gbps, args.quick)
-    print("\n".join(header), flush=True)
 
-    rows, skipped = [], []
-    for op_no, op in enumerate(args.ops):
-        if not hasattr(qkernels, op):
-            print(f"\n{op}: skipped, qkernels has no attribute {op!r} yet", flush=True)
-            skipped.append(op)
-            continue
-        for case_no, case in enumerate(CASE_BUILDERS[op](setup)):
-            seed = 1000 * op_no + 100 * case_no
-            try:
-                rows += run_case(setup, case, seed, copy_gbps)
-            except Exception as exc:  # the reference itself or the inputs failed: report, go on
-                print(f"  case failed: {type(exc).__name__}: {first_line(exc)}", flush=True)
-                release_memory(setup)
+    def run_one(case, seed):
+        return common.run_case(case, lambda: input_sets(setup, case, seed),
+                               lambda fn, sets: time_per_call_us(setup, fn, sets), REL_TOL, copy_gbps,
+                               lambda: release_memory(setup))
 
-    footer = [f"skipped (not in qkernels yet): {', '.join(skipped)}"] if skipped else []
+    builders = {op: (lambda b=CASE_BUILDERS[op]: b(setup)) for op in args.ops}
+    rows, footer = common.run_ops(args.ops, builders, run_one, lambda: release_memory(setup))
     return header, rows, footer
 
 
-def main():
-    args = parse_args()
-    if not args.cpu and not qkernels.AVAILABLE:
-        print(f"warning: qkernels CUDA backend unavailable ({qkernels.info()['cuda_reason']}); our rows will be n/a")
-
-    header, rows, footer = collect(args)
-    print("\n" + "\n".join(header + [""] + text_table(rows) + footer))
-    if args.markdown:
-        write_markdown(args.markdown, header, rows, footer)
-
-
 if __name__ == "__main__":
-    main()
+    common.main(parse_args, collect)

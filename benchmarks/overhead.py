@@ -8,22 +8,18 @@ CUDA launch queue's depth, so the host never waits for the GPU and the figure is
 drift hit all of them alike; the median over rounds is reported.  Besides the anchor, the table splits a call into its parts: the C
 entry point alone, the same with nothing to launch (an empty graph), the dispatcher lookup, and
 what a naive binding would pay per call (t.__dlpack__(), torch.cuda.current_stream()).
-Target (issue 2): a qkernels call with 4 torch CUDA tensors costs no more host time than one
+Target: a qkernels call with 4 torch CUDA tensors costs no more host time than one
 torch.add.
 """
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-import torch  # noqa: E402
-
-import qkernels  # noqa: E402
-from qkernels import _dispatch  # noqa: E402
+import common  # noqa: F401  (first: it puts the checkout's qkernels on sys.path)
+import qkernels
+import torch
+from qkernels import _dispatch
 
 
 def parse_args(argv=None):

@@ -1,4 +1,4 @@
-"""The full benchmark set in one process on the GPU (issue 7): every family's table, one report.
+"""The full benchmark set in one process on the GPU: every family's table, one report.
 
     python3 benchmarks/run.py [--families graph,decode,prefill,dense,overhead] [--quick] [--out DIR]
     python -m qkernels --bench                      (the same, every family, full sizes)

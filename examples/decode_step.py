@@ -1,4 +1,4 @@
-"""Greedy generation with a small decoder-only transformer on qkernels' LLM ops (issue 7).
+"""Greedy generation with a small decoder-only transformer on qkernels' LLM ops.
 
 The model: randomly initialised from a seed (build_weights), Llama-shaped.  Per layer: RMSNorm,
 one fused q/k/v projection (qkernels.linear, with bias), rotary embedding on q and k
@@ -29,6 +29,9 @@ tokens equal wherever the reference's top-2 margin is clear of it).
 
     python examples/decode_step.py [--tokens 16] [--batch 4] [--profile] [--check] [--graph]
     ASTR_BACKEND=cpu python examples/decode_step.py --device cpu
+
+The examples import the installed qkernels (`pip install .`), from any directory; in a source
+checkout built in place, put it on the path: PYTHONPATH=. python examples/...
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 # torch's OpenMP threads spin after each parallel region (libgomp's active wait), taking the cores
 # from qkernels' CPU threads that run next: on 2 cores prefill took 3x as long.  Set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -540,6 +542,23 @@ def environment_plan(device, dtype, cfg):
         notes.append("flash takes no token pool: attention gathers K/V into dense caches (attn_prefill/attn_decode)")
     ctx = qkernels.use_backend(**families) if families else contextlib.nullcontext()
     return ctx, mode, notes
+
+
+def selection_problem(device, dtype, cfg, mode):
+    """Why the backends selected (environment, use_backend) cannot run the model here: the
+    dispatcher's message for the first op it refuses, asked on a sample call of each; or None."""
+    q = torch.zeros(1, cfg.heads, cfg.head_dim, device=device, dtype=dtype)
+    idx = torch.zeros(2, dtype=torch.int32, device=device)
+    calls = [("linear", (q[0], q[0])), ("swiglu", (q[0], q[0], q[0])), ("rotary_emb", (q, q))]
+    if mode == "paged":
+        calls += [("attn_paged_prefill", (q, q, q, idx, idx, idx, idx)), ("attn_paged_decode", (q, q, q, idx, idx, idx))]
+    else:
+        calls += [("attn_prefill", (q[:, None],) * 3), ("attn_decode", (q[:, None],) * 3)]
+    for op, args in calls:
+        d = qkernels.resolve(op, *args)
+        if d.winner is None:
+            return d.error
+    return None
 
 
 def backend_runs(device, dtype):

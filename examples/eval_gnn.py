@@ -1,4 +1,4 @@
-"""Evaluation pass of a small message-passing GNN decoder for the rotated surface code (issue 7).
+"""Evaluation pass of a small message-passing GNN decoder for the rotated surface code.
 
 The code.  Distance d: data qubits on a d x d grid, qubit (i, j) at row i, column j.  Stabilizers
 are the plaquettes with top-left corner (a, b), a, b in -1..d-1, holding the grid qubits among
@@ -49,11 +49,14 @@ Backends: QECDEC_BACKEND=cuda|cpu|auto (or QKERNELS_OPS) selects for the graph f
 on the GPU when torch sees one and the dispatcher gives the graph ops to cuda, else on the CPU.  The
 report names the backend that served each op (qkernels.resolve on its first call).  --check runs
 the forward pass on cuda (when available) and cpu and compares each with a float64 NumPy
-recomputation (tolerances beside LOSS_RTOL).
+recomputation through qkernels.testing's references (tolerances beside LOSS_RTOL).
 
     python examples/eval_gnn.py [--distance 5] [--rounds R] [--batch 256] [--layers 3] [--hidden 32]
                                 [--heads 4] [--iters 20] [--p 0.003] [--check]
     QECDEC_BACKEND=cpu python examples/eval_gnn.py --distance 11 --batch 64 --iters 50
+
+The examples import the installed qkernels (`pip install .`), from any directory; in a source
+checkout built in place, put it on the path: PYTHONPATH=. python examples/...
 """
 
 from __future__ import annotations
@@ -64,7 +67,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 # torch's OpenMP threads spin after each parallel region (libgomp's active wait), taking the cores
 # from qkernels' CPU threads that run next (decode_step.py measured 3x on 2 cores).  Set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -73,6 +75,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import qkernels  # noqa: E402
+from qkernels.testing import reference  # noqa: E402
 
 SPACE, TIME, BOUNDARY = 0, 1, 2
 EDGE_TYPES = ("space", "time", "boundary")
@@ -334,40 +337,34 @@ def forward(ops, w, st, det, labels, heads):
 
 
 def forward_ref(w, graph, det, labels, heads):
-    """forward() in float64 NumPy, the ops written out, from edge_index alone (not the CSR or
-    edge_graph, so their construction is checked too): -> (loss, node states, edge logits)."""
+    """forward() in float64 NumPy (the ops' float64 references of qkernels.testing), from edge_index
+    alone: the aggregation written out from the edges both ways and the loss's graph ids from the
+    batch layout, not from the CSR or edge_graph, so their construction is checked too: -> (loss,
+    node states, edge logits)."""
     B, N, E = det.shape[0], graph.num_nodes, graph.num_edges
     bits = np.zeros((B, N))
     bits[:, :-1] = det
     x = np.concatenate([bits.reshape(-1, 1), np.tile(graph.node_raw, (B, 1))], axis=1)
     x = x @ w["node_in"][0] + w["node_in"][1]
     e = np.tile(graph.edge_raw, (B, 1)) @ w["edge_in"][0] + w["edge_in"][1]
-    src, dst = (graph.edge_index[:, None, :] + (np.arange(B) * N)[None, :, None]).reshape(2, -1)
+    edge_index = (graph.edge_index[:, None, :] + (np.arange(B) * N)[None, :, None]).reshape(2, -1)
+    src, dst = edge_index
     H = x.shape[1]
 
-    def edge_features(x, e):
-        return np.concatenate([x[src] + x[dst], np.abs(x[src] - x[dst]), e], axis=1)
-
-    def norm_residual(y, res, gamma, beta, eps=1e-5):
-        mu = y.mean(1, keepdims=True)
-        var = ((y - mu) ** 2).mean(1, keepdims=True)
-        return (y - mu) / np.sqrt(var + eps) * gamma + beta + res
-
     for lw in w["layers"]:
-        h = np.maximum(edge_features(x, e) @ lw["w1"][0] + lw["w1"][1], 0)
+        h = np.maximum(reference("fused_edge_features", x, edge_index, e) @ lw["w1"][0] + lw["w1"][1], 0)
         msg = h @ lw["msg"][0] + lw["msg"][1]
         att = 1 / (1 + np.exp(-(h @ lw["att"][0] + lw["att"][1])))
         v = (x @ lw["v"]).reshape(-1, heads, H // heads)
         agg = np.zeros_like(v)
         np.add.at(agg, dst, att[:, :, None] * v[src])  # each edge carries a message both ways
         np.add.at(agg, src, att[:, :, None] * v[dst])
-        x = norm_residual(agg.reshape(-1, H) @ lw["o"], x, *lw["norm_x"])
-        e = norm_residual(msg, e, *lw["norm_e"])
-    h = np.maximum(edge_features(x, e) @ w["head1"][0] + w["head1"][1], 0)
+        x = reference("fused_norm_residual", agg.reshape(-1, H) @ lw["o"], x, *lw["norm_x"])
+        e = reference("fused_norm_residual", msg, e, *lw["norm_e"])
+    h = np.maximum(reference("fused_edge_features", x, edge_index, e) @ w["head1"][0] + w["head1"][1], 0)
     logits = (h @ w["head2"][0] + w["head2"][1]).ravel()
-    t = labels.reshape(-1).astype(np.float64)
-    bce = np.maximum(logits, 0) - logits * t + np.log1p(np.exp(-np.abs(logits)))
-    return bce.reshape(B, E).mean(axis=1).mean(), x, logits
+    loss = reference("graph_norm_bce", logits, labels.reshape(-1), np.repeat(np.arange(B), E), B)  # E edges a graph
+    return float(loss), x, logits
 
 
 # ---- running --------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""decode_step.py's model, tensor-parallel over the ranks of one host (issue 9).
+"""decode_step.py's model, tensor-parallel over the ranks of one host.
 
     torchrun --nproc-per-node 2 examples/tp_decode.py                 # NCCL, one GPU per rank
     torchrun --nproc-per-node 2 examples/tp_decode.py --device cpu    # gloo, for a machine without GPUs
@@ -70,6 +70,19 @@ def main(argv=None):
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+    # Every rank asks the dispatcher about the same calls, so all stop here alike, before any
+    # process group: one line from rank 0 instead of a traceback per rank (or a rank left waiting).
+    try:
+        ctx, mode, _ = ds.environment_plan(device, dtype, cfg)
+        with ctx:
+            problem = ds.selection_problem(device, dtype, cfg, mode)
+    except ValueError as e:  # a selection variable the dispatcher refuses
+        problem = str(e)
+    if problem:
+        if rank == 0:
+            print(f"tp_decode: {problem}", file=sys.stderr)
+        return 2
+    if device.type == "cuda":
         dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=10))
     else:
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))

@@ -254,7 +254,10 @@ def _parse_env():
                 raise ValueError(f"QKERNELS_OPS entries must be name=backend with a family or the groups graph and "
                                  f"llm; got {item.strip()!r}")
             for f in _families(fam.strip(), "QKERNELS_OPS"):
-                sel[f] = (_normalize(val, f"QKERNELS_OPS[{fam.strip()}]"), "env QKERNELS_OPS")
+                try:
+                    sel[f] = (_normalize(val, f"QKERNELS_OPS[{fam.strip()}]"), "env QKERNELS_OPS")
+                except ValueError as e:
+                    sel[f] = (None, str(e))
     return sel
 
 

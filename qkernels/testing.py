@@ -1,8 +1,17 @@
-"""Sample inputs for every op, for tests, benchmarks and the self-check of ``python -m qkernels``.
+"""Sample calls and float64 references of every op, for tests, benchmarks and ``python -m qkernels``.
 
-``sample(op, rng)`` returns ``(args, kwargs)`` of small NumPy arrays that the op accepts: float32
-data, int64 indices, sizes that are not multiples of anything.  ``FLOAT_ARGS[op]`` names the
-positions of the floating-point tensor arguments (the ones that could carry gradients).
+``sample(op, rng, **options)`` returns ``(args, kwargs)``: a valid call of ``qkernels.<op>`` on
+random NumPy arrays (float32 data unless ``dtype=``, int64 indices unless ``index_dtype=``, small
+sizes that are multiples of nothing; each op's keyword options below set the sizes).
+
+``reference(op, *args, **kwargs)`` is what ``qkernels.<op>(*args, **kwargs)`` returns, computed in
+float64 NumPy from the same arguments: NumPy arrays, or anything ``np.asarray`` takes (convert
+bfloat16 and device tensors first, e.g. ``t.double().cpu().numpy()``).  ``out=``, ``stream=`` and
+``backend=`` are accepted and ignored.  The ``_ref_<op>`` functions below are the statement of each
+op's semantics.
+
+``FLOAT_ARGS[op]`` names the positions of the floating-point tensor arguments (the ones that could
+carry gradients); ``OPS`` lists the ops.
 """
 
 from __future__ import annotations
@@ -10,59 +19,340 @@ from __future__ import annotations
 import numpy as np
 
 
-def _csr(rng, n_dst, n_src, e):
-    row_ptr = np.sort(rng.integers(0, e + 1, n_dst + 1))
-    row_ptr[0], row_ptr[-1] = 0, e
-    return row_ptr.astype(np.int64), rng.integers(0, n_src, e).astype(np.int64)
+def _f64(a):
+    return np.asarray(a, dtype=np.float64)
 
 
-def _f32(rng, *shape):
-    return rng.standard_normal(shape).astype(np.float32)
+def _idx(a):
+    return np.asarray(a).astype(np.int64)
 
 
-def _freqs(rng, *lead, half):
-    angle = rng.uniform(0, 6.3, (*lead, half)).astype(np.float32)
+# ---- references: graph ops ------------------------------------------------------------------
+
+def _ref_sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat):
+    """out[i, h] = sum of edge_weight[e, h] * node_feat[col_idx[e], h] over row_ptr[i] <= e < row_ptr[i + 1]
+    (offsets absolute: a CSR slice keeps them); [N_dst, H, D]."""
+    row_ptr, col_idx = _idx(row_ptr), _idx(col_idx)
+    lo, hi = row_ptr[0], row_ptr[-1]
+    node_feat = np.asarray(node_feat)
+    out = np.zeros((len(row_ptr) - 1,) + node_feat.shape[1:])
+    rows = np.repeat(np.arange(len(row_ptr) - 1), np.diff(row_ptr))
+    np.add.at(out, rows, _f64(edge_weight)[lo:hi, :, None] * _f64(node_feat[col_idx[lo:hi]]))
+    return out
+
+
+def _ref_fused_edge_features(x, edge_index, edge_attr=None):
+    """[x[src] + x[dst], |x[src] - x[dst]|, edge_attr] side by side: [E, 2H] or [E, 3H]."""
+    src, dst = _idx(edge_index)
+    x = np.asarray(x)
+    xs, xd = _f64(x[src]), _f64(x[dst])
+    return np.concatenate([xs + xd, np.abs(xs - xd)] + ([] if edge_attr is None else [_f64(edge_attr)]), axis=1)
+
+
+def philox4x32(counter, key):
+    """Philox4x32-10 of 64-bit counters (the high two words 0) under a 64-bit key: [len, 4] uint32."""
+    m0, m1, w0, w1, mask = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85, np.uint64(0xFFFFFFFF)
+    c = np.asarray(counter, dtype=np.uint64)
+    c0, c1 = c & mask, c >> np.uint64(32)
+    c2, c3 = np.zeros_like(c0), np.zeros_like(c0)
+    k0, k1 = np.uint64(key & 0xFFFFFFFF), np.uint64((key >> 32) & 0xFFFFFFFF)
+    for _ in range(10):
+        p0, p1 = np.uint64(m0) * c0, np.uint64(m1) * c2
+        c0, c1, c2, c3 = (p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & mask, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & mask
+        k0, k1 = (k0 + np.uint64(w0)) & mask, (k1 + np.uint64(w1)) & mask
+    return np.stack([c0, c1, c2, c3], axis=-1).astype(np.uint32)
+
+
+def dropout_keep(seed, shape, p):
+    """fused_norm_residual's dropout mask: element i (row-major) is kept iff word i % 4 of
+    philox4x32(i // 4, seed) >= p * 2^32 (any int seed: its low 64 bits are the key)."""
+    n = int(np.prod(shape))
+    i = np.arange(n, dtype=np.uint64)
+    draw = philox4x32(i >> np.uint64(2), seed & 0xFFFFFFFFFFFFFFFF)[np.arange(n), (i & np.uint64(3)).astype(np.int64)]
+    return (draw >= min(int(np.ldexp(p, 32)), 0xFFFFFFFF)).reshape(shape)
+
+
+def _ref_fused_norm_residual(x, residual, gamma, beta, *, p=0.0, training=False, eps=1e-5, seed=None):
+    """LayerNorm of each row of x (biased variance) * gamma + beta, dropout when training (the
+    dropout_keep mask, kept values scaled by 1 / (1 - p)), + residual."""
+    x = _f64(x)
+    mean = x.mean(axis=1, keepdims=True)
+    y = (x - mean) / np.sqrt(((x - mean) ** 2).mean(axis=1, keepdims=True) + eps) * _f64(gamma) + _f64(beta)
+    if training and p > 0:
+        if seed is None:
+            raise ValueError("reference: fused_norm_residual with dropout needs the seed= of the call")
+        y = np.where(dropout_keep(seed, y.shape, p), y / (1.0 - p) if p < 1 else 0.0, 0.0)
+    return y + _f64(residual)
+
+
+def _ref_graph_norm_bce(logits, target, edge_graph, num_graphs, *, pos_weight=None):
+    """The mean over graphs 0 .. num_graphs - 1 of each graph's mean BCE-with-logits over its edges
+    (weighted 1 + (pos_weight - 1) * target); a graph without edges counts as 0.  A 0-d array."""
+    lg, t = _f64(logits), _f64(target)
+    loss = np.maximum(lg, 0) - lg * t + np.log1p(np.exp(-np.abs(lg)))
+    if pos_weight is not None:
+        loss = loss * (1 + (pos_weight - 1) * t)
+    g = _idx(edge_graph)
+    sums = np.bincount(g, weights=loss, minlength=num_graphs)
+    return np.array(np.mean(sums / np.maximum(np.bincount(g, minlength=num_graphs), 1)))
+
+
+# ---- references: dense LLM ops --------------------------------------------------------------
+
+def _ref_rotary_emb(x, freqs_cis, *, interleaved=True):
+    """x [..., H, D] with each pair rotated by freqs_cis [..., D/2, 2] = (cos, sin) of the same leading
+    dims: pairs (x[2i], x[2i+1]) when interleaved, else (x[i], x[i + D/2])."""
+    x, f = _f64(x), _f64(freqs_cis)
+    c, s = f[..., None, :, 0], f[..., None, :, 1]  # [..., 1, D/2]: one angle per pair, every head
+    half = x.shape[-1] // 2
+    xe, xo = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+    out = np.empty_like(x)
+    ye, yo = xe * c - xo * s, xe * s + xo * c
+    if interleaved:
+        out[..., 0::2], out[..., 1::2] = ye, yo
+    else:
+        out[..., :half], out[..., half:] = ye, yo
+    return out
+
+
+def _ref_linear(x, weight, bias=None):
+    """x @ weight.T (+ bias): x [K] or [M, K], weight [N, K]."""
+    out = _f64(x) @ _f64(weight).T
+    return out if bias is None else out + _f64(bias)
+
+
+def _ref_swiglu(x, up_weight, gate_weight):
+    """(x @ up.T) * silu(x @ gate.T), silu(g) = g / (1 + e^-g)."""
+    g = _ref_linear(x, gate_weight)
+    with np.errstate(over="ignore"):  # e^-g overflows for g < -709: silu is -0 there
+        return _ref_linear(x, up_weight) * g / (1 + np.exp(-g))
+
+
+# ---- references: attention ------------------------------------------------------------------
+
+def _softmax_attend(q, k, v, keep, scale):
+    """q [B, H, Lq, D], k/v [B, H, Lkv, D], keep broadcastable to [B, H, Lq, Lkv] -> [B, H, Lq, D];
+    a query that keeps no key gives 0."""
+    s = np.where(keep, (q @ k.transpose(0, 1, 3, 2)) * scale, -np.inf)
+    m = s.max(-1, keepdims=True, initial=-np.inf)
+    p = np.where(keep, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+    den = p.sum(-1, keepdims=True)
+    return (p @ v) / np.where(den > 0, den, 1.0)
+
+
+def _heads_first(q, k, v):
+    """[B, L, H, D] -> [B, H, L, D] in float64, kv heads repeated: query head h uses kv head h // (Hq / Hkv)."""
+    group = q.shape[2] // max(k.shape[2], 1)
+    return (_f64(q).transpose(0, 2, 1, 3), np.repeat(_f64(k), group, axis=2).transpose(0, 2, 1, 3),
+            np.repeat(_f64(v), group, axis=2).transpose(0, 2, 1, 3))
+
+
+def prefill_keep(B, Hq, Lq, Lkv, is_causal=False, mask=None):
+    """attn_prefill's kept keys, bool [B, Hq, Lq, Lkv]: query i sits at key position i + Lkv - Lq and
+    causal keeps keys j <= that (bottom-right); mask [B, Lkv] or [B, 1|Hq, Lq, Lkv], True = keep."""
+    keep = np.ones((1, 1, Lq, Lkv), bool)
+    if is_causal:
+        keep = keep & (np.arange(Lkv)[None, :] <= np.arange(Lq)[:, None] + (Lkv - Lq))
+    if mask is not None:
+        m = np.asarray(mask, bool)
+        keep = keep & (m[:, None, None, :] if m.ndim == 2 else m)
+    return np.broadcast_to(keep, (B, Hq, Lq, Lkv))
+
+
+def _ref_attn_prefill(q, k, v, *, mask=None, is_causal=False, scale=None):
+    """softmax(q k^T * scale) v over the prefill_keep keys: q [B, Lq, Hq, D], k/v [B, Lkv, Hkv, D]
+    -> [B, Lq, Hq, D]; scale defaults to 1/sqrt(D)."""
+    B, Lq, Hq, D = np.shape(q)
+    scale = D ** -0.5 if scale is None else scale
+    keep = prefill_keep(B, Hq, Lq, np.shape(k)[1], is_causal, mask)
+    return _softmax_attend(*_heads_first(q, k, v), keep, scale).transpose(0, 2, 1, 3)
+
+
+def _ref_attn_decode(q, k, v, *, kv_lens=None, mask=None, scale=None):
+    """One query per sequence: q [B, 1, Hq, D], k/v [B, L, Hkv, D] -> [B, 1, Hq, D]; the kept keys are
+    j < kv_lens[b] (negative: none) and mask[b, j] (mask [B, L] or [B, 1, L])."""
+    B, L = np.shape(k)[:2]
+    keep = np.ones((B, L), bool)
+    if kv_lens is not None:
+        keep &= np.arange(L)[None, :] < _idx(kv_lens)[:, None]
+    if mask is not None:
+        keep &= np.asarray(mask, bool).reshape(B, L)
+    return _ref_attn_prefill(q, k, v, mask=keep, scale=scale)
+
+
+def _gather(cache, req_to_token, req_pool_indices, b, n):
+    """The n tokens of sequence b from a [S, Hkv, D] pool, as float64 [n, Hkv, D]."""
+    return _f64(np.asarray(cache)[req_to_token[req_pool_indices[b], :n]])
+
+
+def appended(cache, new, req_to_token, req_pool_indices, kv_indptr):
+    """The pool attn_paged_decode(new_k=new) leaves behind: a float64 copy of cache [S, Hkv, D] with
+    new[b] at slot req_to_token[req_pool_indices[b], len_b - 1] for every sequence b with len_b > 0."""
+    out = _f64(cache).copy()
+    r2t, rpi, lens = _idx(req_to_token), _idx(req_pool_indices), np.diff(_idx(kv_indptr))
+    for b in np.flatnonzero(lens > 0):
+        out[r2t[rpi[b], lens[b] - 1]] = _f64(new[b])
+    return out
+
+
+def _ref_attn_paged_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, *, new_k=None,
+                           new_v=None, mask=None, scale=None):
+    """attn_decode per sequence b over its len_b = kv_indptr[b + 1] - kv_indptr[b] tokens at slots
+    req_to_token[req_pool_indices[b], :len_b] of the pools [S, Hkv, D], with new_k[b] / new_v[b] as its
+    last token (the op writes them there: see appended) and mask [B, max_ctx]: q [B, Hq, D] -> [B, Hq, D]."""
+    r2t, rpi, lens = _idx(req_to_token), _idx(req_pool_indices), np.diff(_idx(kv_indptr))
+    out = np.zeros(np.shape(q))
+    for b, n in enumerate(lens):
+        if n <= 0:
+            continue
+        k, v = _gather(k_cache, r2t, rpi, b, n), _gather(v_cache, r2t, rpi, b, n)
+        if new_k is not None:
+            k[-1], v[-1] = _f64(new_k[b]), _f64(new_v[b])
+        m = None if mask is None else np.asarray(mask, bool)[b:b + 1, :n]
+        out[b] = _ref_attn_decode(np.asarray(q)[b:b + 1, None], k[None], v[None], mask=m, scale=scale)[0, 0]
+    return out
+
+
+def _ref_attn_paged_prefill(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, qo_indptr, *,
+                            mask=None, is_causal=False, scale=None):
+    """attn_prefill per request b: query rows qo_indptr[b] .. qo_indptr[b + 1] - 1 of q [total_q, Hq, D]
+    against the request's kv_indptr[b + 1] - kv_indptr[b] tokens in the pools (as attn_paged_decode),
+    mask [B, max_ctx]; rows of no request are 0."""
+    r2t, rpi, kv, qo = _idx(req_to_token), _idx(req_pool_indices), _idx(kv_indptr), _idx(qo_indptr)
+    out = np.zeros(np.shape(q))
+    for b in range(len(rpi)):
+        n = kv[b + 1] - kv[b]
+        m = None if mask is None else np.asarray(mask, bool)[b:b + 1, :n]
+        out[qo[b]:qo[b + 1]] = _ref_attn_prefill(np.asarray(q)[None, qo[b]:qo[b + 1]],
+                                                 _gather(k_cache, r2t, rpi, b, n)[None],
+                                                 _gather(v_cache, r2t, rpi, b, n)[None],
+                                                 mask=m, is_causal=is_causal, scale=scale)[0]
+    return out
+
+
+def reference(op, *args, **kwargs):
+    """float64 NumPy of what qkernels.<op>(*args, **kwargs) returns (see the module docstring)."""
+    fn = globals().get(f"_ref_{op}")
+    if op not in FLOAT_ARGS or fn is None:
+        raise ValueError(f"reference: unknown op {op!r}; ops: {', '.join(OPS)}")
+    for ignored in ("out", "stream", "backend"):
+        kwargs.pop(ignored, None)
+    return fn(*args, **kwargs)
+
+
+# ---- samples --------------------------------------------------------------------------------
+
+def _randn(rng, dtype, *shape, scale=1.0):
+    return (scale * rng.standard_normal(shape)).astype(dtype)
+
+
+def _sample_sparse_aggregate(rng, dt, ix, n_dst=7, n_src=5, heads=2, dim=3, degrees=None, avg_degree=4):
+    """A CSR graph: row i has degrees[i] edges (Poisson(avg_degree) unless given) to random sources."""
+    degrees = rng.poisson(avg_degree, n_dst) if degrees is None else np.asarray(degrees, np.int64)
+    row_ptr = np.concatenate([[0], np.cumsum(degrees)]).astype(ix)
+    e = int(row_ptr[-1])
+    col_idx = rng.integers(0, max(n_src, 1), e).astype(ix)
+    return (row_ptr, col_idx, _randn(rng, dt, e, heads), _randn(rng, dt, n_src, heads, dim)), {}
+
+
+def _sample_fused_edge_features(rng, dt, ix, n=6, e=11, h=4, edge_attr=True):
+    x, ei = _randn(rng, dt, n, h), rng.integers(0, n, (2, e)).astype(ix)
+    return (x, ei) + ((_randn(rng, dt, e, h),) if edge_attr else ()), {}
+
+
+def _sample_fused_norm_residual(rng, dt, ix, rows=5, h=12, mean=0.0):
+    """x with row mean ~mean; gamma near 1, beta near 0."""
+    return ((mean + rng.standard_normal((rows, h))).astype(dt), _randn(rng, dt, rows, h),
+            (1 + _randn(rng, np.float64, h, scale=0.1)).astype(dt), _randn(rng, dt, h, scale=0.1)), {}
+
+
+def _sample_graph_norm_bce(rng, dt, ix, e=17, graphs=3, sort=True):
+    """logits ~3 N(0, 1), targets 0/1 (30% ones), edge_graph sorted unless sort=False."""
+    eg = rng.integers(0, graphs, e).astype(ix)
+    if sort:
+        eg.sort()
+    return (_randn(rng, dt, e, scale=3.0), (rng.random(e) < 0.3).astype(dt), eg, graphs), {}
+
+
+def freqs_cis(rng, lead, d):
+    """(cos, sin) of random angles in [0, 10): float32 [*lead, D/2, 2], rotary_emb's table."""
+    angle = 10 * rng.random(tuple(lead) + (d // 2,))
     return np.stack([np.cos(angle), np.sin(angle)], -1).astype(np.float32)
 
 
-def _pages(rng, lens, max_ctx, pool):
-    """req_to_token [R, max_ctx] with distinct slots, req_pool_indices [B], kv_indptr [B + 1]."""
+def _sample_rotary_emb(rng, dt, ix, lead=(5,), h=3, d=8, interleaved=None):
+    """x [*lead, H, D]; interleaved=None leaves the keyword out (the op's default)."""
+    kwargs = {} if interleaved is None else {"interleaved": interleaved}
+    return (_randn(rng, dt, *lead, h, d), freqs_cis(rng, lead, d)), kwargs
+
+
+def _sample_linear(rng, dt, ix, m=3, k=10, n=7, bias=True):
+    """x [M, K] (M=None: [K]), weight [N, K] scaled by K^-1/2, bias [N]."""
+    x = _randn(rng, dt, *((k,) if m is None else (m, k)))
+    return (x, _randn(rng, dt, n, k, scale=max(k, 1) ** -0.5)) + ((_randn(rng, dt, n),) if bias else ()), {}
+
+
+def _sample_swiglu(rng, dt, ix, m=3, k=10, n=7):
+    x = _randn(rng, dt, *((k,) if m is None else (m, k)))
+    return (x, _randn(rng, dt, n, k, scale=max(k, 1) ** -0.5), _randn(rng, dt, n, k, scale=2 * max(k, 1) ** -0.5)), {}
+
+
+def _sample_attn_decode(rng, dt, ix, b=2, l=9, hkv=2, ratio=2, d=8):
+    """q [B, 1, Hkv * ratio, D], k/v [B, L, Hkv, D]."""
+    return (_randn(rng, dt, b, 1, hkv * ratio, d), _randn(rng, dt, b, l, hkv, d), _randn(rng, dt, b, l, hkv, d)), {}
+
+
+def _sample_attn_prefill(rng, dt, ix, b=2, lq=3, lkv=9, hkv=2, ratio=2, d=8, is_causal=False):
+    """q [B, Lq, Hkv * ratio, D], k/v [B, Lkv, Hkv, D]; is_causal=True passes it."""
+    return ((_randn(rng, dt, b, lq, hkv * ratio, d), _randn(rng, dt, b, lkv, hkv, d), _randn(rng, dt, b, lkv, hkv, d)),
+            {"is_causal": True} if is_causal else {})
+
+
+def token_pool(rng, lens, hkv, d, dtype=np.float32, index_dtype=np.int64, requests=None, extra_slots=5):
+    """A KV pool holding sequence b's lens[b] tokens at randomly permuted slots; sequence b is row
+    req_pool_indices[b] of req_to_token [R, max(lens) + 3] (R = requests, default B + 2; a random
+    choice of rows, never the identity for B > 1; unused entries -1, out of range, never read).
+    -> (k_cache [S, Hkv, D], v_cache, req_to_token, req_pool_indices, kv_indptr)."""
+    lens = np.asarray(lens, np.int64)
     b = len(lens)
-    r2t = rng.permutation(pool)[: b * max_ctx].reshape(b, max_ctx).astype(np.int64)
-    rpi = rng.permutation(b).astype(np.int64)
-    indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-    return r2t, rpi, indptr
+    r = requests or b + 2
+    slots = rng.permutation(int(lens.sum()) + extra_slots)
+    rows = rng.permutation(r)[:b]
+    if b > 1 and np.array_equal(rows, np.arange(b)):
+        rows = np.roll(rows, 1)
+    r2t = np.full((r, int(lens.max(initial=0)) + 3), -1, np.int64)
+    kv_indptr = np.concatenate([[0], np.cumsum(lens)])
+    for i in range(b):
+        r2t[rows[i], :lens[i]] = slots[kv_indptr[i]:kv_indptr[i + 1]]
+    pool = (len(slots), hkv, d)
+    return (_randn(rng, dtype, *pool), _randn(rng, dtype, *pool), r2t.astype(index_dtype), rows.astype(index_dtype),
+            kv_indptr.astype(index_dtype))
 
 
-def sample(op, rng=None):
-    rng = rng if rng is not None else np.random.default_rng(0)
-    if op == "sparse_aggregate":
-        row_ptr, col_idx = _csr(rng, 7, 5, 13)
-        return (row_ptr, col_idx, _f32(rng, 13, 2), _f32(rng, 5, 2, 3)), {}
-    if op == "fused_edge_features":
-        return (_f32(rng, 6, 4), rng.integers(0, 6, (2, 11)).astype(np.int64), _f32(rng, 11, 4)), {}
-    if op == "fused_norm_residual":
-        return (_f32(rng, 5, 12), _f32(rng, 5, 12), _f32(rng, 12), _f32(rng, 12)), {}
-    if op == "graph_norm_bce":
-        return (_f32(rng, 17), (rng.random(17) < 0.3).astype(np.float32), np.sort(rng.integers(0, 3, 17)), 3), {}
-    if op == "rotary_emb":
-        return (_f32(rng, 5, 3, 8), _freqs(rng, 5, half=4)), {}
-    if op == "linear":
-        return (_f32(rng, 3, 10), _f32(rng, 7, 10), _f32(rng, 7)), {}
-    if op == "swiglu":
-        return (_f32(rng, 3, 10), _f32(rng, 7, 10), _f32(rng, 7, 10)), {}
-    if op == "attn_decode":
-        return (_f32(rng, 2, 1, 4, 8), _f32(rng, 2, 9, 2, 8), _f32(rng, 2, 9, 2, 8)), {}
-    if op == "attn_prefill":
-        return (_f32(rng, 2, 3, 4, 8), _f32(rng, 2, 9, 2, 8), _f32(rng, 2, 9, 2, 8)), {}
-    if op == "attn_paged_decode":
-        r2t, rpi, indptr = _pages(rng, [5, 3], 6, 16)
-        return (_f32(rng, 2, 4, 8), _f32(rng, 16, 2, 8), _f32(rng, 16, 2, 8), r2t, rpi, indptr), {}
-    if op == "attn_paged_prefill":
-        r2t, rpi, indptr = _pages(rng, [5, 3], 6, 16)
-        qo = np.array([0, 2, 5], np.int64)
-        return (_f32(rng, 5, 4, 8), _f32(rng, 16, 2, 8), _f32(rng, 16, 2, 8), r2t, rpi, indptr, qo), {}
-    raise ValueError(f"sample: unknown op {op!r}")
+def _sample_attn_paged_decode(rng, dt, ix, lens=(5, 3), hkv=2, ratio=2, d=8, requests=None, extra_slots=5):
+    """q [B, Hkv * ratio, D] and a token_pool for lens."""
+    q = _randn(rng, dt, len(lens), hkv * ratio, d)
+    return (q,) + token_pool(rng, lens, hkv, d, dt, ix, requests, extra_slots), {}
+
+
+def _sample_attn_paged_prefill(rng, dt, ix, q_lens=(2, 3), kv_lens=(5, 3), hkv=2, ratio=2, d=8, lead=0, tail=0,
+                               is_causal=False):
+    """A token_pool for kv_lens and q [total_q, Hkv * ratio, D] whose rows lead .. total_q - tail - 1
+    are the requests' queries, q_lens[b] of them for request b (q_lens[b] <= kv_lens[b])."""
+    k_cache, v_cache, r2t, rpi, kv_indptr = token_pool(rng, kv_lens, hkv, d, dt, ix)
+    qo_indptr = (lead + np.concatenate([[0], np.cumsum(q_lens)])).astype(ix)
+    q = _randn(rng, dt, int(qo_indptr[-1]) + tail, hkv * ratio, d)
+    return (q, k_cache, v_cache, r2t, rpi, kv_indptr, qo_indptr), {"is_causal": True} if is_causal else {}
+
+
+def sample(op, rng=None, *, dtype=np.float32, index_dtype=np.int64, **options):
+    """A valid call of op on random NumPy arrays: -> (args tuple, kwargs dict).  dtype is the float
+    tensors' (not freqs_cis's, which is float32 always), index_dtype the index tensors'; the options
+    are the keyword arguments of _sample_<op> (sizes, and a few keywords of the op)."""
+    make = globals().get(f"_sample_{op}")
+    if op not in FLOAT_ARGS or make is None:
+        raise ValueError(f"sample: unknown op {op!r}; ops: {', '.join(OPS)}")
+    return make(np.random.default_rng(0) if rng is None else rng, dtype, index_dtype, **options)
 
 
 FLOAT_ARGS = {

@@ -1,5 +1,6 @@
-"""Shared fixtures: float64 references, random graphs, what this machine can run, and a stand-in for
-flash_attn."""
+"""Shared fixtures and helpers: what this machine can run, tolerances, the naive same-precision torch
+yardsticks, CUDA tensors from samples, and a stand-in for flash_attn.  Inputs and float64 references
+come from qkernels.testing."""
 
 import contextlib
 import gc
@@ -15,6 +16,7 @@ import pytest
 
 import qkernels
 from qkernels import _dispatch
+from qkernels.testing import FLOAT_ARGS
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_JAX = importlib.util.find_spec("jax") is not None
@@ -44,40 +46,6 @@ requires_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installe
 requires_jax = pytest.mark.skipif(not HAS_JAX, reason="jax is not installed")
 requires_cuda = pytest.mark.skipif(not qkernels.AVAILABLE,
                                    reason=f"no CUDA kernels/GPU: {qkernels.info()['cuda_reason']}")
-
-
-def sparse_aggregate_ref(row_ptr, col_idx, edge_weight, node_feat):
-    """float64 reference: out[i,h,:] = sum_e w[e,h] * x[col[e],h,:] via a dense scatter."""
-    row_ptr = np.asarray(row_ptr, dtype=np.int64)
-    col_idx = np.asarray(col_idx, dtype=np.int64)
-    w = np.asarray(edge_weight, dtype=np.float64)
-    x = np.asarray(node_feat, dtype=np.float64)
-    n_dst = len(row_ptr) - 1
-    out = np.zeros((n_dst, x.shape[1], x.shape[2]))
-    lo, hi = row_ptr[0], row_ptr[-1]
-    rows = np.repeat(np.arange(n_dst), np.diff(row_ptr))
-    msgs = w[lo:hi, :, None] * x[col_idx[lo:hi]]
-    np.add.at(out, rows, msgs)
-    return out
-
-
-def random_csr(rng, n_dst, n_src, degrees=None, avg_degree=4, index_dtype=np.int64):
-    """A random CSR graph; degrees (array) fixes the row lengths, else Poisson(avg_degree)."""
-    if degrees is None:
-        degrees = rng.poisson(avg_degree, size=n_dst)
-    degrees = np.asarray(degrees, dtype=np.int64)
-    row_ptr = np.concatenate([[0], np.cumsum(degrees)]).astype(index_dtype)
-    e = int(row_ptr[-1])
-    col_idx = (rng.integers(0, n_src, size=e) if n_src > 0 else np.zeros(0)).astype(index_dtype)
-    return row_ptr, col_idx
-
-
-def random_inputs(rng, n_dst, n_src, heads, dim, index_dtype=np.int64, degrees=None, avg_degree=4):
-    row_ptr, col_idx = random_csr(rng, n_dst, n_src, degrees, avg_degree, index_dtype)
-    e = len(col_idx)
-    edge_weight = rng.standard_normal((e, heads)).astype(np.float32)
-    node_feat = rng.standard_normal((n_src, heads, dim)).astype(np.float32)
-    return row_ptr, col_idx, edge_weight, node_feat
 
 
 def fp32_sum_tol(max_degree):
@@ -136,12 +104,123 @@ def capture_graph(calls):
     return graph, outs
 
 
-def close_to_naive(ours, naive, ref):
-    """flash-attention's rule: our error (torch tensors, any device, against a float64 NumPy
-    reference) at most twice a naive same-precision implementation's."""
-    e_ours = np.abs(ours.double().cpu().numpy() - ref).max()
-    e_naive = np.abs(naive.double().cpu().numpy() - ref).max()
-    assert e_ours <= 2 * e_naive + 1e-6, (e_ours, e_naive)
+def f64(a):
+    """A NumPy array or a torch tensor (any device and dtype) as float64 NumPy."""
+    if type(a).__module__.startswith("torch"):
+        return a.detach().double().cpu().numpy()
+    return np.asarray(a, np.float64)
+
+
+def close_to_naive(ours, naive, ref, slack=1e-6):
+    """flash-attention's rule: our error against the float64 reference at most twice a naive
+    same-precision implementation's (NumPy or torch, any device), plus slack * max(|ref|, 1)."""
+    ours, naive = f64(ours), f64(naive)
+    assert np.isfinite(ours).all(), "non-finite output (an element was not written?)"
+    e_ours = np.abs(ours - ref).max(initial=0)
+    e_naive = np.abs(naive - ref).max(initial=0)
+    assert e_ours <= 2 * e_naive + slack * max(np.abs(ref).max(initial=0), 1.0), (e_ours, e_naive)
+
+
+# ---- naive same-precision yardsticks (torch tensors, computed in their own dtype) -------------
+
+def naive_decode(q, k, v, keep, scale):
+    """Decode attention: q [B,1,Hq,D], k/v [B,L,Hkv,D], keep bool [B,L]."""
+    import torch
+
+    G = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
+    s = torch.einsum("bhd,blhd->bhl", q[:, 0], kk) * scale
+    s = s.masked_fill(~keep[:, None, :], float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return torch.einsum("bhl,blhd->bhd", p, vv)[:, None]
+
+
+def naive_prefill(q, k, v, keep, scale):
+    """Prefill attention: q [B, Lq, Hq, D], k/v [B, Lkv, Hkv, D], keep bool broadcastable to
+    [B, Hq, Lq, Lkv] (a torch tensor on q's device, or NumPy)."""
+    import torch
+
+    G = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, kk) * scale
+    s = s.masked_fill(~torch.as_tensor(np.array(keep) if isinstance(keep, np.ndarray) else keep,
+                                       device=q.device), float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return torch.einsum("bhij,bjhd->bihd", p, vv)
+
+
+def naive_rotary(x, f, interleaved=True):
+    """rotary_emb's formula in x's dtype: cos and sin rounded to it, every product and sum rounded."""
+    import torch
+
+    c, s = f[..., 0].unsqueeze(-2).to(x.dtype), f[..., 1].unsqueeze(-2).to(x.dtype)
+    half = x.shape[-1] // 2
+    xe, xo = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+    ye, yo = xe * c - xo * s, xe * s + xo * c
+    return torch.stack([ye, yo], -1).flatten(-2) if interleaved else torch.cat([ye, yo], -1)
+
+
+# ---- sample calls as torch tensors ------------------------------------------------------------
+
+LLM = {"attn_decode", "attn_paged_decode", "attn_prefill", "attn_paged_prefill", "rotary_emb", "linear", "swiglu"}
+
+# Options of qkernels.testing.sample that every backend takes (the cuda attention kernels need a
+# head_dim of 32, 64, 128 or 256): the table of the tests that run each op on the GPU.
+DEVICE_SIZES = {
+    "sparse_aggregate": dict(n_dst=60, n_src=40, heads=2, dim=16),
+    "fused_edge_features": dict(n=50, e=100, h=8),
+    "fused_norm_residual": dict(rows=30, h=64),
+    "graph_norm_bce": dict(e=500, graphs=7),
+    "attn_decode": dict(b=2, l=50, hkv=2, ratio=4, d=64),
+    "attn_paged_decode": dict(lens=[5, 40], hkv=2, ratio=4, d=64),
+    "attn_prefill": dict(b=2, lq=30, lkv=50, hkv=2, ratio=4, d=64, is_causal=True),
+    "attn_paged_prefill": dict(q_lens=[5, 30, 0], kv_lens=[40, 30, 7], hkv=2, ratio=4, d=64, is_causal=True),
+    "rotary_emb": dict(lead=(10,), h=4, d=64),
+    "linear": dict(m=4, k=128, n=64),
+    "swiglu": dict(m=4, k=128, n=64),
+}
+
+
+def host_tensors(op, args):
+    """CPU torch tensors of a sample's arrays, converted on the host: the LLM ops' float inputs in
+    bfloat16 (rotary_emb's freqs_cis stays float32), other arguments as they are."""
+    import torch
+
+    out = []
+    for i, a in enumerate(args):
+        if isinstance(a, np.ndarray):
+            a = torch.from_numpy(np.ascontiguousarray(a))
+            if op in LLM and i in FLOAT_ARGS[op] and (op, i) != ("rotary_emb", 1):
+                a = a.to(torch.bfloat16)
+        out.append(a)
+    return out
+
+
+def to_device(op, args, device):
+    return [a.to(device) if type(a).__module__.startswith("torch") else a for a in host_tensors(op, args)]
+
+
+def replaced(args, pos, value):
+    """A list of args with the argument at pos (an index, or a tuple of them) replaced by value."""
+    args = list(args)
+    for p in pos if isinstance(pos, tuple) else (pos,):
+        args[p] = value
+    return args
+
+
+class RecordingOut:
+    """An out= for the flash backend, which hands its result to out.copy_: keeps it as .got."""
+
+    def copy_(self, src):
+        self.got = src
+
+
+def cuda(a, dtype=None):
+    """A NumPy array as a torch CUDA tensor (cast there to the torch dtype named dtype)."""
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(a)).cuda()
+    return t.to(getattr(torch, dtype)) if dtype else t
 
 
 class FakeCudaTensor:

@@ -1,4 +1,4 @@
-"""attn_decode and attn_paged_decode on the cpu backend against float64 NumPy references: shapes,
+"""attn_decode and attn_paged_decode on the cpu backend against the float64 references of qkernels.testing: shapes,
 GQA ratios, head dims, kv_lens and masks, non-contiguous views, out=, the token pool (permuted slots,
 uneven lengths, new_k/new_v appended in the same call), index errors, thread-count independence."""
 
@@ -9,8 +9,8 @@ import pytest
 
 import qkernels
 from qkernels import _dispatch
-from attn_refs import attn_decode_ref, attn_paged_decode_ref, decode_inputs, naive_decode, paged_inputs
-from conftest import close_to_naive, fp32_sum_tol, rel_err
+from qkernels.testing import appended, reference, sample
+from conftest import close_to_naive, f64, fp32_sum_tol, naive_decode, rel_err
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 requires_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (bfloat16 on the CPU)")
@@ -25,32 +25,32 @@ if HAS_TORCH:
 @pytest.mark.parametrize("L", [1, 7, 129])
 @pytest.mark.parametrize("B", [1, 3, 17])
 def test_decode_fp32(rng, B, L, D, ratio):
-    q, k, v = decode_inputs(rng, B, L, 2, ratio, D)
+    q, k, v = sample("attn_decode", rng, b=B, l=L, hkv=2, ratio=ratio, d=D)[0]
     out = qkernels.attn_decode(q, k, v)
     assert out.shape == q.shape and out.dtype == np.float32
-    assert rel_err(out, attn_decode_ref(q, k, v)) < fp32_sum_tol(L)
+    assert rel_err(out, reference("attn_decode", q, k, v)) < fp32_sum_tol(L)
 
 
 @pytest.mark.parametrize("B,D,ratio", [(1, 128, 8), (3, 64, 5), (17, 32, 1), (2, 256, 4)])
 def test_decode_fp32_long(rng, B, D, ratio):
     L = 4097
-    q, k, v = decode_inputs(rng, B, L, 2, ratio, D)
+    q, k, v = sample("attn_decode", rng, b=B, l=L, hkv=2, ratio=ratio, d=D)[0]
     kv_lens = rng.integers(L - 300, L + 2, B).astype(np.int32)
     out = qkernels.attn_decode(q, k, v, kv_lens=kv_lens)
-    assert rel_err(out, attn_decode_ref(q, k, v, kv_lens)) < fp32_sum_tol(L)
+    assert rel_err(out, reference("attn_decode", q, k, v, kv_lens=kv_lens)) < fp32_sum_tol(L)
 
 
 def test_decode_peaked_scores(rng):
     # scale 2 on D = 128: scores of spread ~20, so the running max moves often across blocks.
-    q, k, v = decode_inputs(rng, 3, 300, 2, 4, 128)
+    q, k, v = sample("attn_decode", rng, b=3, l=300, hkv=2, ratio=4, d=128)[0]
     out = qkernels.attn_decode(q, k, v, scale=2.0)
-    assert rel_err(out, attn_decode_ref(q, k, v, scale=2.0)) < 1e-4
+    assert rel_err(out, reference("attn_decode", q, k, v, scale=2.0)) < 1e-4
     # keys sorted by score ascending: every block raises the max
     s = np.einsum("bhd,bld->bhl", q[:, 0, :1].astype(np.float64), k[:, :, 0].astype(np.float64))
     order = np.argsort(s[:, 0], axis=1)
     k2 = np.take_along_axis(k, order[:, :, None, None], 1).copy()
     v2 = np.take_along_axis(v, order[:, :, None, None], 1).copy()
-    assert rel_err(qkernels.attn_decode(q, k2, v2, scale=2.0), attn_decode_ref(q, k2, v2, scale=2.0)) < 1e-4
+    assert rel_err(qkernels.attn_decode(q, k2, v2, scale=2.0), reference("attn_decode", q, k2, v2, scale=2.0)) < 1e-4
 
 
 # ---- kv_lens and masks ----------------------------------------------------------------------
@@ -58,10 +58,10 @@ def test_decode_peaked_scores(rng):
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
 def test_kv_lens(rng, index_dtype):
     B, L = 6, 37
-    q, k, v = decode_inputs(rng, B, L, 2, 4, 64)
+    q, k, v = sample("attn_decode", rng, b=B, l=L, hkv=2, ratio=4, d=64)[0]
     kv_lens = np.array([0, 1, 36, 37, 38, 1000], index_dtype)  # 0 gives 0; beyond L clamps to L
     out = qkernels.attn_decode(q, k, v, kv_lens=kv_lens)
-    ref = attn_decode_ref(q, k, v, np.minimum(kv_lens, L))
+    ref = reference("attn_decode", q, k, v, kv_lens=np.minimum(kv_lens, L))
     assert rel_err(out, ref) < 1e-5
     assert np.all(out[0] == 0)
     np.testing.assert_array_equal(out[-1], qkernels.attn_decode(q[-1:], k[-1:], v[-1:])[0])
@@ -72,36 +72,36 @@ def test_kv_lens(rng, index_dtype):
 @pytest.mark.parametrize("shape", ["2d", "3d"])
 def test_mask(rng, shape):
     B, L = 5, 70
-    q, k, v = decode_inputs(rng, B, L, 2, 5, 32)
+    q, k, v = sample("attn_decode", rng, b=B, l=L, hkv=2, ratio=5, d=32)[0]
     mask = rng.random((B, L)) < 0.6
     mask[1] = False  # fully masked: 0, not NaN
     mask[2] = False
     mask[2, 69] = True  # a single kept key at the end: exactly that key's value
     m = mask if shape == "2d" else mask[:, None, :]
     out = qkernels.attn_decode(q, k, v, mask=m)
-    assert rel_err(out, attn_decode_ref(q, k, v, mask=mask)) < 1e-5
+    assert rel_err(out, reference("attn_decode", q, k, v, mask=mask)) < 1e-5
     assert np.all(out[1] == 0)
     np.testing.assert_allclose(out[2, 0], np.repeat(v[2, 69], 5, axis=0), rtol=1e-6)
 
 
 def test_mask_and_kv_lens_together(rng):
     B, L = 4, 50
-    q, k, v = decode_inputs(rng, B, L, 1, 8, 64)
+    q, k, v = sample("attn_decode", rng, b=B, l=L, hkv=1, ratio=8, d=64)[0]
     mask = rng.random((B, L)) < 0.5
     mask[3, :10] = False
     kv_lens = np.array([50, 20, 0, 10], np.int32)  # sequence 3: its 10 keys are all masked
     out = qkernels.attn_decode(q, k, v, kv_lens=kv_lens, mask=mask)
-    assert rel_err(out, attn_decode_ref(q, k, v, kv_lens, mask)) < 1e-5
+    assert rel_err(out, reference("attn_decode", q, k, v, kv_lens=kv_lens, mask=mask)) < 1e-5
     assert np.all(out[2] == 0) and np.all(out[3] == 0)
 
 
 def test_strided_mask(rng):
     B, L = 3, 40
-    q, k, v = decode_inputs(rng, B, L, 2, 1, 32)
+    q, k, v = sample("attn_decode", rng, b=B, l=L, hkv=2, ratio=1, d=32)[0]
     big = rng.random((L, 2 * B)) < 0.5
     mask = big[:, ::2].T  # strides (2, 2B) in elements
     out = qkernels.attn_decode(q, k, v, mask=mask)
-    assert rel_err(out, attn_decode_ref(q, k, v, mask=mask)) < 1e-5
+    assert rel_err(out, reference("attn_decode", q, k, v, mask=mask)) < 1e-5
 
 
 # ---- layouts, out=, empty inputs ------------------------------------------------------------
@@ -117,31 +117,31 @@ def test_non_contiguous_views(rng):
     out = out_big[..., 3:]
     r = qkernels.attn_decode(q, k, v, out=out)
     assert r is out
-    ref = attn_decode_ref(q, k, v)
+    ref = reference("attn_decode", q, k, v)
     assert rel_err(out, ref) < 1e-5
     assert np.isnan(out_big[..., :3]).all()  # nothing written outside the view
 
 
 def test_poisoned_out_is_fully_written(rng):
-    q, k, v = decode_inputs(rng, 4, 9, 2, 5, 40)
+    q, k, v = sample("attn_decode", rng, b=4, l=9, hkv=2, ratio=5, d=40)[0]
     out = np.full(q.shape, np.nan, np.float32)
     kv_lens = np.array([9, 0, 3, 1], np.int64)
     qkernels.attn_decode(q, k, v, kv_lens=kv_lens, out=out)
     assert not np.isnan(out).any()
     assert np.all(out[1] == 0)
-    assert rel_err(out, attn_decode_ref(q, k, v, kv_lens)) < 1e-5
+    assert rel_err(out, reference("attn_decode", q, k, v, kv_lens=kv_lens)) < 1e-5
 
 
 def test_empty_inputs(rng):
-    q, k, v = decode_inputs(rng, 0, 5, 2, 4, 32)
+    q, k, v = sample("attn_decode", rng, b=0, l=5, hkv=2, ratio=4, d=32)[0]
     assert qkernels.attn_decode(q, k, v).shape == (0, 1, 8, 32)
-    q, k, v = decode_inputs(rng, 3, 0, 2, 4, 32)
+    q, k, v = sample("attn_decode", rng, b=3, l=0, hkv=2, ratio=4, d=32)[0]
     out = qkernels.attn_decode(q, k, v)  # no keys at all: 0
     assert out.shape == (3, 1, 8, 32) and np.all(out == 0)
 
 
 def test_threads_do_not_change_bits(rng):
-    q, k, v = decode_inputs(rng, 8, 2000, 4, 2, 64)
+    q, k, v = sample("attn_decode", rng, b=8, l=2000, hkv=4, ratio=2, d=64)[0]
     old = _dispatch.configure(num_threads=1)
     try:
         one = qkernels.attn_decode(q, k, v)
@@ -160,13 +160,12 @@ def test_threads_do_not_change_bits(rng):
                                          (2, 4097, 128, 8), (3, 60, 40, 1)])
 def test_decode_half(rng, dtype, B, L, D, ratio):
     td = getattr(torch, dtype)
-    q, k, v = (torch.from_numpy(a).to(td) for a in decode_inputs(rng, B, L, 2, ratio, D))
+    q, k, v = (torch.from_numpy(a).to(td) for a in sample("attn_decode", rng, b=B, l=L, hkv=2, ratio=ratio, d=D)[0])
     kv_lens = torch.from_numpy(rng.integers(0, L + 1, B).astype(np.int32))
     mask = torch.from_numpy(rng.random((B, L)) < 0.8)
     out = qkernels.attn_decode(q, k, v, kv_lens=kv_lens, mask=mask)
     assert isinstance(out, torch.Tensor) and out.dtype == td and out.shape == q.shape
-    f64 = [t.double().numpy() for t in (q, k, v)]
-    ref = attn_decode_ref(*f64, kv_lens.numpy(), mask.numpy())
+    ref = reference("attn_decode", f64(q), f64(k), f64(v), kv_lens=kv_lens.numpy(), mask=mask.numpy())
     keep = (torch.arange(L)[None, :] < kv_lens[:, None]) & mask
     close_to_naive(out, naive_decode(q, k, v, keep, D ** -0.5), ref)
 
@@ -177,11 +176,11 @@ def test_decode_half(rng, dtype, B, L, D, ratio):
 @pytest.mark.parametrize("D,ratio", [(32, 1), (64, 4), (128, 5), (256, 8), (40, 4)])
 def test_paged(rng, D, ratio, index_dtype):
     lens = [0, 1, 7, 129, 33, 2]
-    args = paged_inputs(rng, lens, 2, ratio, D, index_dtype=index_dtype)
+    args = sample("attn_paged_decode", rng, lens=lens, hkv=2, ratio=ratio, d=D, index_dtype=index_dtype)[0]
     assert not np.array_equal(args[4], np.arange(len(lens)))  # req_pool_indices is not the identity
     k_before = args[1].copy()
     out = qkernels.attn_paged_decode(*args)
-    ref, _, _ = attn_paged_decode_ref(*args)
+    ref = reference("attn_paged_decode", *args)
     assert out.shape == args[0].shape
     assert rel_err(out, ref) < fp32_sum_tol(129)
     assert np.all(out[0] == 0)  # length 0
@@ -191,23 +190,24 @@ def test_paged(rng, D, ratio, index_dtype):
 
 def test_paged_mask(rng):
     lens = [5, 64, 0, 17]
-    args = paged_inputs(rng, lens, 2, 4, 64)
+    args = sample("attn_paged_decode", rng, lens=lens, hkv=2, ratio=4, d=64)[0]
     max_ctx = args[3].shape[1]
     mask = rng.random((len(lens), max_ctx)) < 0.6
     mask[3] = False  # fully masked
     out = qkernels.attn_paged_decode(*args, mask=mask)
-    ref, _, _ = attn_paged_decode_ref(*args, mask=mask)
+    ref = reference("attn_paged_decode", *args, mask=mask)
     assert rel_err(out, ref) < 1e-5
     assert np.all(out[3] == 0)
 
 
 def test_paged_new_kv_is_appended_and_used(rng):
     lens = [3, 0, 1, 40, 9]
-    args = paged_inputs(rng, lens, 2, 4, 64)
+    args = sample("attn_paged_decode", rng, lens=lens, hkv=2, ratio=4, d=64)[0]
     q, k_cache, v_cache, r2t, rpi, indptr = args
     new_k = rng.standard_normal((len(lens), 2, 64)).astype(np.float32)
     new_v = rng.standard_normal((len(lens), 2, 64)).astype(np.float32)
-    ref, k_ref, v_ref = attn_paged_decode_ref(*args, new_k=new_k, new_v=new_v)
+    ref = reference("attn_paged_decode", *args, new_k=new_k, new_v=new_v)
+    k_ref, v_ref = appended(k_cache, new_k, r2t, rpi, indptr), appended(v_cache, new_v, r2t, rpi, indptr)
     out = np.full(q.shape, np.nan, np.float32)
     qkernels.attn_paged_decode(*args, new_k=new_k, new_v=new_v, out=out)
     assert rel_err(out, ref) < 1e-5
@@ -226,17 +226,18 @@ def test_paged_new_kv_is_appended_and_used(rng):
 def test_paged_half(rng, dtype):
     td = getattr(torch, dtype)
     lens = [1, 129, 0, 64, 7]
-    host = paged_inputs(rng, lens, 2, 8, 128)
+    host = sample("attn_paged_decode", rng, lens=lens, hkv=2, ratio=8, d=128)[0]
     args = [torch.from_numpy(a) for a in host]
     for i in range(3):
         args[i] = args[i].to(td)
     new_k = torch.from_numpy(rng.standard_normal((len(lens), 2, 128)).astype(np.float32)).to(td)
     new_v = torch.from_numpy(rng.standard_normal((len(lens), 2, 128)).astype(np.float32)).to(td)
-    ref, k_ref, _ = attn_paged_decode_ref(*[a.double().numpy() if a.is_floating_point() else a.numpy() for a in args],
-                                          new_k=new_k.double().numpy(), new_v=new_v.double().numpy())
+    host64 = [f64(a) if a.is_floating_point() else a.numpy() for a in args]
+    ref = reference("attn_paged_decode", *host64, new_k=f64(new_k), new_v=f64(new_v))
+    k_ref = appended(host64[1], f64(new_k), *host64[3:])
     out = qkernels.attn_paged_decode(*args, new_k=new_k, new_v=new_v)
     assert out.dtype == td
-    np.testing.assert_array_equal(args[1].double().numpy(), k_ref)
+    np.testing.assert_array_equal(f64(args[1]), k_ref)
     # the naive yardstick: gather each sequence, then the same-precision decode
     naive = torch.zeros_like(out)
     r2t, rpi = args[3].long(), args[4].long()
@@ -250,7 +251,7 @@ def test_paged_half(rng, dtype):
 
 def test_paged_index_errors(rng):
     lens = [3, 5]
-    good = paged_inputs(rng, lens, 1, 2, 32, index_dtype=np.int64)
+    good = sample("attn_paged_decode", rng, lens=lens, hkv=1, ratio=2, d=32, index_dtype=np.int64)[0]
     new_k = np.ones((2, 1, 32), np.float32)
     cases = []
     a = [x.copy() for x in good]
@@ -283,7 +284,7 @@ def test_paged_index_errors(rng):
 
 def test_paged_strided_indices_and_pools(rng):
     lens = [4, 11, 0]
-    q, kc, vc, r2t, rpi, indptr = paged_inputs(rng, lens, 2, 4, 64)
+    q, kc, vc, r2t, rpi, indptr = sample("attn_paged_decode", rng, lens=lens, hkv=2, ratio=4, d=64)[0]
     S = kc.shape[0]
     kc_big = np.zeros((S, 3, 64), np.float32)
     kc_big[:, 1:] = kc
@@ -291,5 +292,5 @@ def test_paged_strided_indices_and_pools(rng):
     rpi_s = np.repeat(rpi, 2)[::2]
     indptr_s = np.repeat(indptr, 3)[::3]
     out = qkernels.attn_paged_decode(q, kc_big[:, 1:], vc, r2t_f, rpi_s, indptr_s)
-    ref, _, _ = attn_paged_decode_ref(q, kc, vc, r2t, rpi, indptr)
+    ref = reference("attn_paged_decode", q, kc, vc, r2t, rpi, indptr)
     assert rel_err(out, ref) < 1e-5

@@ -1,4 +1,4 @@
-"""attn_prefill and attn_paged_prefill on the cpu backend against float64 NumPy references (attn_refs):
+"""attn_prefill and attn_paged_prefill on the cpu backend against the float64 references of qkernels.testing:
 lengths, GQA ratios, head dims, causal bottom-right alignment (prefix caches, Lq > Lkv), both mask
 kinds, non-contiguous views, poisoned out=, empty inputs, thread-count independence; the ragged token
 pool (very uneven lengths, permuted slots and request rows, rows of no request); fp16/bf16 against a
@@ -12,9 +12,8 @@ import pytest
 
 import qkernels
 from qkernels import _dispatch
-from attn_refs import (attn_paged_prefill_ref, attn_prefill_ref, naive_prefill, paged_prefill_inputs, prefill_inputs,
-                       prefill_keep)
-from conftest import FakeCudaTensor, close_to_naive, fp32_sum_tol, rel_err
+from qkernels.testing import prefill_keep, reference, sample
+from conftest import FakeCudaTensor, RecordingOut, close_to_naive, f64, fp32_sum_tol, naive_prefill, rel_err, replaced
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 requires_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (bfloat16 on the CPU)")
@@ -35,15 +34,15 @@ FP32_CASES = [
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("B,Lq,Lkv,D,ratio", FP32_CASES)
 def test_prefill_fp32(rng, B, Lq, Lkv, D, ratio, is_causal):
-    q, k, v = prefill_inputs(rng, B, Lq, Lkv, 2, ratio, D)
+    q, k, v = sample("attn_prefill", rng, b=B, lq=Lq, lkv=Lkv, hkv=2, ratio=ratio, d=D)[0]
     out = qkernels.attn_prefill(q, k, v, is_causal=is_causal)
     assert out.shape == q.shape and out.dtype == np.float32
-    assert rel_err(out, attn_prefill_ref(q, k, v, is_causal)) < fp32_sum_tol(Lkv)
+    assert rel_err(out, reference("attn_prefill", q, k, v, is_causal=is_causal)) < fp32_sum_tol(Lkv)
 
 
 def test_causal_is_bottom_right(rng):
     # a prefix cache: the 5 queries are the last 5 of 12 positions, so query i sees keys j <= i + 7
-    q, k, v = prefill_inputs(rng, 1, 5, 12, 1, 1, 32)
+    q, k, v = sample("attn_prefill", rng, b=1, lq=5, lkv=12, hkv=1, ratio=1, d=32)[0]
     out = qkernels.attn_prefill(q, k, v, is_causal=True)
     for i in range(5):
         np.testing.assert_allclose(out[:, i], qkernels.attn_prefill(q[:, i:i + 1], k[:, :i + 8], v[:, :i + 8])[:, 0],
@@ -54,23 +53,23 @@ def test_causal_is_bottom_right(rng):
 
 def test_more_queries_than_keys(rng):
     # Lq > Lkv with causal: query i keeps keys j <= i - 4, so the first 4 keep nothing and give 0
-    q, k, v = prefill_inputs(rng, 2, 20, 16, 2, 4, 64)
+    q, k, v = sample("attn_prefill", rng, b=2, lq=20, lkv=16, hkv=2, ratio=4, d=64)[0]
     out = qkernels.attn_prefill(q, k, v, is_causal=True)
     assert np.all(out[:, :4] == 0)
-    assert rel_err(out, attn_prefill_ref(q, k, v, True)) < 1e-5
+    assert rel_err(out, reference("attn_prefill", q, k, v, is_causal=True)) < 1e-5
     np.testing.assert_allclose(out[:, 4], np.repeat(v[:, 0], 4, axis=1), rtol=1e-6)  # only key 0
 
 
 def test_peaked_scores(rng):
     # scale 2 on D = 128: scores spread ~20, so the running max moves across tiles; keys sorted by
     # score make every tile raise it
-    q, k, v = prefill_inputs(rng, 1, 40, 300, 1, 4, 128)
+    q, k, v = sample("attn_prefill", rng, b=1, lq=40, lkv=300, hkv=1, ratio=4, d=128)[0]
     s = np.einsum("id,jd->ij", q[0, :, 0].astype(np.float64), k[0, :, 0].astype(np.float64))
     order = np.argsort(s[0])
     k, v = k[:, order].copy(), v[:, order].copy()
     for causal in (False, True):
         out = qkernels.attn_prefill(q, k, v, is_causal=causal, scale=2.0)
-        assert rel_err(out, attn_prefill_ref(q, k, v, causal, scale=2.0)) < 1e-4
+        assert rel_err(out, reference("attn_prefill", q, k, v, is_causal=causal, scale=2.0)) < 1e-4
 
 
 # ---- masks ----------------------------------------------------------------------------------
@@ -78,13 +77,13 @@ def test_peaked_scores(rng):
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_key_mask(rng, is_causal):
     B, Lq, Lkv = 4, 33, 70
-    q, k, v = prefill_inputs(rng, B, Lq, Lkv, 2, 5, 32)
+    q, k, v = sample("attn_prefill", rng, b=B, lq=Lq, lkv=Lkv, hkv=2, ratio=5, d=32)[0]
     mask = rng.random((B, Lkv)) < 0.6
     mask[1] = False  # fully masked: 0, not NaN
     mask[2] = False
     mask[2, 0] = True  # a single kept key, visible to every query even with causal
     out = qkernels.attn_prefill(q, k, v, is_causal=is_causal, mask=mask)
-    assert rel_err(out, attn_prefill_ref(q, k, v, is_causal, mask)) < 1e-5
+    assert rel_err(out, reference("attn_prefill", q, k, v, is_causal=is_causal, mask=mask)) < 1e-5
     assert np.all(out[1] == 0)
     np.testing.assert_allclose(out[2], np.broadcast_to(np.repeat(v[2, 0], 5, axis=0), out[2].shape), rtol=1e-6)
 
@@ -94,13 +93,13 @@ def test_key_mask(rng, is_causal):
 def test_query_mask(rng, heads, is_causal):
     B, Lq, Lkv, Hkv, ratio = 2, 45, 80, 2, 4
     Hq = Hkv * ratio
-    q, k, v = prefill_inputs(rng, B, Lq, Lkv, Hkv, ratio, 64)
+    q, k, v = sample("attn_prefill", rng, b=B, lq=Lq, lkv=Lkv, hkv=Hkv, ratio=ratio, d=64)[0]
     mask = rng.random((B, 1 if heads == "shared" else Hq, Lq, Lkv)) < 0.5
     mask[0, :, 3] = False  # query 3 of sequence 0 keeps nothing in any head
     mask[1, :, 7] = False
     mask[1, :, 7, 79] = True  # query 7 of sequence 1 keeps one key in every head (the last: causal drops it)
     out = qkernels.attn_prefill(q, k, v, is_causal=is_causal, mask=mask)
-    assert rel_err(out, attn_prefill_ref(q, k, v, is_causal, mask)) < 1e-5
+    assert rel_err(out, reference("attn_prefill", q, k, v, is_causal=is_causal, mask=mask)) < 1e-5
     assert np.all(out[0, 3] == 0)
     if is_causal:
         assert np.all(out[1, 7] == 0)  # its only key is past its diagonal
@@ -110,17 +109,17 @@ def test_query_mask(rng, heads, is_causal):
 
 def test_strided_masks(rng):
     B, Lq, Lkv, Hq = 2, 9, 40, 4
-    q, k, v = prefill_inputs(rng, B, Lq, Lkv, 1, Hq, 32)
+    q, k, v = sample("attn_prefill", rng, b=B, lq=Lq, lkv=Lkv, hkv=1, ratio=Hq, d=32)[0]
     key_mask = (rng.random((Lkv, 2 * B)) < 0.5)[:, ::2].T  # strides (2, 2B)
     out = qkernels.attn_prefill(q, k, v, mask=key_mask)
-    assert rel_err(out, attn_prefill_ref(q, k, v, mask=key_mask)) < 1e-5
+    assert rel_err(out, reference("attn_prefill", q, k, v, mask=key_mask)) < 1e-5
     big = rng.random((B, Lkv, Hq, Lq)) < 0.5
     query_mask = big.transpose(0, 2, 3, 1)  # [B, Hq, Lq, Lkv], keys the outer stride
     out = qkernels.attn_prefill(q, k, v, is_causal=True, mask=query_mask)
-    assert rel_err(out, attn_prefill_ref(q, k, v, True, query_mask)) < 1e-5
+    assert rel_err(out, reference("attn_prefill", q, k, v, is_causal=True, mask=query_mask)) < 1e-5
     shared = np.broadcast_to(rng.random((1, 1, Lq, Lkv)) < 0.5, (B, 1, Lq, Lkv))  # stride 0 over B
     out = qkernels.attn_prefill(q, k, v, mask=shared)
-    assert rel_err(out, attn_prefill_ref(q, k, v, mask=shared)) < 1e-5
+    assert rel_err(out, reference("attn_prefill", q, k, v, mask=shared)) < 1e-5
 
 
 # ---- layouts, out=, empty inputs, threads ---------------------------------------------------
@@ -135,24 +134,24 @@ def test_non_contiguous_views(rng):
     out = out_big[..., 3:].transpose(1, 0, 2, 3)
     r = qkernels.attn_prefill(q, k, v, is_causal=True, out=out)
     assert r is out
-    assert rel_err(out, attn_prefill_ref(q, k, v, True)) < 1e-5
+    assert rel_err(out, reference("attn_prefill", q, k, v, is_causal=True)) < 1e-5
     assert np.isnan(out_big[..., :3]).all()  # nothing written outside the view
 
 
 def test_poisoned_out_is_fully_written(rng):
-    q, k, v = prefill_inputs(rng, 2, 50, 30, 2, 5, 40)
+    q, k, v = sample("attn_prefill", rng, b=2, lq=50, lkv=30, hkv=2, ratio=5, d=40)[0]
     out = np.full(q.shape, np.nan, np.float32)
     qkernels.attn_prefill(q, k, v, is_causal=True, out=out)
     assert not np.isnan(out).any()
     assert np.all(out[:, :20] == 0)  # no key at or before their diagonal
-    assert rel_err(out, attn_prefill_ref(q, k, v, True)) < 1e-5
+    assert rel_err(out, reference("attn_prefill", q, k, v, is_causal=True)) < 1e-5
 
 
 def test_empty_inputs(rng):
     for B, Lq, Lkv in ((0, 5, 5), (2, 0, 5)):
-        q, k, v = prefill_inputs(rng, B, Lq, Lkv, 2, 4, 32)
+        q, k, v = sample("attn_prefill", rng, b=B, lq=Lq, lkv=Lkv, hkv=2, ratio=4, d=32)[0]
         assert qkernels.attn_prefill(q, k, v, is_causal=True).shape == (B, Lq, 8, 32)
-    q, k, v = prefill_inputs(rng, 2, 7, 0, 2, 4, 32)
+    q, k, v = sample("attn_prefill", rng, b=2, lq=7, lkv=0, hkv=2, ratio=4, d=32)[0]
     out = np.full(q.shape, np.nan, np.float32)
     qkernels.attn_prefill(q, k, v, out=out)  # no keys at all: 0
     assert np.all(out == 0)
@@ -162,7 +161,7 @@ def test_empty_inputs(rng):
 
 def test_threads_do_not_change_bits(rng):
     # work items are taken from a shared counter: who computes what varies, the bits must not
-    q, k, v = prefill_inputs(rng, 2, 300, 700, 2, 4, 64)
+    q, k, v = sample("attn_prefill", rng, b=2, lq=300, lkv=700, hkv=2, ratio=4, d=64)[0]
     mask = rng.random((2, 700)) < 0.9
     old = _dispatch.configure(num_threads=1)
     try:
@@ -184,11 +183,12 @@ def test_threads_do_not_change_bits(rng):
 ])
 def test_prefill_half(rng, dtype, B, Lq, Lkv, D, ratio, is_causal):
     td = getattr(torch, dtype)
-    q, k, v = (torch.from_numpy(a).to(td) for a in prefill_inputs(rng, B, Lq, Lkv, 2, ratio, D))
+    host, _ = sample("attn_prefill", rng, b=B, lq=Lq, lkv=Lkv, hkv=2, ratio=ratio, d=D)
+    q, k, v = (torch.from_numpy(a).to(td) for a in host)
     mask = rng.random((B, Lkv)) < 0.8
     out = qkernels.attn_prefill(q, k, v, is_causal=is_causal, mask=torch.from_numpy(mask))
     assert isinstance(out, torch.Tensor) and out.dtype == td and out.shape == q.shape
-    ref = attn_prefill_ref(*(t.double().numpy() for t in (q, k, v)), is_causal, mask)
+    ref = reference("attn_prefill", f64(q), f64(k), f64(v), is_causal=is_causal, mask=mask)
     keep = prefill_keep(B, 2 * ratio, Lq, Lkv, is_causal, mask)
     close_to_naive(out, naive_prefill(q, k, v, torch.from_numpy(keep.copy()), D ** -0.5), ref)
 
@@ -202,12 +202,13 @@ def test_paged(rng, D, ratio, is_causal, index_dtype):
     # very uneven: a lone query against ~4000 keys beside whole prompts, prefix caches and empties
     q_lens = [1, 17, 0, 113, 5, 0, 2]
     kv_lens = [4000, 17, 9, 300, 5, 0, 70]
-    args = paged_prefill_inputs(rng, q_lens, kv_lens, 2, ratio, D, index_dtype=index_dtype)
+    args, _ = sample("attn_paged_prefill", rng, q_lens=q_lens, kv_lens=kv_lens, hkv=2, ratio=ratio, d=D,
+                     index_dtype=index_dtype)
     assert not np.array_equal(args[4], np.arange(len(q_lens)))  # req_pool_indices is not the identity
     k_before = args[1].copy()
     out = np.full(args[0].shape, np.nan, np.float32)
     qkernels.attn_paged_prefill(*args, is_causal=is_causal, out=out)
-    ref = attn_paged_prefill_ref(*args, is_causal=is_causal)
+    ref = reference("attn_paged_prefill", *args, is_causal=is_causal)
     assert rel_err(out, ref) < fp32_sum_tol(4000)
     np.testing.assert_array_equal(args[1], k_before)  # the pools are only read
     # request 4 (5 queries, 5 keys) alone, as a dense call on its gathered keys
@@ -218,11 +219,11 @@ def test_paged(rng, D, ratio, is_causal, index_dtype):
 
 
 def test_paged_rows_of_no_request_are_zero(rng):
-    args = paged_prefill_inputs(rng, [3, 4], [10, 4], 2, 4, 64, lead=2, tail=3)
+    args = sample("attn_paged_prefill", rng, q_lens=[3, 4], kv_lens=[10, 4], hkv=2, ratio=4, d=64, lead=2, tail=3)[0]
     out = np.full(args[0].shape, np.nan, np.float32)
     qkernels.attn_paged_prefill(*args, is_causal=True, out=out)
     assert np.all(out[:2] == 0) and np.all(out[-3:] == 0)
-    assert rel_err(out, attn_paged_prefill_ref(*args, is_causal=True)) < 1e-5
+    assert rel_err(out, reference("attn_paged_prefill", *args, is_causal=True)) < 1e-5
     # no requests at all: every row is 0
     q = rng.standard_normal((4, 8, 64)).astype(np.float32)
     none = np.zeros(0, np.int32)
@@ -234,7 +235,7 @@ def test_paged_permuted_request_rows(rng):
     # the requests' query rows in another order than the batch: qo_indptr still ascends, but request
     # b's keys are those of row req_pool_indices[b]; swapping two requests' rows and pool rows together
     # must swap their outputs
-    args = list(paged_prefill_inputs(rng, [6, 9, 4], [20, 9, 50], 1, 4, 32))
+    args = list(sample("attn_paged_prefill", rng, q_lens=[6, 9, 4], kv_lens=[20, 9, 50], hkv=1, ratio=4, d=32)[0])
     out = qkernels.attn_paged_prefill(*args, is_causal=True)
     q, kc, vc, r2t, rpi, kv_indptr, qo = args
     order = [2, 0, 1]
@@ -244,25 +245,26 @@ def test_paged_permuted_request_rows(rng):
     kv2 = np.concatenate([[0], np.cumsum(kv_lens[order])]).astype(kv_indptr.dtype)
     out2 = qkernels.attn_paged_prefill(q2, kc, vc, r2t, rpi[order], kv2, qo2, is_causal=True)
     np.testing.assert_array_equal(out2, np.concatenate([out[qo[b]:qo[b + 1]] for b in order]))
-    assert rel_err(out, attn_paged_prefill_ref(*args, is_causal=True)) < 1e-5
+    assert rel_err(out, reference("attn_paged_prefill", *args, is_causal=True)) < 1e-5
 
 
 def test_paged_mask(rng):
     q_lens, kv_lens = [5, 16, 3, 1], [64, 16, 10, 1]
-    args = paged_prefill_inputs(rng, q_lens, kv_lens, 2, 4, 64)
+    args = sample("attn_paged_prefill", rng, q_lens=q_lens, kv_lens=kv_lens, hkv=2, ratio=4, d=64)[0]
     max_ctx = args[3].shape[1]
     mask = rng.random((len(q_lens), max_ctx)) < 0.6
     mask[2] = False  # fully masked request
     mask[3, 0] = True
     for causal in (False, True):
         out = qkernels.attn_paged_prefill(*args, mask=mask, is_causal=causal)
-        assert rel_err(out, attn_paged_prefill_ref(*args, is_causal=causal, mask=mask)) < 1e-5
+        assert rel_err(out, reference("attn_paged_prefill", *args, is_causal=causal, mask=mask)) < 1e-5
         qo = args[6]
         assert np.all(out[qo[2]:qo[3]] == 0)
 
 
 def test_paged_strided_indices_and_pools(rng):
-    q, kc, vc, r2t, rpi, kv_indptr, qo = paged_prefill_inputs(rng, [4, 11, 0], [7, 11, 3], 2, 4, 64)
+    (q, kc, vc, r2t, rpi, kv_indptr, qo), _ = sample("attn_paged_prefill", rng, q_lens=[4, 11, 0], kv_lens=[7, 11, 3],
+                                                     hkv=2, ratio=4, d=64)
     S = kc.shape[0]
     kc_big = np.zeros((S, 3, 64), np.float32)
     kc_big[:, 1:] = kc
@@ -272,7 +274,7 @@ def test_paged_strided_indices_and_pools(rng):
     out = qkernels.attn_paged_prefill(q_big[..., 64:], kc_big[:, 1:], vc, np.asfortranarray(r2t),
                                       np.repeat(rpi, 2)[::2], np.repeat(kv_indptr, 3)[::3], np.repeat(qo, 2)[::2],
                                       is_causal=True)
-    assert rel_err(out, attn_paged_prefill_ref(q, kc, vc, r2t, rpi, kv_indptr, qo, is_causal=True)) < 1e-5
+    assert rel_err(out, reference("attn_paged_prefill", q, kc, vc, r2t, rpi, kv_indptr, qo, is_causal=True)) < 1e-5
 
 
 @requires_torch
@@ -280,14 +282,14 @@ def test_paged_strided_indices_and_pools(rng):
 def test_paged_half(rng, dtype):
     td = getattr(torch, dtype)
     q_lens, kv_lens = [1, 40, 7, 0], [1000, 40, 30, 4]
-    host = paged_prefill_inputs(rng, q_lens, kv_lens, 2, 4, 128)
+    host = sample("attn_paged_prefill", rng, q_lens=q_lens, kv_lens=kv_lens, hkv=2, ratio=4, d=128)[0]
     args = [torch.from_numpy(a) for a in host]
     for i in range(3):
         args[i] = args[i].to(td)
     out = qkernels.attn_paged_prefill(*args, is_causal=True)
     assert out.dtype == td and out.shape == args[0].shape
-    ref = attn_paged_prefill_ref(*[a.double().numpy() if a.is_floating_point() else a.numpy() for a in args],
-                                 is_causal=True)
+    ref = reference("attn_paged_prefill", *[f64(a) if a.is_floating_point() else a.numpy() for a in args],
+                    is_causal=True)
     naive = torch.zeros_like(out)
     r2t, rpi, qo = args[3].long(), args[4].long(), args[6].long()
     for b, (nq, nk) in enumerate(zip(q_lens, kv_lens)):
@@ -299,7 +301,7 @@ def test_paged_half(rng, dtype):
 
 
 def test_paged_index_errors(rng):
-    good = paged_prefill_inputs(rng, [3, 2], [3, 5], 1, 2, 32, index_dtype=np.int64)
+    good, _ = sample("attn_paged_prefill", rng, q_lens=[3, 2], kv_lens=[3, 5], hkv=1, ratio=2, d=32)
     q, kc, vc, r2t, rpi, kv_indptr, qo = good
     R, S, max_ctx = r2t.shape[0], kc.shape[0], r2t.shape[1]  # R = 4, max_ctx = 8
     cases = []
@@ -337,7 +339,7 @@ def test_paged_index_errors(rng):
 
 def dense_args():
     rng = np.random.default_rng(5)
-    return list(prefill_inputs(rng, 2, 3, 5, 2, 2, 8))  # q [2, 3, 4, 8], k/v [2, 5, 2, 8]
+    return list(sample("attn_prefill", rng, b=2, lq=3, lkv=5, hkv=2, ratio=2, d=8)[0])  # q [2,3,4,8], k/v [2,5,2,8]
 
 
 @pytest.mark.parametrize("pos,value,exc,msg", [
@@ -354,11 +356,8 @@ def dense_args():
     (1, "k", TypeError, "attn_prefill: k must be a tensor supporting DLPack"),
 ])
 def test_prefill_bad_argument(pos, value, exc, msg):
-    args = dense_args()
-    for p in pos if isinstance(pos, tuple) else (pos,):
-        args[p] = value
     with pytest.raises(exc, match=msg):
-        qkernels.attn_prefill(*args)
+        qkernels.attn_prefill(*replaced(dense_args(), pos, value))
 
 
 @pytest.mark.parametrize("kw,exc,msg", [
@@ -382,7 +381,8 @@ def test_prefill_bad_keyword(kw, exc, msg):
 
 
 def paged_args():
-    return list(paged_prefill_inputs(np.random.default_rng(6), [2, 3], [4, 3], 2, 2, 8))
+    return list(sample("attn_paged_prefill", np.random.default_rng(6), q_lens=[2, 3], kv_lens=[4, 3], hkv=2, ratio=2,
+                       d=8)[0])
 
 
 @pytest.mark.parametrize("pos,value,exc,msg", [
@@ -400,11 +400,8 @@ def paged_args():
     (1, np.ones((12, 2, 16), np.float32)[..., ::2], ValueError, "attn_paged_prefill: k_cache must be unit-stride in its last dimension"),
 ])
 def test_paged_bad_argument(pos, value, exc, msg):
-    args = paged_args()
-    for p in pos if isinstance(pos, tuple) else (pos,):
-        args[p] = value
     with pytest.raises(exc, match=msg):
-        qkernels.attn_paged_prefill(*args)
+        qkernels.attn_paged_prefill(*replaced(paged_args(), pos, value))
 
 
 def test_paged_bad_keywords():
@@ -433,7 +430,7 @@ def fake_prefill(B=2, Lq=16, Lkv=16, Hq=8, Hkv=2, D=128, dtype="bfloat16"):
 
 def test_dispatch_axes_and_env(env):
     env()
-    q, k, v = prefill_inputs(np.random.default_rng(0), 1, 3, 5, 1, 2, 40)
+    q, k, v = sample("attn_prefill", np.random.default_rng(0), b=1, lq=3, lkv=5, hkv=1, ratio=2, d=40)[0]
     d = qkernels.resolve("attn_prefill", q, k, v, is_causal=True, mask=np.ones((1, 5), bool))
     assert d.axes == {"framework": "numpy", "device": "cpu", "dtype": "float32", "head_dim": 40, "has_mask": True,
                       "paged": False}
@@ -476,11 +473,7 @@ def test_flash_receives_the_call(env, fake_flash):
     (cq, ck, cv, kw), = fake_flash
     assert cq is q and ck is k and cv is v and kw == {"softmax_scale": None, "causal": True}
 
-    class Out:
-        def copy_(self, src):
-            self.got = src
-
-    out = Out()
+    out = RecordingOut()
     assert qkernels.attn_prefill(*fake_prefill(), out=out, scale=0.5, backend="flash") is out
     assert out.got == "flash_attn_func result"
     assert fake_flash[-1][3] == {"softmax_scale": 0.5, "causal": False}

@@ -163,7 +163,7 @@ def test_reports(run, tmp_path):
 def test_report_name_keeps_a_hand_written_page(run, tmp_path):
     assert run.report_stem(str(tmp_path), "h200", False) == "h200"
     assert run.report_stem(str(tmp_path), "h200", True) == "h200-quick"
-    (tmp_path / "h200.md").write_text("# NVIDIA H200 — issue 2 figures, written by hand\n")
+    (tmp_path / "h200.md").write_text("# NVIDIA H200 — figures written by hand\n")
     assert run.report_stem(str(tmp_path), "h200", False) == "h200-run"
     run.write_reports(str(tmp_path), "h100", meta(), [])
     assert run.report_stem(str(tmp_path), "h100", False) == "h100"  # our own page is rewritten

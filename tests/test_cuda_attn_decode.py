@@ -1,4 +1,5 @@
-"""attn_decode and attn_paged_decode on CUDA through the public API: float64 references, fp16/bf16
+"""attn_decode and attn_paged_decode on CUDA through the public API: the float64 references of
+qkernels.testing, fp16/bf16
 against a naive same-precision torch computation (flash-attention's rule), kv_lens and masks,
 non-contiguous views, the token pool with new_k/new_v appended, bad indices contained, the cpu
 backend staging device tensors, CUDA-graph replay with lengths changed on the device, and the real
@@ -13,8 +14,8 @@ import pytest
 
 import qkernels
 from qkernels import _frameworks
-from attn_refs import attn_decode_ref, attn_paged_decode_ref, decode_inputs, naive_decode, paged_inputs
-from conftest import capture_graph, close_to_naive, requires_cuda
+from qkernels.testing import appended, reference, sample
+from conftest import capture_graph, close_to_naive, cuda, f64, naive_decode, requires_cuda
 
 pytestmark = [requires_cuda,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
@@ -34,15 +35,6 @@ def split_merge(request, monkeypatch):
     return request.param
 
 
-def cuda(a, dtype=None):
-    t = torch.from_numpy(np.ascontiguousarray(a)).cuda()
-    return t.to(getattr(torch, dtype)) if dtype else t
-
-
-def f64(t):
-    return t.double().cpu().numpy()
-
-
 def keep_of(B, L, kv_lens=None, mask=None):
     keep = torch.ones(B, L, dtype=torch.bool, device="cuda")
     if kv_lens is not None:
@@ -59,10 +51,10 @@ def keep_of(B, L, kv_lens=None, mask=None):
 @pytest.mark.parametrize("D", [32, 64, 128, 256])
 @pytest.mark.parametrize("B,L", [(1, 1), (3, 7), (17, 129), (1, 4097), (3, 4097)])
 def test_decode(rng, dtype, B, L, D, ratio):
-    q, k, v = (cuda(a, dtype) for a in decode_inputs(rng, B, L, 2, ratio, D))
+    q, k, v = (cuda(a, dtype) for a in sample("attn_decode", rng, b=B, l=L, hkv=2, ratio=ratio, d=D)[0])
     out = qkernels.attn_decode(q, k, v)
     assert out.dtype == q.dtype and out.shape == q.shape and out.is_cuda
-    ref = attn_decode_ref(f64(q), f64(k), f64(v))
+    ref = reference("attn_decode", f64(q), f64(k), f64(v))
     close_to_naive(out, naive_decode(q, k, v, keep_of(B, L), D ** -0.5), ref)
 
 
@@ -72,16 +64,16 @@ def test_decode_forced_splits(rng, monkeypatch, splits):
     lengths that leave some splits empty and a poisoned out; contiguous and paged."""
     monkeypatch.setenv("QKERNELS_DECODE_SPLITS", splits)
     B, L, D = 5, 1000, 128
-    q, k, v = (cuda(a, "bfloat16") for a in decode_inputs(rng, B, L, 8, 4, D))
+    q, k, v = (cuda(a, "bfloat16") for a in sample("attn_decode", rng, b=B, l=L, hkv=8, ratio=4, d=D)[0])
     kv_lens = cuda(np.array([1, 17, 500, 999, 1000], np.int32))
     out = torch.full_like(q, float("nan"))
     qkernels.attn_decode(q, k, v, kv_lens=kv_lens, out=out)
-    ref = attn_decode_ref(f64(q), f64(k), f64(v), kv_lens=kv_lens.cpu().numpy())
+    ref = reference("attn_decode", f64(q), f64(k), f64(v), kv_lens=kv_lens.cpu().numpy())
     close_to_naive(out, naive_decode(q, k, v, keep_of(B, L, kv_lens), D ** -0.5), ref)
     lens = [0, 3, 1000, 257]
-    args = paged_cuda(paged_inputs(rng, lens, 2, 4, D), "bfloat16")
-    host = [f64(a) if i < 3 else a.cpu().numpy() for i, a in enumerate(args)]
-    ref, _, _ = attn_paged_decode_ref(*host)
+    args = paged_cuda(sample("attn_paged_decode", rng, lens=lens, hkv=2, ratio=4, d=D, index_dtype=np.int32)[0],
+                      "bfloat16")
+    ref = reference("attn_paged_decode", *host64(args))
     out = qkernels.attn_paged_decode(*args)
     close_to_naive(out, naive_paged(args, lens, D), ref)
 
@@ -93,11 +85,11 @@ def test_decode_many_splits(rng, monkeypatch, D):
     workspace path at 750-key splits."""
     monkeypatch.setenv("QKERNELS_DECODE_SPLITS", "40")
     B, L = 2, 30000
-    q, k, v = (cuda(a, "bfloat16") for a in decode_inputs(rng, B, L, 2, 4, D))
+    q, k, v = (cuda(a, "bfloat16") for a in sample("attn_decode", rng, b=B, l=L, hkv=2, ratio=4, d=D)[0])
     kv_lens = cuda(np.array([L, 9000], np.int32))
     out = torch.full_like(q, float("nan"))
     qkernels.attn_decode(q, k, v, kv_lens=kv_lens, out=out)
-    ref = attn_decode_ref(f64(q), f64(k), f64(v), kv_lens=kv_lens.cpu().numpy())
+    ref = reference("attn_decode", f64(q), f64(k), f64(v), kv_lens=kv_lens.cpu().numpy())
     close_to_naive(out, naive_decode(q, k, v, keep_of(B, L, kv_lens), D ** -0.5), ref)
 
 
@@ -105,7 +97,7 @@ def test_decode_many_splits(rng, monkeypatch, D):
 @pytest.mark.parametrize("mask_shape", [None, "2d", "3d"])
 def test_decode_kv_lens_and_mask(rng, dtype, mask_shape):
     B, L, D = 6, 300, 128
-    q, k, v = (cuda(a, dtype) for a in decode_inputs(rng, B, L, 8, 4, D))
+    q, k, v = (cuda(a, dtype) for a in sample("attn_decode", rng, b=B, l=L, hkv=8, ratio=4, d=D)[0])
     kv_lens = cuda(np.array([0, 1, 150, 299, 300, 5000], np.int32))
     mask = None
     if mask_shape:
@@ -113,8 +105,8 @@ def test_decode_kv_lens_and_mask(rng, dtype, mask_shape):
         m[4] = False  # fully masked: 0
         mask = cuda(m if mask_shape == "2d" else m[:, None, :])
     out = qkernels.attn_decode(q, k, v, kv_lens=kv_lens, mask=mask)
-    ref = attn_decode_ref(f64(q), f64(k), f64(v), np.minimum(kv_lens.cpu().numpy(), L),
-                          None if mask is None else mask.cpu().numpy())
+    ref = reference("attn_decode", f64(q), f64(k), f64(v), kv_lens=kv_lens.cpu().numpy(),
+                    mask=None if mask is None else mask.cpu().numpy())
     close_to_naive(out, naive_decode(q, k, v, keep_of(B, L, kv_lens, mask), D ** -0.5), ref)
     assert torch.all(out[0] == 0)
     if mask_shape:
@@ -131,7 +123,7 @@ def test_decode_strided_and_poisoned_out(rng):
     out = torch.full((B, 1, Hkv * ratio, D), float("nan"), dtype=torch.bfloat16, device="cuda")
     assert qkernels.attn_decode(q, k, v, out=out) is out
     assert not out.isnan().any()
-    ref = attn_decode_ref(f64(q), f64(k), f64(v))
+    ref = reference("attn_decode", f64(q), f64(k), f64(v))
     close_to_naive(out, naive_decode(q, k, v, keep_of(B, L), D ** -0.5), ref)
     k2 = torch.zeros(B, L, Hkv, 2 * D, dtype=torch.bfloat16, device="cuda")[..., ::2]
     with pytest.raises(ValueError, match="attn_decode: k must be unit-stride in its last dimension, got stride 2"):
@@ -139,7 +131,7 @@ def test_decode_strided_and_poisoned_out(rng):
 
 
 def test_decode_cuda_checks(rng):
-    q, k, v = (cuda(a) for a in decode_inputs(rng, 2, 5, 2, 4, 64))  # float32 on cuda
+    q, k, v = (cuda(a) for a in sample("attn_decode", rng, b=2, l=5, hkv=2, ratio=4, d=64)[0])  # float32 on cuda
     with pytest.raises(TypeError, match="attn_decode: q must be bfloat16 or float16 on cuda"):
         qkernels._C.attn_decode_raw(q, k, v)
     with pytest.raises(qkernels.ExplicitSelectionError, match="requires dtype float16 or bfloat16"):
@@ -147,8 +139,8 @@ def test_decode_cuda_checks(rng):
     _frameworks._staging_warned.clear()  # the warning comes once per op and framework
     with pytest.warns(qkernels.FallbackWarning):  # the chain stages float32 through the cpu backend
         out = qkernels.attn_decode(q, k, v)
-    assert out.is_cuda and np.abs(f64(out) - attn_decode_ref(f64(q), f64(k), f64(v))).max() < 1e-5
-    q, k, v = (cuda(a, "bfloat16") for a in decode_inputs(rng, 2, 5, 2, 4, 40))
+    assert out.is_cuda and np.abs(f64(out) - reference("attn_decode", f64(q), f64(k), f64(v))).max() < 1e-5
+    q, k, v = (cuda(a, "bfloat16") for a in sample("attn_decode", rng, b=2, l=5, hkv=2, ratio=4, d=40)[0])
     with pytest.raises(qkernels.ExplicitSelectionError, match="requires head_dim 32, 64, 128 or 256"):
         qkernels.attn_decode(q, k, v, backend="cuda")
 
@@ -157,6 +149,11 @@ def test_decode_cuda_checks(rng):
 
 def paged_cuda(host, dtype):
     return [cuda(a, dtype) if i < 3 else cuda(a) for i, a in enumerate(host)]
+
+
+def host64(args):
+    """attn_paged_decode's CUDA arguments on the host: the floats in float64."""
+    return [f64(a) if i < 3 else a.cpu().numpy() for i, a in enumerate(args)]
 
 
 def naive_paged(args, lens, D):
@@ -176,11 +173,13 @@ def naive_paged(args, lens, D):
 @pytest.mark.parametrize("D,ratio", [(32, 1), (64, 4), (128, 5), (256, 8), (128, 8)])
 def test_paged(rng, dtype, D, ratio):
     lens = [0, 1, 7, 129, 4097, 33]
-    args = paged_cuda(paged_inputs(rng, lens, 2, ratio, D), dtype)
+    args = paged_cuda(sample("attn_paged_decode", rng, lens=lens, hkv=2, ratio=ratio, d=D, index_dtype=np.int32)[0],
+                      dtype)
     new_k = cuda(rng.standard_normal((len(lens), 2, D)).astype(np.float32), dtype)
     new_v = cuda(rng.standard_normal((len(lens), 2, D)).astype(np.float32), dtype)
-    host = [f64(a) if i < 3 else a.cpu().numpy() for i, a in enumerate(args)]
-    ref, k_ref, v_ref = attn_paged_decode_ref(*host, new_k=f64(new_k), new_v=f64(new_v))
+    host = host64(args)
+    ref = reference("attn_paged_decode", *host, new_k=f64(new_k), new_v=f64(new_v))
+    k_ref, v_ref = appended(host[1], f64(new_k), *host[3:]), appended(host[2], f64(new_v), *host[3:])
     out = qkernels.attn_paged_decode(*args, new_k=new_k, new_v=new_v)
     assert out.dtype == args[0].dtype and out.shape == args[0].shape
     assert np.array_equal(f64(args[1]), k_ref) and np.array_equal(f64(args[2]), v_ref)  # appended
@@ -190,13 +189,12 @@ def test_paged(rng, dtype, D, ratio):
 
 def test_paged_mask_and_int64_indices(rng):
     lens = [5, 64, 0, 17]
-    host = paged_inputs(rng, lens, 2, 4, 128, index_dtype=np.int64)
+    host = sample("attn_paged_decode", rng, lens=lens, hkv=2, ratio=4, d=128, index_dtype=np.int64)[0]
     args = paged_cuda(host, "bfloat16")
     mask = rng.random((len(lens), host[3].shape[1])) < 0.6
     mask[3] = False
     out = qkernels.attn_paged_decode(*args, mask=cuda(mask))
-    h = [f64(a) if i < 3 else a.cpu().numpy() for i, a in enumerate(args)]
-    ref, _, _ = attn_paged_decode_ref(*h, mask=mask)
+    ref = reference("attn_paged_decode", *host64(args), mask=mask)
     assert torch.all(out[3] == 0)
     assert np.abs(f64(out) - ref).max() < 2e-2
 
@@ -205,7 +203,7 @@ def test_paged_bad_indices_are_contained(rng):
     # Normal cuda mode does not check indices: lengths are clamped, out-of-range rows and slots
     # skipped; nothing outside the tensors is touched and the context survives.
     lens = [3, 5]
-    args = paged_cuda(paged_inputs(rng, lens, 2, 4, 64, index_dtype=np.int64), "float16")
+    args = paged_cuda(sample("attn_paged_decode", rng, lens=lens, hkv=2, ratio=4, d=64)[0], "float16")
     guard = torch.full((1 << 20,), 7.0, device="cuda")
     args[4][1] = 1 << 40
     args[3][args[4][0], 1] = -(1 << 40)
@@ -216,7 +214,8 @@ def test_paged_bad_indices_are_contained(rng):
 
 
 def test_paged_checked_pool_rows(rng):
-    args = paged_cuda(paged_inputs(rng, [3, 5], 2, 4, 64), "bfloat16")
+    args = paged_cuda(sample("attn_paged_decode", rng, lens=[3, 5], hkv=2, ratio=4, d=64, index_dtype=np.int32)[0],
+                      "bfloat16")
     R = args[3].shape[0]
     args[4][1] = R
     old = qkernels._C._configure(check_indices=True)
@@ -229,10 +228,12 @@ def test_paged_checked_pool_rows(rng):
 
 def test_cpu_backend_stages_paged_append(rng):
     lens = [4, 9]
-    args = paged_cuda(paged_inputs(rng, lens, 2, 4, 64), "bfloat16")
+    args = paged_cuda(sample("attn_paged_decode", rng, lens=lens, hkv=2, ratio=4, d=64, index_dtype=np.int32)[0],
+                      "bfloat16")
     new_k = cuda(rng.standard_normal((2, 2, 64)).astype(np.float32), "bfloat16")
-    h = [f64(a) if i < 3 else a.cpu().numpy() for i, a in enumerate(args)]
-    ref, k_ref, _ = attn_paged_decode_ref(*h, new_k=f64(new_k), new_v=f64(new_k))
+    h = host64(args)
+    ref = reference("attn_paged_decode", *h, new_k=f64(new_k), new_v=f64(new_k))
+    k_ref = appended(h[1], f64(new_k), *h[3:])
     _frameworks._staging_warned.clear()
     with pytest.warns(qkernels.FallbackWarning):
         out = qkernels.attn_paged_decode(*args, new_k=new_k, new_v=new_k, backend="cpu")
@@ -244,9 +245,9 @@ def test_cpu_backend_stages_paged_append(rng):
 
 def test_capture_and_replay_with_new_lengths(rng):
     B, L, D = 4, 512, 128
-    q, k, v = (cuda(a, "bfloat16") for a in decode_inputs(rng, B, L, 8, 4, D))
+    q, k, v = (cuda(a, "bfloat16") for a in sample("attn_decode", rng, b=B, l=L, hkv=8, ratio=4, d=D)[0])
     kv_lens = cuda(np.array([512, 100, 1, 0], np.int32))
-    host = paged_inputs(rng, [300, 2, 77, 1], 8, 4, D)
+    host = sample("attn_paged_decode", rng, lens=[300, 2, 77, 1], hkv=8, ratio=4, d=D, index_dtype=np.int32)[0]
     pargs = paged_cuda(host, "bfloat16")
     calls = lambda: (qkernels.attn_decode(q, k, v, kv_lens=kv_lens),  # noqa: E731
                      qkernels.attn_paged_decode(*pargs))
@@ -257,10 +258,9 @@ def test_capture_and_replay_with_new_lengths(rng):
         q.copy_(torch.randn_like(q))
         g.replay()
         torch.cuda.synchronize()
-        ref = attn_decode_ref(f64(q), f64(k), f64(v), np.array(lens))
+        ref = reference("attn_decode", f64(q), f64(k), f64(v), kv_lens=np.array(lens))
         assert np.abs(f64(outs[0]) - ref).max() < 2e-2
-        h = [f64(a) if i < 3 else a.cpu().numpy() for i, a in enumerate(pargs)]
-        pref, _, _ = attn_paged_decode_ref(*h)
+        pref = reference("attn_paged_decode", *host64(pargs))
         assert np.abs(f64(outs[1]) - pref).max() < 2e-2
 
 
@@ -270,11 +270,11 @@ def test_capture_and_replay_with_new_lengths(rng):
 @pytest.mark.parametrize("dtype", HALVES)
 def test_flash_backend(rng, dtype):
     B, L, D = 3, 1000, 128
-    q, k, v = (cuda(a, dtype) for a in decode_inputs(rng, B, L, 8, 4, D))
+    q, k, v = (cuda(a, dtype) for a in sample("attn_decode", rng, b=B, l=L, hkv=8, ratio=4, d=D)[0])
     kv_lens = cuda(np.array([1000, 3, 0], np.int32))
     d = qkernels.resolve("attn_decode", q, k, v, backend="flash")
     assert d.winner == "flash"
     out = torch.full_like(q, float("nan"))
     qkernels.attn_decode(q, k, v, kv_lens=kv_lens, out=out, backend="flash")
-    ref = attn_decode_ref(f64(q), f64(k), f64(v), kv_lens.cpu().numpy())
+    ref = reference("attn_decode", f64(q), f64(k), f64(v), kv_lens=kv_lens.cpu().numpy())
     close_to_naive(out, naive_decode(q, k, v, keep_of(B, L, kv_lens), D ** -0.5), ref)

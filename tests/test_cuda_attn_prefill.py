@@ -1,6 +1,6 @@
-"""attn_prefill and attn_paged_prefill on CUDA through the public API: a float64 reference (torch
-float64 on the GPU, so 1024 x 1024 cases stay quick), fp16/bf16 against a naive same-precision
-torch computation (flash-attention's rule), causal bottom-right with Lq <= Lkv and Lq > Lkv, both
+"""attn_prefill and attn_paged_prefill on CUDA through the public API: fp16/bf16 against the float64
+reference of qkernels.testing, held to twice the error of a naive same-precision torch computation
+(flash-attention's rule), causal bottom-right with Lq <= Lkv and Lq > Lkv, both
 mask kinds and fully masked rows, non-contiguous views and a NaN-poisoned out, ragged token-pool
 batches with very uneven lengths, bad indices contained, and CUDA-graph replay with the lengths
 changed on the device.  Every test runs on each prefill kernel: the one the launcher picks (on
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import qkernels
-from attn_refs import naive_prefill
-from conftest import capture_graph, close_to_naive, requires_cuda
+from qkernels.testing import prefill_keep, reference, sample
+from conftest import capture_graph, close_to_naive, cuda, f64, naive_prefill, requires_cuda
 
 pytestmark = [requires_cuda,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
@@ -26,8 +26,13 @@ if importlib.util.find_spec("torch"):
 HALVES = ["bfloat16", "float16"]
 
 
-def randn(gen, *shape, dtype="bfloat16"):
-    return torch.randn(*shape, generator=gen, device="cuda").to(getattr(torch, dtype))
+def randn(rng, *shape, dtype="bfloat16"):
+    return cuda(rng.standard_normal(shape).astype(np.float32), dtype)
+
+
+def dense(rng, B, Lq, Lkv, Hq, Hkv, D, dtype="bfloat16"):
+    """attn_prefill's q, k, v on the GPU."""
+    return [cuda(a, dtype) for a in sample("attn_prefill", rng, b=B, lq=Lq, lkv=Lkv, hkv=Hkv, ratio=Hq // Hkv, d=D)[0]]
 
 
 @pytest.fixture(autouse=True, params=["picked", "wgmma", "mma"])
@@ -39,30 +44,13 @@ def prefill_kernel(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture
-def gen(request):
-    g = torch.Generator(device="cuda")
-    g.manual_seed(abs(hash(request.node.name)) % (1 << 31))
-    return g
-
-
-def attend(q, k, v, causal, keep=None, scale=None, dtype=torch.float64):
-    """attn_refs.naive_prefill on the GPU in `dtype` (float64: the reference; the inputs' dtype:
-    the naive same-precision yardstick), with causal (bottom-right) folded into keep, which
-    broadcasts to [B,Hq,Lq,Lkv]."""
-    Lq, Lkv, D = q.shape[1], k.shape[1], q.shape[3]
-    allowed = torch.ones(1, 1, Lq, Lkv, dtype=torch.bool, device=q.device)
-    if causal:
-        allowed &= (torch.arange(Lkv, device=q.device)[None, :] <=
-                    torch.arange(Lq, device=q.device)[:, None] + (Lkv - Lq))
-    if keep is not None:
-        allowed = allowed & keep
-    return naive_prefill(q.to(dtype), k.to(dtype), v.to(dtype), allowed, D ** -0.5 if scale is None else scale)
-
-
-def check(out, q, k, v, causal, keep=None, scale=None):
-    ref = attend(q, k, v, causal, keep, scale).cpu().numpy()
-    close_to_naive(out, attend(q, k, v, causal, keep, scale, dtype=q.dtype), ref)
+def check(out, q, k, v, causal, mask=None, scale=None):
+    """out against the float64 reference of attn_prefill(q, k, v, mask=mask, is_causal=causal, scale=scale)
+    on host copies, and the naive yardstick in q's dtype on the GPU."""
+    mask = None if mask is None else mask.cpu().numpy()
+    ref = reference("attn_prefill", f64(q), f64(k), f64(v), mask=mask, is_causal=causal, scale=scale)
+    keep = prefill_keep(q.shape[0], q.shape[2], q.shape[1], k.shape[1], causal, mask)
+    close_to_naive(out, naive_prefill(q, k, v, keep, q.shape[3] ** -0.5 if scale is None else scale), ref)
 
 
 # ---- attn_prefill ---------------------------------------------------------------------------
@@ -75,49 +63,45 @@ SHAPES = [(1, 1, 1), (2, 17, 17), (1, 113, 113), (1, 1023, 1023), (1, 1024, 1024
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("D", [32, 64, 128, 256])
 @pytest.mark.parametrize("B,Lq,Lkv", SHAPES)
-def test_prefill(gen, dtype, B, Lq, Lkv, D, causal):
+def test_prefill(rng, dtype, B, Lq, Lkv, D, causal):
     ratio = (1, 4, 8)[(Lq + D) % 3]  # every ratio meets every head dim across the shapes
-    q, k, v = randn(gen, B, Lq, 2 * ratio, D, dtype=dtype), randn(gen, B, Lkv, 2, D, dtype=dtype), \
-        randn(gen, B, Lkv, 2, D, dtype=dtype)
+    q, k, v = dense(rng, B, Lq, Lkv, 2 * ratio, 2, D, dtype)
     out = qkernels.attn_prefill(q, k, v, is_causal=causal)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_cuda
     check(out, q, k, v, causal)
 
 
 @pytest.mark.parametrize("ratio", [1, 5, 6, 8])
-def test_prefill_gqa_ratios(gen, ratio):
-    q, k, v = randn(gen, 2, 77, 2 * ratio, 128), randn(gen, 2, 300, 2, 128), randn(gen, 2, 300, 2, 128)
+def test_prefill_gqa_ratios(rng, ratio):
+    q, k, v = dense(rng, 2, 77, 300, 2 * ratio, 2, 128)
     check(qkernels.attn_prefill(q, k, v, is_causal=True, scale=0.3), q, k, v, True, scale=0.3)
 
 
 @pytest.mark.parametrize("dtype", HALVES)
 @pytest.mark.parametrize("kind", ["keys", "shared", "per-head"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_prefill_masks(gen, dtype, kind, causal):
+def test_prefill_masks(rng, dtype, kind, causal):
     B, Lq, Lkv, Hq, Hkv, D = 2, 70, 150, 8, 2, 64
-    q, k, v = randn(gen, B, Lq, Hq, D, dtype=dtype), randn(gen, B, Lkv, Hkv, D, dtype=dtype), \
-        randn(gen, B, Lkv, Hkv, D, dtype=dtype)
+    q, k, v = dense(rng, B, Lq, Lkv, Hq, Hkv, D, dtype)
     if kind == "keys":
-        mask = torch.rand(B, Lkv, generator=gen, device="cuda") < 0.7
+        mask = cuda(rng.random((B, Lkv)) < 0.7)
         mask[1] = False  # a sequence with nothing kept: all its rows are 0
-        keep = mask[:, None, None, :]
     else:
-        mask = torch.rand(B, 1 if kind == "shared" else Hq, Lq, Lkv, generator=gen, device="cuda") < 0.6
+        mask = cuda(rng.random((B, 1 if kind == "shared" else Hq, Lq, Lkv)) < 0.6)
         mask[0, :, 5] = False  # a fully masked query row
-        keep = mask
     out = qkernels.attn_prefill(q, k, v, is_causal=causal, mask=mask)
-    check(out, q, k, v, causal, keep)
+    check(out, q, k, v, causal, mask)
     if kind == "keys":
         assert torch.all(out[1] == 0)
     else:
         assert torch.all(out[0, 5] == 0)
 
 
-def test_prefill_strided_and_poisoned_out(gen):
+def test_prefill_strided_and_poisoned_out(rng):
     B, Lq, Lkv, Hq, Hkv, D = 2, 90, 200, 8, 4, 128
-    big_q = randn(gen, B, Lq, 2 * Hq, D)
+    big_q = randn(rng, B, Lq, 2 * Hq, D)
     q = big_q[:, :, ::2]  # every other head: a strided view
-    kv = randn(gen, B, 2, Lkv, Hkv, D)
+    kv = randn(rng, B, 2, Lkv, Hkv, D)
     k, v = kv[:, 0], kv[:, 1]
     out = torch.full((B, Lq, Hq, D), float("nan"), device="cuda", dtype=torch.bfloat16)
     r = qkernels.attn_prefill(q, k, v, is_causal=True, out=out)
@@ -127,64 +111,58 @@ def test_prefill_strided_and_poisoned_out(gen):
 
 # ---- attn_paged_prefill ---------------------------------------------------------------------
 
-def paged_setup(gen, q_lens, kv_lens, Hq, Hkv, D, dtype="bfloat16", index_dtype=torch.int32, spare_rows=2):
-    B = len(q_lens)
-    max_ctx = max(kv_lens) + 3
-    S = sum(kv_lens) + 7
-    k_cache, v_cache = randn(gen, S, Hkv, D, dtype=dtype), randn(gen, S, Hkv, D, dtype=dtype)
-    R = B + spare_rows
-    req_to_token = torch.randint(0, S, (R, max_ctx), generator=gen, device="cuda").to(index_dtype)
-    slots = torch.randperm(S, generator=gen, device="cuda")
-    rows = torch.randperm(R, generator=gen, device="cuda")[:B]
-    used = 0
-    for b, L in enumerate(kv_lens):
-        req_to_token[rows[b], :L] = slots[used:used + L].to(index_dtype)
-        used += L
-    qo = torch.tensor([0] + list(np.cumsum(q_lens)), device="cuda").to(index_dtype)
-    kvp = torch.tensor([0] + list(np.cumsum(kv_lens)), device="cuda").to(index_dtype)
-    q = randn(gen, int(sum(q_lens)), Hq, D, dtype=dtype)
-    return q, k_cache, v_cache, req_to_token, rows.to(index_dtype), kvp, qo
+def paged_setup(rng, q_lens, kv_lens, Hq, Hkv, D, dtype="bfloat16", index_dtype=np.int32):
+    """A sample of attn_paged_prefill on the GPU; req_to_token's unused entries hold random slots (in
+    range), so that lengths changed on the device later still index the pool."""
+    args, _ = sample("attn_paged_prefill", rng, q_lens=q_lens, kv_lens=kv_lens, hkv=Hkv, ratio=Hq // Hkv, d=D,
+                     index_dtype=index_dtype)
+    r2t = args[3]
+    unused = r2t < 0
+    r2t[unused] = rng.integers(0, len(args[1]), unused.sum())
+    return [cuda(a, dtype) if i < 3 else cuda(a) for i, a in enumerate(args)]
 
 
 def paged_check(out, q, k_cache, v_cache, req_to_token, rpi, kvp, qo, causal, key_mask=None):
-    """Each request against its gathered keys, dense, in float64 and in the inputs' precision."""
-    outs, refs, naives = [], [], []
+    """out against the float64 reference of the call on host copies, and the naive yardstick in the
+    inputs' precision: each request dense against its gathered keys, on the GPU."""
+    mask = None if key_mask is None else key_mask.cpu().numpy()
+    ref = reference("attn_paged_prefill", f64(q), f64(k_cache), f64(v_cache), *(a.cpu().numpy() for a in
+                    (req_to_token, rpi, kvp, qo)), mask=mask, is_causal=causal)
+    naive = torch.zeros_like(out)
     for b in range(rpi.numel()):
         q0, q1, k0, k1 = int(qo[b]), int(qo[b + 1]), int(kvp[b]), int(kvp[b + 1])
         slots = req_to_token[int(rpi[b]), :k1 - k0].long()
-        qb, kb, vb = q[None, q0:q1], k_cache[slots][None], v_cache[slots][None]
-        keep = None if key_mask is None else key_mask[b, :k1 - k0][None, None, None, :]
-        refs.append(attend(qb, kb, vb, causal, keep)[0])
-        naives.append(attend(qb, kb, vb, causal, keep, dtype=q.dtype)[0])
-        outs.append(out[q0:q1])
-    close_to_naive(torch.cat(outs), torch.cat(naives), torch.cat(refs).cpu().numpy())
+        keep = prefill_keep(1, q.shape[1], q1 - q0, k1 - k0, causal, None if mask is None else mask[b:b + 1, :k1 - k0])
+        naive[q0:q1] = naive_prefill(q[None, q0:q1], k_cache[slots][None], v_cache[slots][None], keep,
+                                     q.shape[2] ** -0.5)[0]
+    close_to_naive(out, naive, ref)
 
 
 @pytest.mark.parametrize("dtype", HALVES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("D", [64, 128, 256])
-def test_paged_ragged(gen, dtype, D, causal):
+def test_paged_ragged(rng, dtype, D, causal):
     q_lens, kv_lens = [1, 300, 17, 64, 0], [4000, 300, 500, 64, 9]  # very uneven, prefix-cached, empty
-    args = paged_setup(gen, q_lens, kv_lens, 8, 2, D, dtype)
+    args = paged_setup(rng, q_lens, kv_lens, 8, 2, D, dtype)
     out = qkernels.attn_paged_prefill(*args, is_causal=causal)
     assert out.shape == args[0].shape and out.dtype == args[0].dtype
     paged_check(out, *args, causal)
 
 
-def test_paged_int64_and_key_mask(gen):
+def test_paged_int64_and_key_mask(rng):
     q_lens, kv_lens = [33, 5, 128], [40, 200, 128]
-    args = paged_setup(gen, q_lens, kv_lens, 4, 4, 128, index_dtype=torch.int64)
+    args = paged_setup(rng, q_lens, kv_lens, 4, 4, 128, index_dtype=np.int64)
     max_ctx = args[3].shape[1]
-    mask = torch.rand(3, max_ctx, generator=gen, device="cuda") < 0.8
+    mask = cuda(rng.random((3, max_ctx)) < 0.8)
     out = qkernels.attn_paged_prefill(*args, is_causal=True, mask=mask)
     paged_check(out, *args, True, key_mask=mask)
 
 
-def test_paged_bad_indices_are_contained(gen):
+def test_paged_bad_indices_are_contained(rng):
     """Out-of-range slots are skipped on cuda (SPEC §8): no crash, no write outside out, and the
     result is attention over the remaining keys."""
     q_lens, kv_lens = [20, 30], [50, 60]
-    q, kc, vc, r2t, rpi, kvp, qo = paged_setup(gen, q_lens, kv_lens, 4, 2, 64)
+    q, kc, vc, r2t, rpi, kvp, qo = paged_setup(rng, q_lens, kv_lens, 4, 2, 64)
     row = int(rpi[1])
     r2t[row, 7] = 10 ** 6
     r2t[row, 9] = -3
@@ -197,10 +175,10 @@ def test_paged_bad_indices_are_contained(gen):
     paged_check(out, q, kc, vc, fixed, rpi, kvp, qo, False, key_mask=keep)
 
 
-def test_paged_capture_and_replay_with_new_lengths(gen):
+def test_paged_capture_and_replay_with_new_lengths(rng):
     """The grid depends on total_q and B only: a captured call replays correctly after the split
     of the same total_q into requests (and the kv lengths) change on the device."""
-    q, kc, vc, r2t, rpi, kvp, qo = paged_setup(gen, [100, 28], [300, 28], 4, 2, 128)
+    q, kc, vc, r2t, rpi, kvp, qo = paged_setup(rng, [100, 28], [300, 28], 4, 2, 128)
     out = torch.empty_like(q)
     g, _ = capture_graph(lambda: qkernels.attn_paged_prefill(q, kc, vc, r2t, rpi, kvp, qo, is_causal=True, out=out))
     g.replay()
@@ -214,11 +192,11 @@ def test_paged_capture_and_replay_with_new_lengths(gen):
     paged_check(out, q, kc, vc, r2t, rpi, kvp, qo, True)
 
 
-def test_paged_rows_of_no_request_are_zero(gen):
+def test_paged_rows_of_no_request_are_zero(rng):
     """Rows before qo_indptr[0] and from qo_indptr[B] on are written as 0 (as on the cpu), also
     with no request at all."""
-    q, kc, vc, r2t, rpi, kvp, qo = paged_setup(gen, [15, 20], [30, 20], 4, 2, 64)
-    q = randn(gen, 50, 4, 64)
+    q, kc, vc, r2t, rpi, kvp, qo = paged_setup(rng, [15, 20], [30, 20], 4, 2, 64)
+    q = randn(rng, 50, 4, 64)
     qo = torch.tensor([5, 20, 40], device="cuda", dtype=qo.dtype)
     out = torch.full_like(q, float("nan"))
     qkernels.attn_paged_prefill(q, kc, vc, r2t, rpi, kvp, qo, out=out)

@@ -1,7 +1,7 @@
-"""rotary_emb, linear and swiglu on the cuda backend (torch CUDA tensors, the public API): float64
-references computed on the GPU, bfloat16/float16 held to twice a naive same-precision torch
-computation's error (cuBLAS's F.linear, the unfused silu chain), the full M x K x N grid of issue
-6, each linear case on both CUDA kernels where two apply (wgmma and mma.sync on sm_90),
+"""rotary_emb, linear and swiglu on the cuda backend (torch CUDA tensors, the public API): the float64
+references of qkernels.testing on host copies of the inputs, bfloat16/float16 held to twice a naive same-precision torch
+computation's error (cuBLAS's F.linear, the unfused silu chain), the full M x K x N grid of
+Llama-3-8B-like decode shapes, each linear case on both CUDA kernels where two apply (wgmma and mma.sync on sm_90),
 bitwise determinism run to run, poisoned and strided outputs, non-contiguous inputs, the
 caller's stream, CUDA-graph capture and replay, and the dispatcher.  Skipped without a GPU."""
 
@@ -9,10 +9,12 @@ import functools
 import importlib.util
 import warnings
 
+import numpy as np
 import pytest
 
 import qkernels
-from conftest import capture_graph, requires_cuda
+from qkernels.testing import reference
+from conftest import capture_graph, close_to_naive, f64, naive_rotary, requires_cuda
 
 pytestmark = [requires_cuda,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
@@ -42,6 +44,12 @@ def linear_kernel(request, monkeypatch):
     return request.param
 
 
+def close(ours, naive, op, *args, **kwargs):
+    """close_to_naive against qkernels.testing.reference(op) of the tensors' float64 host copies."""
+    ref = reference(op, *(None if a is None else f64(a) for a in args), **kwargs)
+    close_to_naive(ours, naive, ref, slack=1e-5)
+
+
 def tdtype(name):
     return getattr(torch, name)
 
@@ -58,50 +66,13 @@ def weights(n, k, dtype):
             seed=n * 11 + k), randn(n, dtype=dtype, seed=n + k))
 
 
-def linear_ref(x, w, b=None):
-    out = x.double() @ w.double().T
-    return out if b is None else out + b.double()
-
-
-def swiglu_ref(x, up, gate):
-    u, g = linear_ref(x, up), linear_ref(x, gate)
-    return u * g / (1 + torch.exp(-g))
-
-
-def rotary_ref(x, f, interleaved=True):
-    x, f = x.double(), f.double()
-    c, s = f[..., 0].unsqueeze(-2), f[..., 1].unsqueeze(-2)
-    half = x.shape[-1] // 2
-    xe, xo = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
-    ye, yo = xe * c - xo * s, xe * s + xo * c
-    return torch.stack([ye, yo], -1).flatten(-2) if interleaved else torch.cat([ye, yo], -1)
-
-
-def rotary_naive(x, f, interleaved=True):
-    """The same formula in x's dtype: cos and sin rounded to it, every product and sum rounded."""
-    c, s = f[..., 0].unsqueeze(-2).to(x.dtype), f[..., 1].unsqueeze(-2).to(x.dtype)
-    half = x.shape[-1] // 2
-    xe, xo = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
-    ye, yo = xe * c - xo * s, xe * s + xo * c
-    return torch.stack([ye, yo], -1).flatten(-2) if interleaved else torch.cat([ye, yo], -1)
-
-
 def freqs_for(lead, d, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     ang = 10 * torch.rand(*lead, d // 2, device="cuda", dtype=torch.float64, generator=g)
     return torch.stack([ang.cos(), ang.sin()], -1).float()
 
 
-def close_to_naive(ours, naive, ref):
-    """flash-attention's rule: our error at most twice a naive same-precision implementation's."""
-    assert torch.isfinite(ours).all(), "non-finite output (an element was not written?)"
-    e_ours = (ours.double() - ref).abs().max().item()
-    e_naive = (naive.double() - ref).abs().max().item()
-    scale = max(ref.abs().max().item(), 1.0)
-    assert e_ours <= 2 * e_naive + 1e-5 * scale, (e_ours, e_naive)
-
-
-# ---- linear and swiglu over issue 6's grid --------------------------------------------------
+# ---- linear and swiglu over the M x K x N grid ---------------------------------------------
 
 @pytest.mark.parametrize("split", ["1", "2", "4", "8"])
 @pytest.mark.parametrize("m,k,n", [(8, 4096, 4096), (40, 4096, 4096), (40, 136, 129), (3, 7, 1)])
@@ -113,7 +84,7 @@ def test_linear_forced_split(monkeypatch, linear_kernel, split, m, k, n):
     x = randn(m, k, seed=m + 1)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     qkernels.linear(x, w, b, out=out)
-    close_to_naive(out, F.linear(x, w, b), linear_ref(x, w, b))
+    close(out, F.linear(x, w, b), "linear", x, w, b)
 
 
 @pytest.mark.parametrize("as_m", ["1", "8", "16", "32", "64"])
@@ -127,10 +98,10 @@ def test_linear_and_swiglu_any_tile_config(monkeypatch, as_m, m, k, n):
     x = randn(m, k, seed=m + 2)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     qkernels.linear(x, up, b, out=out)
-    close_to_naive(out, F.linear(x, up, b), linear_ref(x, up, b))
+    close(out, F.linear(x, up, b), "linear", x, up, b)
     out2 = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     qkernels.swiglu(x, up, gate, out=out2)
-    close_to_naive(out2, F.linear(x, up) * F.silu(F.linear(x, gate)), swiglu_ref(x, up, gate))
+    close(out2, F.linear(x, up) * F.silu(F.linear(x, gate)), "swiglu", x, up, gate)
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -142,9 +113,9 @@ def test_linear(dtype, m, k, n, linear_kernel):
     x = randn(m, k, dtype=dtype, seed=m)
     out = qkernels.linear(x, w, b)
     assert out.is_cuda and out.dtype == x.dtype and out.shape == (m, n)
-    close_to_naive(out, F.linear(x, w, b), linear_ref(x, w, b))
+    close(out, F.linear(x, w, b), "linear", x, w, b)
     if m in (1, 65):
-        close_to_naive(qkernels.linear(x, w), F.linear(x, w), linear_ref(x, w))
+        close(qkernels.linear(x, w), F.linear(x, w), "linear", x, w)
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -156,7 +127,7 @@ def test_swiglu(dtype, m, k, n):
     x = randn(m, k, dtype=dtype, seed=m)
     out = qkernels.swiglu(x, up, gate)
     assert out.is_cuda and out.dtype == x.dtype and out.shape == (m, n)
-    close_to_naive(out, F.linear(x, up) * F.silu(F.linear(x, gate)), swiglu_ref(x, up, gate))
+    close(out, F.linear(x, up) * F.silu(F.linear(x, gate)), "swiglu", x, up, gate)
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -175,12 +146,12 @@ def test_gemv_kernel(monkeypatch, dtype, m, k, n):
     big = torch.full((m, n + 16), float("nan"), device="cuda", dtype=tdtype(dtype))
     out = big[:, 8:8 + n]
     qkernels.linear(x, ws, b, out=out)
-    close_to_naive(out, F.linear(x, ws, b), linear_ref(x, ws, b))
+    close(out, F.linear(x, ws, b), "linear", x, ws, b)
     assert torch.equal(qkernels.linear(x, ws, b), out)
     assert torch.isnan(big[:, :8]).all() and torch.isnan(big[:, 8 + n:]).all()
     big.fill_(float("nan"))
     qkernels.swiglu(x, ws, gs, out=out)
-    close_to_naive(out, F.linear(x, ws) * F.silu(F.linear(x, gs)), swiglu_ref(x, ws, gs))
+    close(out, F.linear(x, ws) * F.silu(F.linear(x, gs)), "swiglu", x, ws, gs)
     assert torch.isnan(big[:, :8]).all() and torch.isnan(big[:, 8 + n:]).all()
 
 
@@ -190,7 +161,7 @@ def test_one_dimensional_x_and_empty(dtype):
     x = randn(100, dtype=dtype)
     out = qkernels.linear(x, w, b)
     assert out.shape == (129,)
-    close_to_naive(out, F.linear(x, w, b), linear_ref(x, w, b))
+    close(out, F.linear(x, w, b), "linear", x, w, b)
     assert qkernels.swiglu(x, w, g).shape == (129,)
     assert qkernels.linear(randn(0, 100, dtype=dtype), w, b).shape == (0, 129)
     assert qkernels.swiglu(randn(0, 100, dtype=dtype), w, g).shape == (0, 129)
@@ -205,7 +176,7 @@ def test_linear_large_n(m, k, n, linear_kernel):
     x = randn(m, k, seed=m + 3)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     qkernels.linear(x, w, b, out=out)
-    close_to_naive(out, F.linear(x, w, b), linear_ref(x, w, b))
+    close(out, F.linear(x, w, b), "linear", x, w, b)
     assert torch.equal(qkernels.linear(x, w, b), out)
 
 
@@ -231,14 +202,14 @@ def test_poisoned_strided_out_and_strided_rows(dtype, m, linear_kernel):
     big = torch.full((m, n + 16), float("nan"), device="cuda", dtype=tdtype(dtype))
     out = big[:, 8:8 + n]
     assert qkernels.linear(x, ws, b, out=out) is out
-    close_to_naive(out, F.linear(x, ws, b), linear_ref(x, ws, b))
+    close(out, F.linear(x, ws, b), "linear", x, ws, b)
     assert torch.isnan(big[:, :8]).all() and torch.isnan(big[:, 8 + n:]).all()
     big.fill_(float("nan"))
     qkernels.swiglu(x, ws, gs, out=out)
-    close_to_naive(out, F.linear(x, ws) * F.silu(F.linear(x, gs)), swiglu_ref(x, ws, gs))
+    close(out, F.linear(x, ws) * F.silu(F.linear(x, gs)), "swiglu", x, ws, gs)
     assert torch.isnan(big[:, :8]).all() and torch.isnan(big[:, 8 + n:]).all()
     bs = torch.stack([b, b], 1)[:, 0]  # bias with element stride 2
-    close_to_naive(qkernels.linear(x, ws, bs), F.linear(x, ws, b), linear_ref(x, ws, b))
+    close(qkernels.linear(x, ws, bs), F.linear(x, ws, b), "linear", x, ws, b)
 
 
 def test_inner_strided_rejected():
@@ -262,7 +233,7 @@ def test_rotary(dtype, interleaved, shape):
     f = freqs_for(shape[:-2], shape[-1])
     out = qkernels.rotary_emb(x, f, interleaved=interleaved)
     assert out.is_cuda and out.dtype == x.dtype and out.shape == x.shape
-    close_to_naive(out, rotary_naive(x, f, interleaved), rotary_ref(x, f, interleaved))
+    close(out, naive_rotary(x, f, interleaved), "rotary_emb", x, f, interleaved=interleaved)
     y = x.clone()
     assert qkernels.rotary_emb(y, f, interleaved=interleaved, out=y) is y  # in place
     assert torch.equal(y, out)
@@ -286,7 +257,7 @@ def test_rotary_half_paths_agree(monkeypatch, dtype, shape):
             monkeypatch.setenv("QKERNELS_ROTARY_HALF", path)
         out = torch.full_like(x, float("nan"))
         qkernels.rotary_emb(x, f, interleaved=False, out=out)
-        close_to_naive(out, rotary_naive(x, f, False), rotary_ref(x, f, False))
+        close(out, naive_rotary(x, f, False), "rotary_emb", x, f, interleaved=False)
         outs.append(out)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
@@ -299,15 +270,15 @@ def test_rotary_strided_views_and_poisoned_out():
     big = torch.full((t, h, d + 16), float("nan"), device="cuda", dtype=torch.bfloat16)
     out = big[..., 8:8 + d]
     qkernels.rotary_emb(q, f, out=out)
-    close_to_naive(out, rotary_naive(q, f), rotary_ref(q, f))
+    close(out, naive_rotary(q, f), "rotary_emb", q, f)
     assert torch.isnan(big[..., :8]).all() and torch.isnan(big[..., 8 + d:]).all()
     before = qkv.clone()
     qkernels.rotary_emb(q, f, interleaved=False, out=q)  # in place inside the fused buffer
-    close_to_naive(qkv[:, :h], rotary_naive(before[:, :h], f, False), rotary_ref(before[:, :h], f, False))
+    close(qkv[:, :h], naive_rotary(before[:, :h], f, False), "rotary_emb", before[:, :h], f, interleaved=False)
     assert torch.equal(qkv[:, h:], before[:, h:])
     x = randn(4, t, h, d)
     fb = f.expand(4, t, d // 2, 2)  # one table for the whole batch: stride 0
-    close_to_naive(qkernels.rotary_emb(x, fb), rotary_naive(x, fb), rotary_ref(x, fb))
+    close(qkernels.rotary_emb(x, fb), naive_rotary(x, fb), "rotary_emb", x, fb)
 
 
 # ---- streams, graphs, dispatch ----------------------------------------------------------------
@@ -325,8 +296,8 @@ def test_runs_on_the_callers_current_stream(rows, linear_kernel):
         out = qkernels.linear(x, w, b)  # must queue behind the copy, on `side`
         out2 = qkernels.swiglu(x, w, g)
     side.synchronize()
-    close_to_naive(out, F.linear(new_x, w, b), linear_ref(new_x, w, b))
-    close_to_naive(out2, F.linear(new_x, w) * F.silu(F.linear(new_x, g)), swiglu_ref(new_x, w, g))
+    close(out, F.linear(new_x, w, b), "linear", new_x, w, b)
+    close(out2, F.linear(new_x, w) * F.silu(F.linear(new_x, g)), "swiglu", new_x, w, g)
 
 
 @pytest.mark.parametrize("rows", [40, 130])  # 130: cuBLASLt on the picked path, scratch from the graph
@@ -348,8 +319,8 @@ def test_cuda_graph_capture_and_replay(rows, linear_kernel):
         torch.cuda.synchronize()
         eager = calls()
         assert all(torch.equal(o, e) for o, e in zip(outs, eager))
-        close_to_naive(outs[0], F.linear(x, w, b), linear_ref(x, w, b))
-        close_to_naive(outs[2], rotary_naive(q, f), rotary_ref(q, f))
+        close(outs[0], F.linear(x, w, b), "linear", x, w, b)
+        close(outs[2], naive_rotary(q, f), "rotary_emb", q, f)
 
 
 def test_dispatch_and_float32_on_gpu(monkeypatch):
@@ -373,7 +344,7 @@ def test_dispatch_and_float32_on_gpu(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", qkernels.FallbackWarning)
         out = qkernels.linear(x32, w32)
-    assert out.is_cuda and torch.allclose(out.double(), linear_ref(x32, w32), rtol=1e-5, atol=1e-5)
+    assert out.is_cuda and np.allclose(f64(out), reference("linear", f64(x32), f64(w32)), rtol=1e-5, atol=1e-5)
     with pytest.raises(qkernels.ExplicitSelectionError, match="requires dtype float16 or bfloat16"):
         qkernels.linear(x32, w32, backend="cuda")
     with pytest.raises(TypeError, match=r"linear: x must be bfloat16 or float16 on cuda \(float32 runs on the cpu "

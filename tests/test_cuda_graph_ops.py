@@ -1,4 +1,4 @@
-"""The graph ops on the cuda backend: float64 references, fp16/bf16 against a naive same-precision
+"""The graph ops on the cuda backend: float64 references (qkernels.testing), fp16/bf16 against a naive same-precision
 torch computation, the dropout mask identical to the cpu backend's, graph_norm_bce determinism,
 bad indices contained, CUDA-graph capture.  Skipped without a GPU."""
 
@@ -8,30 +8,14 @@ import numpy as np
 import pytest
 
 import qkernels
-from conftest import capture_graph, close_to_naive, rel_err, requires_cuda
-from graph_refs import dropout_keep, edge_features_ref, graph_bce_ref, norm_residual_ref
+from qkernels.testing import reference, sample
+from conftest import capture_graph, close_to_naive, cuda, f64, rel_err, requires_cuda
 
 pytestmark = [requires_cuda,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
 
 if importlib.util.find_spec("torch"):
     import torch
-
-DTYPES = {"float32": None, "float16": None, "bfloat16": None}
-
-
-def tdtype(name):
-    return getattr(torch, name)
-
-
-def cuda(a, dtype=None):
-    t = torch.from_numpy(np.ascontiguousarray(a)).cuda()
-    return t.to(tdtype(dtype)) if dtype else t
-
-
-def f64(t):
-    return t.double().cpu().numpy()
-
 
 # ---- fused_edge_features --------------------------------------------------------------------
 
@@ -44,7 +28,7 @@ def test_edge_features(rng, dtype, n, e, h, attr):
     ea = cuda(rng.standard_normal((e, h)).astype(np.float32), dtype) if attr else None
     out = qkernels.fused_edge_features(x, ei, ea)
     assert out.dtype == x.dtype and out.shape == (e, (3 if attr else 2) * h)
-    ref = edge_features_ref(f64(x), ei.cpu().numpy(), f64(ea) if attr else None)
+    ref = reference("fused_edge_features", f64(x), ei.cpu().numpy(), f64(ea) if attr else None)
     if dtype == "float32":
         assert rel_err(f64(out), ref) < 1e-5
     else:
@@ -58,7 +42,7 @@ def test_edge_features_strided_poisoned_and_bad_index(rng):
     ei = cuda(rng.integers(0, 40, (2, 600)))[:, ::2]
     out = torch.full((300, 32), float("nan"), device="cuda")
     qkernels.fused_edge_features(x, ei, out=out)
-    assert rel_err(f64(out), edge_features_ref(f64(x), ei.cpu().numpy())) < 1e-5
+    assert rel_err(f64(out), reference("fused_edge_features", f64(x), ei.cpu().numpy())) < 1e-5
     bad = ei.clone()
     bad[0, 5] = 10**9
     big = torch.full((302, 32), float("nan"), device="cuda")
@@ -70,24 +54,21 @@ def test_edge_features_strided_poisoned_and_bad_index(rng):
 # ---- fused_norm_residual --------------------------------------------------------------------
 
 def norm_args(rng, r, h, dtype="float32", mean=0.0):
-    return [cuda(a, dtype) for a in ((mean + rng.standard_normal((r, h))).astype(np.float32),
-                                     rng.standard_normal((r, h)).astype(np.float32),
-                                     (1 + 0.1 * rng.standard_normal(h)).astype(np.float32),
-                                     (0.1 * rng.standard_normal(h)).astype(np.float32))]
+    return [cuda(a, dtype) for a in sample("fused_norm_residual", rng, rows=r, h=h, mean=mean)[0]]
 
 
 @pytest.mark.parametrize("r,h", [(1, 1), (19, 7), (113, 19), (1000, 128), (300, 512), (64, 1024), (7, 113), (5, 2000)])
 def test_norm_residual_fp32(rng, r, h):
     args = norm_args(rng, r, h)
     out = qkernels.fused_norm_residual(*args)
-    assert rel_err(f64(out), norm_residual_ref(*[f64(a) for a in args])) < 1e-5
+    assert rel_err(f64(out), reference("fused_norm_residual", *[f64(a) for a in args])) < 1e-5
 
 
 @pytest.mark.parametrize("h", [128, 100])
 def test_norm_residual_large_mean(rng, h):
     args = norm_args(rng, 256, h, mean=1e4)
     out = qkernels.fused_norm_residual(*args)
-    assert rel_err(f64(out), norm_residual_ref(*[f64(a) for a in args])) < 1e-5
+    assert rel_err(f64(out), reference("fused_norm_residual", *[f64(a) for a in args])) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -96,7 +77,7 @@ def test_norm_residual_half(rng, dtype, h):
     args = norm_args(rng, 200, h, dtype)
     out = qkernels.fused_norm_residual(*args)
     naive = torch.nn.functional.layer_norm(args[0], (h,), args[2], args[3], 1e-5) + args[1]
-    close_to_naive(out, naive, norm_residual_ref(*[f64(a) for a in args]))
+    close_to_naive(out, naive, reference("fused_norm_residual", *[f64(a) for a in args]))
 
 
 @pytest.mark.parametrize("r,h,p", [(257, 128, 0.1), (64, 512, 0.5), (33, 19, 0.3), (10, 1024, 0.9)])
@@ -105,8 +86,7 @@ def test_dropout_mask_is_the_cpu_mask(rng, r, h, p):
     seed = int(rng.integers(0, 2**63))
     out = qkernels.fused_norm_residual(*args, p=p, training=True, seed=seed)
     cpu = qkernels.fused_norm_residual(*[a.cpu() for a in args], p=p, training=True, seed=seed)
-    keep = dropout_keep(seed, (r, h), p)
-    ref = norm_residual_ref(*[f64(a) for a in args], keep=keep, p=p)
+    ref = reference("fused_norm_residual", *[f64(a) for a in args], p=p, training=True, seed=seed)
     assert rel_err(f64(out), ref) < 1e-5 and rel_err(cpu.double().numpy(), ref) < 1e-5
     zero = torch.zeros_like(args[1])
     mask_gpu = qkernels.fused_norm_residual(args[0], zero, *args[2:], p=p, training=True, seed=seed) != 0
@@ -120,17 +100,14 @@ def test_norm_residual_strided(rng):
     xt = x.t().contiguous().t()
     out = torch.full((40, 128), float("nan"), device="cuda")[:, ::2]
     qkernels.fused_norm_residual(xt, res, g, b, out=out)
-    assert rel_err(f64(out), norm_residual_ref(f64(x), f64(res), f64(g), f64(b))) < 1e-5
+    assert rel_err(f64(out), reference("fused_norm_residual", f64(x), f64(res), f64(g), f64(b))) < 1e-5
 
 
 # ---- graph_norm_bce -------------------------------------------------------------------------
 
 def bce_args(rng, e, g, sorted_=True, dtype="float32", idx=np.int64):
-    eg = rng.integers(0, g, e).astype(idx)
-    if sorted_:
-        eg.sort()
-    return (cuda((3 * rng.standard_normal(e)).astype(np.float32), dtype),
-            cuda((rng.random(e) < 0.3).astype(np.float32), dtype), cuda(eg))
+    logits, target, eg, _ = sample("graph_norm_bce", rng, e=e, graphs=g, sort=sorted_, index_dtype=idx)[0]
+    return cuda(logits, dtype), cuda(target, dtype), cuda(eg)
 
 
 @pytest.mark.parametrize("sorted_", [True, False])
@@ -141,7 +118,7 @@ def test_graph_bce(rng, sorted_, e, g, pos_weight):
     lg, t, eg = bce_args(rng, e, g, sorted_)
     r = qkernels.graph_norm_bce(lg, t, eg, g, pos_weight=pos_weight)
     assert r.shape == () and r.dtype == torch.float32 and r.is_cuda
-    ref = graph_bce_ref(lg.cpu().numpy(), t.cpu().numpy(), eg.cpu().numpy(), g, pos_weight)
+    ref = reference("graph_norm_bce", f64(lg), f64(t), eg.cpu().numpy(), g, pos_weight=pos_weight)
     assert abs(r.item() - ref) <= 1e-5 * abs(ref)
 
 
@@ -166,7 +143,7 @@ def test_graph_bce_large_sorted(rng, shape, layout):
     else:
         lg, t, egd = cuda(lg_h), cuda(t_h), cuda(eg.astype(np.int32 if layout == "int32" else np.int64))
     r = qkernels.graph_norm_bce(lg, t, egd, g, pos_weight=2.0).item()
-    ref = graph_bce_ref(lg_h, t_h, eg, g, 2.0)
+    ref = reference("graph_norm_bce", lg_h, t_h, eg, g, pos_weight=2.0)
     assert abs(r - ref) <= 1e-5 * abs(ref)
 
 
@@ -174,7 +151,7 @@ def test_graph_bce_large_sorted(rng, shape, layout):
 def test_graph_bce_half(rng, dtype):
     lg, t, eg = bce_args(rng, 20_000, 16, dtype=dtype, idx=np.int32)
     r = qkernels.graph_norm_bce(lg, t, eg, 16)
-    ref = graph_bce_ref(f64(lg), f64(t), eg.cpu().numpy(), 16)  # fp32 arithmetic on the rounded inputs
+    ref = reference("graph_norm_bce", f64(lg), f64(t), eg.cpu().numpy(), 16)  # on the rounded inputs
     assert abs(r.item() - ref) <= 1e-5 * abs(ref)
 
 
@@ -191,7 +168,7 @@ def test_graph_bce_deterministic_empty_and_bad_ids(rng):
     keep = torch.ones(5000, dtype=torch.bool)
     keep[100] = False
     r = qkernels.graph_norm_bce(lg, t, eg, 8).item()
-    ref = graph_bce_ref(lg.cpu().numpy()[keep], t.cpu().numpy()[keep], ok.cpu().numpy()[keep], 8)
+    ref = reference("graph_norm_bce", lg.cpu().numpy()[keep], t.cpu().numpy()[keep], ok.cpu().numpy()[keep], 8)
     assert abs(r - ref) <= 1e-5 * abs(ref)
 
 
@@ -213,10 +190,10 @@ def test_graph_ops_capture_and_replay(rng):
         lg.copy_(torch.randn_like(lg))
         g.replay()
         torch.cuda.synchronize()
-        assert rel_err(f64(outs[0]), edge_features_ref(f64(x), ei.cpu().numpy(), f64(ea))) < 1e-5
-        ref = norm_residual_ref(*[f64(a) for a in nargs], keep=dropout_keep(7, (300, 128), 0.2), p=0.2)
+        assert rel_err(f64(outs[0]), reference("fused_edge_features", f64(x), ei.cpu().numpy(), f64(ea))) < 1e-5
+        ref = reference("fused_norm_residual", *[f64(a) for a in nargs], p=0.2, training=True, seed=7)
         assert rel_err(f64(outs[1]), ref) < 1e-5
-        bref = graph_bce_ref(lg.cpu().numpy(), t.cpu().numpy(), eg.cpu().numpy(), 16, 1.5)
+        bref = reference("graph_norm_bce", f64(lg), f64(t), eg.cpu().numpy(), 16, pos_weight=1.5)
         assert abs(outs[2].item() - bref) <= 1e-5 * bref
 
 

@@ -8,43 +8,34 @@ it is one more cuda-vs-cpu check.  Skipped without a GPU."""
 
 import importlib.util
 
-import numpy as np
 import pytest
 
 import qkernels
-from attn_refs import paged_inputs, paged_prefill_inputs
-from conftest import requires_cuda
-from test_multi_gpu import LLM, OPS, host_inputs, host_tensors
+from qkernels.testing import OPS, sample
+from conftest import DEVICE_SIZES, LLM, host_tensors, requires_cuda
 
 torch = __import__("torch") if importlib.util.find_spec("torch") else None
 pytestmark = [requires_cuda, pytest.mark.skipif(torch is None, reason="torch is not installed")]
 
 
-def larger_inputs(op, rng):
-    """Sizes that take the sm_90 kernels (wgmma linear, the TMA and warp-specialised prefill, split
-    and cluster decode) where the small table's do not."""
-    f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
-    if op == "linear":
-        return [f32(40, 512), f32(384, 512), f32(384)], {}
-    if op == "swiglu":
-        return [f32(40, 512), f32(384, 512), f32(384, 512)], {}
-    if op == "attn_decode":
-        return [f32(2, 1, 8, 128), f32(2, 3000, 2, 128), f32(2, 3000, 2, 128)], {}
-    if op == "attn_paged_decode":
-        return list(paged_inputs(rng, [3000, 100], 2, 4, 128)), {}
-    if op == "attn_prefill":
-        return [f32(1, 200, 8, 128), f32(1, 300, 2, 128), f32(1, 300, 2, 128)], {"is_causal": True}
-    if op == "attn_paged_prefill":
-        return list(paged_prefill_inputs(rng, [70, 130], [200, 130], 2, 4, 128)), {"is_causal": True}
-    return None
+# Sizes that take the sm_90 kernels (wgmma linear, the TMA and warp-specialised prefill, split and
+# cluster decode) where DEVICE_SIZES' do not.
+SM90_SIZES = {
+    "linear": dict(m=40, k=512, n=384),
+    "swiglu": dict(m=40, k=512, n=384),
+    "attn_decode": dict(b=2, l=3000, hkv=2, ratio=4, d=128),
+    "attn_paged_decode": dict(lens=[3000, 100], hkv=2, ratio=4, d=128),
+    "attn_prefill": dict(b=1, lq=200, lkv=300, hkv=2, ratio=4, d=128, is_causal=True),
+    "attn_paged_prefill": dict(q_lens=[70, 130], kv_lens=[200, 130], hkv=2, ratio=4, d=128, is_causal=True),
+}
 
 
-CASES = [(op, "small") for op in OPS] + [(op, "sm90") for op in OPS if op in LLM and op != "rotary_emb"]
+CASES = [(op, "small") for op in OPS] + [(op, "sm90") for op in SM90_SIZES]
 
 
 @pytest.mark.parametrize("op,size", CASES)
 def test_copied_in_copied_out(rng, op, size):
-    args, kw = host_inputs(op, rng) if size == "small" else larger_inputs(op, rng)
+    args, kw = sample(op, rng, **(DEVICE_SIZES if size == "small" else SM90_SIZES)[op])
     host = host_tensors(op, args)
     dev = [a.to("cuda") if isinstance(a, torch.Tensor) else a for a in host]  # copies only
     fn = getattr(qkernels, op)

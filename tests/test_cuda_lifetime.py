@@ -1,6 +1,6 @@
 """10^5 calls of the CUDA ops leave device memory, host memory, the Python heap and the
-extension's live storages where they were (issue 8's lifetime item on the GPU; the CPU backend's
-counterpart is test_lifetime.py).  Every op of test_multi_gpu's table, torch CUDA tensors, the
+extension's live storages where they were (the GPU counterpart of test_lifetime.py).  Every op at
+conftest's DEVICE_SIZES, torch CUDA tensors, the
 cuda backend, with and without out=.  Skipped without a GPU."""
 
 import gc
@@ -9,8 +9,8 @@ import importlib.util
 import pytest
 
 import qkernels
-from conftest import memory_stays_flat, requires_cuda
-from test_multi_gpu import OPS, host_inputs, to_device
+from qkernels.testing import OPS, sample
+from conftest import DEVICE_SIZES, memory_stays_flat, requires_cuda, to_device
 
 torch = __import__("torch") if importlib.util.find_spec("torch") else None
 pytestmark = [requires_cuda, pytest.mark.skipif(torch is None, reason="torch is not installed")]
@@ -19,7 +19,7 @@ pytestmark = [requires_cuda, pytest.mark.skipif(torch is None, reason="torch is 
 def test_100k_cuda_calls_keep_memory_flat(rng):
     calls = []
     for op in OPS:
-        args, kw = host_inputs(op, rng)
+        args, kw = sample(op, rng, **DEVICE_SIZES[op])
         dev = to_device(op, args, "cuda")
         fn = getattr(qkernels, op)
         calls.append(lambda fn=fn, dev=dev, kw=kw: fn(*dev, backend="cuda", **kw))

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import qkernels
-from conftest import capture_graph, fp32_sum_tol, random_inputs, rel_err, requires_cuda, sparse_aggregate_ref
+from qkernels.testing import reference, sample
+from conftest import capture_graph, close_to_naive, cuda, f64, fp32_sum_tol, rel_err, requires_cuda
 
 pytestmark = requires_cuda
 _C = qkernels._C
@@ -41,7 +42,7 @@ def raw_tensor(args):
 
 
 def to_cuda(args):
-    return [torch.from_numpy(np.ascontiguousarray(a)).cuda() for a in args]
+    return [cuda(a) for a in args]
 
 
 @needs_torch_cuda
@@ -49,45 +50,45 @@ def to_cuda(args):
 @pytest.mark.parametrize("n_dst,n_src,heads,dim", [(1, 1, 1, 1), (19, 7, 3, 5), (113, 200, 7, 19),
                                                    (1023, 50, 2, 64), (64, 64, 8, 113), (3000, 2000, 4, 128)])
 def test_torch_cuda_matches_reference(rng, index_dtype, n_dst, n_src, heads, dim):
-    args = random_inputs(rng, n_dst, n_src, heads, dim, index_dtype)
+    args = sample("sparse_aggregate", rng, n_dst=n_dst, n_src=n_src, heads=heads, dim=dim, index_dtype=index_dtype)[0]
     out = qkernels.sparse_aggregate(*to_cuda(args))
     assert isinstance(out, torch.Tensor) and out.is_cuda and out.dtype == torch.float32
-    assert rel_err(out.cpu().numpy(), sparse_aggregate_ref(*args)) < 1e-5
+    assert rel_err(out.cpu().numpy(), reference("sparse_aggregate", *args)) < 1e-5
 
 
 @needs_torch_cuda
 def test_power_law_zero_degree_and_empty(rng):
     degrees = rng.integers(0, 2, size=20000)
     degrees[[5, 7000]] = [200_000, 50_000]
-    args = random_inputs(rng, 20000, 9000, 2, 32, degrees=degrees)
+    args = sample("sparse_aggregate", rng, n_dst=20000, n_src=9000, heads=2, dim=32, degrees=degrees)[0]
     out = qkernels.sparse_aggregate(*to_cuda(args))
-    ref = sparse_aggregate_ref(*args)
+    ref = reference("sparse_aggregate", *args)
     assert rel_err(out.cpu().numpy(), ref) < fp32_sum_tol(degrees.max())
     assert (out[torch.from_numpy(np.diff(args[0]) == 0).cuda()] == 0).all()
-    empty = random_inputs(rng, 17, 5, 3, 4, degrees=np.zeros(17))
+    empty = sample("sparse_aggregate", rng, n_dst=17, n_src=5, heads=3, dim=4, degrees=np.zeros(17))[0]
     assert (qkernels.sparse_aggregate(*to_cuda(empty)) == 0).all()
 
 
 @needs_torch_cuda
 def test_poisoned_and_strided_out(rng):
-    args = random_inputs(rng, 77, 31, 3, 9, degrees=rng.integers(0, 4, size=77))
+    args = sample("sparse_aggregate", rng, n_dst=77, n_src=31, heads=3, dim=9, degrees=rng.integers(0, 4, size=77))[0]
     big = torch.full((77, 3, 18), float("nan"), device="cuda")
     view = big[:, :, ::2]
     assert qkernels.sparse_aggregate(*to_cuda(args), out=view) is view
-    assert rel_err(view.cpu().numpy(), sparse_aggregate_ref(*args)) < 1e-5
+    assert rel_err(view.cpu().numpy(), reference("sparse_aggregate", *args)) < 1e-5
     assert torch.isnan(big[:, :, 1::2]).all()
 
 
 @needs_torch_cuda
 def test_non_contiguous_cuda_inputs(rng):
-    row_ptr, col_idx, ew, nf = random_inputs(rng, 50, 40, 4, 12)
+    row_ptr, col_idx, ew, nf = sample("sparse_aggregate", rng, n_dst=50, n_src=40, heads=4, dim=12)[0]
     rp, ci, ew_c, nf_c = to_cuda([row_ptr, col_idx, ew, nf])
     nf_t = nf_c.transpose(0, 1).contiguous().transpose(0, 1)
     ew_t = ew_c.t().contiguous().t()
     rp2 = torch.stack([rp, rp], 1)[:, 0]
     assert not nf_t.is_contiguous() and not rp2.is_contiguous()
     out = qkernels.sparse_aggregate(rp2, ci, ew_t, nf_t)
-    assert rel_err(out.cpu().numpy(), sparse_aggregate_ref(row_ptr, col_idx, ew, nf)) < 1e-5
+    assert rel_err(out.cpu().numpy(), reference("sparse_aggregate", row_ptr, col_idx, ew, nf)) < 1e-5
 
 
 @needs_torch_cuda
@@ -95,7 +96,7 @@ def test_non_contiguous_cuda_inputs(rng):
 def test_torch_zero_copy_both_ways(rng, fast_path):
     old = qkernels._dispatch.configure(use_exchange_api=fast_path)
     try:
-        args = to_cuda(random_inputs(rng, 30, 20, 2, 8))
+        args = to_cuda(sample("sparse_aggregate", rng, n_dst=30, n_src=20, heads=2, dim=8)[0])
         t = qkernels.from_dlpack(args[3])
         assert t.data_ptr == args[3].data_ptr() and t.device == "cuda:0"
         back = torch.from_dlpack(t)
@@ -112,7 +113,7 @@ def test_torch_zero_copy_both_ways(rng, fast_path):
 
 @needs_torch_cuda
 def test_runs_on_the_callers_current_stream(rng):
-    args = random_inputs(rng, 4000, 4000, 4, 64, avg_degree=16)
+    args = sample("sparse_aggregate", rng, n_dst=4000, n_src=4000, heads=4, dim=64, avg_degree=16)[0]
     rp, ci, ew, nf = to_cuda(args)
     new_nf = torch.from_numpy(rng.standard_normal(args[3].shape).astype(np.float32)).cuda()
     side = torch.cuda.Stream()
@@ -122,30 +123,31 @@ def test_runs_on_the_callers_current_stream(rng):
         nf.copy_(new_nf)
         out = qkernels.sparse_aggregate(rp, ci, ew, nf)  # must queue behind the copy, on `side`
     side.synchronize()
-    ref = sparse_aggregate_ref(args[0], args[1], args[2], new_nf.cpu().numpy())
+    ref = reference("sparse_aggregate", args[0], args[1], args[2], new_nf.cpu().numpy())
     assert rel_err(out.cpu().numpy(), ref) < 1e-5
 
 
 @needs_torch_cuda
 def test_cuda_graph_capture_and_replay(rng):
-    args = random_inputs(rng, 500, 300, 4, 32)
+    args = sample("sparse_aggregate", rng, n_dst=500, n_src=300, heads=4, dim=32)[0]
     static = to_cuda(args)
     qkernels.sparse_aggregate(*static)  # warm-up outside capture
     g, out = capture_graph(lambda: qkernels.sparse_aggregate(*static))
     for _ in range(3):
-        fresh = list(random_inputs(rng, 500, 300, 4, 32, degrees=np.diff(args[0])))
+        fresh = list(sample("sparse_aggregate", rng, n_dst=500, n_src=300, heads=4, dim=32,
+                            degrees=np.diff(args[0]))[0])
         fresh[0], fresh[1] = args[0], args[1]  # same graph structure, new weights and features
         static[2].copy_(torch.from_numpy(fresh[2]))
         static[3].copy_(torch.from_numpy(fresh[3]))
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        assert rel_err(out.cpu().numpy(), sparse_aggregate_ref(*fresh)) < 1e-5
+        assert rel_err(out.cpu().numpy(), reference("sparse_aggregate", *fresh)) < 1e-5
 
 
 @needs_torch_cuda
 def test_mixed_devices_rejected(rng):
-    args = random_inputs(rng, 10, 10, 2, 4)
+    args = sample("sparse_aggregate", rng, n_dst=10, n_src=10, heads=2, dim=4)[0]
     cuda_args = to_cuda(args)
     cuda_args[0] = torch.from_numpy(args[0])
     with pytest.raises(ValueError, match="all tensors must be on one device; node_feat is on cuda:0 but row_ptr is on cpu"):
@@ -154,7 +156,7 @@ def test_mixed_devices_rejected(rng):
 
 @needs_torch_cuda
 def test_index_checking_and_safety(rng):
-    args = random_inputs(rng, 200, 50, 2, 16)
+    args = sample("sparse_aggregate", rng, n_dst=200, n_src=50, heads=2, dim=16)[0]
     bad = [a.copy() for a in args]
     bad[1][17] = 50
     cuda_bad = to_cuda(bad)
@@ -179,11 +181,11 @@ def test_index_checking_and_safety(rng):
 
 @needs_torch_cuda
 def test_cpu_backend_stages_device_tensors(rng):
-    args = random_inputs(rng, 40, 30, 2, 8)
+    args = sample("sparse_aggregate", rng, n_dst=40, n_src=30, heads=2, dim=8)[0]
     qkernels._frameworks._staging_warned.clear()
     with pytest.warns(qkernels.FallbackWarning, match="copying them through host memory"):
         out = qkernels.sparse_aggregate(*to_cuda(args), backend="cpu")
-    assert out.is_cuda and rel_err(out.cpu().numpy(), sparse_aggregate_ref(*args)) < 1e-5
+    assert out.is_cuda and rel_err(out.cpu().numpy(), reference("sparse_aggregate", *args)) < 1e-5
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         qkernels.sparse_aggregate(*to_cuda(args), backend="cpu")  # warned once
@@ -191,7 +193,7 @@ def test_cpu_backend_stages_device_tensors(rng):
 
 @needs_torch_cuda
 def test_dispatcher_picks_cuda(rng):
-    args = to_cuda(random_inputs(rng, 10, 10, 2, 4))
+    args = to_cuda(sample("sparse_aggregate", rng, n_dst=10, n_src=10, heads=2, dim=4)[0])
     d = qkernels.resolve("sparse_aggregate", *args)
     assert d.winner == "cuda" and d.origin == "chain"
     assert "MATCH" in str(d) and "axes: framework=torch device=cuda dtype=float32" in str(d)
@@ -199,7 +201,7 @@ def test_dispatcher_picks_cuda(rng):
 
 @needs_torch_cuda
 def test_direct_path_still_honours_context_and_env(rng, monkeypatch):
-    args = random_inputs(rng, 40, 30, 2, 8)
+    args = sample("sparse_aggregate", rng, n_dst=40, n_src=30, heads=2, dim=8)[0]
     cuda_args = to_cuda(args)
     qkernels.sparse_aggregate(*cuda_args)  # takes the zero-lookup path from now on
     assert type(cuda_args[3]) in qkernels._dispatch.direct_types
@@ -208,7 +210,7 @@ def test_direct_path_still_honours_context_and_env(rng, monkeypatch):
         with qkernels.use_backend(sparse_aggregate="cpu"):
             assert qkernels.resolve("sparse_aggregate", *cuda_args).staged
             out = qkernels.sparse_aggregate(*cuda_args)
-        assert rel_err(out.cpu().numpy(), sparse_aggregate_ref(*args)) < 1e-5
+        assert rel_err(out.cpu().numpy(), reference("sparse_aggregate", *args)) < 1e-5
         monkeypatch.setenv("QECDEC_BACKEND", "flash")
         qkernels.reload_env()
         try:
@@ -223,7 +225,7 @@ def test_direct_path_still_honours_context_and_env(rng, monkeypatch):
 def test_export_handshake_and_lifetime(rng):
     gc.collect()
     base = _C._live_storages()
-    raw = raw_tensor(to_cuda(random_inputs(rng, 64, 64, 2, 8)))
+    raw = raw_tensor(to_cuda(sample("sparse_aggregate", rng, n_dst=64, n_src=64, heads=2, dim=8)[0]))
     assert _C._live_storages() == base + 1
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
@@ -241,21 +243,21 @@ def test_export_handshake_and_lifetime(rng):
 def test_cupy_round_trip(rng):
     import cupy
 
-    args = random_inputs(rng, 113, 60, 5, 16)
+    args = sample("sparse_aggregate", rng, n_dst=113, n_src=60, heads=5, dim=16)[0]
     c_args = [cupy.asarray(a) for a in args]
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
         out = qkernels.sparse_aggregate(*c_args)
         s.synchronize()
     assert isinstance(out, cupy.ndarray)
-    assert rel_err(cupy.asnumpy(out), sparse_aggregate_ref(*args)) < 1e-5
+    assert rel_err(cupy.asnumpy(out), reference("sparse_aggregate", *args)) < 1e-5
     t = qkernels.from_dlpack(c_args[3])
     assert t.data_ptr == c_args[3].data.ptr
     raw = _C.sparse_aggregate_raw(*c_args)
     assert cupy.from_dlpack(raw).data.ptr == raw.data_ptr
     poisoned = cupy.full((113, 5, 16), cupy.nan, dtype=cupy.float32)
     assert qkernels.sparse_aggregate(*c_args, out=poisoned) is poisoned
-    assert rel_err(cupy.asnumpy(poisoned), sparse_aggregate_ref(*args)) < 1e-5
+    assert rel_err(cupy.asnumpy(poisoned), reference("sparse_aggregate", *args)) < 1e-5
 
 
 def test_jax_gpu_round_trip(rng):
@@ -264,11 +266,11 @@ def test_jax_gpu_round_trip(rng):
         pytest.skip("jax has no GPU here")
     import jax
 
-    args = random_inputs(rng, 90, 40, 3, 8)
+    args = sample("sparse_aggregate", rng, n_dst=90, n_src=40, heads=3, dim=8)[0]
     j_args = [jax.device_put(a, dev) for a in args]
     out = qkernels.sparse_aggregate(*j_args)
     assert isinstance(out, jax.Array) and out.devices() == {dev}
-    assert rel_err(np.asarray(out), sparse_aggregate_ref(*args)) < 1e-5
+    assert rel_err(np.asarray(out), reference("sparse_aggregate", *args)) < 1e-5
     t = qkernels.from_dlpack(j_args[3])
     assert t.data_ptr == j_args[3].unsafe_buffer_pointer()
     raw = _C.sparse_aggregate_raw(*j_args)
@@ -279,28 +281,26 @@ def test_jax_gpu_round_trip(rng):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("heads,dim", [(8, 32), (4, 64), (3, 5)])
 def test_half_precision(rng, dtype, heads, dim):
-    args = random_inputs(rng, 2000, 1500, heads, dim)
+    args = sample("sparse_aggregate", rng, n_dst=2000, n_src=1500, heads=heads, dim=dim)[0]
     t = to_cuda(args)
     t[2], t[3] = t[2].to(getattr(torch, dtype)), t[3].to(getattr(torch, dtype))
     out = qkernels.sparse_aggregate(*t)
     assert out.dtype == t[3].dtype
-    ref = sparse_aggregate_ref(args[0], args[1], t[2].double().cpu().numpy(), t[3].double().cpu().numpy())
+    ref = reference("sparse_aggregate", args[0], args[1], f64(t[2]), f64(t[3]))
     # naive same precision: messages and their sum in the storage dtype
     naive = torch.zeros_like(out).index_add_(0, torch.repeat_interleave(torch.arange(2000, device="cuda"),
                                                                           torch.diff(t[0])),
                                              t[2][:, :, None] * t[3][t[1]])
-    e_ours = np.abs(out.double().cpu().numpy() - ref).max()
-    e_naive = np.abs(naive.double().cpu().numpy() - ref).max()
-    assert e_ours <= 2 * e_naive + 1e-6, (e_ours, e_naive)
+    close_to_naive(out, naive, ref)
 
 
 @needs_torch_cuda
 def test_long_rows_split_deterministically(rng):
     degrees = rng.integers(0, 3, size=30000)
     degrees[[0, 1, 7, 29999]] = [513, 5000, 1_000_000, 1200]  # just over the split, and hubs
-    args = random_inputs(rng, 30000, 20000, 2, 64, degrees=degrees)
+    args = sample("sparse_aggregate", rng, n_dst=30000, n_src=20000, heads=2, dim=64, degrees=degrees)[0]
     t = to_cuda(args)
     a = qkernels.sparse_aggregate(*t)
     b = qkernels.sparse_aggregate(*t)
     assert torch.equal(a, b)
-    assert rel_err(a.cpu().numpy(), sparse_aggregate_ref(*args)) < 4 * float(np.sqrt(1e6)) * 2.0**-24
+    assert rel_err(a.cpu().numpy(), reference("sparse_aggregate", *args)) < 4 * float(np.sqrt(1e6)) * 2.0**-24

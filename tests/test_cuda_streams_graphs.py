@@ -1,7 +1,7 @@
-"""Streams and CUDA graphs for every op (issue 8), on one GPU: each op captured in a torch CUDA
+"""Streams and CUDA graphs for every op, on one GPU: each op captured in a torch CUDA
 graph recomputes from the new contents of its inputs at replay; each op runs on the caller's
 current torch stream, ordered after work already queued there, while another stream runs the same
-op on other inputs.  Inputs come from test_multi_gpu's table.  Skipped without a GPU."""
+op on other inputs.  Inputs at conftest's DEVICE_SIZES.  Skipped without a GPU."""
 
 import importlib.util
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import qkernels
-from conftest import capture_graph, requires_cuda
-from test_multi_gpu import LLM, OPS, host_inputs, to_device
+from qkernels.testing import OPS, sample
+from conftest import DEVICE_SIZES, LLM, capture_graph, requires_cuda, to_device
 
 torch = __import__("torch") if importlib.util.find_spec("torch") else None
 pytestmark = [requires_cuda, pytest.mark.skipif(torch is None, reason="torch is not installed")]
@@ -30,7 +30,7 @@ def close(a, b, op):
 @pytest.mark.parametrize("op", OPS)
 def test_graph_replay_recomputes_from_new_contents(op):
     rng = np.random.default_rng(OPS.index(op))
-    host, kw = host_inputs(op, rng)
+    host, kw = sample(op, rng, **DEVICE_SIZES[op])
     args = to_device(op, host, "cuda")
     fn = getattr(qkernels, op)
     g, out = capture_graph(lambda: fn(*args, backend="cuda", **kw))
@@ -52,8 +52,8 @@ def test_graph_replay_recomputes_from_new_contents(op):
 @pytest.mark.parametrize("op", OPS)
 def test_runs_on_the_callers_stream_beside_another(op):
     rng = np.random.default_rng(100 + OPS.index(op))
-    host_a, kw = host_inputs(op, rng)
-    host_b, _ = host_inputs(op, rng)
+    host_a, kw = sample(op, rng, **DEVICE_SIZES[op])
+    host_b, _ = sample(op, rng, **DEVICE_SIZES[op])
     a, b = to_device(op, host_a, "cuda"), to_device(op, host_b, "cuda")
     fn = getattr(qkernels, op)
     fresh = [torch.randn(t.shape, device="cuda").to(t.dtype) for t in float_tensors(op, a)]

@@ -1,4 +1,4 @@
-"""rotary_emb, linear and swiglu on the cpu backend against float64 NumPy references: float32
+"""rotary_emb, linear and swiglu on the cpu backend against the float64 references of qkernels.testing: float32
 through NumPy, bfloat16/float16 through torch (against a naive same-precision torch computation's
 own error), strided and poisoned outputs, non-contiguous inputs, bitwise determinism across runs,
 thread counts and batch positions, errors and the dispatcher."""
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import qkernels
-from conftest import HAS_TORCH, fp32_sum_tol, rel_err, requires_torch
+from qkernels.testing import freqs_cis, reference, sample
+from conftest import HAS_TORCH, close_to_naive, f64, fp32_sum_tol, naive_rotary, rel_err, requires_torch
 
 if HAS_TORCH:
     import torch
@@ -16,55 +17,8 @@ if HAS_TORCH:
 FP32_TOL = 1e-5
 
 
-# ---- float64 references -----------------------------------------------------------------------
-
-def linear_ref(x, w, b=None):
-    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
-    out = np.empty(x.shape[:-1] + (w.shape[0],))
-    for n0 in range(0, w.shape[0], 2048):  # in blocks: a 14336 x 4096 weight in float64 is 470 MB
-        out[..., n0:n0 + 2048] = x @ w[n0:n0 + 2048].T
-    return out if b is None else out + np.asarray(b, np.float64)
-
-
-def swiglu_ref(x, up, gate):
-    u, g = linear_ref(x, up), linear_ref(x, gate)
-    return u * g / (1 + np.exp(-g))
-
-
-def rotary_ref(x, freqs, interleaved=True):
-    """x [..., H, D], freqs [..., D/2, 2] over the same leading dims."""
-    x, f = np.asarray(x, np.float64), np.asarray(freqs, np.float64)
-    c, s = f[..., None, :, 0], f[..., None, :, 1]  # [..., 1, D/2], broadcast over heads
-    half = x.shape[-1] // 2
-    xe, xo = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
-    out = np.empty_like(x)
-    ye, yo = xe * c - xo * s, xe * s + xo * c
-    if interleaved:
-        out[..., 0::2], out[..., 1::2] = ye, yo
-    else:
-        out[..., :half], out[..., half:] = ye, yo
-    return out
-
-
 def randn(rng, *shape, scale=1.0):
     return (scale * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
-
-
-def freqs_for(rng, lead, d):
-    """(cos, sin) of random angles, float32 [*lead, D/2, 2]."""
-    ang = 10 * rng.random(lead + (d // 2,))
-    return np.stack([np.cos(ang), np.sin(ang)], -1).astype(np.float32)
-
-
-def f64(t):
-    return t.double().numpy() if HAS_TORCH and isinstance(t, torch.Tensor) else np.asarray(t, np.float64)
-
-
-def close_to_naive(ours, naive, ref):
-    """flash-attention's rule: our error at most twice a naive same-precision implementation's."""
-    e_ours = np.abs(f64(ours) - ref).max()
-    e_naive = np.abs(f64(naive) - ref).max()
-    assert e_ours <= 2 * e_naive + 1e-6 * max(np.abs(ref).max(), 1.0), (e_ours, e_naive)
 
 
 # ---- linear and swiglu, float32 -----------------------------------------------------------------
@@ -76,48 +30,48 @@ SMALL = [(k, n) for k in (7, 100, 1536) for n in (1, 129)]
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("k,n", SMALL)
 def test_linear_fp32(rng, m, k, n):
-    x, w, b = randn(rng, m, k), randn(rng, n, k, scale=k ** -0.5), randn(rng, n)
+    (x, w, b), _ = sample("linear", rng, m=m, k=k, n=n)
     out = qkernels.linear(x, w, b)
     assert out.shape == (m, n) and out.dtype == np.float32
     # Error against the sum of |terms|, not the result: one output (m = n = 1) can cancel to
     # near zero, which no fixed relative tolerance survives.
     scale = np.linalg.norm(np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64) + np.abs(b))
-    assert np.linalg.norm(np.asarray(out, np.float64) - linear_ref(x, w, b)) / scale < fp32_sum_tol(k)
+    assert np.linalg.norm(np.asarray(out, np.float64) - reference("linear", x, w, b)) / scale < fp32_sum_tol(k)
     assert not np.isnan(np.asarray(out)).any()
     out = qkernels.linear(x, w)
-    assert np.linalg.norm(np.asarray(out, np.float64) - linear_ref(x, w)) / scale < fp32_sum_tol(k)
+    assert np.linalg.norm(np.asarray(out, np.float64) - reference("linear", x, w)) / scale < fp32_sum_tol(k)
 
 
 @pytest.mark.parametrize("m", [1, 9, 65])
 @pytest.mark.parametrize("k,n", [(7, 129), (100, 1), (1536, 129)])
 def test_swiglu_fp32(rng, m, k, n):
-    x, up, gate = randn(rng, m, k), randn(rng, n, k, scale=k ** -0.5), randn(rng, n, k, scale=2 * k ** -0.5)
+    (x, up, gate), _ = sample("swiglu", rng, m=m, k=k, n=n)
     out = qkernels.swiglu(x, up, gate)
     assert out.shape == (m, n) and out.dtype == np.float32
-    assert rel_err(out, swiglu_ref(x, up, gate)) < 2 * fp32_sum_tol(k)
+    assert rel_err(out, reference("swiglu", x, up, gate)) < 2 * fp32_sum_tol(k)
 
 
 @pytest.mark.parametrize("m,n", [(1, 4096), (2, 14336)])
 def test_large_weights_decode_sizes(rng, m, n):
     k = 4096
-    x, w, b = randn(rng, m, k), randn(rng, n, k, scale=k ** -0.5), randn(rng, n)
-    assert rel_err(qkernels.linear(x, w, b), linear_ref(x, w, b)) < fp32_sum_tol(k)
+    (x, w, b), _ = sample("linear", rng, m=m, k=k, n=n)
+    assert rel_err(qkernels.linear(x, w, b), reference("linear", x, w, b)) < fp32_sum_tol(k)
     if n == 4096:
         gate = randn(rng, n, k, scale=k ** -0.5)
-        assert rel_err(qkernels.swiglu(x, w, gate), swiglu_ref(x, w, gate)) < 2 * fp32_sum_tol(k)
+        assert rel_err(qkernels.swiglu(x, w, gate), reference("swiglu", x, w, gate)) < 2 * fp32_sum_tol(k)
 
 
 def test_one_dimensional_x(rng):
     x, w, b = randn(rng, 100), randn(rng, 129, 100), randn(rng, 129)
     out = qkernels.linear(x, w, b)
     assert out.shape == (129,)
-    assert rel_err(out, linear_ref(x, w, b)) < FP32_TOL
+    assert rel_err(out, reference("linear", x, w, b)) < FP32_TOL
     g = randn(rng, 129, 100)
     out = qkernels.swiglu(x, w, g)
-    assert out.shape == (129,) and rel_err(out, swiglu_ref(x, w, g)) < FP32_TOL
+    assert out.shape == (129,) and rel_err(out, reference("swiglu", x, w, g)) < FP32_TOL
     poisoned = np.full(129, np.nan, np.float32)
     assert qkernels.linear(x, w, out=poisoned) is poisoned
-    assert rel_err(poisoned, linear_ref(x, w)) < FP32_TOL
+    assert rel_err(poisoned, reference("linear", x, w)) < FP32_TOL
 
 
 def test_silu_extremes():
@@ -127,7 +81,7 @@ def test_silu_extremes():
     up = np.full((4, 2), 3.0, np.float32)
     out = qkernels.swiglu(x, up, gate)
     assert np.isfinite(out).all()
-    assert np.allclose(out, swiglu_ref(x, up, gate), rtol=1e-6, atol=1e-37)
+    assert np.allclose(out, reference("swiglu", x, up, gate), rtol=1e-6, atol=1e-37)
 
 
 def test_empty_and_zero_k(rng):
@@ -149,11 +103,11 @@ def test_strided_rows_and_poisoned_out(rng):
     big = np.full((m, n + 7), np.nan, np.float32)
     out = big[:, 3:3 + n]
     assert qkernels.linear(x, w, bias, out=out) is out
-    assert rel_err(out, linear_ref(x, w, bias)) < FP32_TOL
+    assert rel_err(out, reference("linear", x, w, bias)) < FP32_TOL
     assert np.isnan(big[:, :3]).all() and np.isnan(big[:, 3 + n:]).all()
     big[:] = np.nan
     qkernels.swiglu(x, w, g, out=out)
-    assert rel_err(out, swiglu_ref(x, w, g)) < FP32_TOL
+    assert rel_err(out, reference("swiglu", x, w, g)) < FP32_TOL
     assert np.isnan(big[:, :3]).all() and np.isnan(big[:, 3 + n:]).all()
 
 
@@ -207,10 +161,10 @@ def test_linear_swiglu_half(rng, dtype, m, k, n):
     b = torch.from_numpy(randn(rng, n)).to(dt)
     out = qkernels.linear(x, w, b)
     assert isinstance(out, torch.Tensor) and out.dtype == dt and out.shape == (m, n)
-    close_to_naive(out, F.linear(x, w, b), linear_ref(f64(x), f64(w), f64(b)))
+    close_to_naive(out, F.linear(x, w, b), reference("linear", f64(x), f64(w), f64(b)))
     out = qkernels.swiglu(x, w, g)
     assert out.dtype == dt and out.shape == (m, n)
-    close_to_naive(out, F.linear(x, w) * F.silu(F.linear(x, g)), swiglu_ref(f64(x), f64(w), f64(g)))
+    close_to_naive(out, F.linear(x, w) * F.silu(F.linear(x, g)), reference("swiglu", f64(x), f64(w), f64(g)))
 
 
 def test_linear_float16_numpy(rng):
@@ -219,7 +173,7 @@ def test_linear_float16_numpy(rng):
         randn(rng, 129).astype(np.float16)
     out = qkernels.linear(x, w, b)
     assert out.dtype == np.float16
-    ref = linear_ref(x, w, b)
+    ref = reference("linear", x, w, b)
     naive = (x.astype(np.float32) @ w.astype(np.float32).T + b).astype(np.float16)
     close_to_naive(out, naive, ref)
 
@@ -247,17 +201,17 @@ def test_half_determinism_and_poisoned_out(rng):
 @pytest.mark.parametrize("shape", [(1, 1, 2), (19, 3, 6), (7, 4, 64), (33, 2, 128), (2, 5, 3, 6), (3, 9, 2, 128)])
 def test_rotary_fp32(rng, shape, interleaved):
     x = randn(rng, *shape)
-    f = freqs_for(rng, shape[:-2], shape[-1])
+    f = freqs_cis(rng, shape[:-2], shape[-1])
     out = qkernels.rotary_emb(x, f, interleaved=interleaved)
     assert out.shape == x.shape and out.dtype == np.float32
-    assert rel_err(out, rotary_ref(x, f, interleaved)) < FP32_TOL
+    assert rel_err(out, reference("rotary_emb", x, f, interleaved=interleaved)) < FP32_TOL
     y = x.copy()
     assert qkernels.rotary_emb(y, f, interleaved=interleaved, out=y) is y  # in place
     assert np.array_equal(y, out)
 
 
 def test_rotary_default_is_interleaved(rng):
-    x, f = randn(rng, 5, 2, 8), freqs_for(rng, (5,), 8)
+    x, f = randn(rng, 5, 2, 8), freqs_cis(rng, (5,), 8)
     assert np.array_equal(qkernels.rotary_emb(x, f), qkernels.rotary_emb(x, f, interleaved=True))
     assert not np.array_equal(qkernels.rotary_emb(x, f), qkernels.rotary_emb(x, f, interleaved=False))
 
@@ -269,17 +223,11 @@ def test_rotary_default_is_interleaved(rng):
 def test_rotary_half(rng, dtype, interleaved, shape):
     dt = getattr(torch, dtype)
     x = torch.from_numpy(randn(rng, *shape)).to(dt)
-    f = torch.from_numpy(freqs_for(rng, shape[:-2], shape[-1]))
+    f = torch.from_numpy(freqs_cis(rng, shape[:-2], shape[-1]))
     out = qkernels.rotary_emb(x, f, interleaved=interleaved)
     assert isinstance(out, torch.Tensor) and out.dtype == dt and out.shape == x.shape
-    ref = rotary_ref(f64(x), f.numpy(), interleaved)
-    # naive: the same formula in dtype (cos and sin rounded to it, each product and sum rounded)
-    c, s = f[..., 0].unsqueeze(-2).to(dt), f[..., 1].unsqueeze(-2).to(dt)
-    half = shape[-1] // 2
-    xe, xo = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
-    ye, yo = xe * c - xo * s, xe * s + xo * c
-    naive = torch.stack([ye, yo], -1).flatten(-2) if interleaved else torch.cat([ye, yo], -1)
-    close_to_naive(out, naive, ref)
+    ref = reference("rotary_emb", f64(x), f.numpy(), interleaved=interleaved)
+    close_to_naive(out, naive_rotary(x, f, interleaved), ref)
     y = x.clone()
     assert qkernels.rotary_emb(y, f, interleaved=interleaved, out=y) is y
     assert torch.equal(y, out)
@@ -289,28 +237,28 @@ def test_rotary_strided_views_and_poisoned_out(rng):
     t, h, d = 11, 4, 64
     qkv = randn(rng, t, 3 * h, d)
     q = qkv[:, :h]  # token stride 3hd: a view into a fused qkv projection
-    f = freqs_for(rng, (t,), d)
+    f = freqs_cis(rng, (t,), d)
     big = np.full((t, h, d + 8), np.nan, np.float32)
     out = big[..., 4:4 + d]
     assert qkernels.rotary_emb(q, f, out=out) is out
-    assert rel_err(out, rotary_ref(q, f)) < FP32_TOL
+    assert rel_err(out, reference("rotary_emb", q, f)) < FP32_TOL
     assert np.isnan(big[..., :4]).all() and np.isnan(big[..., 4 + d:]).all()
     # in place into the fused buffer: only q's part changes
     before = qkv.copy()
     qkernels.rotary_emb(q, f, interleaved=False, out=q)
-    assert rel_err(qkv[:, :h], rotary_ref(before[:, :h], f, False)) < FP32_TOL
+    assert rel_err(qkv[:, :h], reference("rotary_emb", before[:, :h], f, interleaved=False)) < FP32_TOL
     assert np.array_equal(qkv[:, h:], before[:, h:])
     # freqs shared across the batch (stride 0) and a strided freqs row
     x = randn(rng, 3, t, h, d)
     fb = np.broadcast_to(f, (3, t, d // 2, 2))
-    assert rel_err(qkernels.rotary_emb(x, fb), rotary_ref(x, fb)) < FP32_TOL
+    assert rel_err(qkernels.rotary_emb(x, fb), reference("rotary_emb", x, fb)) < FP32_TOL
     fw = np.zeros((t, d, 2), np.float32)
     fw[:, ::2] = f
-    assert rel_err(qkernels.rotary_emb(x[0], fw[:, ::2]), rotary_ref(x[0], f)) < FP32_TOL
+    assert rel_err(qkernels.rotary_emb(x[0], fw[:, ::2]), reference("rotary_emb", x[0], f)) < FP32_TOL
 
 
 def test_rotary_errors(rng):
-    x, f = randn(rng, 5, 2, 8), freqs_for(rng, (5,), 8)
+    x, f = randn(rng, 5, 2, 8), freqs_cis(rng, (5,), 8)
     with pytest.raises(TypeError, match="rotary_emb: x must be bfloat16 or float16 or float32, got float64"):
         qkernels.rotary_emb(x.astype(np.float64), f)
     with pytest.raises(TypeError, match="rotary_emb: freqs_cis must be float32, got float16"):
@@ -322,7 +270,7 @@ def test_rotary_errors(rng):
         qkernels.rotary_emb(randn(rng, 5, 2, 7), f)
     with pytest.raises(ValueError, match=r"rotary_emb: freqs_cis must have shape \[T, D/2, 2\] = \[5, 4, 2\] with "
                                          r"size 5 in dimension 0, got \[6, 4, 2\]"):
-        qkernels.rotary_emb(x, freqs_for(rng, (6,), 8))
+        qkernels.rotary_emb(x, freqs_cis(rng, (6,), 8))
     with pytest.raises(ValueError, match=r"freqs_cis must have 4 dimensions \[B, S, D/2, 2\] = \[1, 5, 4, 2\]"):
         qkernels.rotary_emb(x[None], f)
     with pytest.raises(ValueError, match=r"freqs_cis must have shape \[T, D/2, 2\] = \[5, 4, 2\] with size 2 in "
@@ -389,7 +337,7 @@ def test_linear_swiglu_errors(rng):
 # ---- through the dispatcher ----------------------------------------------------------------
 
 def test_dispatch_astr_backend(env, rng):
-    x, w, f = randn(rng, 3, 8), randn(rng, 4, 8), freqs_for(rng, (3,), 8)
+    x, w, f = randn(rng, 3, 8), randn(rng, 4, 8), freqs_cis(rng, (3,), 8)
     env()
     for op, args in (("linear", (x, w)), ("swiglu", (x, w, w)), ("rotary_emb", (x[:, None], f))):
         d = qkernels.resolve(op, *args)
@@ -398,7 +346,7 @@ def test_dispatch_astr_backend(env, rng):
     env(ASTR_BACKEND="cpu")
     d = qkernels.resolve("linear", x, w)
     assert d.winner == "cpu" and d.origin == "env ASTR_BACKEND"
-    assert rel_err(qkernels.linear(x, w), linear_ref(x, w)) < FP32_TOL
+    assert rel_err(qkernels.linear(x, w), reference("linear", x, w)) < FP32_TOL
     env(ASTR_BACKEND="cuda")
     for call in (lambda: qkernels.linear(x, w), lambda: qkernels.swiglu(x, w, w),
                  lambda: qkernels.rotary_emb(x[:, None], f)):
@@ -411,7 +359,7 @@ def test_dispatch_astr_backend(env, rng):
     assert qkernels.resolve("swiglu", x, w, w).winner == "cpu"
     with qkernels.use_backend(llm="cpu"):
         assert qkernels.resolve("rotary_emb", x[:, None], f).origin == "context"
-    assert rel_err(qkernels.linear(x, w, backend="cpu"), linear_ref(x, w)) < FP32_TOL
+    assert rel_err(qkernels.linear(x, w, backend="cpu"), reference("linear", x, w)) < FP32_TOL
 
 
 def test_dispatch_requirements_in_explain(env, rng):

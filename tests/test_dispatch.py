@@ -8,12 +8,12 @@ import pytest
 
 import qkernels
 from qkernels import ExplicitSelectionError, _dispatch
-from conftest import random_inputs
+from qkernels.testing import sample
 
 
 @pytest.fixture
 def args():
-    return random_inputs(np.random.default_rng(3), 10, 6, 2, 4)
+    return sample("sparse_aggregate", np.random.default_rng(3), n_dst=10, n_src=6, heads=2, dim=4)[0]
 
 
 def test_chain_picks_cpu_for_host_data(env, args):
@@ -88,7 +88,7 @@ def test_bad_env_value_raises_at_first_use(env, args, var, value, match):
     env(**{var: value})
     from qkernels.testing import sample
     with pytest.raises(ValueError, match=match):  # at the first call of a family the variable selects
-        if var == "ASTR_BACKEND":
+        if var == "ASTR_BACKEND" or value.startswith("linear="):
             qkernels.linear(*sample("linear")[0])
         else:
             qkernels.sparse_aggregate(*args)
@@ -165,7 +165,7 @@ def test_resolve_validates_op():
 
 import importlib.util
 
-from conftest import FakeCudaTensor
+from conftest import FakeCudaTensor, RecordingOut
 
 
 def fake_decode(B=2, L=16, Hq=8, Hkv=2, D=128, dtype="bfloat16"):
@@ -243,11 +243,7 @@ def test_flash_receives_the_call(env, fake_flash):
     (cq, ck, cv, kw), = fake_flash
     assert cq is q and ck is k and cv is v and kw == {"cache_seqlens": None, "softmax_scale": None}
 
-    class Out:
-        def copy_(self, src):
-            self.got = src
-
-    out = Out()
+    out = RecordingOut()
     assert qkernels.attn_decode(*fake_decode(), out=out, scale=0.5, backend="flash") is out
     assert out.got == "flash result" and fake_flash[-1][3]["softmax_scale"] == 0.5
     with qkernels.use_backend(llm="flash"):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import qkernels
-from conftest import random_inputs, rel_err, requires_jax, requires_torch, sparse_aggregate_ref
+from qkernels.testing import reference, sample
+from conftest import rel_err, requires_jax, requires_torch
 from dlpack_ctypes import Handmade, capsule_name
 
 _C = qkernels._C
@@ -100,10 +101,15 @@ def test_handmade_deleter_called_once_and_null_strides_and_byte_offset():
     assert h.deleted == 1
 
 
+def imported(rng, **sizes):
+    """A sparse_aggregate sample as qkernels.Tensors."""
+    return [qkernels.from_dlpack(a) for a in sample("sparse_aggregate", rng, **sizes)[0]]
+
+
 def test_unconsumed_export_is_freed():
     gc.collect()
     base = _C._live_storages()
-    args = [qkernels.from_dlpack(x) for x in random_inputs(np.random.default_rng(0), 9, 4, 2, 3)]
+    args = imported(np.random.default_rng(0), n_dst=9, n_src=4, heads=2, dim=3)
     out = qkernels.sparse_aggregate(*args)
     assert _C._live_storages() == base + 5  # 4 imported inputs + the output
     del args
@@ -118,7 +124,7 @@ def test_unconsumed_export_is_freed():
 def test_memory_lives_until_last_consumer_and_frees_from_another_thread():
     gc.collect()
     base = _C._live_storages()
-    args = [qkernels.from_dlpack(x) for x in random_inputs(np.random.default_rng(1), 50, 10, 2, 4)]
+    args = imported(np.random.default_rng(1), n_dst=50, n_src=10, heads=2, dim=4)
     out = qkernels.sparse_aggregate(*args)
     expected = np.from_dlpack(out).copy()
     view = np.from_dlpack(out)
@@ -134,7 +140,7 @@ def test_memory_lives_until_last_consumer_and_frees_from_another_thread():
 
 
 def test_read_only_out_is_rejected():
-    args = random_inputs(np.random.default_rng(2), 4, 4, 1, 2)
+    args = sample("sparse_aggregate", np.random.default_rng(2), n_dst=4, n_src=4, heads=1, dim=2)[0]
     out = np.zeros((4, 1, 2), np.float32)
     out.flags.writeable = False
     with pytest.raises(BufferError, match="sparse_aggregate: out is read-only"):
@@ -153,11 +159,11 @@ def test_read_only_flag_survives_import_and_export():
 
 
 def test_raw_capsules_as_op_inputs(rng):
-    args = random_inputs(rng, 20, 9, 3, 4)
+    args = sample("sparse_aggregate", rng, n_dst=20, n_src=9, heads=3, dim=4)[0]
     caps = [a.__dlpack__() for a in args]
     out = qkernels._C.sparse_aggregate_raw(*caps)
     assert isinstance(out, qkernels.Tensor)
-    assert rel_err(np.from_dlpack(out), sparse_aggregate_ref(*args)) < 1e-5
+    assert rel_err(np.from_dlpack(out), reference("sparse_aggregate", *args)) < 1e-5
 
 
 def test_legacy_only_producer_falls_back(rng):
@@ -171,13 +177,13 @@ def test_legacy_only_producer_falls_back(rng):
         def __dlpack_device__(self):
             return (1, 0)
 
-    args = random_inputs(rng, 15, 6, 2, 3)
+    args = sample("sparse_aggregate", rng, n_dst=15, n_src=6, heads=2, dim=3)[0]
     out = qkernels._C.sparse_aggregate_raw(*[LegacyOnly(a) for a in args])
-    assert rel_err(np.from_dlpack(out), sparse_aggregate_ref(*args)) < 1e-5
+    assert rel_err(np.from_dlpack(out), reference("sparse_aggregate", *args)) < 1e-5
 
 
 def test_refcounts_flat_over_many_calls(rng):
-    args = random_inputs(rng, 30, 10, 2, 4)
+    args = sample("sparse_aggregate", rng, n_dst=30, n_src=10, heads=2, dim=4)[0]
     out = np.zeros((30, 2, 4), np.float32)
     before = [sys.getrefcount(a) for a in args] + [sys.getrefcount(out)]
     for _ in range(200):
@@ -194,12 +200,12 @@ def test_torch_round_trip_zero_copy(rng, fast_path):
 
     old = qkernels._dispatch.configure(use_exchange_api=fast_path)
     try:
-        args = [torch.from_numpy(a) for a in random_inputs(rng, 40, 12, 3, 8)]
+        args = [torch.from_numpy(a) for a in sample("sparse_aggregate", rng, n_dst=40, n_src=12, heads=3, dim=8)[0]]
         before = [sys.getrefcount(a) for a in args]
         out = qkernels.sparse_aggregate(*args)
         assert isinstance(out, torch.Tensor)
         assert [sys.getrefcount(a) for a in args] == before
-        ref = sparse_aggregate_ref(*[a.numpy() for a in args])
+        ref = reference("sparse_aggregate", *[a.numpy() for a in args])
         assert rel_err(out.numpy(), ref) < 1e-5
         t = qkernels.from_dlpack(args[3])
         assert t.data_ptr == args[3].data_ptr()
@@ -240,11 +246,11 @@ def test_jax_round_trip(rng):
     import jax
     import jax.numpy as jnp
 
-    args = random_inputs(rng, 25, 14, 2, 8)
+    args = sample("sparse_aggregate", rng, n_dst=25, n_src=14, heads=2, dim=8)[0]
     j_args = [jnp.asarray(a) for a in args]
     out = qkernels.sparse_aggregate(*j_args)
     assert isinstance(out, jax.Array) and out.shape == (25, 2, 8)
-    assert rel_err(np.asarray(out), sparse_aggregate_ref(*args)) < 1e-5
+    assert rel_err(np.asarray(out), reference("sparse_aggregate", *args)) < 1e-5
     with pytest.raises(TypeError, match="JAX arrays"):
         qkernels.sparse_aggregate(*j_args, out=out)
 
@@ -292,7 +298,7 @@ def test_cpu_kernel_releases_the_gil(rng):
     # While one thread runs a large CPU sparse_aggregate, another keeps executing Python.
     import time
 
-    args = random_inputs(rng, 20000, 20000, 4, 64, avg_degree=96)
+    args = sample("sparse_aggregate", rng, n_dst=20000, n_src=20000, heads=4, dim=64, avg_degree=96)[0]
     inside = threading.Event()
     span = []
 

@@ -5,15 +5,15 @@ import numpy as np
 import pytest
 
 import qkernels
+from qkernels.testing import sample
+from conftest import replaced
 from dlpack_ctypes import Handmade
 
 
-def good(rng=None, n_dst=6, n_src=5, e=9, h=2, d=3, idx=np.int64):
-    rng = rng or np.random.default_rng(7)
-    row_ptr = np.sort(rng.integers(0, e + 1, n_dst + 1)).astype(idx)
-    row_ptr[0], row_ptr[-1] = 0, e
-    return [row_ptr, rng.integers(0, n_src, e).astype(idx), rng.standard_normal((e, h)).astype(np.float32),
-            rng.standard_normal((n_src, h, d)).astype(np.float32)]
+def good():
+    """sparse_aggregate: N_dst = 6, N_src = 5, E = 9, H = 2, D = 3."""
+    return list(sample("sparse_aggregate", np.random.default_rng(7), n_dst=6, n_src=5, heads=2, dim=3,
+                       degrees=[2, 1, 0, 3, 1, 2])[0])
 
 
 def call(args, **kw):
@@ -36,32 +36,22 @@ def call(args, **kw):
     (0, [0, 1, 2], TypeError, "sparse_aggregate: row_ptr must be a tensor supporting DLPack .*got list"),
 ])
 def test_bad_argument(pos, value, exc, msg):
-    args = good()
-    args[pos] = value
     with pytest.raises(exc, match=msg):
-        call(args)
+        call(replaced(good(), pos, value))
 
 
-def test_bad_indices_are_reported_with_position():
+@pytest.mark.parametrize("changes,msg", [
+    ({(1, 4): 5}, r"col_idx\[4\] = 5 is out of range for node_feat with N_src = 5"),  # == N_src
+    ({(1, 2): -1}, r"col_idx\[2\] = -1 is out of range"),
+    ({(0, 3): 8, (0, 4): 2}, r"row_ptr must be non-decreasing .*row_ptr\[4\] = 2"),
+    ({(0, -1): 10}, r"0 <= row_ptr\[i\] <= E = 9; row_ptr\[6\] = 10"),
+    ({(0, 0): -3}, r"row_ptr\[0\] = -3"),
+])
+def test_bad_indices_are_reported_with_position(changes, msg):
     args = good()
-    args[1][4] = 5  # == N_src
-    with pytest.raises(ValueError, match=r"col_idx\[4\] = 5 is out of range for node_feat with N_src = 5"):
-        call(args)
-    args = good()
-    args[1][2] = -1
-    with pytest.raises(ValueError, match=r"col_idx\[2\] = -1 is out of range"):
-        call(args)
-    args = good()
-    args[0][3], args[0][4] = 8, 2
-    with pytest.raises(ValueError, match=r"row_ptr must be non-decreasing .*row_ptr\[4\] = 2"):
-        call(args)
-    args = good()
-    args[0][-1] = 10
-    with pytest.raises(ValueError, match=r"0 <= row_ptr\[i\] <= E = 9; row_ptr\[6\] = 10"):
-        call(args)
-    args = good()
-    args[0][0] = -3
-    with pytest.raises(ValueError, match=r"row_ptr\[0\] = -3"):
+    for (arg, i), value in changes.items():
+        args[arg][i] = value
+    with pytest.raises(ValueError, match=msg):
         call(args)
 
 
@@ -153,11 +143,9 @@ def test_tensor_dlpack_arguments():
 
 # ---- attn_decode / attn_paged_decode --------------------------------------------------------
 
-def decode_args(B=2, L=5, Hq=4, Hkv=2, D=8):
-    rng = np.random.default_rng(5)
-    return [rng.standard_normal((B, 1, Hq, D)).astype(np.float32),
-            rng.standard_normal((B, L, Hkv, D)).astype(np.float32),
-            rng.standard_normal((B, L, Hkv, D)).astype(np.float32)]
+def decode_args(D=8):
+    """attn_decode: B = 2, Lkv = 5, Hq = 4, Hkv = 2."""
+    return list(sample("attn_decode", np.random.default_rng(5), b=2, l=5, hkv=2, ratio=2, d=D)[0])
 
 
 @pytest.mark.parametrize("pos,value,exc,msg", [
@@ -175,11 +163,8 @@ def decode_args(B=2, L=5, Hq=4, Hkv=2, D=8):
     (2, "v", TypeError, "attn_decode: v must be a tensor supporting DLPack"),
 ])
 def test_decode_bad_argument(pos, value, exc, msg):
-    args = decode_args()
-    for p in pos if isinstance(pos, tuple) else (pos,):
-        args[p] = value
     with pytest.raises(exc, match=msg):
-        qkernels.attn_decode(*args)
+        qkernels.attn_decode(*replaced(decode_args(), pos, value))
 
 
 @pytest.mark.parametrize("kw,exc,msg", [
@@ -238,11 +223,9 @@ def test_decode_cuda_only_checks_on_a_claimed_cuda_tensor():
             qkernels._C.attn_decode_raw(*[h.capsule() for h in hs])
 
 
-def paged_args(B=2, S=10, R=3, max_ctx=6, Hq=4, Hkv=2, D=8):
-    rng = np.random.default_rng(6)
-    return [rng.standard_normal((B, Hq, D)).astype(np.float32), rng.standard_normal((S, Hkv, D)).astype(np.float32),
-            rng.standard_normal((S, Hkv, D)).astype(np.float32), np.zeros((R, max_ctx), np.int32),
-            np.array([2, 0], np.int64), np.array([0, 3, 5], np.int32)]
+def paged_args():
+    """attn_paged_decode: B = 2, S = 10 slots, R = 3 requests, max_ctx = 6, Hq = 4, Hkv = 2, D = 8."""
+    return list(sample("attn_paged_decode", np.random.default_rng(6), lens=[3, 2], hkv=2, ratio=2, d=8, requests=3)[0])
 
 
 @pytest.mark.parametrize("pos,value,exc,msg", [
@@ -258,11 +241,8 @@ def paged_args(B=2, S=10, R=3, max_ctx=6, Hq=4, Hkv=2, D=8):
     (1, np.ones((10, 2, 16), np.float32)[..., ::2], ValueError, "attn_paged_decode: k_cache must be unit-stride in its last dimension"),
 ])
 def test_paged_bad_argument(pos, value, exc, msg):
-    args = paged_args()
-    for p in pos if isinstance(pos, tuple) else (pos,):
-        args[p] = value
     with pytest.raises(exc, match=msg):
-        qkernels.attn_paged_decode(*args)
+        qkernels.attn_paged_decode(*replaced(paged_args(), pos, value))
 
 
 def test_paged_new_kv_checks():

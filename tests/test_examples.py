@@ -1,4 +1,4 @@
-"""The examples run end to end (issues 7 and 9), at toy sizes on the CPU: decode_step.py with --check
+"""The examples run end to end, at toy sizes on the CPU: decode_step.py with --check
 (its backends against its float64 torch reference), eval_gnn.py with --check (its backends against a
 float64 NumPy recomputation, its sampler against its edge labels) and tp_decode.py over two gloo
 ranks (the shards against the unsharded model).  Each is a subprocess, so the dispatcher's env and
@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+import qkernels
 from conftest import requires_cuda, requires_torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,14 +21,16 @@ TINY = ["--layers", "1", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "
         "--tokens", "4", "--device", "cpu"]
 
 
-def run(cmd, **extra_env):
+def run(cmd, cwd=ROOT, status=0, **extra_env):
+    """cmd's output; qkernels comes from PYTHONPATH (this checkout), as an installed one would: the
+    examples put nothing on sys.path themselves."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     for var in ("ASTR_BACKEND", "QECDEC_BACKEND", "QKERNELS_OPS"):  # the automatic choice, whatever the
         env.pop(var, None)                                           # caller's shell says
     env.update(extra_env)
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, f"{' '.join(cmd)} exited {r.returncode}\n{r.stdout}\n{r.stderr}"
-    return r.stdout
+    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == status, f"{' '.join(cmd)} exited {r.returncode}\n{r.stdout}\n{r.stderr}"
+    return r.stdout if status == 0 else r
 
 
 @requires_torch
@@ -38,11 +41,18 @@ def test_decode_step_check():
     assert "attn_paged_decode -> cpu" in out and "linear -> cpu" in out
 
 
+def test_examples_leave_sys_path_alone():
+    for name in ("decode_step.py", "eval_gnn.py", "tp_decode.py"):
+        with open(os.path.join(ROOT, "examples", name)) as f:
+            assert not re.search(r"sys\.path\.(insert|append)|sys\.path\s*=", f.read()), name
+
+
 @requires_torch
-def test_eval_gnn_check():
+def test_eval_gnn_check(tmp_path):
     # QECDEC_BACKEND=cpu: the timed run on the cpu backend (CPU tensors) even where a GPU is present.
-    out = run([sys.executable, "examples/eval_gnn.py", "--distance", "3", "--batch", "8", "--iters", "1", "--check"],
-              QECDEC_BACKEND="cpu")
+    # Run from elsewhere: nothing depends on the current directory.
+    out = run([sys.executable, os.path.join(ROOT, "examples", "eval_gnn.py"), "--distance", "3", "--batch", "8",
+               "--iters", "1", "--check"], cwd=tmp_path, QECDEC_BACKEND="cpu")
     assert re.search(r"^  loss \d+\.\d+ ", out, re.M), out
     assert "sparse_aggregate -> cpu (env QECDEC_BACKEND)" in out and "graph_norm_bce -> cpu (env QECDEC_BACKEND)" in out
     assert "sampler PASS" in out and "cpu    PASS" in out
@@ -50,7 +60,7 @@ def test_eval_gnn_check():
 
 
 # On a GPU: the examples' own defaults on the cuda backend, --check against the same float64
-# references (issue 7's "--check passes on every available backend"; cpu runs inside it too).
+# references: --check must pass on every available backend (cpu runs inside it too).
 @requires_torch
 @requires_cuda
 def test_decode_step_check_cuda():
@@ -83,3 +93,18 @@ def test_tp_decode_two_ranks():
                "examples/tp_decode.py", *TINY])
     assert "TP vs 1 cpu: PASS" in out
     assert "all_reduce -> torch.distributed" in out
+
+
+@pytest.mark.skipif(not _gloo(), reason="torch.distributed with gloo is not available")
+@pytest.mark.parametrize("launch", ["direct", "torchrun"])
+@pytest.mark.parametrize("value", ["bogus"] + ([] if qkernels.AVAILABLE else ["cuda"]))
+def test_tp_decode_unrunnable_selection_is_one_line(launch, value):
+    """A backend the dispatcher refuses, or one that cannot run here: rank 0 says so in one line and
+    every rank exits non-zero before any process group (torchrun then adds its own failure report)."""
+    cmd = [sys.executable, "examples/tp_decode.py", *TINY]
+    if launch == "torchrun":
+        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    r = run(cmd, status=2 if launch == "direct" else 1, ASTR_BACKEND=value)
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("tp_decode:")]
+    assert len(lines) == 1 and "ASTR_BACKEND" in lines[0], r.stdout + r.stderr
+    assert "[rank" not in r.stdout + r.stderr and (launch != "direct" or "Traceback" not in r.stderr), r.stderr

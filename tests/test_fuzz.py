@@ -1,7 +1,7 @@
 """Property tests through the public API on the cpu backend: random valid shapes (0- and 1-sized
 dims included), int32/int64 indices, strided, reversed, offset, transposed and broadcast views,
 float32 and float16 for the LLM ops, `out=` or not, all matched against the float64 references
-(graph_refs, attn_refs, test_dense_ops), prefill attention also in bfloat16 (torch tensors, when
+of qkernels.testing, prefill attention also in bfloat16 (torch tensors, when
 torch is installed); a last dimension that is not unit-stride is rejected with a ValueError naming
 it; and random invalid calls, run in a subprocess so that a crash fails the test instead of killing
 the run."""
@@ -17,11 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qkernels
-from attn_refs import (attn_decode_ref, attn_paged_decode_ref, attn_paged_prefill_ref, attn_prefill_ref, decode_inputs,
-                       paged_inputs, paged_prefill_inputs, prefill_inputs, prefill_keep)
-from conftest import fp32_sum_tol, rel_err, sparse_aggregate_ref
-from graph_refs import dropout_keep, edge_features_ref, graph_bce_ref, norm_residual_ref
-from test_dense_ops import freqs_for, linear_ref, rotary_ref, swiglu_ref
+from qkernels.testing import appended, freqs_cis, prefill_keep, reference, sample
+from conftest import fp32_sum_tol, rel_err
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LLM_SETTINGS = settings(SETTINGS, max_examples=100)
@@ -66,7 +63,7 @@ def test_sparse_aggregate_property(seed, n_dst, n_src, h, d, max_deg, idx, layou
     out = np.full((n_dst, h, d), np.nan, np.float32) if use_out else None
     r = qkernels.sparse_aggregate(*args, out=out)
     assert r.shape == (n_dst, h, d)
-    assert rel_err(r, sparse_aggregate_ref(row_ptr, col, ew, nf)) < 1e-5
+    assert rel_err(r, reference("sparse_aggregate", row_ptr, col, ew, nf)) < 1e-5
 
 
 @SETTINGS
@@ -80,7 +77,7 @@ def test_edge_features_property(seed, n, e, h, idx, layout, attr, use_out):
     out = np.full((e, (3 if attr else 2) * h), np.nan, np.float32) if use_out else None
     r = qkernels.fused_edge_features(view(rng, x, layout), view(rng, ei.T, layout).T,
                                      view(rng, ea, layout) if attr else None, out=out)
-    assert rel_err(r, edge_features_ref(x, ei, ea)) < 1e-5
+    assert rel_err(r, reference("fused_edge_features", x, ei, ea)) < 1e-5
 
 
 @SETTINGS
@@ -94,8 +91,7 @@ def test_norm_residual_property(seed, r, h, layout, p, training, mean):
     b = rng.standard_normal(h).astype(np.float32)
     out = qkernels.fused_norm_residual(view(rng, x, layout), view(rng, res, layout), view(rng, g, layout),
                                        view(rng, b, layout), p=p, training=training, seed=seed)
-    keep = dropout_keep(seed, (r, h), p) if training and p > 0 else None
-    assert rel_err(out, norm_residual_ref(x, res, g, b, keep=keep, p=p)) < 1e-5
+    assert rel_err(out, reference("fused_norm_residual", x, res, g, b, p=p, training=training, seed=seed)) < 1e-5
 
 
 @SETTINGS
@@ -110,7 +106,7 @@ def test_graph_bce_property(seed, e, g, idx, layout, sorted_, pos_weight):
         eg.sort()
     r = float(qkernels.graph_norm_bce(view(rng, lg, layout), view(rng, t, layout), view(rng, eg, layout), g,
                                       pos_weight=pos_weight))
-    ref = graph_bce_ref(lg, t, eg, g, pos_weight)
+    ref = reference("graph_norm_bce", lg, t, eg, g, pos_weight=pos_weight)
     assert abs(r - ref) <= 1e-5 * abs(ref) + 1e-12
 
 
@@ -191,7 +187,8 @@ def attn_tol(dtype, q, k, scale, n_keys):
 def test_attn_decode_property(seed, B, L, hkv, ratio, D, dtype, idx, layouts, out_layout, lens, mask, scale,
                               mask_layout):
     rng = np.random.default_rng(seed)
-    q, k, v = (llm_view(a, how) for a, how in zip(decode_inputs(rng, B, L, hkv, ratio, D, dtype), layouts))
+    host, _ = sample("attn_decode", rng, b=B, l=L, hkv=hkv, ratio=ratio, d=D, dtype=dtype)
+    q, k, v = (llm_view(a, how) for a, how in zip(host, layouts))
     kw = {"scale": scale}
     kv_lens = m = None
     if lens == "random":
@@ -207,8 +204,8 @@ def test_attn_decode_property(seed, B, L, hkv, ratio, D, dtype, idx, layouts, ou
     out = poisoned_out(q.shape, dtype, out_layout)
     r = qkernels.attn_decode(q, k, v, out=out, **kw)
     check_out(r, out, (B, 1, hkv * ratio, D), dtype)
-    ref = attn_decode_ref(q, k, v, kv_lens, m, scale)
-    mag = attn_decode_ref(q, k, np.abs(np.asarray(v, np.float64)), kv_lens, m, scale)
+    ref = reference("attn_decode", q, k, v, kv_lens=kv_lens, mask=m, scale=scale)
+    mag = reference("attn_decode", q, k, np.abs(np.asarray(v, np.float64)), kv_lens=kv_lens, mask=m, scale=scale)
     sc = 1 / np.sqrt(D) if scale is None else scale
     assert err_vs(r, ref, mag) < attn_tol(dtype, q, k, sc, L)
     keep = np.ones((B, L), bool) if m is None else m.copy()
@@ -226,8 +223,8 @@ def test_attn_decode_property(seed, B, L, hkv, ratio, D, dtype, idx, layouts, ou
 def test_attn_paged_decode_property(seed, lens, hkv, ratio, D, dtype, idx, layouts, idx_layouts, new_kv, mask,
                                     out_layout, scale):
     rng = np.random.default_rng(seed)
-    q, kc, vc, r2t, rpi, indptr = paged_inputs(rng, lens, hkv, ratio, D, extra_slots=int(rng.integers(0, 4)),
-                                               index_dtype=np.int64, dtype=dtype)
+    (q, kc, vc, r2t, rpi, indptr), _ = sample("attn_paged_decode", rng, lens=lens, hkv=hkv, ratio=ratio, d=D,
+                                              extra_slots=int(rng.integers(0, 4)), dtype=dtype)
     B = len(lens)
     pool_layouts = tuple("padded" if new_kv and h == "broadcast" else h for h in layouts[1:3])  # written
     q = llm_view(q, layouts[0])
@@ -242,15 +239,18 @@ def test_attn_paged_decode_property(seed, lens, hkv, ratio, D, dtype, idx, layou
         m = rng.random((B, r2t.shape[1])) < rng.random()
         m[rng.random(B) < 0.3] = False
         kw["mask"] = view(rng, m, idx_layouts[1])
-    ref, k_ref, v_ref = attn_paged_decode_ref(q, kc, vc, r2t, rpi, indptr, mask=m, scale=scale,
-                                              new_k=kw.get("new_k"), new_v=kw.get("new_v"))
+    ref = reference("attn_paged_decode", q, kc, vc, r2t, rpi, indptr, mask=m, scale=scale, new_k=kw.get("new_k"),
+                    new_v=kw.get("new_v"))
+    k_ref, v_ref = kc.copy(), vc.copy()  # nothing may be written without new_k
+    if new_kv:
+        k_ref, v_ref = appended(kc, kw["new_k"], r2t, rpi, indptr), appended(vc, kw["new_v"], r2t, rpi, indptr)
     out = poisoned_out(q.shape, dtype, out_layout)
     r = qkernels.attn_paged_decode(q, kc, vc, r2t, rpi, indptr, out=out, **kw)
     check_out(r, out, (B, hkv * ratio, D), dtype)
     np.testing.assert_array_equal(kc, k_ref.astype(dtype))  # the new tokens written, nothing else
     np.testing.assert_array_equal(vc, v_ref.astype(dtype))
-    v_abs = np.abs(v_ref)
-    mag, _, _ = attn_paged_decode_ref(q, kc, v_abs, r2t, rpi, indptr, mask=m, scale=scale)
+    mag = reference("attn_paged_decode", q, kc, np.abs(np.asarray(v_ref, np.float64)), r2t, rpi, indptr, mask=m,
+                    scale=scale)
     sc = 1 / np.sqrt(D) if scale is None else scale
     assert err_vs(r, ref, mag) < attn_tol(dtype, q, k_ref, sc, max(lens, default=0))
     n = np.diff(np.asarray(indptr, np.int64))
@@ -337,7 +337,8 @@ def test_attn_prefill_property(seed, B, Lq, Lkv, hkv, ratio, D, dtype, layouts, 
     if dtype == "bfloat16":
         layouts = tuple(map(bf16_layout, layouts))
     q, k, v = (llm_view(rounded(a, dtype), how)
-               for a, how in zip(prefill_inputs(rng, B, Lq, Lkv, hkv, ratio, D), layouts))
+               for a, how in zip(sample("attn_prefill", rng, b=B, lq=Lq, lkv=Lkv, hkv=hkv, ratio=ratio, d=D)[0],
+                                 layouts))
     Hq = hkv * ratio
     kw = {"is_causal": is_causal, "scale": scale}
     m = None
@@ -345,8 +346,8 @@ def test_attn_prefill_property(seed, B, Lq, Lkv, hkv, ratio, D, dtype, layouts, 
         m = rng.random((B, Lkv) if mask == "keys" else (B, 1 if mask == "shared" else Hq, Lq, Lkv)) < rng.random()
         m[rng.random(B) < 0.3] = False  # all-False sequences: 0, not NaN
         kw["mask"] = beside(view(rng, m, mask_layout), dtype)
-    ref = attn_prefill_ref(q, k, v, is_causal, m, scale)
-    mag = attn_prefill_ref(q, k, np.abs(np.asarray(v, np.float64)), is_causal, m, scale)
+    ref = reference("attn_prefill", q, k, v, is_causal=is_causal, mask=m, scale=scale)
+    mag = reference("attn_prefill", q, k, np.abs(np.asarray(v, np.float64)), is_causal=is_causal, mask=m, scale=scale)
     out, buf = prefill_out(q.shape, dtype, out_layout)
     r = qkernels.attn_prefill(*(to_input(a, dtype) for a in (q, k, v)), out=out, **kw)
     res = checked_result(r, out, buf, (B, Lq, Hq, D), dtype)
@@ -369,8 +370,8 @@ def test_attn_paged_prefill_property(seed, reqs, hkv, ratio, D, dtype, idx, layo
     rng = np.random.default_rng(seed)
     q_lens = [nq for nq, _ in reqs]
     kv_lens = [nq + extra for nq, extra in reqs]
-    q, kc, vc, r2t, rpi, kv_indptr, qo = paged_prefill_inputs(rng, q_lens, kv_lens, hkv, ratio, D,
-                                                              index_dtype=np.int64, lead=lead, tail=tail)
+    (q, kc, vc, r2t, rpi, kv_indptr, qo), _ = sample("attn_paged_prefill", rng, q_lens=q_lens, kv_lens=kv_lens, hkv=hkv,
+                                                     ratio=ratio, d=D, lead=lead, tail=tail)
     if dtype == "bfloat16":
         layouts = tuple(map(bf16_layout, layouts))
     q, kc, vc = (llm_view(rounded(a, dtype), how) for a, how in zip((q, kc, vc), layouts))
@@ -382,9 +383,9 @@ def test_attn_paged_prefill_property(seed, reqs, hkv, ratio, D, dtype, idx, layo
         m = rng.random((B, r2t.shape[1])) < rng.random()
         m[rng.random(B) < 0.3] = False
         kw["mask"] = beside(view(rng, m, idx_layouts[4]), dtype)
-    ref = attn_paged_prefill_ref(q, kc, vc, *indices, is_causal=is_causal, mask=m, scale=scale)
-    mag = attn_paged_prefill_ref(q, kc, np.abs(np.asarray(vc, np.float64)), *indices, is_causal=is_causal, mask=m,
-                                 scale=scale)
+    ref = reference("attn_paged_prefill", q, kc, vc, *indices, is_causal=is_causal, mask=m, scale=scale)
+    mag = reference("attn_paged_prefill", q, kc, np.abs(np.asarray(vc, np.float64)), *indices, is_causal=is_causal,
+                    mask=m, scale=scale)
     out, buf = prefill_out(q.shape, dtype, out_layout)
     pools = [to_input(a, dtype) for a in (kc, vc)]
     r = qkernels.attn_paged_prefill(to_input(q, dtype), *pools, *(beside(a, dtype) for a in indices), out=out, **kw)
@@ -410,8 +411,8 @@ def test_rotary_emb_property(seed, lead, H, D, dtype, interleaved, x_layout, f_l
     if out_layout == "inplace" and x_layout == "broadcast":
         x_layout = "strided"
     x = llm_view(rng.standard_normal(lead + (H, D)).astype(dtype), x_layout)
-    f = llm_view(freqs_for(rng, lead, D), f_layout)
-    ref = rotary_ref(x, f, interleaved)  # before an in-place call overwrites x
+    f = llm_view(freqs_cis(rng, lead, D), f_layout)
+    ref = reference("rotary_emb", x, f, interleaved=interleaved)  # before an in-place call overwrites x
     if out_layout == "inplace":
         fresh = qkernels.rotary_emb(x, f, interleaved=interleaved)
         r = qkernels.rotary_emb(x, f, interleaved=interleaved, out=x)
@@ -441,9 +442,9 @@ def test_linear_swiglu_property(seed, M, K, N, one_d, dtype, swiglu, bias, layou
         g = llm_view((2 * rng.standard_normal((N, K)) * max(K, 1) ** -0.5).astype(dtype), layouts[2])
         r = qkernels.swiglu(x, w, g, out=out)
         check_out(r, out, shape, dtype)
-        ref = swiglu_ref(x, w, g)
+        ref = reference("swiglu", x, w, g)
         # error of u * silu(g) from errors in u and g (|silu'| <= 1.1), each bounded by its |terms|
-        u, gg = linear_ref(x, w), linear_ref(x, g)
+        u, gg = reference("linear", x, w), reference("linear", x, g)
         silu = gg / (1 + np.exp(-gg))
         mag = np.abs(silu) * (ax @ aw.T) + 1.1 * np.abs(u) * (ax @ np.abs(np.asarray(g, np.float64)).T)
         assert err_vs(r, ref, mag) <= 2 * tol * (np.linalg.norm(mag) > 0)
@@ -451,7 +452,7 @@ def test_linear_swiglu_property(seed, M, K, N, one_d, dtype, swiglu, bias, layou
         b = view(rng, rng.standard_normal(N).astype(dtype), bias_layout) if bias else None
         r = qkernels.linear(x, w, b, out=out)
         check_out(r, out, shape, dtype)
-        ref = linear_ref(x, w, b)
+        ref = reference("linear", x, w, b)
         mag = ax @ aw.T + (0 if b is None else np.abs(np.asarray(b, np.float64)))
         assert err_vs(r, ref, mag) <= tol * (np.linalg.norm(mag) > 0)  # K = 0: exactly the bias (or 0)
 
@@ -483,12 +484,14 @@ def test_llm_inner_stride_rejected_or_right(seed, target, n, d, dtype):
     op, name = target
     D = 2 * d
     f32 = rng.standard_normal
-    q, k, v = decode_inputs(rng, n, 3, 1, 2, D, dtype)
-    pq, kc, vc, r2t, rpi, indptr = paged_inputs(rng, [1, 2, 0][:n], 1, 2, D, dtype=dtype)
+    q, k, v = sample("attn_decode", rng, b=n, l=3, hkv=1, ratio=2, d=D, dtype=dtype)[0]
+    (pq, kc, vc, r2t, rpi, indptr), _ = sample("attn_paged_decode", rng, lens=[1, 2, 0][:n], hkv=1, ratio=2, d=D,
+                                               dtype=dtype, index_dtype=np.int32)
     nk = f32((n, 1, D)).astype(dtype)
-    dq, dk, dv = prefill_inputs(rng, n, 2, 3, 1, 2, D, dtype)
-    paged = paged_prefill_inputs(rng, [1, 2, 0][:n], [1, 3, 2][:n], 1, 2, D, dtype=dtype)
-    x3, f = f32((n, 2, D)).astype(dtype), freqs_for(rng, (n,), D)
+    dq, dk, dv = sample("attn_prefill", rng, b=n, lq=2, lkv=3, hkv=1, ratio=2, d=D, dtype=dtype)[0]
+    paged, _ = sample("attn_paged_prefill", rng, q_lens=[1, 2, 0][:n], kv_lens=[1, 3, 2][:n], hkv=1, ratio=2, d=D,
+                      dtype=dtype, index_dtype=np.int32)
+    x3, f = f32((n, 2, D)).astype(dtype), freqs_cis(rng, (n,), D)
     xl, w = f32((n, D)).astype(dtype), f32((3, D)).astype(dtype)
     args, kw, oshape = {  # (named positional args, keyword args, output shape)
         "attn_decode": ({"q": q, "k": k, "v": v}, {}, q.shape),

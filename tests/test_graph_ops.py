@@ -1,12 +1,12 @@
-"""fused_edge_features, fused_norm_residual and graph_norm_bce on the cpu backend against float64
-references; the dropout mask against a NumPy Philox; errors; determinism."""
+"""fused_edge_features, fused_norm_residual and graph_norm_bce on the cpu backend against the float64
+references of qkernels.testing (the dropout mask there: a NumPy Philox); errors; determinism."""
 
 import numpy as np
 import pytest
 
 import qkernels
 from conftest import rel_err, requires_torch
-from graph_refs import dropout_keep, edge_features_ref, graph_bce_ref, norm_residual_ref
+from qkernels.testing import reference, sample
 
 FP32_TOL = 1e-5
 
@@ -29,7 +29,7 @@ def test_edge_features(rng, idx, n, e, h, attr):
     ea = rng.standard_normal((e, h)).astype(np.float32) if attr else None
     out = qkernels.fused_edge_features(x, ei, ea)
     assert out.shape == (e, (3 if attr else 2) * h) and out.dtype == np.float32
-    assert rel_err(out, edge_features_ref(x, ei, ea)) < FP32_TOL
+    assert rel_err(out, reference("fused_edge_features", x, ei, ea)) < FP32_TOL
 
 
 def test_edge_features_strided_inputs_and_poisoned_out(rng):
@@ -41,7 +41,7 @@ def test_edge_features_strided_inputs_and_poisoned_out(rng):
     ea = rng.standard_normal((16, 250)).astype(np.float32).T
     poisoned = np.full((250, 48), np.nan, np.float32)
     assert qkernels.fused_edge_features(x, ei, ea, out=poisoned) is poisoned
-    assert rel_err(poisoned, edge_features_ref(x, ei, ea)) < FP32_TOL
+    assert rel_err(poisoned, reference("fused_edge_features", x, ei, ea)) < FP32_TOL
 
 
 def test_edge_features_errors(rng):
@@ -66,52 +66,43 @@ def test_edge_features_errors(rng):
 
 # ---- fused_norm_residual --------------------------------------------------------------------
 
-def norm_inputs(rng, r, h, mean=0.0):
-    x = (mean + rng.standard_normal((r, h))).astype(np.float32)
-    res = rng.standard_normal((r, h)).astype(np.float32)
-    gamma = (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)
-    beta = (0.1 * rng.standard_normal(h)).astype(np.float32)
-    return x, res, gamma, beta
-
-
 @pytest.mark.parametrize("r,h", [(1, 1), (19, 7), (113, 19), (7, 113), (3, 1023), (64, 128)])
 def test_norm_residual_inference(rng, r, h):
-    args = norm_inputs(rng, r, h)
+    args, _ = sample("fused_norm_residual", rng, rows=r, h=h)
     out = qkernels.fused_norm_residual(*args)
     assert out.shape == (r, h) and out.dtype == np.float32
-    assert rel_err(out, norm_residual_ref(*args)) < FP32_TOL
+    assert rel_err(out, reference("fused_norm_residual", *args)) < FP32_TOL
     # training=False ignores p entirely
     assert np.array_equal(qkernels.fused_norm_residual(*args, p=0.5, seed=3), out)
 
 
 def test_norm_residual_large_mean_is_stable(rng):
-    args = norm_inputs(rng, 64, 256, mean=1e4)
+    args, _ = sample("fused_norm_residual", rng, rows=64, h=256, mean=1e4)
     out = qkernels.fused_norm_residual(*args)
-    assert rel_err(out, norm_residual_ref(*args)) < FP32_TOL
+    assert rel_err(out, reference("fused_norm_residual", *args)) < FP32_TOL
 
 
 def test_norm_residual_eps_and_constant_rows(rng):
-    x, res, g, b = norm_inputs(rng, 4, 16)
+    (x, res, g, b), _ = sample("fused_norm_residual", rng, rows=4, h=16)
     x[1] = 3.0  # zero variance: the output is beta + residual
     out = qkernels.fused_norm_residual(x, res, g, b, eps=1e-3)
-    assert rel_err(out, norm_residual_ref(x, res, g, b, eps=1e-3)) < FP32_TOL
+    assert rel_err(out, reference("fused_norm_residual", x, res, g, b, eps=1e-3)) < FP32_TOL
     assert np.allclose(out[1], b + res[1], atol=1e-6)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_norm_residual_dropout_matches_documented_mask(rng, p):
-    args = norm_inputs(rng, 37, 19)
+    args, _ = sample("fused_norm_residual", rng, rows=37, h=19)
     seed = int(rng.integers(0, 2**63))
     out = qkernels.fused_norm_residual(*args, p=p, training=True, seed=seed)
-    keep = dropout_keep(seed, (37, 19), p)
-    assert rel_err(out, norm_residual_ref(*args, keep=keep, p=p)) < FP32_TOL
+    assert rel_err(out, reference("fused_norm_residual", *args, p=p, training=True, seed=seed)) < FP32_TOL
     again = qkernels.fused_norm_residual(*args, p=p, training=True, seed=seed)
     assert np.array_equal(out, again)
 
 
 def test_dropout_keep_rate_and_fresh_seeds(rng):
     r, h, p = 512, 256, 0.3
-    x, res, g, b = norm_inputs(rng, r, h)
+    (x, res, g, b), _ = sample("fused_norm_residual", rng, rows=r, h=h)
     zero = np.zeros_like(res)
     a = qkernels.fused_norm_residual(x, zero, g, b, p=p, training=True)
     c = qkernels.fused_norm_residual(x, zero, g, b, p=p, training=True)
@@ -125,23 +116,23 @@ def test_dropout_keep_rate_and_fresh_seeds(rng):
 
 
 def test_dropout_extremes(rng):
-    x, res, g, b = norm_inputs(rng, 8, 32)
+    (x, res, g, b), _ = sample("fused_norm_residual", rng, rows=8, h=32)
     assert np.array_equal(qkernels.fused_norm_residual(x, res, g, b, p=1.0, training=True, seed=5), res)
     assert np.array_equal(qkernels.fused_norm_residual(x, res, g, b, p=0.0, training=True, seed=5),
                           qkernels.fused_norm_residual(x, res, g, b))
 
 
 def test_norm_residual_strided_and_poisoned_out(rng):
-    x, res, g, b = norm_inputs(rng, 30, 24)
+    (x, res, g, b), _ = sample("fused_norm_residual", rng, rows=30, h=24)
     xs = np.asfortranarray(x)
     gs = np.repeat(g, 2)[::2]
     out = np.full((30, 48), np.nan, np.float32)[:, ::2]
     assert qkernels.fused_norm_residual(xs, res, gs, b, out=out) is out
-    assert rel_err(out, norm_residual_ref(x, res, g, b)) < FP32_TOL
+    assert rel_err(out, reference("fused_norm_residual", x, res, g, b)) < FP32_TOL
 
 
 def test_norm_residual_errors(rng):
-    x, res, g, b = norm_inputs(rng, 5, 8)
+    (x, res, g, b), _ = sample("fused_norm_residual", rng, rows=5, h=8)
     with pytest.raises(ValueError, match=r"fused_norm_residual: p must be in \[0, 1\], got 1.5"):
         qkernels.fused_norm_residual(x, res, g, b, p=1.5, training=True)
     with pytest.raises(ValueError, match="eps must be a finite value >= 0"):
@@ -160,38 +151,29 @@ def test_norm_residual_errors(rng):
 
 # ---- graph_norm_bce -------------------------------------------------------------------------
 
-def bce_inputs(rng, e, g, sorted_=True, idx=np.int64):
-    logits = (3 * rng.standard_normal(e)).astype(np.float32)
-    target = (rng.random(e) < 0.3).astype(np.float32)
-    eg = rng.integers(0, g, e).astype(idx)
-    if sorted_:
-        eg.sort()
-    return logits, target, eg
-
-
 @pytest.mark.parametrize("idx", [np.int32, np.int64])
 @pytest.mark.parametrize("sorted_", [True, False])
 @pytest.mark.parametrize("e,g", [(1, 1), (19, 1), (113, 7), (5000, 64), (100_000, 4096), (10, 50)])
 @pytest.mark.parametrize("pos_weight", [None, 2.5])
 def test_graph_bce(rng, idx, sorted_, e, g, pos_weight):
-    logits, target, eg = bce_inputs(rng, e, g, sorted_, idx)
+    (logits, target, eg, _), _ = sample("graph_norm_bce", rng, e=e, graphs=g, sort=sorted_, index_dtype=idx)
     r = qkernels.graph_norm_bce(logits, target, eg, g, pos_weight=pos_weight)
-    ref = graph_bce_ref(logits, target, eg, g, pos_weight)
+    ref = reference("graph_norm_bce", logits, target, eg, g, pos_weight=pos_weight)
     assert np.asarray(r).shape == () and np.asarray(r).dtype == np.float32
     assert abs(float(r) - ref) <= FP32_TOL * abs(ref)
 
 
 def test_graph_bce_graphs_without_edges_count(rng):
-    logits, target, eg = bce_inputs(rng, 300, 10)
+    (logits, target, eg, _), _ = sample("graph_norm_bce", rng, e=300, graphs=10)
     eg = np.where(eg == 4, 5, eg)  # graph 4 has no edges: it contributes 0 and still counts
     r = qkernels.graph_norm_bce(logits, target, eg, 10)
-    assert abs(float(r) - graph_bce_ref(logits, target, eg, 10)) <= FP32_TOL * float(r)
+    assert abs(float(r) - reference("graph_norm_bce", logits, target, eg, 10)) <= FP32_TOL * float(r)
     r0 = qkernels.graph_norm_bce(np.zeros(0, np.float32), np.zeros(0, np.float32), np.zeros(0, np.int64), 3)
     assert float(r0) == 0.0
 
 
 def test_graph_bce_deterministic_and_strided(rng):
-    logits, target, eg = bce_inputs(rng, 60_000, 300, sorted_=False)
+    (logits, target, eg, _), _ = sample("graph_norm_bce", rng, e=60_000, graphs=300, sort=False)
     runs = {float(qkernels.graph_norm_bce(logits, target, eg, 300, pos_weight=3.0)).hex() for _ in range(5)}
     assert len(runs) == 1
     wide = np.zeros((60_000, 3), np.float32)
@@ -201,7 +183,7 @@ def test_graph_bce_deterministic_and_strided(rng):
 
 
 def test_graph_bce_errors(rng):
-    logits, target, eg = bce_inputs(rng, 20, 4)
+    (logits, target, eg, _), _ = sample("graph_norm_bce", rng, e=20, graphs=4)
     eg[7] = 4
     with pytest.raises(ValueError, match=r"graph_norm_bce: edge_graph\[7\] = 4 is out of range for num_graphs = 4"):
         qkernels.graph_norm_bce(logits, target, eg, 4)
@@ -226,12 +208,13 @@ def test_torch_cpu_and_dispatch(rng):
     x = torch.from_numpy(rng.standard_normal((30, 8)).astype(np.float32))
     ei = torch.from_numpy(edges(rng, 30, 50))
     out = qkernels.fused_edge_features(x, ei)
-    assert isinstance(out, torch.Tensor) and rel_err(out.numpy(), edge_features_ref(x.numpy(), ei.numpy())) < FP32_TOL
-    args = [torch.from_numpy(a) for a in norm_inputs(rng, 9, 16)]
+    assert isinstance(out, torch.Tensor)
+    assert rel_err(out.numpy(), reference("fused_edge_features", x.numpy(), ei.numpy())) < FP32_TOL
+    args = [torch.from_numpy(a) for a in sample("fused_norm_residual", rng, rows=9, h=16)[0]]
     y = qkernels.fused_norm_residual(*args, p=0.2, training=True, seed=11)
-    assert rel_err(y.numpy(), norm_residual_ref(*[a.numpy() for a in args], keep=dropout_keep(11, (9, 16), 0.2),
-                                                p=0.2)) < FP32_TOL
-    lg, t, eg = [torch.from_numpy(a) for a in bce_inputs(rng, 500, 9)]
+    ref = reference("fused_norm_residual", *[a.numpy() for a in args], p=0.2, training=True, seed=11)
+    assert rel_err(y.numpy(), ref) < FP32_TOL
+    lg, t, eg = [torch.from_numpy(a) for a in sample("graph_norm_bce", rng, e=500, graphs=9)[0][:3]]
     r = qkernels.graph_norm_bce(lg, t, eg, 9)
     assert isinstance(r, torch.Tensor) and r.shape == () and r.dtype == torch.float32
     for op, a in [("fused_edge_features", (x, ei)), ("fused_norm_residual", args), ("graph_norm_bce", (lg, t, eg, 9))]:
@@ -253,12 +236,13 @@ def test_graph_bce_single_term_accuracy(logit, target):
     # one edge, one graph: the result is the term itself, so the fp32 softplus is checked per value
     r = float(qkernels.graph_norm_bce(np.array([logit], np.float32), np.array([target], np.float32),
                                       np.zeros(1, np.int64), 1, pos_weight=2.0))
-    ref = graph_bce_ref(np.array([logit], np.float32), np.array([target], np.float32), np.zeros(1), 1, 2.0)
+    ref = reference("graph_norm_bce", np.array([logit], np.float32), np.array([target], np.float32), np.zeros(1), 1,
+                    pos_weight=2.0)
     assert abs(r - ref) <= 2e-7 * abs(ref) + 1e-30, (r, ref)
 
 
 def test_norm_residual_in_place(rng):
-    x, res, g, b = norm_inputs(rng, 50, 128)
+    (x, res, g, b), _ = sample("fused_norm_residual", rng, rows=50, h=128)
     ref = qkernels.fused_norm_residual(x, res, g, b)
     r2 = res.copy()
     assert qkernels.fused_norm_residual(x, r2, g, b, out=r2) is r2

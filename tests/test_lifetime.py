@@ -7,31 +7,21 @@ import numpy as np
 import pytest
 
 import qkernels
-from attn_refs import (attn_decode_ref, attn_paged_prefill_ref, attn_prefill_ref, decode_inputs, paged_prefill_inputs,
-                       prefill_inputs)
-from conftest import memory_stays_flat, rel_err, random_inputs, sparse_aggregate_ref
-from graph_refs import graph_bce_ref, norm_residual_ref
-from test_dense_ops import freqs_for, linear_ref, rotary_ref, swiglu_ref
+from qkernels.testing import OPS, reference, sample
+from conftest import memory_stays_flat, rel_err
 
 
 def test_100k_calls_keep_memory_flat():
     rng = np.random.default_rng(5)
-    args = random_inputs(rng, 8, 6, 2, 3)
-    x = rng.standard_normal((4, 8)).astype(np.float32)
-    g = np.ones(8, np.float32)
+    args, _ = sample("sparse_aggregate", rng, n_dst=8, n_src=6, heads=2, dim=3)
+    norm, _ = sample("fused_norm_residual", rng, rows=4, h=8)
     out = np.zeros((8, 2, 3), np.float32)
-    dec = decode_inputs(rng, 2, 9, 1, 2, 8)
-    pre = prefill_inputs(rng, 1, 5, 7, 1, 2, 8)
-    paged = paged_prefill_inputs(rng, [3, 2], [4, 5], 1, 2, 8)
-    w = rng.standard_normal((6, 8)).astype(np.float32)
-    rot = (rng.standard_normal((5, 2, 8)).astype(np.float32), freqs_for(rng, (5,), 8))
-    llm = [lambda: qkernels.attn_decode(*dec), lambda: qkernels.attn_prefill(*pre, is_causal=True),
-           lambda: qkernels.attn_paged_prefill(*paged, is_causal=True), lambda: qkernels.linear(x, w),
-           lambda: qkernels.swiglu(x, w, w), lambda: qkernels.rotary_emb(*rot)]
+    llm = [(getattr(qkernels, op),) + sample(op, rng) for op in ("attn_decode", "attn_prefill", "attn_paged_prefill",
+                                                                 "linear", "swiglu", "rotary_emb")]
     for _ in range(2000):  # warm caches, allocators, the dispatcher
         qkernels.sparse_aggregate(*args)
-        for call in llm:
-            call()
+        for fn, a, kw in llm:
+            fn(*a, **kw)
     with memory_stays_flat("1e5"):
         for i in range(100_000):
             if i % 4 == 0:
@@ -39,28 +29,32 @@ def test_100k_calls_keep_memory_flat():
             elif i % 4 == 1:
                 qkernels.sparse_aggregate(*args, out=out)
             elif i % 4 == 2:
-                qkernels.fused_norm_residual(x, x, g, g, p=0.1, training=True, seed=i)
+                qkernels.fused_norm_residual(*norm, p=0.1, training=True, seed=i)
             else:
-                llm[(i // 4) % len(llm)]()
+                fn, a, kw = llm[(i // 4) % len(llm)]
+                fn(*a, **kw)
+
+
+# Sizes at which each call splits its work between the pool's threads.
+THREAD_SIZES = {
+    "sparse_aggregate": dict(n_dst=3000, n_src=1000, heads=4, dim=16, avg_degree=8),
+    "fused_edge_features": dict(n=1000, e=4000, h=32),
+    "fused_norm_residual": dict(rows=500, h=64),
+    "graph_norm_bce": dict(e=20000, graphs=16),
+    "rotary_emb": dict(lead=(40,), h=4, d=64),
+    "linear": dict(m=5, k=256, n=300),
+    "swiglu": dict(m=5, k=256, n=300),
+    "attn_decode": dict(b=3, l=700, hkv=2, ratio=4, d=64),
+    "attn_prefill": dict(b=2, lq=90, lkv=200, hkv=2, ratio=4, d=64, is_causal=True),
+    "attn_paged_decode": dict(lens=[300, 1, 90], hkv=2, ratio=2, d=64),
+    "attn_paged_prefill": dict(q_lens=[50, 1, 30], kv_lens=[200, 90, 30], hkv=2, ratio=4, d=64, is_causal=True),
+}
 
 
 def test_eight_threads_at_once():
     rng = np.random.default_rng(6)
-    cases = [random_inputs(rng, 3000, 1000, 4, 16, avg_degree=8) for _ in range(8)]
-    refs = [sparse_aggregate_ref(*c) for c in cases]
-    norm = [[rng.standard_normal((500, 64)).astype(np.float32) for _ in range(2)] + [np.ones(64, np.float32),
-            np.zeros(64, np.float32)] for _ in range(8)]
-    bce = [((3 * rng.standard_normal(20000)).astype(np.float32), (rng.random(20000) < 0.3).astype(np.float32),
-            np.sort(rng.integers(0, 16, 20000))) for _ in range(8)]
-    dec = [decode_inputs(rng, 3, 700, 2, 4, 64) for _ in range(8)]
-    pre = [prefill_inputs(rng, 2, 90, 200, 2, 4, 64) for _ in range(8)]
-    paged = [paged_prefill_inputs(rng, [50, 1, 30], [200, 90, 30], 2, 4, 64) for _ in range(8)]
-    lin = [(rng.standard_normal((5, 256)).astype(np.float32), rng.standard_normal((300, 256)).astype(np.float32))
-           for _ in range(8)]
-    rot = [(rng.standard_normal((40, 4, 64)).astype(np.float32), freqs_for(rng, (40,), 64)) for _ in range(8)]
-    llm_refs = [(attn_decode_ref(*dec[i]), attn_prefill_ref(*pre[i], is_causal=True),
-                 attn_paged_prefill_ref(*paged[i], is_causal=True), linear_ref(*lin[i]),
-                 swiglu_ref(lin[i][0], lin[i][1], lin[i][1]), rotary_ref(*rot[i])) for i in range(8)]
+    calls = [[(op,) + sample(op, rng, **THREAD_SIZES[op]) for op in OPS] for _ in range(8)]
+    refs = [[reference(op, *a, **kw) for op, a, kw in thread] for thread in calls]
     errors = []
     start = threading.Barrier(8)
 
@@ -68,16 +62,8 @@ def test_eight_threads_at_once():
         try:
             start.wait()
             for _ in range(5):
-                assert rel_err(qkernels.sparse_aggregate(*cases[i]), refs[i]) < 1e-5
-                assert rel_err(qkernels.fused_norm_residual(*norm[i]), norm_residual_ref(*norm[i])) < 1e-5
-                r = float(qkernels.graph_norm_bce(*bce[i], 16))
-                ref = graph_bce_ref(*bce[i], 16)
-                assert abs(r - ref) <= 1e-5 * ref
-                got = (qkernels.attn_decode(*dec[i]), qkernels.attn_prefill(*pre[i], is_causal=True),
-                       qkernels.attn_paged_prefill(*paged[i], is_causal=True), qkernels.linear(*lin[i]),
-                       qkernels.swiglu(lin[i][0], lin[i][1], lin[i][1]), qkernels.rotary_emb(*rot[i]))
-                for r, ref in zip(got, llm_refs[i]):
-                    assert rel_err(r, ref) < 1e-5
+                for (op, a, kw), ref in zip(calls[i], refs[i]):
+                    assert rel_err(getattr(qkernels, op)(*a, **kw), ref) < 1e-5, op
         except Exception as e:  # reported by the main thread
             errors.append(e)
 

@@ -1,5 +1,5 @@
 """How fast can the H200 read a token pool at page size 1?  A read-only reference for
-attn_paged_decode (issue 4: paged >= 85% of the contiguous kernel's bandwidth).
+attn_paged_decode, whose target is >= 85% of the contiguous kernel's bandwidth.
 
 A CuPy kernel reads what attn_paged_decode reads, in its order: one block per (sequence b, kv
 head hk, split of the keys), the K and V rows of D=128 bf16 (256 bytes each) at pool slots

@@ -1,5 +1,5 @@
 // How fast can TMA tile copies stream a weight matrix from DRAM on this GPU, and what in the copy
-// pattern decides it?  A read-only reference for linear's one-CTA-per-SM kernels (issue 6): our
+// pattern decides it?  A read-only reference for linear's one-CTA-per-SM kernels: our
 // stream-K kernels read 28672x4096 at ~3.75 TB/s where cuBLAS's kernel (TMA, 128 rows x 64 K per
 // stage, one CTA per SM) reads it at ~4.13.
 //
@@ -15,7 +15,7 @@
 // included), TB/s, and the CTAs' stream-time spread (globaltimer, first copy issued to last stage
 // consumed): min / median / max µs, and the rate at the median CTA.
 //
-// H200, 2026-11-30 (twelfth session): every order, box height (64-256 rows), depth (48-192 KB) and
+// H200, 2026-11-30: every order, box height (64-256 rows), depth (48-192 KB) and
 // L2 promotion streams alike: 3.7-3.9 TB/s per launch, 4.3-4.5 TB/s at the median CTA, the slowest
 // CTA ~2% behind the median (a few finish ~20% early).  So one CTA per SM, each streaming its own
 // rows along K, needs no split of K and no dynamic balance: linear_sm90.cu's row kernel.  The first
