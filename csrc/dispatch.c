@@ -29,8 +29,13 @@ PyObject *qk_install_dispatch(PyObject *module, PyObject *const *args, Py_ssize_
 static int qk_direct(qk_state *st, PyObject *op_name, PyObject *deciding, PyObject *kwnames) {
     if (st->direct_ops == NULL || deciding == NULL) return 0;
     Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    for (Py_ssize_t i = 0; i < nkw; i++)
-        if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, i), "backend") == 0) return 0;
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        /* backend= and the raw ops' private keywords (_variant=, ...): the Python path decides or refuses */
+        PyObject *key = PyTuple_GET_ITEM(kwnames, i);
+        if (PyUnicode_CompareWithASCIIString(key, "backend") == 0 ||
+            (PyUnicode_GET_LENGTH(key) > 0 && PyUnicode_READ_CHAR(key, 0) == '_'))
+            return 0;
+    }
     int r = PySet_Contains(st->direct_types, (PyObject *)Py_TYPE(deciding));
     if (r != 1) return r;
     PyObject *flag = PyDict_GetItemWithError(st->direct_ops, op_name);

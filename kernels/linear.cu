@@ -310,7 +310,7 @@ int lin_run(const qk_linear_args *a, cudaStream_t stream, int max_cs) {
     int cs = 1;
     if (cc >= 90)  // clusters
         while (cs < max_cs && blocks * cs * 2 <= resident && a->K / 32 >= (int64_t)cs * 2 * C::kWK * C::RD) cs *= 2;
-    if (const int forced = qk_linear_split_env()) cs = cc >= 90 ? forced : 1;
+    if (const int forced = qk_linear_split(a)) cs = cc >= 90 ? forced : 1;
     qk_linear_args p = *a;
     int cs_arg = cs, mchunks_arg = (int)mchunks;
     void *args[] = {&p, &cs_arg, &mchunks_arg};
@@ -459,14 +459,13 @@ int lin_gemv_run(const qk_linear_args *a, cudaStream_t stream) {
 // shapes the copy engine cannot describe).  H200, same call, before the row kernel, us: linear 14336x4096 29.1 (mma.sync kernel 32.3,
 // cuBLAS 30.7), 28672x4096 56.1 (58.7, 56.4); swiglu 14336x4096 56.5 (62.5; eager 66.0).  Not
 // elsewhere: with fewer, longer rows (4096x14336) it took 36.3 against 31.7, and at M = 8 twice the
-// tile kernel's time (x re-read from L1 for every row).  QKERNELS_LINEAR_KERNEL=gemv forces it for
-// M <= 8, =mma keeps it off (read at each launch).  16-byte loads only: K % 8 == 0 and 16-byte
+// tile kernel's time (x re-read from L1 for every row).  a->variant QK_LINEAR_GEMV forces it for
+// M <= 8, any other non-zero variant keeps it off.  16-byte loads only: K % 8 == 0 and 16-byte
 // aligned rows, else the tile kernels.
 template <typename T, bool kSwiglu>
 int lin_gemv_pick(const qk_linear_args *a, cudaStream_t stream) {
-    const int pick = qk_linear_kernel_env();
-    const bool forced = pick == QK_LINEAR_GEMV;
-    if (a->M > (forced ? 8 : 1) || a->K % 8 || (pick != QK_LINEAR_PICKED && !forced)) return QK_E_UNSUPPORTED;
+    const bool forced = a->variant == QK_LINEAR_GEMV;
+    if (a->M > (forced ? 8 : 1) || a->K % 8 || (a->variant != QK_LINEAR_AUTO && !forced)) return QK_E_UNSUPPORTED;
     if (!forced) {
         int sms;
         QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
@@ -491,14 +490,10 @@ int lin_dispatch(const qk_linear_args *a, cudaStream_t stream) {
         const int g = lin_gemv_pick<T, kSwiglu>(a, stream);
         if (g != QK_E_UNSUPPORTED) return g;
     }
-    // QKERNELS_LINEAR_AS_M=m (tuning sweeps; read at each launch): the tile configuration of M = m
-    // whatever M is.  Any choice is correct: a smaller tile takes the rows in chunks, a larger one
-    // computes rows past M that nobody stores.
-    int64_t M = a->M;
-    if (const char *e = getenv("QKERNELS_LINEAR_AS_M")) {
-        const long v = strtol(e, nullptr, 10);
-        if (v >= 1 && v <= 64) M = v;
-    }
+    // a->tile_m (tuning sweeps): the tile configuration of M = tile_m whatever M is.  Any choice is
+    // correct: a smaller tile takes the rows in chunks, a larger one computes rows past M that nobody
+    // stores.
+    const int64_t M = a->tile_m >= 1 && a->tile_m <= 64 ? a->tile_m : a->M;
     // Tile choices for large N or K: a sweep of 11 configurations, then these rules against the
     // previous ones (H200, graph replay, cold L2, two runs, µs; the previous rules in brackets):
     // swiglu 14336x4096 M=4 60.9 (62.6), M=8 61.4 (63.6), M=16 62.9 (65.3); linear M=8 4096x14336
@@ -535,7 +530,7 @@ int lin_dispatch(const qk_linear_args *a, cudaStream_t stream) {
 template <bool kSwiglu>
 int lin_entry(const qk_linear_args *a, void *stream) {
     if (kSwiglu && a->gate == nullptr) return QK_E_UNSUPPORTED;
-    if (a->M > 64 && qk_linear_kernel_env() == QK_LINEAR_PICKED) {  // past decode sizes: cuBLASLt, if present
+    if (a->M > 64 && a->variant == QK_LINEAR_AUTO) {  // past decode sizes: cuBLASLt, if present
         const int r = qk_linear_lt(a, kSwiglu, (cudaStream_t)stream);
         if (r != QK_E_UNSUPPORTED) return r;
     }

@@ -183,11 +183,11 @@ template <typename T> int lin_wgmma_run(const qk_linear_args *a, cudaStream_t st
     const int64_t ntiles = (a->N + kLBN - 1) / kLBN, steps = (a->K + kLKC - 1) / kLKC;
     // Split K over a cluster while the doubled grid still fits one CTA per SM and each rank keeps
     // at least two rings' worth of steps.  Filling both resident slots measured slower (H200,
-    // QKERNELS_LINEAR_SPLIT sweep, µs at M = 32 / 64): 4096 x 14336 split 8 42.6 / 44.2 against
+    // forced split sweep, µs at M = 32 / 64): 4096 x 14336 split 8 42.6 / 44.2 against
     // split 4 35.8 / 36.4; 14336 x 4096 split 2 37.4 / 36.9 against unsplit 34.7 / 35.0.
     int cs = 1;
     while (cs < 8 && ntiles * cs * 2 <= sms && steps >= (int64_t)cs * 2 * 2 * kLStages) cs *= 2;
-    if (const int forced = qk_linear_split_env()) cs = forced;
+    if (const int forced = qk_linear_split(a)) cs = forced;
     if (ntiles * cs > 0x7fffffff) return QK_E_UNSUPPORTED;
     qk_linear_args p = *a;
     int cs_arg = cs;
@@ -453,11 +453,11 @@ bool lin_rows_pays(const qk_linear_args *a, int sms) {
 
 // linear and swiglu on a compute-capability-9.0 GPU: the row kernel (M <= 64, see lin_rows_pays),
 // and for the rest of linear at 16 < M <= 64 the cluster wgmma kernel; else QK_E_UNSUPPORTED and the
-// caller runs linear.cu's kernels.  QKERNELS_LINEAR_KERNEL=mma forces those, =rows the row kernel
-// wherever the copy engine can describe the operands (tests and benchmarks compare them).
+// caller runs linear.cu's kernels.  a->variant QK_LINEAR_MMA forces those, QK_LINEAR_ROWS the row
+// kernel wherever the copy engine can describe the operands (tests and benchmarks compare them).
 extern "C" int qk_linear_sm90(const qk_linear_args *a, int swiglu, cudaStream_t stream) {
 #if defined(QK_SM90A)
-    const int pick = qk_linear_kernel_env();
+    const int pick = a->variant;
     if (pick == QK_LINEAR_MMA || a->M <= 0 || a->M > kLMX || a->N <= 0 || a->K <= 0) return QK_E_UNSUPPORTED;
     if (a->dtype != QK_BF16 && a->dtype != QK_F16) return QK_E_UNSUPPORTED;
     int cc, sms;
@@ -466,7 +466,7 @@ extern "C" int qk_linear_sm90(const qk_linear_args *a, int swiglu, cudaStream_t 
     if (cc != 90) return QK_E_UNSUPPORTED;
     QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
     const bool bf16 = a->dtype == QK_BF16;
-    if (pick == QK_LINEAR_ROWS || (pick == QK_LINEAR_PICKED && lin_rows_pays(a, sms))) {
+    if (pick == QK_LINEAR_ROWS || (pick == QK_LINEAR_AUTO && lin_rows_pays(a, sms))) {
         st = swiglu ? (bf16 ? lin_rows_run<__nv_bfloat16, true>(a, stream) : lin_rows_run<__half, true>(a, stream))
                     : (bf16 ? lin_rows_run<__nv_bfloat16, false>(a, stream) : lin_rows_run<__half, false>(a, stream));
         if (st != QK_E_UNSUPPORTED || pick == QK_LINEAR_ROWS) return st;

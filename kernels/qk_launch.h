@@ -26,6 +26,17 @@ enum {
     QK_E_THREAD = -4,      /* a CPU worker thread could not be started */
 };
 
+/* Kernel choices, in the args structs' variant fields (tests, benchmarks and tuning sweeps set them
+ * through the raw ops' private keywords, named in csrc/ops/).  0 is automatic: the launcher picks
+ * from the shapes and the device.  A forced kernel that cannot take a call (shape, alignment,
+ * device) leaves it to the kernels that remain. */
+enum {
+    QK_LINEAR_AUTO = 0,
+    QK_LINEAR_MMA,  /* linear.cu's mma.sync tile kernel only */
+    QK_LINEAR_GEMV, /* the CUDA-core GEMV wherever M <= 8; neither cuBLASLt nor the sm_90 row kernel */
+    QK_LINEAR_ROWS, /* the sm_90 one-CTA-per-SM row kernel wherever M <= 64; neither cuBLASLt nor the GEMV */
+};
+
 /* Element types the kernels see; the binding maps DLPack dtypes onto these. */
 typedef enum {
     QK_F32 = 0,
@@ -228,10 +239,13 @@ typedef struct {
     int64_t x_stride, w_stride, gate_stride, bias_stride, out_stride; /* row strides; bias element stride */
     int dtype;          /* QK_BF16, QK_F16; cpu also QK_F32 */
     int num_threads;
+    int variant;        /* 0 auto, QK_LINEAR_MMA, QK_LINEAR_GEMV, QK_LINEAR_ROWS */
+    int split;          /* 0 auto, else the cluster size 1, 2, 4 or 8 over which sm_90 splits K */
+    int tile_m;         /* 0 auto, else 1..64: the mma.sync kernel's tile configuration for that M */
 } qk_linear_args;
 
 /* The CUDA shared object exports one symbol, qk_cuda_get_api, returning this table. */
-#define QK_CUDA_ABI 6
+#define QK_CUDA_ABI 7
 
 typedef struct {
     int abi;

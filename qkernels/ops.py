@@ -28,6 +28,9 @@ def _python_path(name):
     written = _WRITTEN.get(name)
 
     def call(*args, backend=None, **kwargs):
+        for key in kwargs:
+            if key[:1] == "_":  # the raw op's private tuning keywords (_variant=, ...) are not the public op's
+                raise TypeError(f"{name}() got an unexpected keyword argument '{key}'")
         x = args[position] if len(args) > position else kwargs.get(arg)
         if x is None:
             return raw(*args, **kwargs)  # the raw op names what is missing
