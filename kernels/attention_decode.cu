@@ -25,7 +25,7 @@
 // On sm_90, when each split is short (at most 512 keys once the splits are capped at 16), the
 // splits of a (sequence, head group) are launched as one thread-block cluster and merge their
 // partials through distributed shared memory instead: no workspace allocation, no second kernel
-// (QKERNELS_DECODE_CLUSTER=0 keeps the workspace path).
+// (a->variant QK_DECODE_WORKSPACE keeps the workspace path).
 //
 // Paged: key j of sequence b is pool slot req_to_token[req_pool_indices[b], j]; lane k of a warp
 // loads the slot of key k of the tile one tile ahead and the copies get it by shuffle.  With
@@ -35,8 +35,6 @@
 
 #include <cooperative_groups.h>
 #include <math.h>
-#include <stdlib.h>
-#include <string.h>
 
 namespace {
 using namespace qk_attn;
@@ -474,11 +472,10 @@ __global__ void __launch_bounds__(kThreads) decode_combine(qk_attn_decode_args a
 
 // The cluster launch (see decode_split): QK_E_UNSUPPORTED where clusters are not available (below
 // sm_90, or a cluster of that size cannot be scheduled), so the caller takes the workspace path.
-// QKERNELS_DECODE_CLUSTER=0 turns it off (comparison and tests).
+// a->variant QK_DECODE_WORKSPACE turns it off (comparison and tests).
 template <typename T, int D, int kM, bool kPaged>
 int launch_cluster(const qk_attn_decode_args *a, cudaStream_t s, int ncl, int64_t chunk, int64_t groups_y, size_t smem) {
-    const char *env = getenv("QKERNELS_DECODE_CLUSTER");
-    if (env && strcmp(env, "0") == 0) return QK_E_UNSUPPORTED;
+    if (a->variant == QK_DECODE_WORKSPACE) return QK_E_UNSUPPORTED;
     int cc;
     const int st = qk_device_cc(&cc);
     if (st) return st;
@@ -519,7 +516,7 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     const int opt = qk_kernel_residency((const void *)decode_split<T, D, kM, kPaged, false>, kThreads, smem, &resident);
     if (opt) return opt;
     // Splits: as many as fit one wave of resident CTAs, and no more; each warp gets at least two
-    // tiles where the keys allow it.  The H200 sweep (QKERNELS_DECODE_SPLITS, Hq=32 Hkv=8 D=128,
+    // tiles where the keys allow it.  The H200 sweep (forced split counts, Hq=32 Hkv=8 D=128,
     // us) found one full wave beats rounding up to two: B=8 L=1k 16.2 at 4 splits vs 21.0 at 8;
     // B=8 L=4k 40.0 vs 44.8; B=32 L=1k 37.3 at 1 vs 43.6 at 2; B=32 L=4k 131 vs 137.  And
     // 128-key splits beat 64-key ones at B=1 L=1k (7.8 vs 8.3).
@@ -528,12 +525,9 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     const int64_t pref_split = lcap > 0 ? (lcap + 2 * kWarps * kTile - 1) / (2 * kWarps * kTile) : 1;
     int64_t nsplit = slots / units;
     if (nsplit > pref_split) nsplit = pref_split;
-    // QKERNELS_DECODE_SPLITS=n (tuning sweeps; read at each launch): n splits whatever the shape
-    // asks for (capped by max_split: each warp keeps at least one tile).
-    if (const char *e = getenv("QKERNELS_DECODE_SPLITS")) {
-        const long v = strtol(e, nullptr, 10);
-        if (v >= 1) nsplit = v < max_split ? v : max_split;
-    }
+    // a->splits = n (tuning sweeps): n splits whatever the shape asks for (capped by max_split: each
+    // warp keeps at least one tile).
+    if (a->splits >= 1) nsplit = a->splits < max_split ? a->splits : max_split;
     if (nsplit < 1) nsplit = 1;
     if (nsplit > 1024) nsplit = 1024;
     // Latency-bound shapes (at most 512 keys per split, every cluster in one wave) on sm_90: the

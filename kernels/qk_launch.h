@@ -36,6 +36,10 @@ enum {
     QK_LINEAR_GEMV, /* the CUDA-core GEMV wherever M <= 8; neither cuBLASLt nor the sm_90 row kernel */
     QK_LINEAR_ROWS, /* the sm_90 one-CTA-per-SM row kernel wherever M <= 64; neither cuBLASLt nor the GEMV */
 };
+enum {
+    QK_DECODE_AUTO = 0,
+    QK_DECODE_WORKSPACE, /* no on-chip cluster merge: the splits merge through a workspace and a second kernel */
+};
 
 /* Element types the kernels see; the binding maps DLPack dtypes onto these. */
 typedef enum {
@@ -158,6 +162,8 @@ typedef struct {
     int dtype;        /* QK_BF16, QK_F16; cpu also QK_F32 */
     int kv_lens_dtype, r2t_dtype, rpi_dtype, indptr_dtype; /* QK_I32 or QK_I64 */
     int num_threads;
+    int variant;      /* 0 auto, QK_DECODE_WORKSPACE */
+    int splits;       /* 0 auto, else the keys of each sequence in this many splits (at most one per 64 keys) */
     /* Filled on QK_E_INDEX: bad_arg 0 req_pool_indices, 1 kv_indptr (a length), 2 req_to_token (a slot) */
     int bad_arg;
     int64_t bad_pos, bad_value;

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import qkernels
+from attn_refs import decode_inputs, paged_inputs
 from dlpack_ctypes import Handmade
 
 
@@ -137,10 +138,12 @@ def tuning_calls():
     return {
         "linear": ((x, w), dict(_variant="mma", _split=4, _tile_m=16)),
         "swiglu": ((x, w, w), dict(_variant="gemv", _split=1, _tile_m=64)),
+        "attn_decode": (decode_inputs(rng, 2, 7, 2, 2, 16), dict(_variant="workspace", _splits=3)),
+        "attn_paged_decode": (paged_inputs(rng, [3, 5], 2, 2, 16), dict(_variant="auto", _splits=1)),
     }
 
 
-@pytest.mark.parametrize("op", ["linear", "swiglu"])
+@pytest.mark.parametrize("op", ["linear", "swiglu", "attn_decode", "attn_paged_decode"])
 def test_private_tuning_keywords(op):
     """The raw ops take the private tuning keywords (kernels/qk_launch.h's variant fields; the cpu
     kernels have no variants, so the result is unchanged) and name the op and the keyword for a bad
