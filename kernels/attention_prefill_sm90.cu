@@ -30,8 +30,6 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <math.h>
-#include <stdlib.h>
-#include <string.h>
 
 #if defined(QK_SM90A)
 namespace {
@@ -825,22 +823,21 @@ template <typename T, bool kPaged> int pick_dim(const qk_attn_prefill_args *a, c
 #endif
 
 // QK_E_UNSUPPORTED unless this build has sm_90a code and the current device is compute
-// capability 9.0 (the caller then uses the mma.sync kernel).  QKERNELS_PREFILL_KERNEL=mma forces
-// that kernel (tests and benchmarks compare the two).
+// capability 9.0 (the caller then uses the mma.sync kernel).  a->variant QK_PREFILL_MMA forces that
+// kernel (tests and benchmarks compare the two).
 extern "C" int qk_attn_prefill_sm90(const qk_attn_prefill_args *a, cudaStream_t s) {
 #if defined(QK_SM90A)
-    const char *pick = getenv("QKERNELS_PREFILL_KERNEL");
-    if (pick && strcmp(pick, "mma") == 0) return QK_E_UNSUPPORTED;
+    if (a->variant == QK_PREFILL_MMA) return QK_E_UNSUPPORTED;
     int cc;
     const int st = qk_device_cc(&cc);
     if (st) return st;
     // Full [B, H, Lq, Lkv] bool masks stay on the mma.sync kernel: a load per score would
     // double this kernel's code and its masked path is sized for 32-bit compares.
     if (cc != 90 || a->mask_kind == 2 || !(a->scale > 0.f)) return QK_E_UNSUPPORTED;
-    // The warp-specialised kernel (QKERNELS_PREFILL_KERNEL=wgmma keeps the cp.async one): dense
-    // calls without a mask, paged calls with at most a key mask; it declines layouts the copy
-    // engine cannot describe.
-    if ((a->paged ? a->mask_kind <= 1 : a->mask_kind == 0) && !(pick && strcmp(pick, "wgmma") == 0)) {
+    // The warp-specialised kernel (a->variant QK_PREFILL_WGMMA keeps the cp.async one): dense calls
+    // without a mask, paged calls with at most a key mask; it declines layouts the copy engine cannot
+    // describe.
+    if ((a->paged ? a->mask_kind <= 1 : a->mask_kind == 0) && a->variant != QK_PREFILL_WGMMA) {
         const int r = a->dtype == QK_BF16 ? pick_ws<__nv_bfloat16>(a, s) : pick_ws<__half>(a, s);
         if (r != QK_E_UNSUPPORTED) return r;
     }

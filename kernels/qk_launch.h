@@ -40,6 +40,11 @@ enum {
     QK_DECODE_AUTO = 0,
     QK_DECODE_WORKSPACE, /* no on-chip cluster merge: the splits merge through a workspace and a second kernel */
 };
+enum {
+    QK_PREFILL_AUTO = 0,
+    QK_PREFILL_MMA,   /* the mma.sync kernel, also on sm_90 */
+    QK_PREFILL_WGMMA, /* on sm_90 the cp.async wgmma kernel, not the TMA one */
+};
 
 /* Element types the kernels see; the binding maps DLPack dtypes onto these. */
 typedef enum {
@@ -211,6 +216,7 @@ typedef struct {
     int dtype;                    /* QK_BF16, QK_F16; cpu also QK_F32 */
     int r2t_dtype, rpi_dtype, kv_indptr_dtype, qo_indptr_dtype; /* QK_I32 or QK_I64 */
     int num_threads;
+    int variant;                  /* 0 auto, QK_PREFILL_MMA, QK_PREFILL_WGMMA */
     /* Filled on QK_E_INDEX: bad_arg 0 req_pool_indices, 1 kv_indptr (a length), 2 req_to_token
      * (a slot), 3 qo_indptr (a row range, or q_len > kv_len) */
     int bad_arg;

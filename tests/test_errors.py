@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import qkernels
-from attn_refs import decode_inputs, paged_inputs
+from attn_refs import decode_inputs, paged_inputs, paged_prefill_inputs, prefill_inputs
 from dlpack_ctypes import Handmade
 
 
@@ -140,10 +140,13 @@ def tuning_calls():
         "swiglu": ((x, w, w), dict(_variant="gemv", _split=1, _tile_m=64)),
         "attn_decode": (decode_inputs(rng, 2, 7, 2, 2, 16), dict(_variant="workspace", _splits=3)),
         "attn_paged_decode": (paged_inputs(rng, [3, 5], 2, 2, 16), dict(_variant="auto", _splits=1)),
+        "attn_prefill": (prefill_inputs(rng, 2, 4, 6, 2, 2, 16), dict(_variant="wgmma")),
+        "attn_paged_prefill": (paged_prefill_inputs(rng, [2, 3], [4, 3], 2, 2, 16), dict(_variant="mma")),
     }
 
 
-@pytest.mark.parametrize("op", ["linear", "swiglu", "attn_decode", "attn_paged_decode"])
+@pytest.mark.parametrize("op", ["linear", "swiglu", "attn_decode", "attn_paged_decode", "attn_prefill",
+                                "attn_paged_prefill"])
 def test_private_tuning_keywords(op):
     """The raw ops take the private tuning keywords (kernels/qk_launch.h's variant fields; the cpu
     kernels have no variants, so the result is unchanged) and name the op and the keyword for a bad
