@@ -95,9 +95,9 @@ inline int qk_grid_for(int64_t work, int per_block, int max_blocks = 65536) {
     } while (0)
 
 // Launch `kernel` (a __global__ function's address) with its parameters in `args`, through the
-// driver's cuLaunchKernel and a context-independent kernel handle: on the H200 VM that costs
-// ~0.3 µs less host time per call than <<<>>> (benchmarks/probe/launch_cost.cu), which matters
-// for decode-sized calls.  Falls back to cudaLaunchKernel.  Returns a status (runtime.cu).
+// driver's cuLaunchKernel and a context-independent kernel handle: less host time per call than
+// <<<>>> (benchmarks/probe/launch_cost.cu), which matters for decode-sized calls.  Falls back to
+// cudaLaunchKernel.  Returns a status (runtime.cu).
 int qk_launch(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, void **args);
 
 // The same, as a programmatic dependent of the previous kernel on the stream where the device
@@ -155,10 +155,9 @@ __device__ __forceinline__ void qk_dependent_wait() {
 #endif
 }
 // Let the next kernel on the stream be scheduled now (it waits with qk_dependent_wait, so that is
-// always safe).  Where blocks share SMs the early start can cost: in the GEMV 2-5 µs a call (H200,
-// graph replay: linear 14336x4096 M=1 31.6 against 29.1 without it, swiglu M=1 61.5 against 56.2),
-// where the row kernel, one CTA per SM to the end, gains 1.1-1.6 µs; the wgmma kernel (up to two
-// CTAs per SM, untimed shapes) and the decode split kernel use it unmeasured.
+// always safe).  It pays where this grid keeps one CTA per SM to the end (the row kernel); where
+// blocks share SMs the early start can cost (the GEMV does not trigger; docs/linear.md).  The wgmma
+// kernel and decode's split kernel trigger too, untimed.
 __device__ __forceinline__ void qk_dependent_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");

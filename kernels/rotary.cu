@@ -4,11 +4,11 @@
 //   owns before writing them, and no two threads own the same element.
 //
 // Work decomposition: a 256-thread block owns `tpb` tokens; inside it a thread owns one chunk j of
-// a row (16 bytes = 4 interleaved pairs; rotate-half: both halves of 8 pairs, as two 16-byte pieces;
-// one pair on the scalar path) and walks the heads h = hs, hs + hpar, ... two at a time, so it loads that
-// chunk's (cos, sin) once per token and has two heads' loads in flight.  The thread's (j, hs, token)
-// split is computed once; blocks then stride over token groups, and blockIdx.y over the batch.  Grid
-// from shapes and the SM count only (CUDA-graph safe).
+// a row (16 bytes = 4 interleaved pairs; rotate-half: both halves of 8 pairs, two 16-byte pieces;
+// one pair on the scalar path) and walks the heads h = hs, hs + hpar, ... two at a time, so it
+// loads that chunk's (cos, sin) once per token and has two heads' loads in flight.  The thread's
+// (j, hs, token) split is computed once; blocks then stride over token groups, and blockIdx.y over
+// the batch.  Grid from shapes and the SM count only (CUDA-graph safe).
 // Bytes: read x, write out, read the table once per token: T*H*D*2*2 + T*D*4; T=32k, H=32, D=128
 // bf16: 554 MB, 140 µs at 4 TB/s.
 #include "common.cuh"
@@ -21,7 +21,7 @@ enum { kScalar = 0, kVecInterleaved = 1, kVecHalf = 2 };
 
 // 16 bytes of x as four words of two values, through the coherent path (not __ldg): out may be x.
 // The values are unpacked and packed by bit operations on the words: a local qk_vec<T> copied to
-// a uint4 was stored as eight 2-byte stores.
+// a uint4 compiles to eight 2-byte stores.
 __device__ __forceinline__ uint4 ro_load16(const void *p) { return *static_cast<const uint4 *>(p); }
 __device__ __forceinline__ void ro_store16(void *p, uint4 v) {
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
@@ -38,8 +38,8 @@ template <typename T> __device__ __forceinline__ uint32_t ro_pack(float lo, floa
 __device__ __forceinline__ uint32_t &ro_word(uint4 &v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
 // One rotated pair: lo = e c - o s, hi = e s + o c, with the roundings spelled out so that every
-// path gives the same bits whatever ptxas would contract (it fused the upper product either way
-// round in different kernels).  torch's complex multiply rounds differently (7e-6 apart, H200).
+// path gives the same bits whatever ptxas would contract (it may fuse the upper product either way
+// round in different kernels).  torch's complex multiply rounds differently (docs/rotary_emb.md).
 __device__ __forceinline__ float ro_lo(float e, float o, float c, float s) { return __fmaf_rn(e, c, -__fmul_rn(o, s)); }
 __device__ __forceinline__ float ro_hi(float e, float o, float c, float s) { return __fmaf_rn(o, c, __fmul_rn(e, s)); }
 
