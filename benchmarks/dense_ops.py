@@ -98,26 +98,24 @@ def linear_case(m, n, k, target):
     ]
     # Beside the launcher's pick (on sm_90 the row kernel): the mma.sync tile kernel, and at M = 1
     # the CUDA-core GEMV forced (the pick there before the row kernel became a programmatic dependent).
-    impls.insert(1, Impl("qkernels, mma.sync kernel", on_linear_kernel("mma", call)))
+    impls.insert(1, Impl("qkernels, mma.sync kernel", on_linear_kernel("linear", "mma", "x", "w")))
     if m == 1:
-        impls.insert(1, Impl("qkernels, GEMV (forced)", on_linear_kernel("gemv", call)))
+        impls.insert(1, Impl("qkernels, GEMV (forced)", on_linear_kernel("linear", "gemv", "x", "w")))
     return Case("linear", f"M={m} W={n}x{k}", make_inputs, nbytes, impls,
                 lambda s: reference("linear", s["x"], s["w"][:CHECK_COLUMNS]), lambda out: out[:, :CHECK_COLUMNS])
 
 
-def on_linear_kernel(name, fn):
-    """fn with QKERNELS_LINEAR_KERNEL=name (read at each launch, so also when a CUDA graph captures
-    the call): mma, linear.cu's tile kernel; rows, linear_sm90.cu's row kernel (sm_90)."""
+def on_linear_kernel(op, variant, *names):
+    """One call of op (linear or swiglu) on the input set's tensors `names`, forced onto a kernel by
+    the raw op's private keyword _variant= (kernels/qk_launch.h): mma, linear.cu's tile kernel; gemv,
+    its CUDA-core GEMV; rows, linear_sm90.cu's row kernel (sm_90).  On torch's current stream (the
+    capture stream under a CUDA graph), a torch result."""
+    raw = getattr(qkernels._C, op + "_raw")
+
     def call(s):
-        old = os.environ.get("QKERNELS_LINEAR_KERNEL")
-        os.environ["QKERNELS_LINEAR_KERNEL"] = name
-        try:
-            return fn(s)
-        finally:
-            if old is None:
-                del os.environ["QKERNELS_LINEAR_KERNEL"]
-            else:
-                os.environ["QKERNELS_LINEAR_KERNEL"] = old
+        x = s[names[0]]
+        r = raw(*(s[n] for n in names), stream=torch.cuda.current_stream(x.device).cuda_stream, _variant=variant)
+        return r if isinstance(r, torch.Tensor) else torch.from_dlpack(r)
     return call
 
 
@@ -151,9 +149,9 @@ def swiglu_case(m, n, k, target=1.15):
         Impl("qkernels", call, ours=True),
         Impl("eager linear*silu(linear)", lambda s: swiglu_eager(s["x"], s["up"], s["gate"]), min_ratio=target),
     ]
-    impls.insert(1, Impl("qkernels, mma.sync kernel", on_linear_kernel("mma", call)))
+    impls.insert(1, Impl("qkernels, mma.sync kernel", on_linear_kernel("swiglu", "mma", "x", "up", "gate")))
     if m == 1:  # beside the row kernel, the GEMV forced (see linear)
-        impls.insert(1, Impl("qkernels, GEMV (forced)", on_linear_kernel("gemv", call)))
+        impls.insert(1, Impl("qkernels, GEMV (forced)", on_linear_kernel("swiglu", "gemv", "x", "up", "gate")))
     return Case("swiglu", f"M={m} up/gate={n}x{k}", make_inputs, nbytes, impls,
                 lambda s: reference("swiglu", s["x"], s["up"][:CHECK_COLUMNS], s["gate"][:CHECK_COLUMNS]),
                 lambda out: out[:, :CHECK_COLUMNS])

@@ -58,6 +58,49 @@ int qk_stream_arg(const char *fname, PyObject *obj, void **stream, int *given) {
     return 0;
 }
 
+int qk_variant_arg(const char *fname, const char *arg, PyObject *obj, const char *const *names, int n, int *value) {
+    *value = 0;
+    if (obj == NULL || obj == Py_None) return 0;
+    if (!PyUnicode_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: %s must be a str, got %.200s", fname, arg, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        if (names[i] && PyUnicode_CompareWithASCIIString(obj, names[i]) == 0) {
+            *value = i;
+            return 0;
+        }
+    }
+    char list[256];
+    size_t k = 0;
+    for (int i = 0; i < n && k < sizeof list; i++)
+        if (names[i]) k += snprintf(list + k, sizeof list - k, "%s'%s'", k ? ", " : "", names[i]);
+    PyErr_Format(PyExc_ValueError, "%s: %s must be one of %s, got %R", fname, arg, list, obj);
+    return -1;
+}
+
+int qk_tuning_int_arg(const char *fname, const char *arg, PyObject *obj, int max, int pow2, int *value) {
+    *value = 0;
+    if (obj == NULL || obj == Py_None) return 0;
+    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: %s must be an int, got %.200s", fname, arg, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int overflow;
+    const long v = PyLong_AsLongAndOverflow(obj, &overflow);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (overflow || v < 0 || v > max || (pow2 && (v & (v - 1)))) {
+        if (pow2)
+            PyErr_Format(PyExc_ValueError, "%s: %s must be 0 (automatic) or a power of two up to %d, got %R", fname,
+                         arg, max, obj);
+        else
+            PyErr_Format(PyExc_ValueError, "%s: %s must be in [0, %d] (0: automatic), got %R", fname, arg, max, obj);
+        return -1;
+    }
+    *value = (int)v;
+    return 0;
+}
+
 void qk_shape_str(char *buf, size_t n, const int64_t *shape, int ndim) {
     size_t k = 0;
     k += snprintf(buf + k, n - k, "[");

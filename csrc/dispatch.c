@@ -71,7 +71,10 @@ static int qk_direct(qk_state *st, PyObject *op_name, int deciding, PyObject *co
         PyObject *o = args[i];
         if (i >= nargs) {
             PyObject *name = PyTuple_GET_ITEM(kwnames, i - nargs);
-            if (PyUnicode_CompareWithASCIIString(name, "backend") == 0) return 0;
+            /* backend= and the raw ops' private keywords (_variant=, ...): the Python path decides or refuses */
+            if (PyUnicode_CompareWithASCIIString(name, "backend") == 0 ||
+                (PyUnicode_GET_LENGTH(name) > 0 && PyUnicode_READ_CHAR(name, 0) == '_'))
+                return 0;
             if (o != Py_None && PyUnicode_CompareWithASCIIString(name, "mask") == 0) has_mask = 1;
         }
         if (Py_IS_TYPE(o, type) || qk_is_scalar(o)) continue;

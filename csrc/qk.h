@@ -101,6 +101,13 @@ int qk_parse_args(const char *fname, PyObject *const *args, Py_ssize_t nargs, Py
                   const char *const *names, int npositional, int nrequired, PyObject **out);
 void qk_shape_str(char *buf, size_t n, const int64_t *shape, int ndim);
 int qk_stream_arg(const char *fname, PyObject *obj, void **stream, int *given);
+/* The raw ops' private tuning keywords (include/qkernels/launch.h's variant fields; absent or None: 0, the
+ * automatic choice).  A variant by name: names[i] (NULL: none) gives i; anything else raises
+ * ValueError (a non-str TypeError) naming fname and arg. */
+int qk_variant_arg(const char *fname, const char *arg, PyObject *obj, const char *const *names, int n, int *value);
+/* An int in [0, max], with pow2 a power of two (or 0); else ValueError (a non-int TypeError). */
+int qk_tuning_int_arg(const char *fname, const char *arg, PyObject *obj, int max, int pow2, int *value);
+#define QK_COUNT(array) ((int)(sizeof(array) / sizeof *(array)))
 
 /* launch.c: device selection, stream choice and output allocation shared by every op */
 typedef struct {

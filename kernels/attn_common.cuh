@@ -1,4 +1,4 @@
-// Device helpers shared by the attention kernels (attention_decode.cu, attention_prefill.cu):
+// Device helpers shared by the attention kernels (attn_decode.cu, attn_prefill.cu):
 // swizzled shared tiles, cp.async, ldmatrix, fragment packing and index loads.
 #pragma once
 #include "common.cuh"
@@ -20,9 +20,9 @@ __device__ __forceinline__ int64_t load_index(const void *p, int dtype, int64_t 
 }
 
 // 16 bytes global -> shared without waiting, L2 only, with a kL2-byte L2 fetch (256: a K or V row
-// of D=128, measured 1-2% faster than without the hint at B=32..64; decode takes 128, measured ~1%
-// faster again there, attention_decode.cu).  src-size 0: nothing is read and the 16 bytes are
-// zero-filled.  smem as a shared-window address, or as a generic pointer below.
+// of D=128; decode takes 128, attn_decode.cu; docs/attention.md).  src-size 0: nothing is
+// read and the 16 bytes are zero-filled.  smem as a shared-window address, or as a generic pointer
+// below.
 template <int kL2 = 256> __device__ __forceinline__ void cp_async16(uint32_t smem, const void *gmem, bool valid) {
     static_assert(kL2 == 128 || kL2 == 256, "L2 fetch of 128 or 256 bytes");
     if constexpr (kL2 == 256)

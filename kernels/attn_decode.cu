@@ -8,9 +8,8 @@
 //
 // Tensor cores: the group's query heads are the 16 rows of mma.m16n8k16's A operand (with at
 // most 8 heads, rows 8-15 are zero registers), so S = q K^T is two n8 tiles per 16 keys and
-// O += P V takes P straight from the score fragments (FlashAttention-2's register reuse).  This
-// replaced a CUDA-core loop (one key per 16 lanes, shuffle reductions, a rescale per key) that
-// was instruction-bound at ~2.6 TB/s.
+// O += P V takes P straight from the score fragments (FlashAttention-2's register reuse): a
+// CUDA-core loop over the keys is instruction-bound well below the copy rate (docs/attention.md).
 //
 // Inside a CTA, each of the 4 warps streams its own 16-key tiles of the split (tile t goes to
 // warp t % 4) through a private cp.async pipeline (stages<D>() deep; 8 KB of K+V per stage at
@@ -25,7 +24,7 @@
 // On sm_90, when each split is short (at most 512 keys once the splits are capped at 16), the
 // splits of a (sequence, head group) are launched as one thread-block cluster and merge their
 // partials through distributed shared memory instead: no workspace allocation, no second kernel
-// (QKERNELS_DECODE_CLUSTER=0 keeps the workspace path).
+// (a->variant QK_DECODE_WORKSPACE keeps the workspace path).
 //
 // Paged: key j of sequence b is pool slot req_to_token[req_pool_indices[b], j]; lane k of a warp
 // loads the slot of key k of the tile one tile ahead and the copies get it by shuffle.  With
@@ -35,8 +34,6 @@
 
 #include <cooperative_groups.h>
 #include <math.h>
-#include <stdlib.h>
-#include <string.h>
 
 namespace {
 using namespace qk_attn;
@@ -61,10 +58,8 @@ __device__ __forceinline__ int64_t seq_len(const qk_attn_decode_args &a, int64_t
 
 constexpr int64_t kSkip = -1, kFresh = -2;  // key sources besides a row / pool slot
 
-// Key and value rows go in with a 128-byte L2 fetch (a row of D=128 is 256 bytes).  H200, two
-// interleaved reps, against 256 (the other attention kernels') and none: B=64 L=8k 499.4 / 500.2
-// us against 504.5 / 506.5 and 510.6 / 511.0; B=32 L=4k 130.3 against 131.7 and 132.7; B=8 L=32k
-// 257.4 against 259.4 and 263.4.
+// Key and value rows go in with a 128-byte L2 fetch (a row of D=128 is 256 bytes): a little faster
+// here than 256 (the other attention kernels') or none (docs/attention.md).
 constexpr int kDecodeL2 = 128;
 
 // kM query heads (8 or 16; rows past the group's heads are zero) against one kv head's split.
@@ -77,13 +72,9 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
     constexpr int kStages = stages<D>();
     constexpr int kTileBytes = kTile * D * 2;            // of K (and as much of V)
     // K and V of a stage; the keep flags sit after the whole ring, so every stage (and row) starts
-    // 128-byte aligned: with the flags inside (stride 2 * kTileBytes + 16) a row's copy straddled
-    // shared-memory segments and each LDGSTS went to L2 as 24 sectors instead of 16 (ncu source
-    // counters, B=64 L=8k: 100M sectors read against cuDNN's 67M for the same 2.15 GB).
-    // The paged kernel keeps the old 16-byte stage offset: its scattered 256-byte rows measured
-    // 3-4% faster with it (H200, two interleaved reps: B=32 L=4k 151.2 / 151.8 us against
-    // 156.9 / 156.9 aligned, B=8 L=32k 295.7 / 296.6 against 307.2 / 306.0), for reasons the
-    // counters did not show (same DRAM bytes, 2.6x the L2 requests, 12% warps active either way).
+    // 128-byte aligned: a row's copy that straddles shared-memory segments goes to L2 as 24 sectors
+    // instead of 16.  The paged kernel keeps a 16-byte stage offset, which its scattered rows ran
+    // faster with (docs/attention.md, paged decode).
     constexpr int kStageBytes = 2 * kTileBytes + (kPaged ? 16 : 0);
     static_assert(kPaged || ((kM * D * 2) % 128 == 0 && kStageBytes % 128 == 0), "contiguous stages 128-byte aligned");
     constexpr int kPerLane = kTile * kChunks / 32;       // chunks of K (and of V) a lane copies per tile
@@ -191,8 +182,8 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
     };
     // Contiguous keys and no mask (the common case): row r of tile t is key jt + r, kept while below
     // ks1, so each lane steps its row pointers by a fixed stride.  Elsewhere each row's source comes
-    // by shuffle from the lane that looked it up: ~27 instructions per row pair of copies in the
-    // SASS (64-bit shuffles, multiplies, selects), ~60% of the loop's instructions at D = 128.
+    // by shuffle from the lane that looked it up, which costs many more instructions per copy
+    // (64-bit shuffles, multiplies, selects).
     const bool direct = !kPaged && mask == nullptr;
     auto issue = [&](int t, int64_t src) {
         unsigned char *st = wsmem + (t % kStages) * kStageBytes;
@@ -409,11 +400,9 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
 // dependent of decode_split (sm_90), so its launch overlaps the split kernel's tail;
 // griddepcontrol.wait returns once decode_split has finished and its writes are visible.
 // kWide (more than 8 splits): a warp per (row, 32 output columns), each lane one column, so that a
-// batch's 32 splits' loads are in flight at once; the warp per row took 8 at a time, a chain of
-// dependent L2 round trips that was the combine's time at B = 1 (H200, L=32k, 33 splits: 13 us
-// under ncu; attn_decode 42.0 -> 37.7 us).  Up to 8 splits the warp per row is ahead (B=8: 15.2
-// vs 15.5 us at L=1k): its loop already has them all in flight, without kWide's extra warps.
-// Either way each column adds its splits in the same order.
+// batch's 32 splits' loads are in flight at once instead of a chain of dependent L2 round trips.
+// Up to 8 splits the warp per row already has them all in flight, without kWide's extra warps
+// (docs/attention.md).  Either way each column adds its splits in the same order.
 // Warps per output row: the kernel's row mapping and the launcher's grid both come from here.
 template <int D, bool kWide> __host__ __device__ constexpr int combine_slices() { return kWide ? (D + 31) / 32 : 1; }
 template <typename T, int D, bool kWide>
@@ -474,11 +463,10 @@ __global__ void __launch_bounds__(kThreads) decode_combine(qk_attn_decode_args a
 
 // The cluster launch (see decode_split): QK_E_UNSUPPORTED where clusters are not available (below
 // sm_90, or a cluster of that size cannot be scheduled), so the caller takes the workspace path.
-// QKERNELS_DECODE_CLUSTER=0 turns it off (comparison and tests).
+// a->variant QK_DECODE_WORKSPACE turns it off (comparison and tests).
 template <typename T, int D, int kM, bool kPaged>
 int launch_cluster(const qk_attn_decode_args *a, cudaStream_t s, int ncl, int64_t chunk, int64_t groups_y, size_t smem) {
-    const char *env = getenv("QKERNELS_DECODE_CLUSTER");
-    if (env && strcmp(env, "0") == 0) return QK_E_UNSUPPORTED;
+    if (a->variant == QK_DECODE_WORKSPACE) return QK_E_UNSUPPORTED;
     int cc;
     const int st = qk_device_cc(&cc);
     if (st) return st;
@@ -518,30 +506,23 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     int resident;
     const int opt = qk_kernel_residency((const void *)decode_split<T, D, kM, kPaged, false>, kThreads, smem, &resident);
     if (opt) return opt;
-    // Splits: as many as fit one wave of resident CTAs, and no more; each warp gets at least two
-    // tiles where the keys allow it.  The H200 sweep (QKERNELS_DECODE_SPLITS, Hq=32 Hkv=8 D=128,
-    // us) found one full wave beats rounding up to two: B=8 L=1k 16.2 at 4 splits vs 21.0 at 8;
-    // B=8 L=4k 40.0 vs 44.8; B=32 L=1k 37.3 at 1 vs 43.6 at 2; B=32 L=4k 131 vs 137.  And
-    // 128-key splits beat 64-key ones at B=1 L=1k (7.8 vs 8.3).
+    // Splits: as many as fit one wave of resident CTAs, and no more (a second wave costs more than
+    // it spreads); each warp gets at least two tiles (128-key splits) where the keys allow it.
+    // docs/attention.md has the sweep.
     const int64_t slots = (int64_t)resident * sms;
     const int64_t max_split = lcap > 0 ? (lcap + kWarps * kTile - 1) / (kWarps * kTile) : 1;
     const int64_t pref_split = lcap > 0 ? (lcap + 2 * kWarps * kTile - 1) / (2 * kWarps * kTile) : 1;
     int64_t nsplit = slots / units;
     if (nsplit > pref_split) nsplit = pref_split;
-    // QKERNELS_DECODE_SPLITS=n (tuning sweeps; read at each launch): n splits whatever the shape
-    // asks for (capped by max_split: each warp keeps at least one tile).
-    if (const char *e = getenv("QKERNELS_DECODE_SPLITS")) {
-        const long v = strtol(e, nullptr, 10);
-        if (v >= 1) nsplit = v < max_split ? v : max_split;
-    }
+    // a->splits = n (tuning sweeps): n splits whatever the shape asks for (capped by max_split: each
+    // warp keeps at least one tile).
+    if (a->splits >= 1) nsplit = a->splits < max_split ? a->splits : max_split;
     if (nsplit < 1) nsplit = 1;
     if (nsplit > 1024) nsplit = 1024;
     // Latency-bound shapes (at most 512 keys per split, every cluster in one wave) on sm_90: the
-    // splits of a (sequence, head group) as one cluster of at most 16 CTAs that merge on chip
-    // (H200, B=1: L=8k 18.9 us against the workspace path's 20.1; at 1024 keys per split, L=16k,
-    // 31.3 against 28.3).  Only while the clusters' CTAs fit one per SM: past that they lose to the
-    // workspace path (H200, B=8 at 4 splits: L=1k 22.9 vs 16.2 us, L=4k 59.7 vs 40.0), as a
-    // cluster must be placed whole within a GPC.
+    // splits of a (sequence, head group) as one cluster of at most 16 CTAs that merge on chip.
+    // Longer splits, or clusters whose CTAs do not fit one per SM (a cluster is placed whole within
+    // a GPC), run faster through the workspace (docs/attention.md).
     if (nsplit > 1) {
         const int64_t ncl = nsplit < 16 ? nsplit : 16;
         const int64_t cl_chunk = lcap > 0 ? (lcap + ncl - 1) / ncl : 1;

@@ -285,7 +285,7 @@ template <typename T, bool kPaged> int pick_dim(const qk_attn_prefill_args *a, c
 
 }  // namespace
 
-extern "C" int qk_attn_prefill_sm90(const qk_attn_prefill_args *a, cudaStream_t s);  // attention_prefill_sm90.cu
+extern "C" int qk_attn_prefill_sm90(const qk_attn_prefill_args *a, cudaStream_t s);  // attn_prefill_sm90.cu
 
 extern "C" int qk_attn_prefill_cuda(const qk_attn_prefill_args *a, void *stream) {
     const int64_t nq = a->paged ? a->total_q : a->B * a->Lq;

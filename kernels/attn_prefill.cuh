@@ -1,5 +1,5 @@
-// Per-CTA work assignment shared by the prefill kernels (attention_prefill.cu: mma.sync, any
-// sm_80+; attention_prefill_sm90.cu: wgmma, sm_90a).  See attention_prefill.cu for the layout.
+// Per-CTA work assignment shared by the prefill kernels (attn_prefill.cu: mma.sync, any
+// sm_80+; attn_prefill_sm90.cu: wgmma, sm_90a).  See attn_prefill.cu for the layout.
 #pragma once
 #include "attn_common.cuh"
 

@@ -1,4 +1,4 @@
-// attn_prefill / attn_paged_prefill on Hopper: the same function as attention_prefill.cu, with
+// attn_prefill / attn_paged_prefill on Hopper: the same function as attn_prefill.cu, with
 // the two matrix products on the warpgroup tensor cores (wgmma, sm_90a), for D = 64, 128, 256.
 //
 // Work: one CTA per (tile of kBM = 128 queries, query head, sequence); two warpgroups of 4 warps,
@@ -20,9 +20,8 @@
 // key masks, and layouts a tensor map cannot describe).
 //
 // Bytes and flops: 4 * Lq * Lkv * D flops per head (half for causal); K and V read once per
-// 128-query tile.  Causal skipping and masking as in attention_prefill.cu.  Measured (H200, bf16,
-// H=32, benchmarks/results/h200-prefill.md): dense D=128 517-635 TFLOP/s (1.7-1.9x SDPA FLASH,
-// 0.95-1.02x cuDNN), D=64 390, D=256 500; paged (page size 1, random slots) 456, 80% of dense.
+// 128-query tile.  Causal skipping and masking as in attn_prefill.cu.  docs/attention.md
+// has where it stands against SDPA and cuDNN.
 #include "attn_prefill.cuh"
 #include "sm90.cuh"
 #include "wgmma.cuh"
@@ -30,8 +29,6 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <math.h>
-#include <stdlib.h>
-#include <string.h>
 
 #if defined(QK_SM90A)
 namespace {
@@ -116,12 +113,11 @@ template <int kBN> __device__ __forceinline__ uint32_t kv_bits_from_words(const 
 // Masked online softmax of one key tile (keys j0 ..) for the thread's rows qi.  Unless full, row
 // r keeps the keys jj <= its limit (inside key_end, causal) that, when use_kv, kv_bits() (the
 // thread's keys as a mask, above; called only then) keeps: 32-bit compares and a bit test, so the
-// code stays small (a byte read per score, behind a branch per score, made the paged kernel's
-// masked path ~550 instructions in the middle of its hot loop).  The row maxima m are kept on the
-// raw scores and the scale folded into one FMA per score before the exp2 (scale > 0, checked by
-// the launcher).  Leaves the probabilities in sc (fp32) and the rescale factor of the rows'
-// earlier output in alpha.  Touches only sc, m and l, so it runs while the previous P V product is
-// on the tensor cores.
+// code stays small (a byte read and a branch per score bloat the hot loop).  The row maxima m are
+// kept on the raw scores and the scale folded into one FMA per score before the exp2 (scale > 0,
+// checked by the launcher).  Leaves the probabilities in sc (fp32) and the rescale factor of the
+// rows' earlier output in alpha.  Touches only sc, m and l, so it runs while the previous P V
+// product is on the tensor cores.
 template <int kBN, bool kBranch, typename KvBits>
 __device__ __forceinline__ void tile_softmax(float (&sc)[kBN / 2], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                              float qscale, bool full, const int64_t (&qi)[2], int64_t j0,
@@ -509,7 +505,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             // the stage's mbarrier, so the producer runs up to two tiles ahead.  The pool row of
             // key kt * kBN + t is looked up by thread t one tile ahead (its load in flight while
             // tile kt is copied) and shared through rows_s: looked up per copy, the dependent
-            // index loads held the producer at 128 TFLOP/s.
+            // index loads would pace the producer.
             static_assert(kBN <= 128, "one key per producer thread");
             constexpr int kChunks = D / 8, kRP = 128 / kChunks, kRows = kBN / kRP;  // kRows rows per thread
             static_assert(kRows % 4 == 0 && (kRP & (kRP - 1)) == 0, "rows read as int4; kRP a power of two");
@@ -520,8 +516,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             const char *kbase = reinterpret_cast<const char *>(static_cast<const T *>(a.k) + hk * a.k_stride[2] + lc * 8);
             const char *vbase = reinterpret_cast<const char *>(static_cast<const T *>(a.v) + hk * a.v_stride[2] + lc * 8);
             // Row strides in bytes, < 2^32 (the launcher checks): a copy's source is one 32 x 32 ->
-            // 64-bit multiply-add.  Before this, each copy took ~16 instructions (64-bit products,
-            // selects, per-row shared offsets spilled at the producer's 56 registers).
+            // 64-bit multiply-add, which keeps the producer's instructions per copy (and its 56
+            // registers) few.
             const uint32_t kstride = (uint32_t)(a.k_stride[1] * (int64_t)sizeof(T));
             const uint32_t vstride = (uint32_t)(a.v_stride[1] * (int64_t)sizeof(T));
             // Shared offset of this thread's chunk of row lr; row lr + i kRP lies i kRP 128 bytes on
@@ -617,8 +613,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     // all have one takes the unmasked path.
     auto softmax = [&](int kt, float (&alpha)[2]) {
         const int64_t j0 = (int64_t)kt * kBN;
-        // The tile's key bits in one 16-byte read (kBN = 128; 8 for 64): reading a flag per key
-        // (8 reads of 16 bytes per thread and tile) was ~20% on top of the wgmma operand reads.
+        // The tile's key bits in one 16-byte read (kBN = 128; 8 for 64): a flag per key would be
+        // 8 reads of 16 bytes per thread and tile on top of the wgmma operand reads.
         uint32_t kw[4] = {~0u, ~0u, ~0u, ~0u};
         bool kept = true;
         if constexpr (kPaged) {
@@ -636,8 +632,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                           [&] { return kv_bits_from_words<kBN>(kw, t4); }, t4);
     };
 
-    // D = 64 measured 336 -> 317 TFLOP/s with turns (its products are too short to hide a
-    // softmax behind); D = 128 non-causal 537 -> 588, causal and D = 256 within 2%.
+    // Turns for D >= 128 only: D = 64's products are too short to hide a softmax behind
+    // (docs/attention.md).
     constexpr bool kPingPong = D >= 128;
     // Turns: ntiles + 1 issue phases per warpgroup (the first S, ntiles - 1 S + P V pairs, the last
     // P V).  Warpgroup 1 passes the first turn to warpgroup 0 and does not pass after its last
@@ -825,22 +821,21 @@ template <typename T, bool kPaged> int pick_dim(const qk_attn_prefill_args *a, c
 #endif
 
 // QK_E_UNSUPPORTED unless this build has sm_90a code and the current device is compute
-// capability 9.0 (the caller then uses the mma.sync kernel).  QKERNELS_PREFILL_KERNEL=mma forces
-// that kernel (tests and benchmarks compare the two).
+// capability 9.0 (the caller then uses the mma.sync kernel).  a->variant QK_PREFILL_MMA forces that
+// kernel (tests and benchmarks compare the two).
 extern "C" int qk_attn_prefill_sm90(const qk_attn_prefill_args *a, cudaStream_t s) {
 #if defined(QK_SM90A)
-    const char *pick = getenv("QKERNELS_PREFILL_KERNEL");
-    if (pick && strcmp(pick, "mma") == 0) return QK_E_UNSUPPORTED;
+    if (a->variant == QK_PREFILL_MMA) return QK_E_UNSUPPORTED;
     int cc;
     const int st = qk_device_cc(&cc);
     if (st) return st;
     // Full [B, H, Lq, Lkv] bool masks stay on the mma.sync kernel: a load per score would
     // double this kernel's code and its masked path is sized for 32-bit compares.
     if (cc != 90 || a->mask_kind == 2 || !(a->scale > 0.f)) return QK_E_UNSUPPORTED;
-    // The warp-specialised kernel (QKERNELS_PREFILL_KERNEL=wgmma keeps the cp.async one): dense
-    // calls without a mask, paged calls with at most a key mask; it declines layouts the copy
-    // engine cannot describe.
-    if ((a->paged ? a->mask_kind <= 1 : a->mask_kind == 0) && !(pick && strcmp(pick, "wgmma") == 0)) {
+    // The warp-specialised kernel (a->variant QK_PREFILL_WGMMA keeps the cp.async one): dense calls
+    // without a mask, paged calls with at most a key mask; it declines layouts the copy engine cannot
+    // describe.
+    if ((a->paged ? a->mask_kind <= 1 : a->mask_kind == 0) && a->variant != QK_PREFILL_WGMMA) {
         const int r = a->dtype == QK_BF16 ? pick_ws<__nv_bfloat16>(a, s) : pick_ws<__half>(a, s);
         if (r != QK_E_UNSUPPORTED) return r;
     }

@@ -95,9 +95,9 @@ inline int qk_grid_for(int64_t work, int per_block, int max_blocks = 65536) {
     } while (0)
 
 // Launch `kernel` (a __global__ function's address) with its parameters in `args`, through the
-// driver's cuLaunchKernel and a context-independent kernel handle: on the H200 VM that costs
-// ~0.3 µs less host time per call than <<<>>> (benchmarks/probe/launch_cost.cu), which matters
-// for decode-sized calls.  Falls back to cudaLaunchKernel.  Returns a status (runtime.cu).
+// driver's cuLaunchKernel and a context-independent kernel handle: less host time per call than
+// <<<>>> (benchmarks/probe/launch_cost.cu), which matters for decode-sized calls.  Falls back to
+// cudaLaunchKernel.  Returns a status (runtime.cu).
 int qk_launch(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, void **args);
 
 // The same, as a programmatic dependent of the previous kernel on the stream where the device
@@ -155,10 +155,9 @@ __device__ __forceinline__ void qk_dependent_wait() {
 #endif
 }
 // Let the next kernel on the stream be scheduled now (it waits with qk_dependent_wait, so that is
-// always safe).  Where blocks share SMs the early start can cost: in the GEMV 2-5 µs a call (H200,
-// graph replay: linear 14336x4096 M=1 31.6 against 29.1 without it, swiglu M=1 61.5 against 56.2),
-// where the row kernel, one CTA per SM to the end, gains 1.1-1.6 µs; the wgmma kernel (up to two
-// CTAs per SM, untimed shapes) and the decode split kernel use it unmeasured.
+// always safe).  It pays where this grid keeps one CTA per SM to the end (the row kernel); where
+// blocks share SMs the early start can cost (the GEMV does not trigger; docs/linear.md).  The wgmma
+// kernel and decode's split kernel trigger too, untimed.
 __device__ __forceinline__ void qk_dependent_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -190,27 +189,11 @@ __device__ __forceinline__ float qk_cluster_sum(const float *p, int cs) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-// QKERNELS_LINEAR_KERNEL (tests and benchmarks compare the kernels; read at each launch, so also
-// under CUDA-graph capture): unset, mma (linear.cu's tile kernel: neither the sm_90 wgmma kernels nor
-// the GEMV), gemv (the CUDA-core GEMV for M <= 8), rows (the sm_90 one-CTA-per-SM row kernel for
-// M <= 64), or any other value (the GEMV off).
-enum { QK_LINEAR_PICKED = 0, QK_LINEAR_MMA, QK_LINEAR_GEMV, QK_LINEAR_ROWS, QK_LINEAR_OTHER };
-inline int qk_linear_kernel_env() {
-    const char *e = getenv("QKERNELS_LINEAR_KERNEL");
-    if (!e) return QK_LINEAR_PICKED;
-    if (strcmp(e, "mma") == 0) return QK_LINEAR_MMA;
-    if (strcmp(e, "gemv") == 0) return QK_LINEAR_GEMV;
-    return strcmp(e, "rows") == 0 ? QK_LINEAR_ROWS : QK_LINEAR_OTHER;
-}
-
-// QKERNELS_LINEAR_SPLIT=1|2|4|8: the cluster size over which linear's kernels split K, in place of
-// the launcher's pick (tuning sweeps; read at each launch, like QKERNELS_LINEAR_KERNEL); 0 when
-// unset or not one of those.
-inline int qk_linear_split_env() {
-    const char *e = getenv("QKERNELS_LINEAR_SPLIT");
-    if (!e || e[0] < '1' || e[0] > '8' || e[1]) return 0;
-    const int v = e[0] - '0';
-    return (v & (v - 1)) == 0 ? v : 0;
+// The K-split cluster size a->split forces on linear's sm_90 kernels (include/qkernels/launch.h), or 0 where the
+// launcher picks (0, or not one of 1, 2, 4, 8).
+inline int qk_linear_split(const qk_linear_args *a) {
+    const int v = a->split;
+    return v >= 1 && v <= 8 && (v & (v - 1)) == 0 ? v : 0;
 }
 
 // Raise `kernel`'s dynamic shared-memory limit to `smem` on the current device and report how many

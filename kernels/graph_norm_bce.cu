@@ -8,10 +8,7 @@
 // warps' first/last segments are folded per block, the blocks' per block by the last block to
 // finish (atomic counter), all in a fixed order: no per-graph arrays, no extra kernel.
 // Bytes: logits, target and edge_graph read once (E=4M fp32/int64: 64 MB, ~15 µs at 4.2 TB/s)
-// plus O(blocks).  Measured on the H200 at E=4M, 128 graphs (benchmarks/results/h200-graph-ops.md):
-// 38.7 µs for the whole call; the block-scan-per-2048-edges version took 48.8 µs, bound by the
-// scan's instructions (ncu: 42% SM, 32% DRAM), and per-thread runs with lanes reading 128 bytes
-// apart took 53 µs (DRAM over-fetch).
+// plus O(blocks).  docs/graph-ops.md has the measured time.
 // Unsorted input (detected on the device; no host round trip) takes a slower deterministic path,
 // a second kernel that returns at once for sorted input: one block per graph scans all edges.
 // Edges whose graph id is out of range are skipped.  Scratch comes from the stream-ordered
@@ -199,10 +196,10 @@ __device__ __forceinline__ void finish(const Run &r, int range_first, Run &first
 // them are finished at once; its first and last segment meet the neighbours' through one warp
 // scan; the segment still open at the step's end is carried to the next step.  The warps' first
 // and last segments are folded per block by warp 0 the same way, and the block's first and last
-// graph go to the boundary list for the last block's fold.  Per edge: a load, the bce and an add.
-// (The first version ran a CUB block scan per 2048 edges: 45 µs at E=4M, bound by the scan's
-// instructions (ncu: 42% SM, 32% DRAM); per-thread runs read lanes 128 bytes apart: 53 µs, DRAM
-// over-fetch.)  kVector: unit strides and 16-byte aligned arrays: whole vector loads.
+// graph go to the boundary list for the last block's fold.  Per edge: a load, the bce and an add:
+// a block scan per edge range is bound by the scan's instructions, and per-thread runs (lanes 128
+// bytes apart) over-fetch DRAM (docs/graph-ops.md).  kVector: unit strides and 16-byte aligned
+// arrays: whole vector loads.
 template <typename T, typename I, bool kVector>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSM) bce_sorted(qk_graph_norm_bce_args a, Work w) {
     constexpr int kWarps = kThreads / 32;

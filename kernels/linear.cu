@@ -310,7 +310,7 @@ int lin_run(const qk_linear_args *a, cudaStream_t stream, int max_cs) {
     int cs = 1;
     if (cc >= 90)  // clusters
         while (cs < max_cs && blocks * cs * 2 <= resident && a->K / 32 >= (int64_t)cs * 2 * C::kWK * C::RD) cs *= 2;
-    if (const int forced = qk_linear_split_env()) cs = cc >= 90 ? forced : 1;
+    if (const int forced = qk_linear_split(a)) cs = cc >= 90 ? forced : 1;
     qk_linear_args p = *a;
     int cs_arg = cs, mchunks_arg = (int)mchunks;
     void *args[] = {&p, &cs_arg, &mchunks_arg};
@@ -318,7 +318,7 @@ int lin_run(const qk_linear_args *a, cudaStream_t stream, int max_cs) {
     return qk_launch_clusters(kernel, grid, block, C::kSmem, stream, args, (unsigned)cs, true);
 }
 
-// max_cs: the largest cluster the launcher may split K over (a tile choice's measured best).
+// max_cs: the largest cluster the launcher may split K over (what suits a tile choice).
 template <class C, typename T>
 int lin_pick_vec(const qk_linear_args *a, bool swiglu, cudaStream_t stream, int max_cs = 8) {
     // 16-byte loads need 16-byte aligned rows; a single row's stride is never used.
@@ -350,8 +350,8 @@ template <typename T> __device__ __forceinline__ void lin_unpack8(uint4 v, float
 
 constexpr int kGemvThreads = 256;
 
-// M = 1 kept to 64 registers, four blocks per SM: 14336 rows at 4 a warp are 448 blocks, one wave
-// on 132 x 4 slots (swiglu took 70 registers, three blocks per SM: 1.13 waves).
+// M = 1 bounded to 64 registers, four blocks per SM, so that 14336 rows at 4 a warp (448 blocks)
+// fit one wave on 132 x 4 slots; at three blocks per SM they would take 1.13 waves.
 template <typename T, int MM, int R, bool kSwiglu>
 __global__ void __launch_bounds__(kGemvThreads, MM == 1 ? 4 : 1) lin_gemv(qk_linear_args a) {
     constexpr int NW = kSwiglu ? 2 : 1;
@@ -456,17 +456,14 @@ int lin_gemv_run(const qk_linear_args *a, cudaStream_t stream) {
 
 // Where lin_gemv runs: M = 1 (linear and swiglu) with at least 4 rows per warp at 16 warps per SM
 // (N >= 8448 on 132 SMs) where linear_sm90.cu's row kernel does not (GPUs other than sm_90, or
-// shapes the copy engine cannot describe).  H200, same call, before the row kernel, us: linear 14336x4096 29.1 (mma.sync kernel 32.3,
-// cuBLAS 30.7), 28672x4096 56.1 (58.7, 56.4); swiglu 14336x4096 56.5 (62.5; eager 66.0).  Not
-// elsewhere: with fewer, longer rows (4096x14336) it took 36.3 against 31.7, and at M = 8 twice the
-// tile kernel's time (x re-read from L1 for every row).  QKERNELS_LINEAR_KERNEL=gemv forces it for
-// M <= 8, =mma keeps it off (read at each launch).  16-byte loads only: K % 8 == 0 and 16-byte
-// aligned rows, else the tile kernels.
+// shapes the copy engine cannot describe): there whole-row streams beat the tile kernel's 64-byte
+// fragments.  Not with fewer, longer rows, nor at M > 1, where x is re-read from L1 for every row
+// (docs/linear.md).  a->variant QK_LINEAR_GEMV forces it for M <= 8, any other non-zero variant
+// keeps it off.  16-byte loads only: K % 8 == 0 and 16-byte aligned rows, else the tile kernels.
 template <typename T, bool kSwiglu>
 int lin_gemv_pick(const qk_linear_args *a, cudaStream_t stream) {
-    const int pick = qk_linear_kernel_env();
-    const bool forced = pick == QK_LINEAR_GEMV;
-    if (a->M > (forced ? 8 : 1) || a->K % 8 || (pick != QK_LINEAR_PICKED && !forced)) return QK_E_UNSUPPORTED;
+    const bool forced = a->variant == QK_LINEAR_GEMV;
+    if (a->M > (forced ? 8 : 1) || a->K % 8 || (a->variant != QK_LINEAR_AUTO && !forced)) return QK_E_UNSUPPORTED;
     if (!forced) {
         int sms;
         QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
@@ -491,19 +488,12 @@ int lin_dispatch(const qk_linear_args *a, cudaStream_t stream) {
         const int g = lin_gemv_pick<T, kSwiglu>(a, stream);
         if (g != QK_E_UNSUPPORTED) return g;
     }
-    // QKERNELS_LINEAR_AS_M=m (tuning sweeps; read at each launch): the tile configuration of M = m
-    // whatever M is.  Any choice is correct: a smaller tile takes the rows in chunks, a larger one
-    // computes rows past M that nobody stores.
-    int64_t M = a->M;
-    if (const char *e = getenv("QKERNELS_LINEAR_AS_M")) {
-        const long v = strtol(e, nullptr, 10);
-        if (v >= 1 && v <= 64) M = v;
-    }
-    // Tile choices for large N or K: a sweep of 11 configurations, then these rules against the
-    // previous ones (H200, graph replay, cold L2, two runs, µs; the previous rules in brackets):
-    // swiglu 14336x4096 M=4 60.9 (62.6), M=8 61.4 (63.6), M=16 62.9 (65.3); linear M=8 4096x14336
-    // 32.8 (33.5), 4096x4096 12.2 (12.7); M=16 28672x4096 63.1 (71.2) on 128-row tiles whose eight
-    // warps split the rows, not K.  benchmarks/NOTES.md (eleventh session) has the sweep.
+    // a->tile_m (tuning sweeps): the tile configuration of M = tile_m whatever M is.  Any choice is
+    // correct: a smaller tile takes the rows in chunks, a larger one computes rows past M that nobody
+    // stores.
+    const int64_t M = a->tile_m >= 1 && a->tile_m <= 64 ? a->tile_m : a->M;
+    // Tile choices per M, N and K, from a sweep of 11 configurations (docs/linear.md); e.g. M = 16
+    // past 16384 rows takes 128-row tiles whose eight warps split the rows, not K.
     const bool big = a->N >= 8192;
     if (kSwiglu) {
         if (M <= 8 && big) return lin_pick_vec<lin_cfg<1, 1, 4, 2, true>, T>(a, true, stream);
@@ -516,16 +506,15 @@ int lin_dispatch(const qk_linear_args *a, cudaStream_t stream) {
     }
     if (M <= 4) return lin_pick_vec<lin_cfg<1, 1, 1, 8, false>, T>(a, false, stream);
     // M <= 8 past 8192 rows or K: 32-row tiles of two 16-row fragments per warp and eight
-    // K-splitting warps (14336x4096 33.6 against 36.6 on <1,1,2,4>, 28672x4096 62.7 against 64.0).
+    // K-splitting warps.
     if (M <= 8 && (big || a->K >= 8192)) return lin_pick_vec<lin_cfg<1, 2, 1, 8, false>, T>(a, false, stream);
     if (M <= 8) return lin_pick_vec<lin_cfg<1, 1, 1, 8, false>, T>(a, false, stream);
     // M <= 16: 64-row tiles share x between four warps, but at N = 4096 they need a 4-block
-    // cluster to fill the GPU, which measured slower (42 vs 34 µs at 4096 x 14336) than 32-row
-    // tiles of eight K-splitting warps.
+    // cluster to fill the GPU, which is slower than 32-row tiles of eight K-splitting warps.
     if (M <= 16 && a->N >= 16384) return lin_pick_vec<lin_cfg<2, 1, 8, 1, false>, T>(a, false, stream);
     if (M <= 16 && big) return lin_pick_vec<lin_cfg<2, 1, 4, 2, false>, T>(a, false, stream);
-    // ... and below 8192 rows and K, 64-row tiles over clusters of at most 2 (4096x4096: 13.3 against
-    // 14.3; at 4096x14336 the 32-row tiles stay ahead, 34.3 against 35.3).
+    // ... and below 8192 rows and K, 64-row tiles over clusters of at most 2 (at K >= 8192 the
+    // 32-row tiles stay ahead).
     if (M <= 16 && a->K < 8192) return lin_pick_vec<lin_cfg<2, 1, 4, 2, false>, T>(a, false, stream, 2);
     if (M <= 16) return lin_pick_vec<lin_cfg<2, 2, 1, 8, false>, T>(a, false, stream);
     if (M <= 32) return lin_pick_vec<lin_cfg<4, 1, 4, 2, false>, T>(a, false, stream);
@@ -535,7 +524,7 @@ int lin_dispatch(const qk_linear_args *a, cudaStream_t stream) {
 template <bool kSwiglu>
 int lin_entry(const qk_linear_args *a, void *stream) {
     if (kSwiglu && a->gate == nullptr) return QK_E_UNSUPPORTED;
-    if (a->M > 64 && qk_linear_kernel_env() == QK_LINEAR_PICKED) {  // past decode sizes: cuBLASLt, if present
+    if (a->M > 64 && a->variant == QK_LINEAR_AUTO) {  // past decode sizes: cuBLASLt, if present
         const int r = qk_linear_lt(a, kSwiglu, (cudaStream_t)stream);
         if (r != QK_E_UNSUPPORTED) return r;
     }

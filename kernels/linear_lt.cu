@@ -1,7 +1,7 @@
 // linear and swiglu past the decode range (M > 64) through cuBLASLt, loaded at run time (SPEC §7: for
 // large M the cuda backend may call cuBLAS(Lt) from the CUDA toolkit).  There the product is
-// compute-bound and the skinny kernels lose by 2.5-4x (H200, µs against F.linear: M=300 4096x4096
-// 84 against 20; M=128 14336x4096 87 against 34); a full-size wgmma GEMM of our own is not in scope.
+// compute-bound and the skinny kernels fall far behind (docs/linear.md); a full-size wgmma GEMM of
+// our own is not in scope.
 //
 // linear: one cublasLtMatmul computing out^T [N, M] (column-major, ld out_stride) = W^T' x^T: W [N, K]
 // row-major is the K x N column-major A taken transposed, x [M, K] the K x M column-major B; the
@@ -190,9 +190,8 @@ LtPlan *lt_plan(const LtKey &k, const void *bias) {
          !g_lt.layout_create(&p.lo, k.out_type, (uint64_t)k.N, (uint64_t)k.M, k.ldo);
     // The heuristic's best algorithm whose split-K partials (if any) are summed in fp32, never in
     // the output type.  Ranking the unfiltered list and skipping the rest keeps the heuristic's
-    // first choice where it qualifies (on the H200 it did at every measured shape: M=65 4096x14336
-    // splits K 4 ways in fp32, the rest do not split); filtering through the preference's reduction
-    // mask instead measured 200 against 184 µs at 4096^3, a worse first choice.
+    // first choice where it qualifies; filtering through the preference's reduction mask instead
+    // changes the ranking and gave a worse first choice (docs/linear.md).
     LtPref pref = nullptr;
     LtHeuristic hs[8];
     int found = 0, pick = -1;
@@ -278,7 +277,7 @@ int lt_matmul(const qk_linear_args *a, const void *w, int64_t ldw, void *out, in
 
 // out[m, n] = up * silu(gate) from the two fp32 products ([M, N] each, contiguous), one rounding.
 // Rows along y, four columns a thread where N % 4 == 0 and out's rows take 8-byte stores (no 64-bit
-// division per element: a flat index measured the combine at ~35 µs for M=512 x 14336).
+// division per element, which a flat index would cost).
 template <typename T, bool kVec4>
 __global__ void lt_swiglu_combine(const float *up, const float *gate, T *out, int64_t M, int64_t N, int64_t ldo) {
     for (int64_t m = blockIdx.y; m < M; m += gridDim.y) {

@@ -8,7 +8,7 @@
 // lin_wgmma (linear, 16 < M <= 64 where lin_rows is not picked): why wgmma at all: linear.cu's
 // mma.sync kernel reads every x fragment from shared memory once per warp and every weight
 // fragment once per thread; at M = 64 that is ~5 bytes of shared-memory reads per weight byte,
-// near the SM's shared-memory bandwidth at the copy rate (measured 0.51-0.71x cuBLAS at M = 64).
+// near the SM's shared-memory bandwidth at the copy rate (docs/linear.md).
 // wgmma reads both operands from shared memory once per warpgroup: 2 bytes per weight byte at
 // M = 64.  Work: a CTA owns kLBN = 128 weight rows (two consumer warpgroups of 64) and all M rows
 // of x; a producer warp's first thread copies 64-wide K steps of W ([128][64]) and x ([M][64],
@@ -44,9 +44,8 @@ constexpr size_t kLRing = (size_t)kLStages * kLStageBytes, kLTile = (size_t)kLMX
 constexpr size_t kLSmem = 1024 + (kLRing > kLTile ? kLRing : kLTile);  // +1024: stages on 1024-byte boundaries
 
 // x's box in both kernels: its M rows, at most NX.  A box that ran past M would have the copy engine
-// zero-fill the rest on every stage, which measured slow (H200, µs, M rows against NX: 4096x14336
-// M=40 31.9 against 43.3, 4096x4096 M=33 10.8 against 15.7).  The ring's rows past M keep stale
-// values; they meet only the accumulators of x rows past M, which nobody stores.
+// zero-fill the rest on every stage, which is slow.  The ring's rows past M keep stale values; they
+// meet only the accumulators of x rows past M, which nobody stores.
 __host__ __device__ inline int rows_x_box(int64_t M, int NX) { return M < NX ? (int)M : NX; }
 
 template <typename T>
@@ -182,12 +181,10 @@ template <typename T> int lin_wgmma_run(const qk_linear_args *a, cudaStream_t st
     QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
     const int64_t ntiles = (a->N + kLBN - 1) / kLBN, steps = (a->K + kLKC - 1) / kLKC;
     // Split K over a cluster while the doubled grid still fits one CTA per SM and each rank keeps
-    // at least two rings' worth of steps.  Filling both resident slots measured slower (H200,
-    // QKERNELS_LINEAR_SPLIT sweep, µs at M = 32 / 64): 4096 x 14336 split 8 42.6 / 44.2 against
-    // split 4 35.8 / 36.4; 14336 x 4096 split 2 37.4 / 36.9 against unsplit 34.7 / 35.0.
+    // at least two rings' worth of steps; filling both resident slots is slower (docs/linear.md).
     int cs = 1;
     while (cs < 8 && ntiles * cs * 2 <= sms && steps >= (int64_t)cs * 2 * 2 * kLStages) cs *= 2;
-    if (const int forced = qk_linear_split_env()) cs = forced;
+    if (const int forced = qk_linear_split(a)) cs = forced;
     if (ntiles * cs > 0x7fffffff) return QK_E_UNSUPPORTED;
     qk_linear_args p = *a;
     int cs_arg = cs;
@@ -203,9 +200,9 @@ template <typename T> int lin_wgmma_run(const qk_linear_args *a, cudaStream_t st
 // [NX][64] box, so no CTA waits for another, no K is split and no partial sum is written: out is
 // stored straight from the fp32 accumulators (bias or silu(gate) * up in fp32, one rounding, as
 // linear.cu).  A CTA's box may take one row of its neighbour's, which both read at about the same
-// time (an L2 hit).  Why: tma_roofline.cu measured one CTA per SM streaming TMA boxes at
-// 4.3-4.5 TB/s at the median CTA with ~2% between the median and the slowest, where the tile
-// kernels' 8-row x 64-byte cp.async fragments reach ~3.7 TB/s (weight_roofline.py).  Each stage
+// time (an L2 hit).  Why: one CTA per SM streaming TMA boxes keeps its CTAs close together and
+// streams faster than the tile kernels' 8-row x 64-byte cp.async fragments
+// (benchmarks/probe/tma_roofline.cu, weight_roofline.py; docs/linear.md).  Each stage
 // holds MB m64 blocks per weight (MB * 64 >= BR); rows past BR compute values nobody stores.
 // kAlt (MB = 1): the two consumer warpgroups take alternate stages of the one block and add their
 // sums at the end (warpgroup 0's plus warpgroup 1's: a fixed order, bitwise reproducible).
@@ -259,9 +256,7 @@ __global__ void __launch_bounds__(rows_cfg<NX, MB, kSwiglu, kAlt, SW>::kThreads,
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     // A programmatic dependent (qk_launch_dependent): the set-up above may overlap the previous
-    // kernel's tail.  Measured -1.1 to -1.6 µs a call in graph replay (H200: 28672x4096 M=8 55.1
-    // against 56.4, swiglu 14336x4096 M=8 56.6 against 58.1, 4096x4096 M=8 9.9 against 11.1); cuBLAS
-    // overlaps consecutive calls too (its replay time, 56.6 µs, is below its ncu duration, 57.6).
+    // kernel's tail, as cuBLAS's consecutive calls overlap (docs/linear.md).
     qk_dependent_wait();
     qk_dependent_launch();
     __syncthreads();
@@ -313,8 +308,8 @@ __global__ void __launch_bounds__(rows_cfg<NX, MB, kSwiglu, kAlt, SW>::kThreads,
                     }
                 }
             wg_commit();
-            // The previous step's products are done: release its stage.  (Waiting for this step's
-            // and releasing it at once measured slower everywhere: 4096x14336 M=64 40.5 against 35.9.)
+            // The previous step's products are done: release its stage (releasing this step's at
+            // once would wait for the products just issued: slower, docs/linear.md).
             wg_wait<1>();
 #pragma unroll
             for (int b = 0; b < NW * C::kBPW; b++) pin(acc[b]);
@@ -384,10 +379,8 @@ int lin_rows_launch(const qk_linear_args *a, cudaStream_t stream, int64_t G, int
     using C = rows_cfg<NX, MB, kSwiglu, kAlt, SW>;
     alignas(64) CUtensorMap tw, tg, tx;
     const int x_box = rows_x_box(a->M, NX);
-    // The weights' L2 promotion: 128 bytes (the box's row) for linear, 256 for swiglu (H200, µs,
-    // 128 against 256, two runs: linear M=8 4096x4096 11.39 / 11.41 against 11.68 / 11.73, 14336x4096
-    // 30.44 / 30.35 against 31.13 / 30.88, 28672x4096 even; swiglu M=8 14336x4096 59.62 / 59.78
-    // against 59.36 / 59.47).
+    // The weights' L2 promotion: 128 bytes (the box's row) for linear, 256 for swiglu: the faster
+    // one for each (docs/linear.md).
     const CUtensorMapL2promotion promo = kSwiglu ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B : CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
     if (!lin_map(&tw, a->w, a->dtype, a->N, a->K, a->w_stride, br, promo) ||
         !lin_map(&tx, a->x, a->dtype, a->M, a->K, a->x_stride, x_box))
@@ -410,12 +403,9 @@ int lin_rows_launch(const qk_linear_args *a, cudaStream_t stream, int64_t G, int
 
 template <typename T, int NX, bool kSwiglu>
 int lin_rows_mb(const qk_linear_args *a, cudaStream_t stream, int64_t G, int br) {
-    // Boxes of at most 64 rows fill one m64 block: two warpgroups take alternate stages (H200, µs,
-    // against one warpgroup: 4096x4096 M=1 / 8 / 16 / 64 11.20 / 11.14 / 11.22 / 12.68 against
-    // 11.90 / 11.69 / 12.01 / 13.09; 4096x14336 M=32 / 64 32.6 / 35.9 against 34.3 / 41.0).
-    // At M > 32 a box of at most 32 rows takes the swapped operands, x the m64 one (H200, µs, against
-    // unswapped: 4096x14336 M=64 / 40 32.1 / 31.9 against 34.2 / 33.4; 4096x4096 M=33 10.8 against
-    // 11.3; swiglu 4096x4096 M=64 23.2 against 27.4).
+    // Boxes of at most 64 rows fill one m64 block: two warpgroups take alternate stages, so one
+    // waits on its stage while the other multiplies.  At M > 32 a box of at most 32 rows takes the
+    // swapped operands, x the m64 one, instead of padding half an m64 block (docs/linear.md).
     if (NX == 64 && br <= 32) return lin_rows_launch<T, 64, 1, kSwiglu, true, 32>(a, stream, G, br);
     if (br <= 64) return lin_rows_launch<T, NX, 1, kSwiglu, true>(a, stream, G, br);
     if (br <= 128) return lin_rows_launch<T, NX, 2, kSwiglu, false>(a, stream, G, br);
@@ -442,22 +432,19 @@ template <typename T, bool kSwiglu> int lin_rows_run(const qk_linear_args *a, cu
 #endif
 
 // Where the row kernel runs when nothing is forced: M <= 64 with at least 16 weight rows per SM and
-// K >= 2048 (the measured region, N and K >= 4096).  H200, graph replay, cold L2, µs, row kernel
-// against the previous pick and cuBLAS: M=8 14336x4096 30.6 / 33.6 / 29.8, 28672x4096 57.2 / 62.1 /
-// 55.5, 4096x4096 11.5 / 12.2 / 13.1; M=32 28672x4096 59.0 / 64.2 / 57.2.  M = 1 too since it is a
-// programmatic dependent: against the GEMV (linear.cu), 14336x4096 28.3 against 29.1, swiglu 56.0
-// against 56.2, 28672x4096 56.3 against 56.2 (before, the GEMV led at 14336x4096, 28.9 against 30.3).
+// K >= 2048 (the measured region is N and K >= 4096), M = 1 included: as a programmatic dependent
+// it is ahead of linear.cu's GEMV there too (docs/linear.md).
 bool lin_rows_pays(const qk_linear_args *a, int sms) {
     return a->M <= kLMX && a->N >= 16ll * sms && a->K >= 2048;
 }
 
 // linear and swiglu on a compute-capability-9.0 GPU: the row kernel (M <= 64, see lin_rows_pays),
 // and for the rest of linear at 16 < M <= 64 the cluster wgmma kernel; else QK_E_UNSUPPORTED and the
-// caller runs linear.cu's kernels.  QKERNELS_LINEAR_KERNEL=mma forces those, =rows the row kernel
-// wherever the copy engine can describe the operands (tests and benchmarks compare them).
+// caller runs linear.cu's kernels.  a->variant QK_LINEAR_MMA forces those, QK_LINEAR_ROWS the row
+// kernel wherever the copy engine can describe the operands (tests and benchmarks compare them).
 extern "C" int qk_linear_sm90(const qk_linear_args *a, int swiglu, cudaStream_t stream) {
 #if defined(QK_SM90A)
-    const int pick = qk_linear_kernel_env();
+    const int pick = a->variant;
     if (pick == QK_LINEAR_MMA || a->M <= 0 || a->M > kLMX || a->N <= 0 || a->K <= 0) return QK_E_UNSUPPORTED;
     if (a->dtype != QK_BF16 && a->dtype != QK_F16) return QK_E_UNSUPPORTED;
     int cc, sms;
@@ -466,7 +453,7 @@ extern "C" int qk_linear_sm90(const qk_linear_args *a, int swiglu, cudaStream_t 
     if (cc != 90) return QK_E_UNSUPPORTED;
     QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
     const bool bf16 = a->dtype == QK_BF16;
-    if (pick == QK_LINEAR_ROWS || (pick == QK_LINEAR_PICKED && lin_rows_pays(a, sms))) {
+    if (pick == QK_LINEAR_ROWS || (pick == QK_LINEAR_AUTO && lin_rows_pays(a, sms))) {
         st = swiglu ? (bf16 ? lin_rows_run<__nv_bfloat16, true>(a, stream) : lin_rows_run<__half, true>(a, stream))
                     : (bf16 ? lin_rows_run<__nv_bfloat16, false>(a, stream) : lin_rows_run<__half, false>(a, stream));
         if (st != QK_E_UNSUPPORTED || pick == QK_LINEAR_ROWS) return st;

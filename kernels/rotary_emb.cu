@@ -4,26 +4,24 @@
 //   owns before writing them, and no two threads own the same element.
 //
 // Work decomposition: a 256-thread block owns `tpb` tokens; inside it a thread owns one chunk j of
-// a row (16 bytes = 4 interleaved pairs; rotate-half: one half of 8 pairs, the other half in a
-// partner lane, or both halves as two 16-byte pieces where a row's chunks do not fit a warp; one
-// pair on the scalar path) and walks the heads h = hs, hs + hpar, ... two at a time, so it loads that
-// chunk's (cos, sin) once per token and has two heads' loads in flight.  The thread's (j, hs, token)
-// split is computed once; blocks then stride over token groups, and blockIdx.y over the batch.  Grid
-// from shapes and the SM count only (CUDA-graph safe).
+// a row (16 bytes = 4 interleaved pairs; rotate-half: both halves of 8 pairs, two 16-byte pieces;
+// one pair on the scalar path) and walks the heads h = hs, hs + hpar, ... two at a time, so it
+// loads that chunk's (cos, sin) once per token and has two heads' loads in flight.  The thread's
+// (j, hs, token) split is computed once; blocks then stride over token groups, and blockIdx.y over
+// the batch.  Grid from shapes and the SM count only (CUDA-graph safe).
 // Bytes: read x, write out, read the table once per token: T*H*D*2*2 + T*D*4; T=32k, H=32, D=128
 // bf16: 554 MB, 140 µs at 4 TB/s.
 #include "common.cuh"
-#include <string.h>
 
 namespace {
 
 constexpr int kThreads = 256;
 
-enum { kScalar = 0, kVecInterleaved = 1, kVecHalf = 2, kVecHalfPair = 3, kVecHalf8 = 4 };
+enum { kScalar = 0, kVecInterleaved = 1, kVecHalf = 2 };
 
 // 16 bytes of x as four words of two values, through the coherent path (not __ldg): out may be x.
 // The values are unpacked and packed by bit operations on the words: a local qk_vec<T> copied to
-// a uint4 was stored as eight 2-byte stores.
+// a uint4 compiles to eight 2-byte stores.
 __device__ __forceinline__ uint4 ro_load16(const void *p) { return *static_cast<const uint4 *>(p); }
 __device__ __forceinline__ void ro_store16(void *p, uint4 v) {
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
@@ -40,8 +38,8 @@ template <typename T> __device__ __forceinline__ uint32_t ro_pack(float lo, floa
 __device__ __forceinline__ uint32_t &ro_word(uint4 &v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
 // One rotated pair: lo = e c - o s, hi = e s + o c, with the roundings spelled out so that every
-// path gives the same bits whatever ptxas would contract (it fused the upper product either way
-// round in different kernels).  torch's complex multiply rounds differently (7e-6 apart, H200).
+// path gives the same bits whatever ptxas would contract (it may fuse the upper product either way
+// round in different kernels).  torch's complex multiply rounds differently (docs/rotary_emb.md).
 __device__ __forceinline__ float ro_lo(float e, float o, float c, float s) { return __fmaf_rn(e, c, -__fmul_rn(o, s)); }
 __device__ __forceinline__ float ro_hi(float e, float o, float c, float s) { return __fmaf_rn(o, c, __fmul_rn(e, s)); }
 
@@ -70,40 +68,6 @@ __device__ __forceinline__ void ro_rotate_halves(uint4 &lo, uint4 &hi, const flo
     for (int q = 0; q < 4; q++) ro_rotate_word_pair<T>(ro_word(lo, q), ro_word(hi, q), c[2 * q], sn[2 * q], c[2 * q + 1], sn[2 * q + 1]);
 }
 
-// One side of eight rotate-half pairs whose two halves sit in two threads: own is this thread's
-// 16-byte chunk, other the partner's; the lower half gets x_e c - x_o s, the upper x_e s + x_o c
-// (the same fp32 operations as ro_rotate_halves, so the same bits).
-template <typename T>
-__device__ __forceinline__ uint4 ro_rotate_half_side(uint4 own, uint4 other, bool upper, const float (&c)[8],
-                                                     const float (&sn)[8]) {
-    uint4 r;
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        const uint32_t wl = upper ? ro_word(other, q) : ro_word(own, q), wh = upper ? ro_word(own, q) : ro_word(other, q);
-        const float e0 = qk_word_half<T>(wl, 0), o0 = qk_word_half<T>(wh, 0), e1 = qk_word_half<T>(wl, 1), o1 = qk_word_half<T>(wh, 1);
-        const int p = 2 * q;
-        ro_word(r, q) = upper ? ro_pack<T>(ro_hi(e0, o0, c[p], sn[p]), ro_hi(e1, o1, c[p + 1], sn[p + 1]))
-                              : ro_pack<T>(ro_lo(e0, o0, c[p], sn[p]), ro_lo(e1, o1, c[p + 1], sn[p + 1]));
-    }
-    return r;
-}
-// ... and of two 8-byte pieces (the same fp32 operations, so the same bits).
-template <typename T>
-__device__ __forceinline__ void ro_rotate_halves(uint2 &lo, uint2 &hi, const float (&c)[4], const float (&sn)[4]) {
-    ro_rotate_word_pair<T>(lo.x, hi.x, c[0], sn[0], c[1], sn[1]);
-    ro_rotate_word_pair<T>(lo.y, hi.y, c[2], sn[2], c[3], sn[3]);
-}
-__device__ __forceinline__ void ro_ld(const void *p, uint2 &v) { v = *static_cast<const uint2 *>(p); }
-__device__ __forceinline__ void ro_ld(const void *p, uint4 &v) { v = ro_load16(p); }
-__device__ __forceinline__ void ro_st(void *p, uint2 v) {
-    asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
-}
-__device__ __forceinline__ void ro_st(void *p, uint4 v) { ro_store16(p, v); }
-__device__ __forceinline__ uint4 ro_shfl_xor(unsigned mask, uint4 v, int m) {
-    return make_uint4(__shfl_xor_sync(mask, v.x, m), __shfl_xor_sync(mask, v.y, m), __shfl_xor_sync(mask, v.z, m),
-                      __shfl_xor_sync(mask, v.w, m));
-}
-
 // (cos, sin) of pairs i0 .. i0 + P - 1 of one token row of the table.
 template <int P, bool kFVec>
 __device__ __forceinline__ void ro_load_freqs(const float *f, int64_t i0, int64_t fs, float (&c)[P], float (&s)[P]) {
@@ -126,37 +90,34 @@ __device__ __forceinline__ void ro_load_freqs(const float *f, int64_t i0, int64_
     }
 }
 
-// Rotate-half, P pairs per thread (V: uint2 for P = 4, 8 bytes of each half; uint4 for P = 8, 16
-// bytes) of chunk j of heads hs, hs + 2 hpar, ... of one token, two heads (h, h + hpar) a step.
-template <typename T, int P, typename V, bool kFVec>
+// Rotate-half, the 8 pairs of chunk j (x[8j ..] and x[half + 8j ..], 16 bytes each) of heads hs,
+// hs + 2 hpar, ... of one token, two heads (h, h + hpar) a step.
+template <typename T, bool kFVec>
 __device__ __forceinline__ void ro_half_heads(const qk_rotary_emb_args &a, const T *xt, T *ot, const float *ft, int j,
                                               int64_t hs, int64_t H, int hpar, int64_t half) {
-    float c[P], sn[P];
-    ro_load_freqs<P, kFVec>(ft, P * (int64_t)j, a.f_stride[2], c, sn);
+    float c[8], sn[8];
+    ro_load_freqs<8, kFVec>(ft, 8 * (int64_t)j, a.f_stride[2], c, sn);
     for (int64_t h = hs; h < H; h += 2 * hpar) {
         const bool two = h + hpar < H;
-        const T *x0 = xt + h * a.x_stride[2] + P * j, *x1 = xt + (h + hpar) * a.x_stride[2] + P * j;
-        V lo0, hi0, lo1, hi1;
-        ro_ld(x0, lo0);
-        ro_ld(x0 + half, hi0);
-        lo1 = lo0, hi1 = hi0;
+        const T *x0 = xt + h * a.x_stride[2] + 8 * j, *x1 = xt + (h + hpar) * a.x_stride[2] + 8 * j;
+        uint4 lo0 = ro_load16(x0), hi0 = ro_load16(x0 + half), lo1 = lo0, hi1 = hi0;
         if (two) {
-            ro_ld(x1, lo1);
-            ro_ld(x1 + half, hi1);
+            lo1 = ro_load16(x1);
+            hi1 = ro_load16(x1 + half);
         }
         ro_rotate_halves<T>(lo0, hi0, c, sn);
         ro_rotate_halves<T>(lo1, hi1, c, sn);
-        T *o0p = ot + h * a.out_stride[2] + P * j, *o1p = ot + (h + hpar) * a.out_stride[2] + P * j;
-        ro_st(o0p, lo0);
-        ro_st(o0p + half, hi0);
+        T *o0p = ot + h * a.out_stride[2] + 8 * j, *o1p = ot + (h + hpar) * a.out_stride[2] + 8 * j;
+        ro_store16(o0p, lo0);
+        ro_store16(o0p + half, hi0);
         if (two) {
-            ro_st(o1p, lo1);
-            ro_st(o1p + half, hi1);
+            ro_store16(o1p, lo1);
+            ro_store16(o1p + half, hi1);
         }
     }
 }
 
-template <typename T, int kMode, bool kFVec, int kD = 0>
+template <typename T, int kMode, bool kFVec>
 __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4) ro_kernel(qk_rotary_emb_args a, int nc, int nct, int hpar, int tpb,
                                                       int64_t ngroups) {
     const int tid = threadIdx.x;
@@ -165,7 +126,7 @@ __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4) ro_kernel
     if (tl >= tpb) return;
     const T *x = static_cast<const T *>(a.x);
     T *out = static_cast<T *>(a.out);
-    const int64_t H = a.H, half = kD ? kD / 2 : a.D / 2;  // kD: D fixed at compile time (kVecHalf8)
+    const int64_t H = a.H, half = a.D / 2;
     for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
         for (int64_t grp = blockIdx.x; grp < ngroups; grp += gridDim.x) {
             const int64_t s = grp * tpb + tl;
@@ -198,29 +159,8 @@ __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4) ro_kernel
                         ro_store16(ot + h * a.out_stride[2] + 8 * j, v0);
                         if (two) ro_store16(ot + (h + hpar) * a.out_stride[2] + 8 * j, v1);
                     }
-                } else if (kMode == kVecHalfPair) {
-                    // Chunk j of the row as in the interleaved path; chunks j and j ^ (nc / 2) are
-                    // the two halves of pairs 8 (j % (nc / 2)) .. + 7, held by partner lanes of
-                    // the same warp (nct == nc, a power of two <= 32) that swap them by shuffle.
-                    const int hc = nc / 2;
-                    const bool upper = j >= hc;
-                    const unsigned pair = (1u << (tid & 31)) | (1u << ((tid ^ hc) & 31));
-                    float c[8], sn[8];
-                    ro_load_freqs<8, kFVec>(ft, 8 * (int64_t)(j & (hc - 1)), a.f_stride[2], c, sn);
-                    for (int64_t h = hs; h < H; h += 2 * hpar) {
-                        const bool two = h + hpar < H;  // the same for both partners
-                        uint4 v0 = ro_load16(xt + h * a.x_stride[2] + 8 * j), v1 = v0;
-                        if (two) v1 = ro_load16(xt + (h + hpar) * a.x_stride[2] + 8 * j);
-                        const uint4 p0 = ro_shfl_xor(pair, v0, hc), p1 = ro_shfl_xor(pair, v1, hc);
-                        ro_store16(ot + h * a.out_stride[2] + 8 * j, ro_rotate_half_side<T>(v0, p0, upper, c, sn));
-                        if (two) ro_store16(ot + (h + hpar) * a.out_stride[2] + 8 * j, ro_rotate_half_side<T>(v1, p1, upper, c, sn));
-                    }
-                } else if (kMode == kVecHalf8) {
-                    // Pairs 4j .. 4j+3: 8 bytes of each half, so a thread moves 16 bytes per row
-                    // like the interleaved path with its four (cos, sin), and no shuffles.
-                    ro_half_heads<T, 4, uint2, kFVec>(a, xt, ot, ft, j, hs, H, hpar, half);
                 } else {  // kVecHalf: pairs 8j .. 8j+7 are x[8j ..] and x[half + 8j ..]
-                    ro_half_heads<T, 8, uint4, kFVec>(a, xt, ot, ft, j, hs, H, hpar, half);
+                    ro_half_heads<T, kFVec>(a, xt, ot, ft, j, hs, H, hpar, half);
                 }
             }
         }
@@ -235,24 +175,12 @@ int ro_launch(const qk_rotary_emb_args *a, cudaStream_t stream) {
     int mode = kScalar;
     if (strides_vec && a->interleaved && a->D % 8 == 0) mode = kVecInterleaved;
     if (strides_vec && !a->interleaved && a->D % 16 == 0) mode = kVecHalf;
-    // Rotate-half: two 16-byte chunks per thread by default (3.93 TB/s, H200 T=32k H=32 D=128).
-    // QKERNELS_ROTARY_HALF (comparison; read at each launch) picks the others:
-    //   eight: 8 bytes of each half per thread, D in {64, 128, 256} (the half offset a compile-time
-    //     constant: with a runtime one ptxas kept eight row pointers live and spilled); 3.48 TB/s.
-    //   pair (and any other value but two): where a row's 16-byte chunks fit one warp (D / 8 a
-    //     power of two <= 32), partner lanes swap halves and each thread moves one chunk like the
-    //     interleaved path; 3.19 TB/s (3.04 at 3 blocks/SM; at 4 it spilled).
-    if (mode == kVecHalf) {
-        const char *pick = getenv("QKERNELS_ROTARY_HALF");
-        const int64_t c8 = a->D / 8;
-        if (pick && strcmp(pick, "eight") == 0 && (a->D == 64 || a->D == 128 || a->D == 256)) mode = kVecHalf8;
-        else if (pick && strcmp(pick, "two") != 0 && c8 >= 2 && c8 <= 32 && (c8 & (c8 - 1)) == 0) mode = kVecHalfPair;
-    }
+    // Rotate-half: two 16-byte chunks per thread, the lower and the upper half of 8 pairs; it beat
+    // partner lanes swapping halves and 8 bytes of each half per thread (benchmarks/probe/
+    // rotary_half_variants.cu holds both; docs/rotary_emb.md has the figures).
     const bool fvec = a->f_stride[2] == 2 && qk_aligned16(a->freqs) && a->f_stride[0] % 4 == 0 &&
                       a->f_stride[1] % 4 == 0;
-    const int64_t nc64 = mode == kVecInterleaved || mode == kVecHalfPair || mode == kVecHalf8 ? a->D / 8
-                         : mode == kVecHalf                                                ? a->D / 16
-                                                                                           : a->D / 2;
+    const int64_t nc64 = mode == kVecInterleaved ? a->D / 8 : mode == kVecHalf ? a->D / 16 : a->D / 2;
     // Threads of a block: nct over chunks, then hpar over heads, then tpb tokens.
     const int nct = (int)(nc64 < kThreads ? nc64 : kThreads);
     const int per_token = kThreads / nct;
@@ -280,14 +208,6 @@ int ro_launch(const qk_rotary_emb_args *a, cudaStream_t stream) {
         kernel = fvec ? (const void *)ro_kernel<T, kVecInterleaved, true> : (const void *)ro_kernel<T, kVecInterleaved, false>;
     else if (mode == kVecHalf)
         kernel = fvec ? (const void *)ro_kernel<T, kVecHalf, true> : (const void *)ro_kernel<T, kVecHalf, false>;
-    else if (mode == kVecHalf8 && a->D == 64)
-        kernel = fvec ? (const void *)ro_kernel<T, kVecHalf8, true, 64> : (const void *)ro_kernel<T, kVecHalf8, false, 64>;
-    else if (mode == kVecHalf8 && a->D == 128)
-        kernel = fvec ? (const void *)ro_kernel<T, kVecHalf8, true, 128> : (const void *)ro_kernel<T, kVecHalf8, false, 128>;
-    else if (mode == kVecHalf8)
-        kernel = fvec ? (const void *)ro_kernel<T, kVecHalf8, true, 256> : (const void *)ro_kernel<T, kVecHalf8, false, 256>;
-    else if (mode == kVecHalfPair)
-        kernel = fvec ? (const void *)ro_kernel<T, kVecHalfPair, true> : (const void *)ro_kernel<T, kVecHalfPair, false>;
     else
         kernel = (const void *)ro_kernel<T, kScalar, false>;
     return qk_launch(kernel, dim3((unsigned)bx, (unsigned)by), dim3(kThreads), 0, stream, args);

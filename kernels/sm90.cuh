@@ -1,4 +1,4 @@
-// Hopper (sm_90a) building blocks shared by the wgmma kernels (attention_prefill_sm90.cu,
+// Hopper (sm_90a) building blocks shared by the wgmma kernels (attn_prefill_sm90.cu,
 // linear_sm90.cu): matrix descriptors, wgmma fences, mbarriers and bulk tensor copies (TMA).
 // Compiled only where the kernels' bodies are (__CUDA_ARCH_FEAT_SM90_ALL).
 #pragma once

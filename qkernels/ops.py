@@ -53,6 +53,9 @@ def _python_path(name):
     params = [p for p in params if p]
 
     def call(*args, backend=None, **kwargs):
+        for key in kwargs:
+            if key[:1] == "_":  # the raw op's private tuning keywords (_variant=, ...) are not the public op's
+                raise TypeError(f"{name}() got an unexpected keyword argument '{key}'")
         _one_framework(name, params, args, kwargs)
         x = args[position] if len(args) > position else kwargs.get(arg)
         if x is None:

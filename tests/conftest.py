@@ -223,6 +223,39 @@ def cuda(a, dtype=None):
     return t.to(getattr(torch, dtype)) if dtype else t
 
 
+class Ops:
+    """The ops as the CUDA tests call them: `Ops().linear` is qkernels.linear; with private tuning
+    keywords (kernels/qk_launch.h's kernel choices, e.g. `Ops(_variant="mma").linear`), the raw op
+    qkernels._C.linear_raw with them, on torch's current stream, with a torch result (the public ops
+    refuse those keywords).  label names the choice in test ids and messages."""
+
+    def __init__(self, label="picked", **tuning):
+        self.label, self.tuning = label, tuning
+
+    def with_(self, **more):
+        """The same choice with more tuning keywords."""
+        return Ops(self.label, **self.tuning, **more)
+
+    def __getattr__(self, op):
+        if op.startswith("__") or not self.tuning:
+            return getattr(qkernels, op)
+        raw = getattr(qkernels._C, op + "_raw")
+        tuning = self.tuning
+
+        def call(*args, **kwargs):
+            import torch
+
+            if kwargs.get("stream") is None:  # the public op's stream: torch's current one
+                kwargs["stream"] = torch.cuda.current_stream(args[0].device).cuda_stream
+            r = raw(*args, **kwargs, **tuning)
+            return r if isinstance(r, torch.Tensor) else torch.from_dlpack(r)
+
+        return call
+
+    def __repr__(self):
+        return f"Ops({self.label})"
+
+
 class FakeCudaTensor:
     """What the dispatcher sees of a torch CUDA tensor (framework, device, dtype, shape), without a
     GPU: enough to decide, and for the flash backend to pass it on."""

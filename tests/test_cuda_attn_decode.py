@@ -3,9 +3,9 @@ qkernels.testing, fp16/bf16
 against a naive same-precision torch computation (flash-attention's rule), kv_lens and masks,
 non-contiguous views, the token pool with new_k/new_v appended, bad indices contained, the cpu
 backend staging device tensors, CUDA-graph replay with lengths changed on the device, and the real
-flash_attn where installed.  Every test runs with the on-chip cluster merge of the splits (sm_90,
-short splits) and without it (QKERNELS_DECODE_CLUSTER=0: workspace and combine kernel).  Skipped
-without a GPU."""
+flash_attn where installed.  Every kernel test runs with the on-chip cluster merge of the splits
+(sm_90, short splits) and without it (the raw ops' _variant="workspace": workspace and combine
+kernel; conftest.Ops).  Skipped without a GPU."""
 
 import importlib.util
 
@@ -15,7 +15,7 @@ import pytest
 import qkernels
 from qkernels import _frameworks
 from qkernels.testing import appended, reference, sample
-from conftest import capture_graph, close_to_naive, cuda, f64, naive_decode, requires_cuda
+from conftest import capture_graph, close_to_naive, cuda, f64, naive_decode, Ops, requires_cuda
 
 pytestmark = [requires_cuda,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
@@ -26,13 +26,11 @@ if importlib.util.find_spec("torch"):
 HALVES = ["bfloat16", "float16"]
 
 
-@pytest.fixture(autouse=True, params=["cluster", "workspace"])
-def split_merge(request, monkeypatch):
-    if request.param == "workspace":
-        monkeypatch.setenv("QKERNELS_DECODE_CLUSTER", "0")
-    else:
-        monkeypatch.delenv("QKERNELS_DECODE_CLUSTER", raising=False)
-    return request.param
+@pytest.fixture(params=["picked", "workspace"])
+def ops(request):
+    """attn_decode and attn_paged_decode as the launcher picks their split merge (on sm_90 the
+    cluster merge for short splits), or always through the workspace (_variant="workspace")."""
+    return Ops() if request.param == "picked" else Ops("workspace", _variant="workspace")
 
 
 def keep_of(B, L, kv_lens=None, mask=None):
@@ -50,52 +48,51 @@ def keep_of(B, L, kv_lens=None, mask=None):
 @pytest.mark.parametrize("ratio", [1, 4, 5, 8])
 @pytest.mark.parametrize("D", [32, 64, 128, 256])
 @pytest.mark.parametrize("B,L", [(1, 1), (3, 7), (17, 129), (1, 4097), (3, 4097)])
-def test_decode(rng, dtype, B, L, D, ratio):
+def test_decode(rng, ops, dtype, B, L, D, ratio):
     q, k, v = (cuda(a, dtype) for a in sample("attn_decode", rng, b=B, l=L, hkv=2, ratio=ratio, d=D)[0])
-    out = qkernels.attn_decode(q, k, v)
+    out = ops.attn_decode(q, k, v)
     assert out.dtype == q.dtype and out.shape == q.shape and out.is_cuda
     ref = reference("attn_decode", f64(q), f64(k), f64(v))
     close_to_naive(out, naive_decode(q, k, v, keep_of(B, L), D ** -0.5), ref)
 
 
-@pytest.mark.parametrize("splits", ["1", "3", "4", "7", "16", "64"])
-def test_decode_forced_splits(rng, monkeypatch, splits):
-    """QKERNELS_DECODE_SPLITS (tuning sweeps) forces the split count: any count is correct, with
-    lengths that leave some splits empty and a poisoned out; contiguous and paged."""
-    monkeypatch.setenv("QKERNELS_DECODE_SPLITS", splits)
+@pytest.mark.parametrize("splits", [1, 3, 4, 7, 16, 64])
+def test_decode_forced_splits(rng, ops, splits):
+    """_splits= (tuning sweeps) forces the split count: any count is correct, with lengths that leave
+    some splits empty and a poisoned out; contiguous and paged."""
+    ops = ops.with_(_splits=splits)
     B, L, D = 5, 1000, 128
     q, k, v = (cuda(a, "bfloat16") for a in sample("attn_decode", rng, b=B, l=L, hkv=8, ratio=4, d=D)[0])
     kv_lens = cuda(np.array([1, 17, 500, 999, 1000], np.int32))
     out = torch.full_like(q, float("nan"))
-    qkernels.attn_decode(q, k, v, kv_lens=kv_lens, out=out)
+    ops.attn_decode(q, k, v, kv_lens=kv_lens, out=out)
     ref = reference("attn_decode", f64(q), f64(k), f64(v), kv_lens=kv_lens.cpu().numpy())
     close_to_naive(out, naive_decode(q, k, v, keep_of(B, L, kv_lens), D ** -0.5), ref)
     lens = [0, 3, 1000, 257]
     args = paged_cuda(sample("attn_paged_decode", rng, lens=lens, hkv=2, ratio=4, d=D, index_dtype=np.int32)[0],
                       "bfloat16")
     ref = reference("attn_paged_decode", *host64(args))
-    out = qkernels.attn_paged_decode(*args)
+    out = ops.attn_paged_decode(*args)
     close_to_naive(out, naive_paged(args, lens, D), ref)
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
-def test_decode_many_splits(rng, monkeypatch, D):
+def test_decode_many_splits(rng, ops, D):
     """More than 32 splits (the combine's batches of 32, the wide combine past 8 splits), with a
-    ragged last batch and empty splits past kv_lens; the cluster fixture value falls back to the
-    workspace path at 750-key splits."""
-    monkeypatch.setenv("QKERNELS_DECODE_SPLITS", "40")
+    ragged last batch and empty splits past kv_lens; the picked merge falls back to the workspace
+    path at 750-key splits."""
     B, L = 2, 30000
     q, k, v = (cuda(a, "bfloat16") for a in sample("attn_decode", rng, b=B, l=L, hkv=2, ratio=4, d=D)[0])
     kv_lens = cuda(np.array([L, 9000], np.int32))
     out = torch.full_like(q, float("nan"))
-    qkernels.attn_decode(q, k, v, kv_lens=kv_lens, out=out)
+    ops.with_(_splits=40).attn_decode(q, k, v, kv_lens=kv_lens, out=out)
     ref = reference("attn_decode", f64(q), f64(k), f64(v), kv_lens=kv_lens.cpu().numpy())
     close_to_naive(out, naive_decode(q, k, v, keep_of(B, L, kv_lens), D ** -0.5), ref)
 
 
 @pytest.mark.parametrize("dtype", HALVES)
 @pytest.mark.parametrize("mask_shape", [None, "2d", "3d"])
-def test_decode_kv_lens_and_mask(rng, dtype, mask_shape):
+def test_decode_kv_lens_and_mask(rng, ops, dtype, mask_shape):
     B, L, D = 6, 300, 128
     q, k, v = (cuda(a, dtype) for a in sample("attn_decode", rng, b=B, l=L, hkv=8, ratio=4, d=D)[0])
     kv_lens = cuda(np.array([0, 1, 150, 299, 300, 5000], np.int32))
@@ -104,24 +101,24 @@ def test_decode_kv_lens_and_mask(rng, dtype, mask_shape):
         m = rng.random((B, L)) < 0.7
         m[4] = False  # fully masked: 0
         mask = cuda(m if mask_shape == "2d" else m[:, None, :])
-    out = qkernels.attn_decode(q, k, v, kv_lens=kv_lens, mask=mask)
+    out = ops.attn_decode(q, k, v, kv_lens=kv_lens, mask=mask)
     ref = reference("attn_decode", f64(q), f64(k), f64(v), kv_lens=kv_lens.cpu().numpy(),
                     mask=None if mask is None else mask.cpu().numpy())
     close_to_naive(out, naive_decode(q, k, v, keep_of(B, L, kv_lens, mask), D ** -0.5), ref)
     assert torch.all(out[0] == 0)
     if mask_shape:
         assert torch.all(out[4] == 0)
-    out64 = qkernels.attn_decode(q, k, v, kv_lens=kv_lens.long(), mask=mask)
+    out64 = ops.attn_decode(q, k, v, kv_lens=kv_lens.long(), mask=mask)
     assert torch.equal(out, out64)
 
 
-def test_decode_strided_and_poisoned_out(rng):
+def test_decode_strided_and_poisoned_out(rng, ops):
     B, L, Hkv, ratio, D = 3, 200, 2, 4, 128
     q = cuda(rng.standard_normal((B, 1, Hkv * ratio, 2 * D)).astype(np.float32), "bfloat16")[..., D:]
     k = cuda(rng.standard_normal((L, B, Hkv, D)).astype(np.float32), "bfloat16").transpose(0, 1)
     v = cuda(rng.standard_normal((B, Hkv, L, D)).astype(np.float32), "bfloat16").transpose(1, 2)
     out = torch.full((B, 1, Hkv * ratio, D), float("nan"), dtype=torch.bfloat16, device="cuda")
-    assert qkernels.attn_decode(q, k, v, out=out) is out
+    assert ops.attn_decode(q, k, v, out=out) is out
     assert not out.isnan().any()
     ref = reference("attn_decode", f64(q), f64(k), f64(v))
     close_to_naive(out, naive_decode(q, k, v, keep_of(B, L), D ** -0.5), ref)
@@ -171,7 +168,7 @@ def naive_paged(args, lens, D):
 
 @pytest.mark.parametrize("dtype", HALVES)
 @pytest.mark.parametrize("D,ratio", [(32, 1), (64, 4), (128, 5), (256, 8), (128, 8)])
-def test_paged(rng, dtype, D, ratio):
+def test_paged(rng, ops, dtype, D, ratio):
     lens = [0, 1, 7, 129, 4097, 33]
     args = paged_cuda(sample("attn_paged_decode", rng, lens=lens, hkv=2, ratio=ratio, d=D, index_dtype=np.int32)[0],
                       dtype)
@@ -180,26 +177,26 @@ def test_paged(rng, dtype, D, ratio):
     host = host64(args)
     ref = reference("attn_paged_decode", *host, new_k=f64(new_k), new_v=f64(new_v))
     k_ref, v_ref = appended(host[1], f64(new_k), *host[3:]), appended(host[2], f64(new_v), *host[3:])
-    out = qkernels.attn_paged_decode(*args, new_k=new_k, new_v=new_v)
+    out = ops.attn_paged_decode(*args, new_k=new_k, new_v=new_v)
     assert out.dtype == args[0].dtype and out.shape == args[0].shape
     assert np.array_equal(f64(args[1]), k_ref) and np.array_equal(f64(args[2]), v_ref)  # appended
     assert torch.all(out[0] == 0)
     close_to_naive(out, naive_paged(args, lens, D), ref)
 
 
-def test_paged_mask_and_int64_indices(rng):
+def test_paged_mask_and_int64_indices(rng, ops):
     lens = [5, 64, 0, 17]
     host = sample("attn_paged_decode", rng, lens=lens, hkv=2, ratio=4, d=128, index_dtype=np.int64)[0]
     args = paged_cuda(host, "bfloat16")
     mask = rng.random((len(lens), host[3].shape[1])) < 0.6
     mask[3] = False
-    out = qkernels.attn_paged_decode(*args, mask=cuda(mask))
+    out = ops.attn_paged_decode(*args, mask=cuda(mask))
     ref = reference("attn_paged_decode", *host64(args), mask=mask)
     assert torch.all(out[3] == 0)
     assert np.abs(f64(out) - ref).max() < 2e-2
 
 
-def test_paged_bad_indices_are_contained(rng):
+def test_paged_bad_indices_are_contained(rng, ops):
     # Normal cuda mode does not check indices: lengths are clamped, out-of-range rows and slots
     # skipped; nothing outside the tensors is touched and the context survives.
     lens = [3, 5]
@@ -208,7 +205,7 @@ def test_paged_bad_indices_are_contained(rng):
     args[4][1] = 1 << 40
     args[3][args[4][0], 1] = -(1 << 40)
     args[5][2] = 1 << 40
-    out = qkernels.attn_paged_decode(*args, new_k=args[0][:, :2], new_v=args[0][:, :2])
+    out = ops.attn_paged_decode(*args, new_k=args[0][:, :2], new_v=args[0][:, :2])
     torch.cuda.synchronize()
     assert out.shape == args[0].shape and torch.all(guard == 7.0)
 
@@ -243,14 +240,14 @@ def test_cpu_backend_stages_paged_append(rng):
 
 # ---- CUDA graphs: lengths live on the device ------------------------------------------------
 
-def test_capture_and_replay_with_new_lengths(rng):
+def test_capture_and_replay_with_new_lengths(rng, ops):
     B, L, D = 4, 512, 128
     q, k, v = (cuda(a, "bfloat16") for a in sample("attn_decode", rng, b=B, l=L, hkv=8, ratio=4, d=D)[0])
     kv_lens = cuda(np.array([512, 100, 1, 0], np.int32))
     host = sample("attn_paged_decode", rng, lens=[300, 2, 77, 1], hkv=8, ratio=4, d=D, index_dtype=np.int32)[0]
     pargs = paged_cuda(host, "bfloat16")
-    calls = lambda: (qkernels.attn_decode(q, k, v, kv_lens=kv_lens),  # noqa: E731
-                     qkernels.attn_paged_decode(*pargs))
+    calls = lambda: (ops.attn_decode(q, k, v, kv_lens=kv_lens),  # noqa: E731
+                     ops.attn_paged_decode(*pargs))
     g, outs = capture_graph(calls)
     for lens, indptr in (([7, 512, 0, 300], [0, 150, 152, 229, 230]), ([1, 2, 3, 4], [0, 300, 300, 301, 302])):
         kv_lens.copy_(torch.tensor(lens, dtype=torch.int32))

@@ -3,7 +3,8 @@ references of qkernels.testing on host copies of the inputs, bfloat16/float16 he
 computation's error (cuBLAS's F.linear, the unfused silu chain), the full M x K x N grid of
 Llama-3-8B-like decode shapes, each linear case on both CUDA kernels where two apply (wgmma and mma.sync on sm_90),
 bitwise determinism run to run, poisoned and strided outputs, non-contiguous inputs, the
-caller's stream, CUDA-graph capture and replay, and the dispatcher.  Skipped without a GPU."""
+caller's stream, CUDA-graph capture and replay, and the dispatcher.  A kernel is forced through the
+raw ops' private tuning keywords (conftest.Ops).  Skipped without a GPU."""
 
 import functools
 import importlib.util
@@ -14,7 +15,7 @@ import pytest
 
 import qkernels
 from qkernels.testing import reference
-from conftest import capture_graph, close_to_naive, f64, naive_rotary, requires_cuda
+from conftest import capture_graph, close_to_naive, f64, naive_rotary, Ops, requires_cuda
 
 pytestmark = [requires_cuda,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
@@ -30,18 +31,17 @@ NS = [1, 129, 4096, 14336]
 
 
 @pytest.fixture(params=["picked", "mma", "gemv", "rows"])
-def linear_kernel(request, monkeypatch):
-    """linear's kernel: the one the launcher picks (cuBLASLt past M = 64 where the library loads; on
-    sm_90 the row kernel for M <= 64 with at least 16 weight rows per SM and K >= 2048, the cluster
-    wgmma kernel for the rest of 16 < M <= 64; elsewhere the CUDA-core GEMV for M = 1 and N >= 64 per
-    SM), linear.cu's mma.sync kernel, which QKERNELS_LINEAR_KERNEL=mma forces, its CUDA-core GEMV for
-    M <= 8 (=gemv; the tile kernels elsewhere), and the sm_90 one-CTA-per-SM row kernel for M <= 64
-    (=rows; with 16-byte aligned rows and K % 8 == 0, the other kernels elsewhere)."""
-    if request.param != "picked":
-        monkeypatch.setenv("QKERNELS_LINEAR_KERNEL", request.param)
-    else:
-        monkeypatch.delenv("QKERNELS_LINEAR_KERNEL", raising=False)
-    return request.param
+def linear_kernel(request):
+    """linear's and swiglu's kernel (Ops: .linear, .swiglu): the one the launcher picks (cuBLASLt past
+    M = 64 where the library loads; on sm_90 the row kernel for M <= 64 with at least 16 weight rows per
+    SM and K >= 2048, the cluster wgmma kernel for the rest of 16 < M <= 64; elsewhere the CUDA-core
+    GEMV for M = 1 and N >= 64 per SM), linear.cu's mma.sync kernel (_variant="mma"), its CUDA-core
+    GEMV for M <= 8 (_variant="gemv"; the tile kernels elsewhere), and the sm_90 one-CTA-per-SM row
+    kernel for M <= 64 (_variant="rows"; with 16-byte aligned rows and K % 8 == 0, the other kernels
+    elsewhere)."""
+    if request.param == "picked":
+        return Ops()
+    return Ops(request.param, _variant=request.param)
 
 
 def close(ours, naive, op, *args, **kwargs):
@@ -74,33 +74,31 @@ def freqs_for(lead, d, seed=0):
 
 # ---- linear and swiglu over the M x K x N grid ---------------------------------------------
 
-@pytest.mark.parametrize("split", ["1", "2", "4", "8"])
+@pytest.mark.parametrize("split", [1, 2, 4, 8])
 @pytest.mark.parametrize("m,k,n", [(8, 4096, 4096), (40, 4096, 4096), (40, 136, 129), (3, 7, 1)])
-def test_linear_forced_split(monkeypatch, linear_kernel, split, m, k, n):
-    """QKERNELS_LINEAR_SPLIT (tuning sweeps) on both kernels: any cluster size, including ranks
-    left without a K step (K = 7, 136 split 8 ways), gives the right result."""
-    monkeypatch.setenv("QKERNELS_LINEAR_SPLIT", split)
+def test_linear_forced_split(linear_kernel, split, m, k, n):
+    """_split= (tuning sweeps) on both kernels: any cluster size, including ranks left without a K
+    step (K = 7, 136 split 8 ways), gives the right result."""
     w, _, b = weights(n, k, "bfloat16")
     x = randn(m, k, seed=m + 1)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    qkernels.linear(x, w, b, out=out)
+    linear_kernel.with_(_split=split).linear(x, w, b, out=out)
     close(out, F.linear(x, w, b), "linear", x, w, b)
 
 
-@pytest.mark.parametrize("as_m", ["1", "8", "16", "32", "64"])
+@pytest.mark.parametrize("tile_m", [1, 8, 16, 32, 64])
 @pytest.mark.parametrize("m,k,n", [(3, 4096, 129), (20, 136, 4096), (16, 4096, 4096), (65, 100, 33)])
-def test_linear_and_swiglu_any_tile_config(monkeypatch, as_m, m, k, n):
-    """QKERNELS_LINEAR_AS_M (tuning sweeps) gives linear.cu's kernel any tile configuration for any
-    M (smaller tiles take the rows in chunks): results stay right, poisoned outputs fully written."""
-    monkeypatch.setenv("QKERNELS_LINEAR_AS_M", as_m)
-    monkeypatch.setenv("QKERNELS_LINEAR_KERNEL", "mma")
+def test_linear_and_swiglu_any_tile_config(tile_m, m, k, n):
+    """_tile_m= (tuning sweeps) gives linear.cu's kernel any tile configuration for any M (smaller
+    tiles take the rows in chunks): results stay right, poisoned outputs fully written."""
+    ops = Ops("mma", _variant="mma", _tile_m=tile_m)
     up, gate, b = weights(n, k, "bfloat16")
     x = randn(m, k, seed=m + 2)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    qkernels.linear(x, up, b, out=out)
+    ops.linear(x, up, b, out=out)
     close(out, F.linear(x, up, b), "linear", x, up, b)
     out2 = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    qkernels.swiglu(x, up, gate, out=out2)
+    ops.swiglu(x, up, gate, out=out2)
     close(out2, F.linear(x, up) * F.silu(F.linear(x, gate)), "swiglu", x, up, gate)
 
 
@@ -111,11 +109,11 @@ def test_linear_and_swiglu_any_tile_config(monkeypatch, as_m, m, k, n):
 def test_linear(dtype, m, k, n, linear_kernel):
     w, _, b = weights(n, k, dtype)
     x = randn(m, k, dtype=dtype, seed=m)
-    out = qkernels.linear(x, w, b)
+    out = linear_kernel.linear(x, w, b)
     assert out.is_cuda and out.dtype == x.dtype and out.shape == (m, n)
     close(out, F.linear(x, w, b), "linear", x, w, b)
     if m in (1, 65):
-        close(qkernels.linear(x, w), F.linear(x, w), "linear", x, w)
+        close(linear_kernel.linear(x, w), F.linear(x, w), "linear", x, w)
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -133,11 +131,11 @@ def test_swiglu(dtype, m, k, n):
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("k,n", [(4096, 129), (1536, 4096), (4104, 14336), (100, 33), (8, 1)])
-def test_gemv_kernel(monkeypatch, dtype, m, k, n):
-    """linear and swiglu on the CUDA-core GEMV (QKERNELS_LINEAR_KERNEL=gemv, M <= 8): K past the
-    last full 256-element chunk (4104, 100 falls back: K % 8), rows of x, weights and out strided,
-    a poisoned out; bitwise the same on a second call."""
-    monkeypatch.setenv("QKERNELS_LINEAR_KERNEL", "gemv")
+def test_gemv_kernel(dtype, m, k, n):
+    """linear and swiglu on the CUDA-core GEMV (_variant="gemv", M <= 8): K past the last full
+    256-element chunk (4104, 100 falls back: K % 8), rows of x, weights and out strided, a poisoned
+    out; bitwise the same on a second call."""
+    ops = Ops("gemv", _variant="gemv")
     up, gate, b = weights(n, k, dtype)
     xb = randn(m, k + 64, dtype=dtype, seed=m + 7)
     x = xb[:, 32:32 + k]
@@ -145,12 +143,12 @@ def test_gemv_kernel(monkeypatch, dtype, m, k, n):
     ws, gs = wb[:, :k], wb[:, k:]
     big = torch.full((m, n + 16), float("nan"), device="cuda", dtype=tdtype(dtype))
     out = big[:, 8:8 + n]
-    qkernels.linear(x, ws, b, out=out)
+    ops.linear(x, ws, b, out=out)
     close(out, F.linear(x, ws, b), "linear", x, ws, b)
-    assert torch.equal(qkernels.linear(x, ws, b), out)
+    assert torch.equal(ops.linear(x, ws, b), out)
     assert torch.isnan(big[:, :8]).all() and torch.isnan(big[:, 8 + n:]).all()
     big.fill_(float("nan"))
-    qkernels.swiglu(x, ws, gs, out=out)
+    ops.swiglu(x, ws, gs, out=out)
     close(out, F.linear(x, ws) * F.silu(F.linear(x, gs)), "swiglu", x, ws, gs)
     assert torch.isnan(big[:, :8]).all() and torch.isnan(big[:, 8 + n:]).all()
 
@@ -175,18 +173,19 @@ def test_linear_large_n(m, k, n, linear_kernel):
     w, _, b = weights(n, k, "bfloat16")
     x = randn(m, k, seed=m + 3)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    qkernels.linear(x, w, b, out=out)
+    linear_kernel.linear(x, w, b, out=out)
     close(out, F.linear(x, w, b), "linear", x, w, b)
-    assert torch.equal(qkernels.linear(x, w, b), out)
+    assert torch.equal(linear_kernel.linear(x, w, b), out)
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 4096, 4096), (16, 4096, 14336), (64, 1536, 4096), (300, 4096, 4096)])
 def test_bitwise_determinism(m, k, n, linear_kernel):
     up, gate, b = weights(n, k, "bfloat16")
     x = randn(m, k, seed=m)
-    first = qkernels.linear(x, up, b), qkernels.swiglu(x, up, gate)
+    ops = linear_kernel
+    first = ops.linear(x, up, b), ops.swiglu(x, up, gate)
     for _ in range(3):
-        again = qkernels.linear(x, up, b), qkernels.swiglu(x, up, gate)
+        again = ops.linear(x, up, b), ops.swiglu(x, up, gate)
         assert all(torch.equal(p, q) for p, q in zip(first, again))
 
 
@@ -201,15 +200,16 @@ def test_poisoned_strided_out_and_strided_rows(dtype, m, linear_kernel):
     ws, gs = wb[:, :k], wb[:, k:]
     big = torch.full((m, n + 16), float("nan"), device="cuda", dtype=tdtype(dtype))
     out = big[:, 8:8 + n]
-    assert qkernels.linear(x, ws, b, out=out) is out
+    ops = linear_kernel
+    assert ops.linear(x, ws, b, out=out) is out
     close(out, F.linear(x, ws, b), "linear", x, ws, b)
     assert torch.isnan(big[:, :8]).all() and torch.isnan(big[:, 8 + n:]).all()
     big.fill_(float("nan"))
-    qkernels.swiglu(x, ws, gs, out=out)
+    ops.swiglu(x, ws, gs, out=out)
     close(out, F.linear(x, ws) * F.silu(F.linear(x, gs)), "swiglu", x, ws, gs)
     assert torch.isnan(big[:, :8]).all() and torch.isnan(big[:, 8 + n:]).all()
     bs = torch.stack([b, b], 1)[:, 0]  # bias with element stride 2
-    close(qkernels.linear(x, ws, bs), F.linear(x, ws, b), "linear", x, ws, b)
+    close(ops.linear(x, ws, bs), F.linear(x, ws, b), "linear", x, ws, b)
 
 
 def test_inner_strided_rejected():
@@ -243,23 +243,21 @@ def test_rotary(dtype, interleaved, shape):
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("shape", [(33, 8, 128), (3, 9, 2, 64), (2, 512, 8, 256), (19, 3, 32), (7, 5, 48),
                                    (4096, 32, 128)])
-def test_rotary_half_paths_agree(monkeypatch, dtype, shape):
-    """The rotate-half kernels QKERNELS_ROTARY_HALF picks (two: two 16-byte chunks per thread, the
-    default; pair: partner lanes; eight: 8 bytes of each half, D in {64, 128, 256}) do the same
-    fp32 operations, so they agree bit for bit, and each matches the reference; poisoned out."""
+def test_rotary_half_paths_agree(dtype, shape):
+    """Rotate-half on the vector kernel (two 16-byte chunks per thread) and on the scalar one (rows
+    not 16-byte aligned) do the same fp32 operations, so they agree bit for bit, and match the
+    reference; poisoned outs.  (The partner-lane and 8-byte kernels this test once held beside them
+    are in benchmarks/probe/rotary_half_variants.cu.)"""
     x = randn(*shape, dtype=dtype, seed=3)
     f = freqs_for(shape[:-2], shape[-1])
-    outs = []
-    for path in (None, "eight", "pair", "two"):
-        if path is None:
-            monkeypatch.delenv("QKERNELS_ROTARY_HALF", raising=False)
-        else:
-            monkeypatch.setenv("QKERNELS_ROTARY_HALF", path)
-        out = torch.full_like(x, float("nan"))
-        qkernels.rotary_emb(x, f, interleaved=False, out=out)
-        close(out, naive_rotary(x, f, False), "rotary_emb", x, f, interleaved=False)
-        outs.append(out)
-    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    out = torch.full_like(x, float("nan"))
+    qkernels.rotary_emb(x, f, interleaved=False, out=out)
+    close(out, naive_rotary(x, f, False), "rotary_emb", x, f, interleaved=False)
+    x1 = torch.empty(x.numel() + 1, device="cuda", dtype=x.dtype)[1:].view(shape)  # 2 bytes past 16
+    x1.copy_(x)
+    out1 = torch.full((x.numel() + 1,), float("nan"), device="cuda", dtype=x.dtype)[1:].view(shape)
+    qkernels.rotary_emb(x1, f, interleaved=False, out=out1)
+    assert torch.equal(out1, out)
 
 
 def test_rotary_strided_views_and_poisoned_out():
@@ -293,8 +291,8 @@ def test_runs_on_the_callers_current_stream(rows, linear_kernel):
     with torch.cuda.stream(side):
         torch.cuda._sleep(200_000_000)  # hold the side stream back ~0.1 s
         x.copy_(new_x)
-        out = qkernels.linear(x, w, b)  # must queue behind the copy, on `side`
-        out2 = qkernels.swiglu(x, w, g)
+        out = linear_kernel.linear(x, w, b)  # must queue behind the copy, on `side`
+        out2 = linear_kernel.swiglu(x, w, g)
     side.synchronize()
     close(out, F.linear(new_x, w, b), "linear", new_x, w, b)
     close(out2, F.linear(new_x, w) * F.silu(F.linear(new_x, g)), "swiglu", new_x, w, g)
@@ -306,7 +304,8 @@ def test_cuda_graph_capture_and_replay(rows, linear_kernel):
     x = randn(rows, 4096)
     q = randn(8, 32, 128)
     f = freqs_for((8,), 128)
-    calls = lambda: (qkernels.linear(x, w, b), qkernels.swiglu(x, w, g),  # noqa: E731
+    ops = linear_kernel
+    calls = lambda: (ops.linear(x, w, b), ops.swiglu(x, w, g),  # noqa: E731
                      qkernels.rotary_emb(q, f), qkernels.rotary_emb(q, f, interleaved=False))
     graph, outs = capture_graph(calls)
     for i in range(3):
@@ -321,6 +320,17 @@ def test_cuda_graph_capture_and_replay(rows, linear_kernel):
         assert all(torch.equal(o, e) for o, e in zip(outs, eager))
         close(outs[0], F.linear(x, w, b), "linear", x, w, b)
         close(outs[2], naive_rotary(q, f), "rotary_emb", q, f)
+
+
+def test_public_ops_refuse_the_private_keywords():
+    """A direct call (torch in, torch out, all in C) with a raw op's private tuning keyword goes to the
+    Python path, which refuses it; the raw op takes it."""
+    x, w = randn(4, 64), randn(8, 64)
+    with pytest.raises(TypeError, match=r"linear\(\) got an unexpected keyword argument '_variant'"):
+        qkernels.linear(x, w, _variant="mma")
+    with pytest.raises(TypeError, match=r"swiglu\(\) got an unexpected keyword argument '_split'"):
+        qkernels.swiglu(x, w, w, _split=2)
+    assert torch.equal(Ops("mma", _variant="mma").linear(x, w), qkernels.linear(x, w))
 
 
 def test_dispatch_and_float32_on_gpu(monkeypatch):

@@ -120,6 +120,51 @@ def test_argument_parsing_names_the_function():
         qkernels._C.sparse_aggregate_raw(*args, stream="s")
 
 
+def tuning_calls():
+    """op -> (its arguments on cpu, its private tuning keywords with a value each that its raw op takes)."""
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal((3, 16)).astype(np.float32), rng.standard_normal((5, 16)).astype(np.float32)
+    return {
+        "linear": ((x, w), dict(_variant="mma", _split=4, _tile_m=16)),
+        "swiglu": ((x, w, w), dict(_variant="gemv", _split=1, _tile_m=64)),
+        "attn_decode": (sample("attn_decode", rng, b=2, l=7, hkv=2, ratio=2, d=16)[0],
+                        dict(_variant="workspace", _splits=3)),
+        "attn_paged_decode": (sample("attn_paged_decode", rng, lens=[3, 5], hkv=2, ratio=2, d=16)[0],
+                              dict(_variant="auto", _splits=1)),
+        "attn_prefill": (sample("attn_prefill", rng, b=2, lq=4, lkv=6, hkv=2, ratio=2, d=16)[0], dict(_variant="wgmma")),
+        "attn_paged_prefill": (sample("attn_paged_prefill", rng, q_lens=[2, 3], kv_lens=[4, 3], hkv=2, ratio=2, d=16)[0],
+                               dict(_variant="mma")),
+    }
+
+
+@pytest.mark.parametrize("op", ["linear", "swiglu", "attn_decode", "attn_paged_decode", "attn_prefill",
+                                "attn_paged_prefill"])
+def test_private_tuning_keywords(op):
+    """The raw ops take the private tuning keywords (kernels/qk_launch.h's variant fields; the cpu
+    kernels have no variants, so the result is unchanged) and name the op and the keyword for a bad
+    value; the public ops refuse them."""
+    args, tuning = tuning_calls()[op]
+    raw = getattr(qkernels._C, op + "_raw")
+    assert np.array_equal(np.from_dlpack(raw(*args, **tuning)), np.from_dlpack(raw(*args)))
+    with pytest.raises(ValueError, match=rf"{op}: _variant must be one of 'auto', .*, got 'fastest'"):
+        raw(*args, _variant="fastest")
+    with pytest.raises(TypeError, match=rf"{op}: _variant must be a str, got int"):
+        raw(*args, _variant=1)
+    for key in tuning:
+        with pytest.raises(TypeError, match=rf"{op}\(\) got an unexpected keyword argument '{key}'"):
+            getattr(qkernels, op)(*args, **{key: tuning[key]})
+        if key != "_variant":
+            with pytest.raises(ValueError, match=rf"{op}: {key} must be .*, got -1"):
+                raw(*args, **{key: -1})
+            with pytest.raises(TypeError, match=rf"{op}: {key} must be an int, got str"):
+                raw(*args, **{key: "2"})
+    if op in ("linear", "swiglu"):
+        with pytest.raises(ValueError, match=rf"{op}: _split must be 0 \(automatic\) or a power of two up to 8, got 3"):
+            raw(*args, _split=3)
+        with pytest.raises(ValueError, match=rf"{op}: _tile_m must be in \[0, 64\] \(0: automatic\), got 65"):
+            raw(*args, _tile_m=65)
+
+
 def test_cuda_unavailable_is_a_runtime_error():
     if qkernels.AVAILABLE:
         pytest.skip("CUDA is available here")

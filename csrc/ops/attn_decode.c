@@ -2,9 +2,12 @@
  * attn_paged_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, *, new_k=None,
  *                   new_v=None, mask=None, scale=None, out=None, stream=None)
  * One qk_attn_decode_args serves both (paged flag); the CPU or CUDA launcher by device.  The checks
- * shared with attn_prefill.c are in attn_common.c. */
+ * shared with attn_prefill.c are in attn_common.c.  The raw ops also take the private tuning keywords
+ * _variant= (a name below) and _splits= (qk_attn_decode_args' variant and splits). */
 #include "attn_common.h" /* first: Python.h before any system header */
 #include "../cpu/cpu.h"
+
+static const char *const ad_variants[] = {[QK_DECODE_AUTO] = "auto", [QK_DECODE_WORKSPACE] = "workspace"};
 
 static void ad_set_mask(qk_attn_decode_args *a, const qk_view *m) {
     a->mask = m->data;
@@ -32,14 +35,18 @@ QK_DOCS(attn_paged_decode, "q, k_cache, v_cache, req_to_token, req_pool_indices,
     QK_ATTN_DOC)
 
 PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    static const char *const names[] = {"q", "k", "v", "kv_lens", "mask", "scale", "out", "stream", NULL};
+    static const char *const names[] = {"q", "k", "v", "kv_lens", "mask", "scale", "out", "stream", "_variant",
+                                        "_splits", NULL};
     enum { Q, K, V, KV_LENS, MASK, NUM_INPUTS };
     qk_state *st = qk_get_state(module);
-    PyObject *a[8] = {NULL};
+    PyObject *a[10] = {NULL};
     if (qk_parse_args(OP, args, nargs, kwnames, names, 3, 3, a) < 0) return NULL;
     void *stream;
-    int stream_given;
-    if (qk_stream_arg(OP, a[7], &stream, &stream_given) < 0) return NULL;
+    int stream_given, variant, splits;
+    if (qk_stream_arg(OP, a[7], &stream, &stream_given) < 0 ||
+        qk_variant_arg(OP, "_variant", a[8], ad_variants, QK_COUNT(ad_variants), &variant) < 0 ||
+        qk_tuning_int_arg(OP, "_splits", a[9], INT_MAX, 0, &splits) < 0)
+        return NULL;
 
     qk_view in[NUM_INPUTS] = {{0}}, ov = {0};
     qk_output o = {0};
@@ -98,6 +105,8 @@ PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t 
     ad.scale = scale;
     ad.dtype = in[Q].dtype;
     ad.num_threads = st->num_threads;
+    ad.variant = variant;
+    ad.splits = splits;
     int status = QK_OK;
     if (B > 0 && Hq > 0) QK_RUN(status, &l, attn_decode, &ad);
     if (status) qk_raise_status(OP, status);
@@ -111,14 +120,18 @@ done:
 
 PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"q", "k_cache", "v_cache", "req_to_token", "req_pool_indices", "kv_indptr",
-                                        "new_k", "new_v", "mask", "scale", "out", "stream", NULL};
+                                        "new_k", "new_v", "mask", "scale", "out", "stream", "_variant", "_splits",
+                                        NULL};
     enum { Q, KC, VC, R2T, RPI, INDPTR, NEW_K, NEW_V, MASK, NUM_INPUTS };
     qk_state *st = qk_get_state(module);
-    PyObject *a[12] = {NULL};
+    PyObject *a[14] = {NULL};
     if (qk_parse_args(OP, args, nargs, kwnames, names, 6, 6, a) < 0) return NULL;
     void *stream;
-    int stream_given;
-    if (qk_stream_arg(OP, a[11], &stream, &stream_given) < 0) return NULL;
+    int stream_given, variant, splits;
+    if (qk_stream_arg(OP, a[11], &stream, &stream_given) < 0 ||
+        qk_variant_arg(OP, "_variant", a[12], ad_variants, QK_COUNT(ad_variants), &variant) < 0 ||
+        qk_tuning_int_arg(OP, "_splits", a[13], INT_MAX, 0, &splits) < 0)
+        return NULL;
     const int has_new_k = QK_GIVEN(a[NEW_K]), has_new_v = QK_GIVEN(a[NEW_V]);
     if (has_new_k != has_new_v) {
         PyErr_Format(PyExc_TypeError, OP ": new_k and new_v must be given together (got %s without %s)",
@@ -213,6 +226,8 @@ PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ss
     ad.scale = scale;
     ad.dtype = in[Q].dtype;
     ad.num_threads = st->num_threads;
+    ad.variant = variant;
+    ad.splits = splits;
     int status = QK_OK;
     if (B > 0 && l.device_type == kDLCUDA && st->check_indices) { /* QKERNELS_CHECK=1: the pool rows */
         status = l.cuda->index_check(ad.req_pool_indices, ad.rpi_dtype, B, ad.rpi_stride, 0, R, &ad.bad_pos,

@@ -2,7 +2,8 @@
  * attn_paged_prefill(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, qo_indptr, *,
  *                    is_causal=False, mask=None, scale=None, out=None, stream=None)
  * One qk_attn_prefill_args serves both (paged flag); the CPU or CUDA launcher by device.  The checks
- * shared with attn_decode.c are in attn_common.c. */
+ * shared with attn_decode.c are in attn_common.c.  The raw ops also take the private tuning keyword
+ * _variant= (a name below: qk_attn_prefill_args' variant). */
 #include "attn_common.h" /* first: Python.h before any system header */
 #include "../cpu/cpu.h"
 
@@ -24,6 +25,9 @@ QK_DOCS(attn_paged_prefill, "q, k_cache, v_cache, req_to_token, req_pool_indices
     "is_causal keeps j <= i + kv_len_b - q_len_b for query i of request b.  mask bool [B, max_ctx] over\n"
     "each request's keys, True = keep.  Rows of q outside qo_indptr[0] .. qo_indptr[B] - 1 give 0.\n"
     QK_ATTN_DOC)
+
+static const char *const ap_variants[] = {[QK_PREFILL_AUTO] = "auto", [QK_PREFILL_MMA] = "mma",
+                                          [QK_PREFILL_WGMMA] = "wgmma"};
 
 static int ap_causal(const char *op, PyObject *obj, int *causal) {
     *causal = obj ? PyObject_IsTrue(obj) : 0;
@@ -68,14 +72,16 @@ static int ap_dense_mask(const char *op, const qk_view *m, int64_t B, int64_t Hq
 #define OP "attn_prefill"
 
 PyObject *qk_op_attn_prefill(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    static const char *const names[] = {"q", "k", "v", "mask", "is_causal", "scale", "out", "stream", NULL};
+    static const char *const names[] = {"q", "k", "v", "mask", "is_causal", "scale", "out", "stream", "_variant", NULL};
     enum { Q, K, V, MASK, NUM_INPUTS };
     qk_state *st = qk_get_state(module);
-    PyObject *a[8] = {NULL};
+    PyObject *a[9] = {NULL};
     if (qk_parse_args(OP, args, nargs, kwnames, names, 3, 3, a) < 0) return NULL;
     void *stream;
-    int stream_given, causal;
-    if (qk_stream_arg(OP, a[7], &stream, &stream_given) < 0 || ap_causal(OP, a[4], &causal) < 0) return NULL;
+    int stream_given, causal, variant;
+    if (qk_stream_arg(OP, a[7], &stream, &stream_given) < 0 || ap_causal(OP, a[4], &causal) < 0 ||
+        qk_variant_arg(OP, "_variant", a[8], ap_variants, QK_COUNT(ap_variants), &variant) < 0)
+        return NULL;
 
     qk_view in[NUM_INPUTS] = {{0}}, ov = {0};
     qk_output o = {0};
@@ -115,6 +121,7 @@ PyObject *qk_op_attn_prefill(PyObject *module, PyObject *const *args, Py_ssize_t
         pa.v_stride[i] = qk_attn_stride(&in[V], i);
     }
     pa.causal = causal;
+    pa.variant = variant;
     pa.dtype = in[Q].dtype;
     pa.num_threads = st->num_threads;
     int status = QK_OK;
@@ -149,14 +156,16 @@ static void ap_raise_rows(const qk_attn_prefill_args *a) {
 
 PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"q", "k_cache", "v_cache", "req_to_token", "req_pool_indices", "kv_indptr",
-                                        "qo_indptr", "mask", "is_causal", "scale", "out", "stream", NULL};
+                                        "qo_indptr", "mask", "is_causal", "scale", "out", "stream", "_variant", NULL};
     enum { Q, KC, VC, R2T, RPI, KV_INDPTR, QO_INDPTR, MASK, NUM_INPUTS };
     qk_state *st = qk_get_state(module);
-    PyObject *a[12] = {NULL};
+    PyObject *a[13] = {NULL};
     if (qk_parse_args(OP, args, nargs, kwnames, names, 7, 7, a) < 0) return NULL;
     void *stream;
-    int stream_given, causal;
-    if (qk_stream_arg(OP, a[11], &stream, &stream_given) < 0 || ap_causal(OP, a[8], &causal) < 0) return NULL;
+    int stream_given, causal, variant;
+    if (qk_stream_arg(OP, a[11], &stream, &stream_given) < 0 || ap_causal(OP, a[8], &causal) < 0 ||
+        qk_variant_arg(OP, "_variant", a[12], ap_variants, QK_COUNT(ap_variants), &variant) < 0)
+        return NULL;
 
     qk_view in[NUM_INPUTS] = {{0}}, ov = {0};
     qk_output o = {0};
@@ -225,6 +234,7 @@ PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_s
     pa.kv_indptr_dtype = in[KV_INDPTR].dtype;
     pa.qo_indptr_dtype = in[QO_INDPTR].dtype;
     pa.causal = causal;
+    pa.variant = variant;
     pa.dtype = in[Q].dtype;
     pa.num_threads = st->num_threads;
     int status = QK_OK;

@@ -1,6 +1,8 @@
 /* linear(x, weight, bias=None, *, out=None, stream=None) and
  * swiglu(x, up_weight, gate_weight, *, out=None, stream=None): argument checks, then the CPU or
- * CUDA launcher by device.  Both fill qk_linear_args; a 1-D x [K] is one row and gives out [N]. */
+ * CUDA launcher by device.  Both fill qk_linear_args; a 1-D x [K] is one row and gives out [N].
+ * The raw ops also take the private tuning keywords _variant= (a name below), _split= and _tile_m=
+ * (qk_linear_args' variant, split and tile_m). */
 #include "../qk.h"
 #include "../cpu/cpu.h"
 
@@ -14,18 +16,27 @@ QK_DOCS(swiglu, "x, up_weight, gate_weight, *, out=None",
     "x [M, K] (or [K]), up_weight and gate_weight [N, K] -> [M, N] (or [N]); fp32 throughout\n"
     "(silu(g) = g / (1 + exp(-g))), one rounding.\n" QK_DENSE_DOC)
 
+static const char *const ln_variants[] = {
+    [QK_LINEAR_AUTO] = "auto", [QK_LINEAR_MMA] = "mma", [QK_LINEAR_GEMV] = "gemv", [QK_LINEAR_ROWS] = "rows"};
+
 /* in[0] x, in[1] the (up) weight, in[2] bias (linear) or gate_weight (swiglu) */
 static PyObject *ln_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int swiglu) {
-    static const char *const linear_names[] = {"x", "weight", "bias", "out", "stream", NULL};
-    static const char *const swiglu_names[] = {"x", "up_weight", "gate_weight", "out", "stream", NULL};
+    static const char *const linear_names[] = {"x", "weight", "bias", "out", "stream", "_variant", "_split", "_tile_m",
+                                               NULL};
+    static const char *const swiglu_names[] = {"x", "up_weight", "gate_weight", "out", "stream", "_variant", "_split",
+                                               "_tile_m", NULL};
     const char *const op = swiglu ? "swiglu" : "linear";
     const char *const *names = swiglu ? swiglu_names : linear_names;
     qk_state *st = qk_get_state(module);
-    PyObject *a[5] = {NULL};
+    PyObject *a[8] = {NULL};
     if (qk_parse_args(op, args, nargs, kwnames, names, 3, swiglu ? 3 : 2, a) < 0) return NULL;
     void *stream;
-    int stream_given;
-    if (qk_stream_arg(op, a[4], &stream, &stream_given) < 0) return NULL;
+    int stream_given, variant, split, tile_m;
+    if (qk_stream_arg(op, a[4], &stream, &stream_given) < 0 ||
+        qk_variant_arg(op, "_variant", a[5], ln_variants, QK_COUNT(ln_variants), &variant) < 0 ||
+        qk_tuning_int_arg(op, "_split", a[6], 8, 1, &split) < 0 ||
+        qk_tuning_int_arg(op, "_tile_m", a[7], 64, 0, &tile_m) < 0)
+        return NULL;
     const int has_third = swiglu || (a[2] != NULL && a[2] != Py_None); /* swiglu's gate None: a TypeError */
 
     qk_view in[3] = {{0}}, ov = {0};
@@ -86,6 +97,9 @@ static PyObject *ln_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     la.out_stride = ov.ndim == 2 ? ov.strides[0] : N;
     la.dtype = x->dtype;
     la.num_threads = st->num_threads;
+    la.variant = variant;
+    la.split = split;
+    la.tile_m = tile_m;
     int status = QK_OK;
     if (M > 0 && N > 0) {
         if (swiglu) QK_RUN(status, &l, swiglu, &la);

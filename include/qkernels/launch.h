@@ -26,6 +26,26 @@ enum {
     QK_E_THREAD = -4,      /* a CPU worker thread could not be started */
 };
 
+/* Kernel choices, in the args structs' variant fields (tests, benchmarks and tuning sweeps set them
+ * through the raw ops' private keywords, named in csrc/ops/).  0 is automatic: the launcher picks
+ * from the shapes and the device.  A forced kernel that cannot take a call (shape, alignment,
+ * device) leaves it to the kernels that remain. */
+enum {
+    QK_LINEAR_AUTO = 0,
+    QK_LINEAR_MMA,  /* linear.cu's mma.sync tile kernel only */
+    QK_LINEAR_GEMV, /* the CUDA-core GEMV wherever M <= 8; neither cuBLASLt nor the sm_90 row kernel */
+    QK_LINEAR_ROWS, /* the sm_90 one-CTA-per-SM row kernel wherever M <= 64; neither cuBLASLt nor the GEMV */
+};
+enum {
+    QK_DECODE_AUTO = 0,
+    QK_DECODE_WORKSPACE, /* no on-chip cluster merge: the splits merge through a workspace and a second kernel */
+};
+enum {
+    QK_PREFILL_AUTO = 0,
+    QK_PREFILL_MMA,   /* the mma.sync kernel, also on sm_90 */
+    QK_PREFILL_WGMMA, /* on sm_90 the cp.async wgmma kernel, not the TMA one */
+};
+
 /* Element types the kernels see; the binding maps DLPack dtypes onto these. */
 typedef enum {
     QK_F32 = 0,
@@ -147,6 +167,8 @@ typedef struct {
     int dtype;        /* QK_BF16, QK_F16; cpu also QK_F32 */
     int kv_lens_dtype, r2t_dtype, rpi_dtype, indptr_dtype; /* QK_I32 or QK_I64 */
     int num_threads;
+    int variant;      /* 0 auto, QK_DECODE_WORKSPACE */
+    int splits;       /* 0 auto, else the keys of each sequence in this many splits (at most one per 64 keys) */
     /* Filled on QK_E_INDEX: bad_arg 0 req_pool_indices, 1 kv_indptr (a length), 2 req_to_token (a slot) */
     int bad_arg;
     int64_t bad_pos, bad_value;
@@ -194,6 +216,7 @@ typedef struct {
     int dtype;                    /* QK_BF16, QK_F16; cpu also QK_F32 */
     int r2t_dtype, rpi_dtype, kv_indptr_dtype, qo_indptr_dtype; /* QK_I32 or QK_I64 */
     int num_threads;
+    int variant;                  /* 0 auto, QK_PREFILL_MMA, QK_PREFILL_WGMMA */
     /* Filled on QK_E_INDEX: bad_arg 0 req_pool_indices, 1 kv_indptr (a length), 2 req_to_token
      * (a slot), 3 qo_indptr (a row range, or q_len > kv_len) */
     int bad_arg;
@@ -228,6 +251,9 @@ typedef struct {
     int64_t x_stride, w_stride, gate_stride, bias_stride, out_stride; /* row strides; bias element stride */
     int dtype;          /* QK_BF16, QK_F16; cpu also QK_F32 */
     int num_threads;
+    int variant;        /* 0 auto, QK_LINEAR_MMA, QK_LINEAR_GEMV, QK_LINEAR_ROWS */
+    int split;          /* 0 auto, else the cluster size 1, 2, 4 or 8 over which sm_90 splits K */
+    int tile_m;         /* 0 auto, else 1..64: the mma.sync kernel's tile configuration for that M */
 } qk_linear_args;
 
 /* The op table.  Every layer follows these two lists; adding an op is a row in each (see
