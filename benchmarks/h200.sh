@@ -7,7 +7,10 @@
 # family in one process through benchmarks/run.py, which writes results/<gpu>-run.md and .json).
 # QK_PREBUILT=<path to a _qkernels_cuda.so built elsewhere for sm_90> skips nvcc here: only the C
 # extension is built and the shared object is copied in (device time is scarcer than CPU time;
-# build it with `QKERNELS_CUDA_ARCH=90 python3 setup.py build_ext --inplace` and carry it).
+# build it with `QKERNELS_CUDA_ARCH=90 python3 setup.py build_ext --inplace`, copy it out of
+# qkernels/ (the C-only build here removes the one there) and carry it).
+# QK_TESTS=0 skips the main job, the overhead table and the tests; QK_PYTEST passes arguments to
+# pytest (e.g. "-n 6 --dist loadfile" with pytest-xdist, or a -k selection).
 set -uo pipefail
 OUT=${OUT:-/tmp/qkernels-out}
 mkdir -p "$OUT"
@@ -19,17 +22,20 @@ elif ! QKERNELS_CUDA_ARCH=${QKERNELS_CUDA_ARCH:-90} python3 setup.py build_ext -
     false
 fi || { tail -40 "$OUT/build.log"; exit 1; }
 grep -E "qkernels:|warning" "$OUT/build.log"
-python3 -m qkernels 2>&1 | tee "$OUT/main.log"
-# Host-overhead figures first, on a quiet machine (after the test suite they come out noisier).
-python3 benchmarks/overhead.py --markdown "$OUT/overhead.md" >"$OUT/overhead.log" 2>&1
-python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+if [ "${QK_TESTS:-1}" != 0 ]; then
+    python3 -m qkernels 2>&1 | tee "$OUT/main.log" | tail -30
+    # Host-overhead figures first, on a quiet machine (after the test suite they come out noisier).
+    python3 benchmarks/overhead.py --markdown "$OUT/overhead.md" >"$OUT/overhead.log" 2>&1
+    # shellcheck disable=SC2086
+    python3 -m pytest -q -rs ${QK_PYTEST:-} tests 2>&1 | tee "$OUT/pytest.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
+fi
 if [ "${QK_SANITIZE:-0}" != 0 ]; then
     tool=${QK_SANITIZE}; [ "$tool" = 1 ] && tool=memcheck
     timeout 400 bash tests/cuda_sanitize.sh "$tool" ${QK_SANITIZE_K:+"$QK_SANITIZE_K"} >"$OUT/sanitize-$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $?"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/sanitize-$tool.log" | tail -3
 fi
-cat "$OUT/overhead.log"
+[ -f "$OUT/overhead.log" ] && cat "$OUT/overhead.log"
 bench=${QK_BENCH-graph,decode,prefill,dense}
 if [[ ",$bench," == *,run,* ]]; then  # all families, one process (~7 minutes)
     python3 benchmarks/run.py --out "$OUT" >"$OUT/run.log" 2>"$OUT/run.err"

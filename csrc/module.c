@@ -200,7 +200,7 @@ static PyMethodDef qk_methods[] = {
      "cuda_info()\n--\n\nWhether the CUDA kernels were built and load, why not, and the devices."},
     {"_configure", (PyCFunction)(void (*)(void))qk_configure, METH_FASTCALL | METH_KEYWORDS,
      "_configure(*, check_indices=None, use_exchange_api=None, num_threads=None)\n--\n\n"
-     "Change debug settings (normally from QKERNELS_CHECK, QKERNELS_NO_EXCHANGE_API, QKERNELS_NUM_THREADS); "
+     "Change debug settings (the first and last normally from QKERNELS_CHECK and QKERNELS_NUM_THREADS); "
      "returns the previous ones."},
     {"_parallel_selftest", (PyCFunction)qk_parallel_selftest_py, METH_VARARGS,
      "_parallel_selftest(jobs, few, many)\n--\n\n(shares that ran other than once, shares still running after "
@@ -247,7 +247,7 @@ static int qk_exec(PyObject *module) {
         !st->str_detach || !st->kw_versioned || !st->kw_legacy ||
         !st->max_version)
         return -1;
-    st->use_exchange_api = !qk_env_flag("QKERNELS_NO_EXCHANGE_API");
+    st->use_exchange_api = 1; /* _configure(use_exchange_api=False) turns it off, for tests */
     st->check_indices = qk_env_flag("QKERNELS_CHECK");
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     st->num_threads = cores > 0 ? (int)cores : 1;

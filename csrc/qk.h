@@ -31,7 +31,7 @@ typedef struct {
     unsigned char autograd[QK_MAX_API_TYPES];
     int num_api_types;
     PyObject *grad_enabled; /* torch.is_grad_enabled, found with the first autograd type */
-    int use_exchange_api; /* QKERNELS_NO_EXCHANGE_API=1 turns the fast path off (tests) */
+    int use_exchange_api; /* 0: read torch through __dlpack__ too (tests, through _configure) */
     int check_indices;    /* QKERNELS_CHECK=1: validate indices on cuda too */
     int num_threads;      /* CPU workers; QKERNELS_NUM_THREADS or the core count */
     PyObject *cuda_path;  /* the CUDA shared object beside this module, or None */

@@ -108,3 +108,24 @@ def test_tp_decode_unrunnable_selection_is_one_line(launch, value):
     lines = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("tp_decode:")]
     assert len(lines) == 1 and "ASTR_BACKEND" in lines[0], r.stdout + r.stderr
     assert "[rank" not in r.stdout + r.stderr and (launch != "direct" or "Traceback" not in r.stderr), r.stderr
+
+
+def readme_examples():
+    """(framework, code, what the README says it prints) of each first-steps example."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    found = re.findall(r"\*\*(\w+)\*\*[^\n]*\n\n```python\n(.*?)```\n\nprints `([^`]*)`", text, re.S)
+    return found
+
+
+@pytest.mark.parametrize("framework,code,printed", readme_examples(), ids=lambda v: v if v in
+                         ("PyTorch", "JAX", "NumPy") else "")
+def test_readme_first_steps(framework, code, printed, tmp_path):
+    """The README's first examples run from another folder and print what it says they print."""
+    if importlib.util.find_spec({"PyTorch": "torch", "JAX": "jax"}.get(framework, "numpy")) is None:
+        pytest.skip(f"{framework} is not installed")
+    assert len(code.splitlines()) <= 12
+    assert run([sys.executable, "-c", code], cwd=tmp_path).strip() == printed
+
+
+def test_readme_has_a_first_example_per_framework():
+    assert [f for f, _, _ in readme_examples()] == ["PyTorch", "JAX", "NumPy"]
