@@ -15,8 +15,11 @@ pytestmark = pytest.mark.skipif(lib_path is None, reason="built without CUDA ker
 
 HEADER = (pathlib.Path(__file__).parents[1] / "include" / "qkernels" / "launch.h").read_text()
 ABI = int(re.search(r"#define QK_CUDA_ABI (\d+)", HEADER).group(1))
-# the function pointers declared in the table's struct
-ENTRIES = len(re.findall(r"\(\*\w+\)\(", HEADER.split("} qk_cuda_api;")[0].rsplit("typedef struct {", 1)[1]))
+# the function pointers declared in the table's struct: written out, and one per QK_LAUNCHERS row
+_TABLE = HEADER.split("} qk_cuda_api;")[0].rsplit("typedef struct {", 1)[1]
+_LAUNCHERS = re.search(r"#define QK_LAUNCHERS\(X\)(.*?)\n\n", HEADER, re.S).group(1)
+ENTRIES = (len(re.findall(r"^    int \(\*\w+\)\(", _TABLE, re.M)) +
+           len(re.findall(r"X\(\w+, \w+\)", _LAUNCHERS)) * _TABLE.count("QK_LAUNCHERS(QK_CUDA_ENTRY)"))
 
 
 def test_table_by_abi_version():
