@@ -65,9 +65,9 @@ class Family:
 FAMILIES = [
     Family("overhead", "host overhead", "overhead"),
     Family("graph", "graph ops", "graph_ops", "GB/s", "copy", quick=True),
-    Family("decode", "decode attention", "attention_decode", "GB/s", "copy", quick=True,
+    Family("decode", "decode attention", "attn_decode", "GB/s", "copy", quick=True,
            op_names={"contiguous": "attn_decode", "paged": "attn_paged_decode"}),
-    Family("prefill", "prefill attention", "attention_prefill", "TFLOP/s", "GEMM", quick=True,
+    Family("prefill", "prefill attention", "attn_prefill", "TFLOP/s", "GEMM", quick=True,
            op_names={"dense": "attn_prefill", "paged": "attn_paged_prefill"}),
     Family("dense", "dense ops", "dense_ops", "GB/s", "copy", quick=True),
 ]

@@ -25,6 +25,7 @@ import argparse
 import datetime
 import os
 import sys
+import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see decode_step.py
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast (NVLS) is off on the lent hosts
@@ -80,7 +81,10 @@ def main(argv=None):
         problem = str(e)
     if problem:
         if rank == 0:
-            print(f"tp_decode: {problem}", file=sys.stderr)
+            print(f"tp_decode: {problem}", file=sys.stderr, flush=True)
+        else:
+            # torchrun stops every rank once one exits: leave rank 0 the time to say why first.
+            time.sleep(2)
         return 2
     if device.type == "cuda":
         dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=10))
