@@ -1,5 +1,5 @@
-// linear and swiglu past the decode range (M > 64) through cuBLASLt, loaded at run time (SPEC §7: for
-// large M the cuda backend may call cuBLAS(Lt) from the CUDA toolkit).  There the product is
+// linear and swiglu past the decode range (M > 64) through cuBLASLt, loaded at run time (the cuda
+// backend may call the toolkit's cuBLAS(Lt) for large M; docs/ops.md).  There the product is
 // compute-bound and the skinny kernels fall far behind (docs/linear.md); a full-size wgmma GEMM of
 // our own is not in scope.
 //

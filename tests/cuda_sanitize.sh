@@ -23,11 +23,11 @@ test_paged_bad_indices or test_paged_rows_of_no_request or test_rotary_strided o
 test_bitwise_determinism"
 # racecheck with the kernel filter below stops with "Internal Sanitizer Error: The Sanitizer failed
 # to handle a hardware exception" on the kernels that take their tiles by TMA into mbarrier rings
-# (2026-11-29): the prefill tests with longer keys, on all three prefill kernels, and linear's
-# wgmma kernel (test_poisoned_strided_out_and_strided_rows[picked-*]); unchanged without setmaxnreg
-# and with --racecheck-memcpy-async no, and without the filter the same tests pass it with 0
-# hazards (seventh session).  So racecheck's default run is two passes: the shared set filtered
-# without those tests, then those tests with every kernel instrumented.
+# (the prefill tests with longer keys, on all three prefill kernels, and linear's wgmma kernel,
+# test_poisoned_strided_out_and_strided_rows[picked-*]); unchanged without setmaxnreg and with
+# --racecheck-memcpy-async no, and without the filter the same tests pass it with 0 hazards.  So
+# racecheck's default run is two passes: the shared set filtered without those tests, then those
+# tests with every kernel instrumented.
 # (bf16 only and causal only where both were slow: every torch kernel of the references is
 # instrumented too, so the 31 tests of both dtypes took 261 s; these 17 fit beside pass 1 in one
 # 10-minute device call.)
@@ -40,16 +40,15 @@ filter=${2:-$default_set}
 cd "$(dirname "$0")/.."
 extra=()
 # No leak check by default: at exit the tool lists every device allocation still live, and those are
-# torch's (tensors alive at interpreter exit, with PYTORCH_NO_CUDA_MEMORY_CACHING=1 too: 20 shown
-# of them on 2026-11-29, all from torch's allocator), and printing their backtraces outlasted a
-# 60 s limit.  test_cuda_lifetime.py checks device memory over 1e5 calls instead.  To list them:
+# torch's (tensors alive at interpreter exit, with PYTORCH_NO_CUDA_MEMORY_CACHING=1 too, all from
+# torch's allocator), and printing their backtraces outlasted a 60 s limit.  test_cuda_lifetime.py checks device memory over 1e5 calls instead.  To list them:
 # QK_SANITIZER_OPTS="--leak-check full" (with PYTORCH_NO_CUDA_MEMORY_CACHING=1 so torch frees
 # each tensor when it dies).
 # Only qkernels' kernels are instrumented (their mangled names carry their source file,
 # '<file>_cu_', as every kernel sits in an anonymous namespace); the tests' torch inputs and
-# references otherwise dominate: racecheck spent its 150 s budget on them without finishing, and
-# initcheck reported 48k reads inside torch's elementwise kernels of cuBLAS GEMM outputs (fifth
-# session), and memcheck's full set ran past 330 s (sixth session, 60% done, no error).  memcheck
+# references otherwise dominate: racecheck spent its 150 s budget on them without finishing,
+# initcheck reported 48k reads inside torch's elementwise kernels of cuBLAS GEMM outputs, and
+# memcheck's full set ran past 330 s (docs/testing.md).  memcheck
 # tracks allocations through the API whichever kernels it instruments, so the filter costs it
 # nothing it checks in ours.
 # QK_SANITIZER_NOFILTER=1 instruments every kernel (torch's too), as before the filter.

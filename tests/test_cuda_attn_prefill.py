@@ -156,7 +156,7 @@ def test_paged_int64_and_key_mask(rng, ops):
 
 
 def test_paged_bad_indices_are_contained(rng, ops):
-    """Out-of-range slots are skipped on cuda (SPEC §8): no crash, no write outside out, and the
+    """Out-of-range slots are skipped on cuda (docs/ops.md): no crash, no write outside out, and the
     result is attention over the remaining keys."""
     q_lens, kv_lens = [20, 30], [50, 60]
     q, kc, vc, r2t, rpi, kvp, qo = paged_setup(rng, q_lens, kv_lens, 4, 2, 64)
