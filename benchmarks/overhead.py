@@ -22,23 +22,20 @@ import numpy as np
 import qkernels
 import torch
 from qkernels import _dispatch
-from qkernels.testing import OPS, sample
-
-LLM_OPS = ("rotary_emb", "linear", "swiglu", "attn_decode", "attn_prefill", "attn_paged_decode", "attn_paged_prefill")
+from qkernels.testing import DEVICE_DTYPES, OPS, sample
 
 
 def op_call(op, dev):
-    """qkernels.<op> on its sample call as torch CUDA tensors (bfloat16 for the LLM ops)."""
+    """qkernels.<op> on its sample call as torch CUDA tensors (in the dtypes its CUDA kernels take)."""
     options = {"d": 64} if op.startswith("attn") else {}
     args, kwargs = sample(op, np.random.default_rng(1), **options)
-    half = op in LLM_OPS
+    dtypes = DEVICE_DTYPES.get(op, ())
 
     def convert(i, a):
         if not isinstance(a, np.ndarray):
             return a
         t = torch.from_numpy(a).to(dev)
-        is_freqs = op == "rotary_emb" and i == 1
-        return t.to(torch.bfloat16) if half and t.is_floating_point() and not is_freqs else t
+        return t.to(getattr(torch, dtypes[i])) if i < len(dtypes) and dtypes[i] else t
     args = [convert(i, a) for i, a in enumerate(args)]
     fn = getattr(qkernels, op)
     return lambda: fn(*args, **kwargs)

@@ -26,19 +26,15 @@ from ._dispatch import (
     resolve,
     use_backend,
 )
-from .ops import fused_edge_features, fused_norm_residual, graph_norm_bce, sparse_aggregate
-from .ops import attn_decode, attn_paged_decode, attn_paged_prefill, attn_prefill
-from .ops import linear, rotary_emb, swiglu
+from . import ops as _ops
+from .ops import *  # noqa: F401,F403  every op of the C op table, by its name
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AVAILABLE", "BACKENDS", "FAMILIES", "Decision", "ExplicitSelectionError", "FallbackWarning", "Tensor",
-    "__version__", "explain", "from_dlpack", "fused_edge_features", "fused_norm_residual", "graph_norm_bce", "info",
-    "reload_env", "resolve", "sparse_aggregate", "use_backend",
-    "attn_decode", "attn_paged_decode", "attn_prefill", "attn_paged_prefill",
-    "linear", "rotary_emb", "swiglu",
-]
+    "__version__", "explain", "from_dlpack", "info", "reload_env", "resolve", "use_backend",
+] + _ops.__all__
 
 
 def info():

@@ -24,37 +24,8 @@ import numpy as np
 
 import qkernels
 from qkernels import _dispatch
-from qkernels.testing import OPS, reference, sample
+from qkernels.testing import DEVICE_DTYPES, OPS, WORK_SIZES as SIZES, reference, sample
 
-# The self-check's and the timing table's call of each op: qkernels.testing.sample options at sizes
-# where the kernels do real work (several blocks, GQA 4, head_dim 128, ragged token pools).
-SIZES = {
-    "sparse_aggregate": dict(n_dst=2000, n_src=2000, heads=4, dim=32, avg_degree=8),
-    "fused_edge_features": dict(n=2000, e=16000, h=32),
-    "fused_norm_residual": dict(rows=2000, h=128),
-    "graph_norm_bce": dict(e=50000, graphs=32),
-    "rotary_emb": dict(lead=(64,), h=8, d=128),
-    "linear": dict(m=16, k=1024, n=1024),
-    "swiglu": dict(m=16, k=1024, n=2048),
-    "attn_decode": dict(b=4, l=1024, hkv=8, ratio=4, d=128),
-    "attn_paged_decode": dict(lens=[1000, 300, 64, 700], hkv=8, ratio=4, d=128, index_dtype=np.int32),
-    # a prefix cache (the queries are the last of their keys, causal bottom-right), one a single query
-    "attn_prefill": dict(b=2, lq=256, lkv=384, hkv=8, ratio=4, d=128, is_causal=True),
-    "attn_paged_prefill": dict(q_lens=[1, 300, 17, 128], kv_lens=[1000, 300, 64, 700], hkv=8, ratio=4, d=128,
-                               index_dtype=np.int32, is_causal=True),
-}
-
-# Ops whose CUDA kernels take 16-bit floats: the dtype of each argument on the device (None: as
-# sampled; CuPy has no bfloat16, so it gets float16), and the self-check's tolerance there.
-DEVICE_DTYPES = {
-    "rotary_emb": ("bfloat16", None),
-    "linear": ("bfloat16",) * 3,
-    "swiglu": ("bfloat16",) * 3,
-    "attn_decode": ("bfloat16",) * 3,
-    "attn_paged_decode": ("bfloat16",) * 3 + (None,) * 3,
-    "attn_prefill": ("bfloat16",) * 3,
-    "attn_paged_prefill": ("bfloat16",) * 3 + (None,) * 4,
-}
 DEVICE_TOLERANCE = 2e-2  # bfloat16 output: ~2^-9 relative (the reference takes the rounded inputs)
 TOLERANCE = 1e-5
 
