@@ -356,8 +356,7 @@ def sample(op, rng=None, *, dtype=np.float32, index_dtype=np.int64, **options):
 
 
 # The call of each op for the self-check and timing table of `python -m qkernels`: sample() options
-# at sizes
-# where the kernels do real work (several blocks, GQA 4, head_dim 128, ragged token pools).
+# at sizes where the kernels do real work (several blocks, GQA 4, head_dim 128, ragged token pools).
 WORK_SIZES = {
     "sparse_aggregate": dict(n_dst=2000, n_src=2000, heads=4, dim=32, avg_degree=8),
     "fused_edge_features": dict(n=2000, e=16000, h=32),
