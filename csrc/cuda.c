@@ -42,7 +42,14 @@ const qk_cuda_api *qk_cuda_try_load(qk_state *st) {
     }
     int count = 0, status = api->device_count(&count);
     if (status) {
-        snprintf(g_reason, sizeof g_reason, "no usable CUDA device: %s", api->error_string(status));
+        /* The runtime says "driver version is insufficient" also when there is no driver at all. */
+        void *driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+        if (driver == NULL) driver = dlopen("libcuda.so.1", RTLD_LAZY);
+        if (driver == NULL)
+            snprintf(g_reason, sizeof g_reason, "no NVIDIA driver found (libcuda.so.1 is not installed)");
+        else
+            snprintf(g_reason, sizeof g_reason, "no usable CUDA device: %s", api->error_string(status));
+        if (driver) dlclose(driver);
         return NULL; /* keep the library mapped: unloading a CUDA runtime is not worth the risk */
     }
     if (count == 0) {

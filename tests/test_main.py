@@ -132,3 +132,14 @@ def test_import_never_needs_a_gpu():
                        env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["False", "True", "2.0"]
+
+
+def test_no_driver_is_named_as_such():
+    """Without libcuda.so.1 the runtime still says 'driver version is insufficient': the reason says
+    what is missing instead."""
+    import ctypes.util
+    reason = qkernels.info()["cuda_reason"]
+    if qkernels._C.CUDA_LIBRARY is None or qkernels.AVAILABLE:
+        pytest.skip("needs the CUDA library built, on a machine where it cannot run")
+    has_driver = ctypes.util.find_library("cuda") is not None
+    assert ("no NVIDIA driver found" in reason) == (not has_driver), reason
