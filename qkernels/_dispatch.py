@@ -440,12 +440,17 @@ def _is_direct(x, staged):
     return hasattr(type(x), "__dlpack_c_exchange_api__") and _C._configure()["use_exchange_api"]
 
 
-def record_direct(op, x, has_mask):
-    """Let the C entry point run calls like this one itself (see direct_plans)."""
+def record_direct(op, x, has_mask, tensors=()):
+    """Let the C entry point run calls like this one itself (see direct_plans).  tensors: the call's
+    other tensor arguments, all of x's framework (so nn.Parameter weights beside a torch.Tensor x
+    keep the call on the direct path)."""
     plans = direct_plans[op]
     if len(plans) > 4096:
         plans.clear()
     plans[_C._direct_key(x, has_mask)] = True
+    for t in tensors:
+        if len(direct_types) < 64 and hasattr(type(t), "__dlpack_c_exchange_api__"):
+            direct_types.add(type(t))
 
 
 def choose(op, x, explicit, extra=()):

@@ -63,7 +63,9 @@ def _python_path(name):
         plan = choose(name, x, backend, call_axes(args, kwargs) if call_axes else ())
         if plan[2]:  # torch in, torch out, all in C
             if backend is None and _ctx.get()[1] == 0:
-                record_direct(name, x, kwargs.get("mask") is not None)
+                record_direct(name, x, kwargs.get("mask") is not None,
+                              [v for v in itertools.chain(args, kwargs.values()) if type(v) is not type(x)
+                               and framework_name(v) == "torch"])
             return raw(*args, **kwargs)
         if plan[0] == "flash":
             return _flash.OPS[name](*args, **kwargs)

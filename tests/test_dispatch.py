@@ -321,3 +321,25 @@ def test_bad_graph_variable_leaves_llm_ops_alone(env):
     with pytest.raises(ValueError, match="QECDEC_BACKEND must be one of"):
         qkernels.sparse_aggregate(*sample("sparse_aggregate")[0])
     qkernels.linear(*sample("linear")[0])
+
+
+def test_direct_path_serves_repeated_torch_calls(env, monkeypatch):
+    """After the dispatcher decided a torch call once, calls like it (nn.Parameter weights included)
+    run from the C entry point without the Python dispatcher; anything else still consults it."""
+    torch = pytest.importorskip("torch")
+    env()
+    x = torch.randn(3, 16)
+    w, b = torch.nn.Parameter(torch.randn(5, 16)), torch.nn.Parameter(torch.randn(5))
+    with torch.no_grad():
+        expected = qkernels.linear(x, w, b)
+
+        def refuse(*a, **k):
+            raise AssertionError("the Python dispatcher was consulted")
+        monkeypatch.setattr(qkernels.ops, "choose", refuse)
+        assert torch.equal(qkernels.linear(x, w, b), expected)
+        qkernels.linear(torch.randn(7, 16)[::2], w, b)  # other rows, the same key: still direct
+        with pytest.raises(AssertionError, match="consulted"):  # a new key: the dispatcher decides
+            qkernels.linear(torch.randn(3, 8), torch.randn(5, 8))
+        with pytest.raises(AssertionError, match="consulted"):  # a context: the dispatcher decides
+            with qkernels.use_backend("cpu"):
+                qkernels.linear(x, w, b)
