@@ -29,7 +29,7 @@ DLDataType qk_dtype_to_dl(int dtype) {
     return t;
 }
 
-static int qk_dtype_from_dl(DLDataType t) {
+int qk_dtype_from_dl(DLDataType t) {
     for (int i = 0; i < QK_NUM_DTYPES; i++)
         if (qk_dtypes[i].code == t.code && qk_dtypes[i].bits == t.bits) return i;
     return -1;
@@ -325,8 +325,8 @@ static PyObject *qk_call_dlpack(qk_state *st, PyObject *obj, PyObject *stream) {
     return cap;
 }
 
-/* A producer's own __dlpack__ error, re-raised as the same kind with the op and argument named
- * (NumPy's "DLPack only supports native byte order" says neither). */
+/* A producer's own __dlpack__ error, re-raised as a BufferError (a MemoryError stays one) naming
+ * the op and argument (NumPy's "DLPack only supports native byte order" says neither). */
 static void qk_name_producer_error(const char *op, const char *arg) {
     PyObject *cause = qk_exception_take();
     if (cause == NULL) return;

@@ -20,33 +20,28 @@ static int qk_env_flag(const char *name) {
 static PyObject *qk_describe(PyObject *module, PyObject *obj) {
     qk_state *st = qk_get_state(module);
     int device_kind = -1, dtype = 255;
-    const DLTensor *peek = qk_capsule_peek(obj);
     if (qk_is_tensor(st, obj)) {
         qk_view v;
         qk_tensor_fill_view(obj, &v);
         device_kind = v.device_type == kDLCUDA ? 2 : 1;
         dtype = v.dtype;
-    } else if (peek) {
-        const int dt = peek->device.device_type;
-        device_kind = (dt == kDLCUDA || dt == kDLCUDAManaged) ? 2 : 1;
-        for (int i = 0; i <= QK_BOOL; i++) {
-            DLDataType d = qk_dtype_to_dl(i);
-            if (d.code == peek->dtype.code && d.bits == peek->dtype.bits && peek->dtype.lanes == 1) dtype = i;
-        }
     } else {
-        const DLPackExchangeAPI *api = st->use_exchange_api ? qk_exchange_api(st, Py_TYPE(obj)) : NULL;
+        /* A DLTensor read without taking it: an unconsumed capsule's, or the exchange API's. */
+        const DLTensor *t = qk_capsule_peek(obj);
+        DLTensor exported;
+        const DLPackExchangeAPI *api = t == NULL && st->use_exchange_api ? qk_exchange_api(st, Py_TYPE(obj)) : NULL;
         if (api) {
-            DLTensor t;
-            if (api->dltensor_from_py_object_no_sync(obj, &t) != 0) {
+            if (api->dltensor_from_py_object_no_sync(obj, &exported) != 0) {
                 PyErr_Clear();
                 return PyLong_FromLong(-1);
             }
-            const int dt = t.device.device_type;
+            t = &exported;
+        }
+        if (t) {
+            const int dt = t->device.device_type;
             device_kind = (dt == kDLCUDA || dt == kDLCUDAManaged) ? 2 : 1;
-            for (int i = 0; i <= QK_BOOL; i++) {
-                DLDataType d = qk_dtype_to_dl(i);
-                if (d.code == t.dtype.code && d.bits == t.dtype.bits && t.dtype.lanes == 1) dtype = i;
-            }
+            const int k = t->dtype.lanes == 1 ? qk_dtype_from_dl(t->dtype) : -1;
+            if (k >= 0) dtype = k;
         } else {
             PyObject *dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
             if (dev == NULL || !PyTuple_Check(dev) || PyTuple_GET_SIZE(dev) < 1) {

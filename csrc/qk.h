@@ -63,6 +63,7 @@ const char *qk_dtype_name(int dtype);
 size_t qk_dtype_size(int dtype);
 int qk_dtype_from_name(const char *name);
 DLDataType qk_dtype_to_dl(int dtype);
+int qk_dtype_from_dl(DLDataType t); /* -1: a dtype qkernels does not know */
 const DLPackExchangeAPI *qk_exchange_api(qk_state *st, PyTypeObject *type);
 int qk_import(qk_state *st, PyObject *obj, const char *op, const char *arg, void *stream, qk_view *v);
 /* via_capsule: always through __dlpack__ (a view that must own the producer's memory) */

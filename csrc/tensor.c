@@ -89,11 +89,11 @@ PyObject *qk_tensor_empty(qk_state *st, const char *op, int dtype, int ndim, con
         PyErr_Format(PyExc_MemoryError, "%s: out would need more than 2^63 bytes", op);
         goto fail;
     }
-    numel = 1;
+    int64_t stride = 1; /* no overflow: the product of all sizes fits */
     for (int i = ndim - 1; i >= 0; i--) {
         t->v.shape[i] = shape[i];
-        t->v.strides[i] = numel;
-        numel *= shape[i];
+        t->v.strides[i] = stride;
+        stride *= shape[i];
     }
     size_t bytes = (size_t)nbytes;
     void *ptr = NULL;
