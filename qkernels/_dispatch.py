@@ -32,14 +32,15 @@ LEGACY_FAMILIES = {"edge_features": "fused_edge_features", "norm_residual": "fus
                    "graph_bce": "graph_norm_bce", "rotary": "rotary_emb"}
 
 
-def _deciding_name(op, position):
-    sig = getattr(_C, op).__text_signature__  # "(row_ptr, col_idx, ...)"
-    return sig.strip("()").split(",")[position].split("=")[0].strip()
+def params(op):
+    """The names of op's parameters, in order, from its C signature ("(row_ptr, col_idx, ...)")."""
+    names = (p.split("=")[0].strip(" *") for p in getattr(_C, op).__text_signature__.strip("()").split(","))
+    return [n for n in names if n]
 
 
 # op name -> (family, position and name of the argument whose device/dtype/framework decide),
 # from the C op table.
-OPS = {op: (family, position, _deciding_name(op, position)) for op, (family, position) in _C.OPS.items()}
+OPS = {op: (family, position, params(op)[position]) for op, (family, position) in _C.OPS.items()}
 
 def _attention_axes(paged):
     def axes(args, kwargs):
@@ -239,11 +240,11 @@ def _parse_env():
         raw = os.environ.get(var)
         if raw:
             try:
-                b = _normalize(raw, var)
+                choice = (_normalize(raw, var), f"env {var}")
             except ValueError as e:
-                b, var = None, str(e)
+                choice = (None, str(e))
             for f in families:
-                sel[f] = (b, var if b is None else f"env {var}")
+                sel[f] = choice
     raw = os.environ.get("QKERNELS_OPS")
     if raw:
         for item in raw.split(","):
@@ -271,8 +272,9 @@ def _env():
 # The direct path (csrc/dispatch.c): a public op called with no backend= and no use_backend()
 # context, whose tensors all have a type in direct_types (torch, read through the DLPack C
 # exchange API), runs the C op at once when direct_plans[op] holds the call's key
-# (_C._direct_key: device, dtype, last dimension, mask or not).  choose() records a key there
-# after deciding that the call runs unstaged on our kernels and returns the caller's tensor as is.
+# (_C._direct_key: device, dtype, last dimension, mask or not).  The Python path (ops.py) records a
+# key there through record_direct() once choose() decided such a call runs unstaged on our kernels
+# and returns the caller's tensor as is.
 direct_plans = {op: {} for op in OPS}
 direct_types = set()
 
@@ -344,6 +346,13 @@ class Decision:
     __repr__ = __str__
 
 
+def _to_kernel_layer(d, axes):
+    """The backend where the data lives, for a call no backend takes: its kernel layer names the
+    argument at fault.  Notes that in d.error."""
+    d.error = "no backend matches; the call goes to the kernel layer, which reports the problem"
+    return "cuda" if axes["device"] == "cuda" and backend_available("cuda")[0] else "cpu"
+
+
 def _decide(op, x, explicit, extra=()):
     family = OPS[op][0]
     axes = _axes_from_code(_C.describe(x), framework_name(x))
@@ -371,11 +380,9 @@ def _decide(op, x, explicit, extra=()):
     if d.requested != "auto":
         reason = _check(d.requested, family, axes, op)
         if reason is not None and not any(status == "MATCH" for _, status, _ in d.candidates):
-            # No backend takes the call (a dtype nobody supports, say): as in the chain below, the
-            # kernel layer where the data lives reports it, naming the argument.
-            reason = None
-            d.error = "no backend matches; the call goes to the kernel layer, which reports the problem"
-            d.requested = "cuda" if axes["device"] == "cuda" and backend_available("cuda")[0] else "cpu"
+            # No backend takes the call (a dtype nobody supports, say): as in the chain, the kernel
+            # layer where the data lives reports it, naming the argument.
+            reason, d.requested = None, _to_kernel_layer(d, axes)
         if reason is not None:
             d.error = (f"{op}: backend '{d.requested}' selected by {d.origin} cannot run family '{family}' "
                        f"for this call: {reason}")
@@ -387,8 +394,7 @@ def _decide(op, x, explicit, extra=()):
         if d.winner is None:
             # Nothing matches (a dtype no backend takes, say): run where the data lives so the
             # kernel layer raises its precise TypeError/ValueError naming the argument.
-            d.winner = "cuda" if axes["device"] == "cuda" and backend_available("cuda")[0] else "cpu"
-            d.error = "no backend matches; the call goes to the kernel layer, which reports the problem"
+            d.winner = _to_kernel_layer(d, axes)
     d.staged = d.winner == "cpu" and axes["device"] == "cuda"
     if d.staged and axes["framework"] in NEUTRAL_FRAMEWORKS:
         # Our Tensor and raw capsules cannot be staged (no framework to copy them): they run where

@@ -27,10 +27,10 @@ def _one_framework(op, params, args, kwargs):
     and raw capsules mix with any): the result's framework would otherwise be a guess."""
     first = None
     for key, value in itertools.chain(zip(params, args), kwargs.items()):
-        if value is None or type(value) in _SCALARS or not hasattr(value, "__dlpack__") and type(value).__name__ != "PyCapsule":
+        if value is None or type(value) in _SCALARS:
             continue
         fw = framework_name(value)
-        if fw in NEUTRAL_FRAMEWORKS:
+        if fw in NEUTRAL_FRAMEWORKS or not hasattr(value, "__dlpack__"):  # not a tensor: the op says so
             continue
         if first is None:
             first = (key, fw)
@@ -49,8 +49,7 @@ def _python_path(name):
     call_axes = _dispatch.CALL_AXES.get(name)
     written = _WRITTEN.get(name)
 
-    params = [p.split("=")[0].strip(" *") for p in getattr(_C, name).__text_signature__.strip("()").split(",")]
-    params = [p for p in params if p]
+    params = _dispatch.params(name)
 
     def call(*args, backend=None, **kwargs):
         for key in kwargs:
