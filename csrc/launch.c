@@ -196,6 +196,23 @@ PyObject *qk_op_finish(qk_launch *l, int launched, qk_output *o, qk_view *ov, in
     return result;
 }
 
+PyObject *qk_op_finish_many(qk_launch *l, int launched, qk_output *o, qk_view *ov, int n_out, int ok, qk_view *in,
+                            int n_in) {
+    if (launched) qk_launch_end(l);
+    PyObject *result = NULL;
+    if (launched) {
+        result = ok ? PyTuple_New(n_out) : NULL;
+        for (int i = 0; i < n_out; i++) {
+            PyObject *r = o[i].result || o[i].mt ? qk_output_finish(&o[i], &ov[i], result != NULL) : Py_NewRef(Py_None);
+            if (result && r == NULL) Py_CLEAR(result);
+            if (result) PyTuple_SET_ITEM(result, i, r);
+            else Py_XDECREF(r);
+        }
+    }
+    qk_views_release(in, n_in);
+    return result;
+}
+
 PyObject *qk_output_finish(qk_output *o, qk_view *ov, int ok) {
     qk_views_release(ov, 1);
     if (!ok) {

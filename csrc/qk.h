@@ -138,6 +138,10 @@ int qk_out_overlap(const char *op, const qk_view *out, const qk_view *in, const 
                    unsigned in_place);
 /* The common end of every op: restore the device, hand out (or drop) the output, release inputs. */
 PyObject *qk_op_finish(qk_launch *l, int launched, qk_output *o, qk_view *ov, int ok, qk_view *in, int n_in);
+/* The same for an op with n_out outputs (o[i], ov[i], zero-initialised; one never prepared is None):
+ * a tuple of them, or NULL with every output dropped when !ok. */
+PyObject *qk_op_finish_many(qk_launch *l, int launched, qk_output *o, qk_view *ov, int n_out, int ok, qk_view *in,
+                            int n_in);
 
 /* Run launcher `name` of QK_LAUNCHERS where the data lives: qk_<name>_cuda on the launch stream,
  * or qk_<name>_cpu with the GIL released. */

@@ -149,6 +149,8 @@ def run(op, fn, args, kwargs, like, staged, written=()):
         return _run_staged(op, fw, fn, args, kwargs, like, written)
     stream = fw.stream(like)
     r = fn(*args, **kwargs) if stream is None else fn(*args, **kwargs, stream=stream)
+    if type(r) is tuple:  # an op with several outputs (the backward ops)
+        return tuple(fw.wrap(t, like) if type(t) is Tensor else t for t in r)
     return fw.wrap(r, like) if type(r) is Tensor else r
 
 
@@ -168,4 +170,6 @@ def _run_staged(op, fw, fn, args, kwargs, like, written):
             fw.copy_back(args[position], host[position])
         else:
             fw.copy_back(kwargs[name], kw[name])
+    if type(r) is tuple:
+        return tuple(None if t is None else fw.from_host(t, like, None) for t in r)
     return fw.from_host(r, like, kwargs.get("out"))
