@@ -3,6 +3,7 @@
 #include "qk.h"
 
 #include <dlfcn.h>
+#include <stdlib.h>
 #include <stdio.h>
 
 /* Process-wide: dlopen is per process, and deleters that free CUDA memory run without module state. */
@@ -56,6 +57,11 @@ const qk_cuda_api *qk_cuda_try_load(qk_state *st) {
         snprintf(g_reason, sizeof g_reason, "no CUDA device found");
         return NULL;
     }
+    /* cuBLASLt's location, from the environment read here: the kernels read none. */
+    char roots[8192] = "";
+    const char *home = getenv("CUDA_HOME"), *cuda_path = getenv("CUDA_PATH");
+    snprintf(roots, sizeof roots, "%s:%s", home ? home : "", cuda_path ? cuda_path : "");
+    api->set_cublaslt_search(getenv("QKERNELS_CUBLASLT"), roots);
     g_api = api;
     return g_api;
 }

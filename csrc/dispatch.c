@@ -76,6 +76,8 @@ static int qk_direct(qk_state *st, PyObject *op_name, int deciding, PyObject *co
                 (PyUnicode_GET_LENGTH(name) > 0 && PyUnicode_READ_CHAR(name, 0) == '_'))
                 return 0;
             if (o != Py_None && PyUnicode_CompareWithASCIIString(name, "mask") == 0) has_mask = 1;
+            /* dropout: with torch tensors the Python path draws the seed from torch's generator */
+            if (o == Py_True && PyUnicode_Compare(name, st->str_training) == 0) return 0;
         }
         if (Py_IS_TYPE(o, type) || qk_is_scalar(o)) continue;
         if ((r = PySet_Contains(st->direct_types, (PyObject *)Py_TYPE(o))) != 1) return r; /* mixed: Python checks */
@@ -103,7 +105,11 @@ static PyObject *qk_dispatch(PyObject *module, const char *op, PyObject *op_name
     qk_state *st = qk_get_state(module);
     int direct = qk_direct(st, op_name, deciding_arg, args, nargs, kwnames);
     if (direct < 0) return NULL;
-    if (direct) return run(module, args, nargs, kwnames);
+    if (direct) {
+        PyObject *r = run(module, args, nargs, kwnames);
+        if (r != NULL || !PyErr_ExceptionMatches(st->grad_required)) return r;
+        PyErr_Clear(); /* an input requires grad: the Python path records the op for autograd */
+    }
     PyObject *fallback = st->fallbacks ? PyDict_GetItemWithError(st->fallbacks, op_name) : NULL;
     if (fallback == NULL) {
         if (!PyErr_Occurred())

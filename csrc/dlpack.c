@@ -260,6 +260,17 @@ static qk_type_info qk_type_lookup(qk_state *st, PyTypeObject *type) {
 
 const DLPackExchangeAPI *qk_exchange_api(qk_state *st, PyTypeObject *type) { return qk_type_lookup(st, type).api; }
 
+PyObject *qk_version_bumper(qk_state *st, PyObject *obj) {
+    if (!qk_type_lookup(st, Py_TYPE(obj)).autograd) return NULL;
+    if (st->bump_version == NULL) {
+        PyObject *torch_c = PyImport_ImportModule("torch._C"); /* already imported: the caller holds a tensor */
+        st->bump_version = torch_c ? PyObject_GetAttrString(torch_c, "_increment_version") : NULL;
+        Py_XDECREF(torch_c);
+        if (st->bump_version == NULL) PyErr_Clear(); /* a torch without it has no version counters to keep */
+    }
+    return st->bump_version;
+}
+
 /* torch.is_grad_enabled(), found once; 1, 0 or -1 with an exception set. */
 static int qk_grad_enabled(qk_state *st) {
     if (st->grad_enabled == NULL) {
@@ -288,10 +299,10 @@ static int qk_autograd_check(qk_state *st, PyObject *obj, const char *op, const 
         int on = qk_grad_enabled(st);
         if (on < 0) return -1;
         if (on) {
-            PyErr_Format(PyExc_RuntimeError,
-                         "%s: %s requires grad, but qkernels ops do not record gradients; call the op under "
-                         "torch.no_grad() or torch.inference_mode(), or pass %s.detach()",
-                         op, arg, arg);
+            PyErr_Format(st->grad_required,
+                         "%s: %s requires grad, but the raw op does not record gradients; call qkernels.%s (which "
+                         "does), or call this under torch.no_grad(), or pass %s.detach()",
+                         op, arg, op, arg);
             return -1;
         }
     }

@@ -109,6 +109,7 @@ int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_
             return -1;
         }
         o->result = Py_NewRef(out_obj);
+        o->bump_version = qk_version_bumper(st, out_obj);
         return 0;
     }
     if (like->api) {
@@ -234,5 +235,12 @@ PyObject *qk_output_finish(qk_output *o, qk_view *ov, int ok) {
     }
     PyObject *r = o->result;
     o->result = NULL;
+    if (o->bump_version) {
+        PyObject *tensors = PyTuple_Pack(1, r);
+        PyObject *moved = tensors ? PyObject_CallOneArg(o->bump_version, tensors) : NULL;
+        Py_XDECREF(tensors);
+        if (moved == NULL) Py_CLEAR(r);
+        Py_XDECREF(moved);
+    }
     return r;
 }

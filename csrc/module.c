@@ -235,6 +235,14 @@ static int qk_exec(PyObject *module) {
     st->str_requires_grad = PyUnicode_InternFromString("requires_grad");
     st->str_is_neg = PyUnicode_InternFromString("is_neg");
     st->str_detach = PyUnicode_InternFromString("detach");
+    st->str_training = PyUnicode_InternFromString("training");
+    st->grad_required = PyErr_NewExceptionWithDoc(
+        "qkernels._C.GradRequiredError",
+        "A raw op was given a tensor that requires grad under grad mode; the public op records the gradient.",
+        PyExc_RuntimeError, NULL);
+    if (!st->str_training || !st->grad_required || PyModule_AddObjectRef(module, "GradRequiredError",
+                                                                         st->grad_required) < 0)
+        return -1;
     st->kw_versioned = Py_BuildValue("(ss)", "stream", "max_version");
     st->kw_legacy = Py_BuildValue("(s)", "stream");
     st->max_version = Py_BuildValue("(ii)", QK_DLPACK_MAJOR, QK_DLPACK_MINOR);
@@ -284,6 +292,8 @@ static int qk_traverse(PyObject *module, visitproc visit, void *arg) {
     Py_VISIT(st->direct_types);
     Py_VISIT(st->fallbacks);
     Py_VISIT(st->grad_enabled);
+    Py_VISIT(st->bump_version);
+    Py_VISIT(st->grad_required);
     for (int i = 0; i < st->num_api_types; i++) Py_VISIT(st->api_types[i]);
     return 0;
 }
@@ -298,6 +308,9 @@ static int qk_clear(PyObject *module) {
     Py_CLEAR(st->str_is_neg);
     Py_CLEAR(st->str_detach);
     Py_CLEAR(st->grad_enabled);
+    Py_CLEAR(st->bump_version);
+    Py_CLEAR(st->grad_required);
+    Py_CLEAR(st->str_training);
     Py_CLEAR(st->kw_versioned);
     Py_CLEAR(st->kw_legacy);
     Py_CLEAR(st->max_version);

@@ -31,6 +31,9 @@ typedef struct {
     unsigned char autograd[QK_MAX_API_TYPES];
     int num_api_types;
     PyObject *grad_enabled; /* torch.is_grad_enabled, found with the first autograd type */
+    PyObject *bump_version; /* torch's version-counter increment, found at the first torch out= */
+    PyObject *grad_required; /* GradRequiredError: an input needs autograd, which a raw op cannot record */
+    PyObject *str_training;  /* "training" */
     int use_exchange_api; /* 0: read torch through __dlpack__ too (tests, through _configure) */
     int check_indices;    /* QKERNELS_CHECK=1: validate indices on cuda too */
     int num_threads;      /* CPU workers; QKERNELS_NUM_THREADS or the core count */
@@ -123,12 +126,16 @@ typedef struct {
     PyObject *result;              /* the object returned to Python */
     DLManagedTensorVersioned *mt;  /* allocated through a framework's exchange API */
     const DLPackExchangeAPI *api;
+    PyObject *bump_version;        /* set for an out= that autograd tracks: its version moves on success */
 } qk_output;
 
 int qk_same_device(const char *op, const qk_view *views, const char *const *names, int n);
 int qk_launch_begin(qk_state *st, const char *op, const qk_view *first, void *stream, int stream_given,
                     qk_launch *l);
 void qk_launch_end(qk_launch *l);
+/* torch._C._increment_version (borrowed) when obj's type is one autograd tracks, else NULL, no error:
+ * an out= written behind autograd's back must move its version counter as torch's own out= does. */
+PyObject *qk_version_bumper(qk_state *st, PyObject *obj);
 int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_view *like, int dtype,
                       int ndim, const int64_t *shape, const qk_launch *l, qk_view *ov, qk_output *o);
 PyObject *qk_output_finish(qk_output *o, qk_view *ov, int ok);

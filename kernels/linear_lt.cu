@@ -93,19 +93,26 @@ void *lt_open_wheel() {
     return h;
 }
 
+// Set by qk_set_cublaslt_search_cuda before the first launch, read-only after.
+char g_lt_library[4096];
+char g_lt_roots[8192];
+
 void *lt_open() {
     // One already in the process (torch's) first: a second copy would work but cost memory.
     if (void *h = dlopen("libcublasLt.so.13", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD)) return h;
-    if (const char *p = getenv("QKERNELS_CUBLASLT"))
-        if (void *h = dlopen(p, RTLD_NOW | RTLD_LOCAL)) return h;
+    if (g_lt_library[0])
+        if (void *h = dlopen(g_lt_library, RTLD_NOW | RTLD_LOCAL)) return h;
     if (void *h = dlopen("libcublasLt.so.13", RTLD_NOW | RTLD_LOCAL)) return h;
     if (void *h = lt_open_wheel()) return h;
     char path[4096];
-    for (const char *env : {"CUDA_HOME", "CUDA_PATH"}) {
-        const char *root = getenv(env);
-        if (!root) continue;
-        snprintf(path, sizeof path, "%s/lib64/libcublasLt.so.13", root);
-        if (void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL)) return h;
+    for (const char *root = g_lt_roots; *root;) {
+        const char *end = strchr(root, ':');
+        const int len = end ? (int)(end - root) : (int)strlen(root);
+        if (len > 0) {
+            snprintf(path, sizeof path, "%.*s/lib64/libcublasLt.so.13", len, root);
+            if (void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL)) return h;
+        }
+        root += len + (end != nullptr);
     }
     return dlopen("/usr/local/cuda/lib64/libcublasLt.so.13", RTLD_NOW | RTLD_LOCAL);
 }
@@ -319,6 +326,11 @@ bool lt_shape_ok(const qk_linear_args *a) {
 }  // namespace
 
 // M > 64 (the caller decides) through cuBLASLt; QK_E_UNSUPPORTED where it is absent or declines.
+extern "C" void qk_set_cublaslt_search_cuda(const char *library, const char *roots) {
+    snprintf(g_lt_library, sizeof g_lt_library, "%s", library ? library : "");
+    snprintf(g_lt_roots, sizeof g_lt_roots, "%s", roots ? roots : "");
+}
+
 extern "C" int qk_linear_lt(const qk_linear_args *a, int swiglu, cudaStream_t stream) {
     pthread_once(&g_lt_once, lt_load);
     if (!g_lt_ok || !lt_shape_ok(a)) return QK_E_UNSUPPORTED;

@@ -147,6 +147,7 @@ int qk_sm_count(int *count) {
 QK_LAUNCHERS(QK_DECLARE)
 #undef QK_DECLARE
 extern "C" int qk_sparse_aggregate_check_cuda(qk_sparse_aggregate_args *a, void *stream);
+extern "C" void qk_set_cublaslt_search_cuda(const char *library, const char *roots);
 extern "C" int qk_index_check_cuda(const void *p, int dtype, int64_t n, int64_t stride, int64_t lo, int64_t hi,
                                    int64_t *bad_pos, int64_t *bad_value, void *stream);
 
@@ -212,6 +213,7 @@ qk_cuda_api make_api() {
     t.stream_wait = stream_wait;
     t.sparse_aggregate_check = qk_sparse_aggregate_check_cuda;
     t.index_check = qk_index_check_cuda;
+    t.set_cublaslt_search = qk_set_cublaslt_search_cuda;
 #define QK_FILL(name, args) t.name = qk_##name##_cuda;
     QK_LAUNCHERS(QK_FILL)
 #undef QK_FILL

@@ -5,6 +5,7 @@ dispatcher picks a backend per call (cuda, flash, cpu).  See README.md.
 """
 
 import os as _os
+import sys as _sys
 
 try:
     from . import _C
@@ -28,6 +29,9 @@ from ._dispatch import (
 )
 from . import ops as _ops
 from .ops import *  # noqa: F401,F403  every op of the C op table, by its name
+
+if "torch" in _sys.modules:  # torch is already loaded: register the operators now, before any tracing
+    from . import torch as _torch_ops  # noqa: F401
 
 __version__ = "0.1.0"
 

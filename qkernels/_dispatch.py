@@ -354,9 +354,14 @@ def _to_kernel_layer(d, axes):
 
 
 def _decide(op, x, explicit, extra=()):
-    family = OPS[op][0]
     axes = _axes_from_code(_C.describe(x), framework_name(x))
     axes.update(extra)
+    return decide_axes(op, axes, explicit)
+
+
+def decide_axes(op, axes, explicit):
+    """The Decision for a call described by its axes (framework, device, dtype and CALL_AXES)."""
+    family = OPS[op][0]
     d = Decision(op=op, family=family, axes=axes)
     for b in BACKENDS:
         ok, why = backend_available(b)

@@ -42,6 +42,13 @@ def _one_framework(op, params, args, kwargs):
 _SCALARS = (int, float, bool, str)
 
 
+def _torch_ops():
+    """qkernels.torch, imported (and its operators registered) at the first torch tensor."""
+    from . import torch as torch_ops
+
+    return torch_ops
+
+
 def _python_path(name):
     """The Python side of public op `name`: decide, then run the raw op and convert the result."""
     raw = getattr(_C, name + "_raw")
@@ -59,6 +66,10 @@ def _python_path(name):
         x = args[position] if len(args) > position else kwargs.get(arg)
         if x is None:
             return raw(*args, **kwargs)  # the raw op names what is missing
+        if framework_name(x) == "torch":
+            torch_ops = _torch_ops()
+            if torch_ops.needs_route(args, kwargs):  # autograd or a tracer: the torch operator
+                return torch_ops.route(name, args, kwargs, backend)
         plan = choose(name, x, backend, call_axes(args, kwargs) if call_axes else ())
         if plan[2]:  # torch in, torch out, all in C
             if backend is None and _ctx.get()[1] == 0:

@@ -28,16 +28,25 @@ def exchange(request):
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_requires_grad_refused_under_grad_mode(op, exchange):
+def test_requires_grad_recorded_or_refused_under_grad_mode(op, exchange):
+    """Never a silently detached result: the raw op refuses, the public op records the gradient
+    or names the input it has none for."""
+    from qkernels.torch import GRADIENTS
+
     names = getattr(qkernels, op).__text_signature__ or ""
     for pos in FLOAT_ARGS[op]:
         args, kwargs = torch_sample(op)
         args[pos] = args[pos].clone().requires_grad_()
         arg = names.strip("()").split(",")[pos].split("=")[0].strip()
-        with pytest.raises(RuntimeError, match=rf"^{op}: {arg} requires grad, but qkernels ops do not record"):
-            call(op, args, kwargs)
-        with pytest.raises(RuntimeError, match=rf"^{op}: {arg} requires grad"):
-            call(op, args, kwargs, backend="cpu")
+        with pytest.raises(qkernels._C.GradRequiredError, match=rf"^{op}: {arg} requires grad, but the raw op"):
+            getattr(qkernels._C, op + "_raw")(*args, **kwargs)
+        for extra in ({}, {"backend": "cpu"}):
+            if arg in GRADIENTS.get(op, ((), (), ()))[2] and op + "_backward" in qkernels._C.OPS:
+                r = call(op, args, kwargs, **extra)
+                assert r.requires_grad and r.grad_fn is not None
+            else:
+                with pytest.raises(RuntimeError, match=rf"^{op}: {arg} requires grad, but {op} has no gradient"):
+                    call(op, args, kwargs, **extra)
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -292,7 +292,7 @@ typedef struct {
     X(attn_paged_prefill, attn_prefill, attention, 0)
 
 /* The CUDA shared object exports one symbol, qk_cuda_get_api, returning this table. */
-#define QK_CUDA_ABI 7
+#define QK_CUDA_ABI 8
 
 typedef struct {
     int abi;
@@ -315,6 +315,10 @@ typedef struct {
      * p[i * stride] (dtype QK_I32/QK_I64) outside [lo, hi) -> QK_E_INDEX with *bad_pos, *bad_value. */
     int (*index_check)(const void *p, int dtype, int64_t n, int64_t stride, int64_t lo, int64_t hi,
                        int64_t *bad_pos, int64_t *bad_value, void *stream);
+    /* Where to look for cuBLASLt besides the loader's path and an nvidia wheel, set once by the binding
+     * before any launch (the kernels read no environment): a library path tried first (or NULL), and
+     * ':'-separated CUDA install roots tried after the others (or NULL). */
+    void (*set_cublaslt_search)(const char *library, const char *roots);
     /* One entry per launcher, named as in QK_LAUNCHERS. */
 #define QK_CUDA_ENTRY(name, args) int (*name)(const qk_##args##_args *a, void *stream);
     QK_LAUNCHERS(QK_CUDA_ENTRY)

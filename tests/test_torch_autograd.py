@@ -1,0 +1,309 @@
+"""Gradients through qkernels' torch operators: every differentiable input of every op against
+autograd of a float64 torch formulation of the op, directional finite differences, torch.compile
+forward+backward without graph breaks, and no gradient ever dropped silently.  cpu here; the same
+checks on cuda in test_cuda_torch_autograd.py."""
+
+import numpy as np
+import pytest
+
+from conftest import requires_torch
+from qkernels import testing
+
+pytestmark = requires_torch
+
+
+# ---- float64 torch formulations of the ops (autograd gives their reference gradients) -----------
+
+def _t_sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat):
+    import torch
+
+    lo, hi = int(row_ptr[0]), int(row_ptr[-1])
+    rows = torch.repeat_interleave(torch.arange(len(row_ptr) - 1), torch.diff(row_ptr).long())
+    out = node_feat.new_zeros((len(row_ptr) - 1, *node_feat.shape[1:]))
+    return out.index_add(0, rows, edge_weight[lo:hi, :, None] * node_feat[col_idx[lo:hi].long()])
+
+
+def _t_fused_edge_features(x, edge_index, edge_attr=None):
+    import torch
+
+    xs, xd = x[edge_index[0].long()], x[edge_index[1].long()]
+    return torch.cat([xs + xd, (xs - xd).abs()] + ([] if edge_attr is None else [edge_attr]), dim=1)
+
+
+def _t_fused_norm_residual(x, residual, gamma, beta, *, p=0.0, training=False, eps=1e-5, seed=None):
+    import torch
+
+    y = torch.nn.functional.layer_norm(x, x.shape[-1:], gamma, beta, eps)
+    if training and p > 0:
+        keep = torch.from_numpy(testing.dropout_keep(int(seed), tuple(y.shape), p))
+        y = torch.where(keep, y / (1 - p), torch.zeros_like(y))
+    return y + residual
+
+
+def _t_graph_norm_bce(logits, target, edge_graph, num_graphs, *, pos_weight=None):
+    import torch
+
+    loss = torch.clamp(logits, min=0) - logits * target + torch.log1p(torch.exp(-logits.abs()))
+    if pos_weight is not None:
+        loss = loss * (1 + (pos_weight - 1) * target)
+    g = edge_graph.long()
+    sums = loss.new_zeros(num_graphs).index_add(0, g, loss)
+    counts = torch.bincount(g, minlength=num_graphs).clamp(min=1)
+    return (sums / counts).mean()
+
+
+def _t_rotary_emb(x, freqs_cis, *, interleaved=True):
+    import torch
+
+    c, s = freqs_cis[..., None, :, 0], freqs_cis[..., None, :, 1]
+    half = x.shape[-1] // 2
+    xe, xo = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+    ye, yo = xe * c - xo * s, xe * s + xo * c
+    if interleaved:
+        return torch.stack([ye, yo], dim=-1).flatten(-2)
+    return torch.cat([ye, yo], dim=-1)
+
+
+def _t_linear(x, weight, bias=None):
+    import torch
+
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def _t_swiglu(x, up_weight, gate_weight):
+    import torch
+
+    F = torch.nn.functional
+    return F.linear(x, up_weight) * F.silu(F.linear(x, gate_weight))
+
+
+REFS = {name[3:]: fn for name, fn in globals().items() if name.startswith("_t_")}
+DIFFERENTIABLE = {  # op -> positions of the inputs with gradients
+    "sparse_aggregate": (2, 3), "fused_edge_features": (0, 2), "fused_norm_residual": (0, 1, 2, 3),
+    "graph_norm_bce": (0,), "rotary_emb": (0,), "linear": (0, 1, 2), "swiglu": (0, 1, 2),
+}
+DENSE = ("rotary_emb", "linear", "swiglu")
+
+
+def _torch_call(op, rng, dtype="float32", **sizes):
+    import torch
+
+    args, kwargs = testing.sample(op, rng, **sizes)
+    conv = lambda a: torch.from_numpy(np.ascontiguousarray(a)) if isinstance(a, np.ndarray) else a  # noqa: E731
+    args = [conv(a) for a in args]
+    kwargs = {k: conv(v) for k, v in kwargs.items()}
+    for i in DIFFERENTIABLE[op]:
+        if i < len(args) and args[i] is not None:
+            args[i] = args[i].to(getattr(torch, dtype))
+    return args, kwargs
+
+
+def _grads(fn, args, kwargs, positions, weight):
+    """The gradients of sum(fn(...) * weight) with respect to args at positions."""
+    import torch
+
+    args = list(args)
+    leaves = []
+    for i in positions:
+        if i < len(args) and args[i] is not None:
+            args[i] = args[i].detach().requires_grad_(True)
+            leaves.append(args[i])
+    out = fn(*args, **kwargs)
+    (out * weight.to(out.dtype)).sum().backward()
+    return out, [leaf.grad for leaf in leaves]
+
+
+TOL = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 4e-3}
+
+
+def _check_against_reference(op, args, kwargs, dtype):
+    import torch
+
+    import qkernels
+
+    positions = DIFFERENTIABLE[op]
+    out = getattr(qkernels, op)(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+    weight = torch.randn(out.shape, dtype=torch.float64)
+    got_out, got = _grads(getattr(qkernels, op), args, kwargs, positions, weight)
+    assert got_out.grad_fn is not None, f"{op}: the result is not connected to autograd"
+    ref_args = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    ref_out, want = _grads(REFS[op], ref_args, kwargs, positions, weight)
+    torch.testing.assert_close(got_out.double(), ref_out, rtol=TOL[dtype], atol=TOL[dtype])
+    for g, w in zip(got, want):
+        assert g is not None and g.dtype == getattr(torch, dtype)
+        err = (g.double() - w).norm() / max(w.norm().item(), 1e-30)
+        assert err <= 4 * TOL[dtype], (op, err.item())
+
+
+SIZES = {  # awkward sizes per op
+    "sparse_aggregate": [{}, dict(n_dst=13, n_src=9, heads=3, dim=5, avg_degree=7)],
+    "fused_edge_features": [{}, dict(n=9, e=31, h=5), dict(n=4, e=7, h=3, edge_attr=False)],
+    "fused_norm_residual": [{}, dict(rows=7, h=33)],
+    "graph_norm_bce": [{}, dict(e=41, graphs=5, sort=False)],
+    "rotary_emb": [{}, dict(lead=(2, 3), h=2, d=6, interleaved=False)],
+    "linear": [{}, dict(m=5, k=17, n=9), dict(m=1, k=3, n=2, bias=False)],
+    "swiglu": [{}, dict(m=4, k=13, n=6)],
+}
+
+
+@pytest.mark.parametrize("op,sizes", [(op, s) for op in DIFFERENTIABLE for s in SIZES[op]])
+def test_gradients_match_float64_autograd(op, sizes, rng):
+    args, kwargs = _torch_call(op, rng, **sizes)
+    _check_against_reference(op, args, kwargs, "float32")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("op", DENSE)
+def test_gradients_16bit(op, dtype, rng):
+    args, kwargs = _torch_call(op, rng, dtype=dtype)
+    _check_against_reference(op, args, kwargs, dtype)
+
+
+@pytest.mark.parametrize("op", list(DIFFERENTIABLE))
+def test_gradients_of_strided_inputs(op, rng):
+    """Every differentiable input as a non-contiguous view (every other element of a wider tensor)."""
+    import torch
+
+    args, kwargs = _torch_call(op, rng)
+    for i in DIFFERENTIABLE[op]:
+        a = args[i]
+        if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[-1] > 0:
+            wide = torch.zeros((*a.shape[:-1], 2 * a.shape[-1]), dtype=a.dtype)
+            wide[..., ::2] = a
+            if op in DENSE and i == 0 or (op, i) in (("linear", 1), ("swiglu", 1), ("swiglu", 2)):
+                continue  # the dense ops' rows are unit-stride along K by contract
+            args[i] = wide[..., ::2]
+            assert not args[i].is_contiguous()
+    _check_against_reference(op, args, kwargs, "float32")
+
+
+def test_dropout_gradient_uses_the_forward_mask(rng):
+    import torch
+
+    import qkernels
+
+    args, _ = _torch_call("fused_norm_residual", rng, rows=16, h=24)
+    kwargs = dict(p=0.3, training=True, seed=77)
+    _check_against_reference("fused_norm_residual", args, kwargs, "float32")
+    # seed=None: the mask drawn from torch's generator is the one the backward regenerates
+    x = args[0].detach().requires_grad_(True)
+    torch.manual_seed(5)
+    y = qkernels.fused_norm_residual(x, *args[1:], p=0.3, training=True)
+    y.sum().backward()
+    torch.manual_seed(5)
+    y2 = qkernels.fused_norm_residual(x.detach(), *args[1:], p=0.3, training=True)
+    torch.testing.assert_close(y.detach(), y2, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op", list(DIFFERENTIABLE))
+def test_directional_finite_differences(op, rng):
+    """<grad, v> against (f(x + h v) - f(x - h v)) / 2h in float32 for a random direction v over every
+    differentiable input at once."""
+    import torch
+
+    import qkernels
+
+    args, kwargs = _torch_call(op, rng)
+    if op == "fused_norm_residual":
+        kwargs = dict(p=0.25, training=True, seed=3)
+    fn = getattr(qkernels, op)
+    positions = [i for i in DIFFERENTIABLE[op] if i < len(args) and args[i] is not None]
+    weight = torch.randn(fn(*args, **kwargs).shape)
+    _, grads = _grads(fn, args, kwargs, positions, weight)
+    dirs = [torch.randn_like(args[i]) for i in positions]
+    h = 1e-2
+
+    def at(sign):
+        a = list(args)
+        for i, d in zip(positions, dirs):
+            a[i] = args[i].detach() + sign * h * d
+        with torch.no_grad():
+            return (fn(*a, **kwargs).double() * weight.double()).sum().item()
+
+    fd = (at(1) - at(-1)) / (2 * h)
+    an = sum((g.double() * d.double()).sum().item() for g, d in zip(grads, dirs))
+    assert abs(fd - an) <= 2e-2 * max(abs(an), 1.0), (fd, an)
+
+
+@pytest.mark.parametrize("op", list(DIFFERENTIABLE))
+def test_compile_forward_backward_without_breaks(op, rng):
+    import torch
+
+    import qkernels
+
+    args, kwargs = _torch_call(op, rng)
+    fn = getattr(qkernels, op)
+    positions = [i for i in DIFFERENTIABLE[op] if i < len(args) and args[i] is not None]
+
+    def step(*a):
+        return (fn(*a, **kwargs) ** 2).sum()
+
+    def grads(f):
+        a = list(args)
+        for i in positions:
+            a[i] = args[i].detach().requires_grad_(True)
+        loss = f(*a)
+        loss.backward()
+        return loss, [a[i].grad for i in positions]
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(*[a.detach().requires_grad_(True) if i in positions else a
+                                              for i, a in enumerate(args)])
+    assert explained.graph_break_count == 0, explained.break_reasons
+    loss_c, g_c = grads(torch.compile(step, fullgraph=True))
+    loss_e, g_e = grads(step)
+    torch.testing.assert_close(loss_c, loss_e)
+    for a, b in zip(g_c, g_e):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("op", list(DIFFERENTIABLE))
+def test_opcheck_with_gradients(op, rng):
+    import torch
+
+    args, kwargs = _torch_call(op, rng)
+    for i in DIFFERENTIABLE[op]:
+        if i < len(args) and args[i] is not None:
+            args[i] = args[i].requires_grad_(True)
+    kwargs = {k: v for k, v in kwargs.items()}
+    torch.library.opcheck(getattr(torch.ops.qkernels, op).default, tuple(args), kwargs)
+
+
+@pytest.mark.parametrize("op", list(DIFFERENTIABLE))
+def test_no_grad_keeps_the_c_path(op, rng):
+    import torch
+
+    import qkernels
+
+    args, kwargs = _torch_call(op, rng)
+    for i in DIFFERENTIABLE[op]:
+        if i < len(args) and args[i] is not None:
+            args[i].requires_grad_(True)
+    with torch.no_grad():
+        out = getattr(qkernels, op)(*args, **kwargs)
+    assert out.grad_fn is None and not out.requires_grad
+    with torch.inference_mode():
+        getattr(qkernels, op)(*args, **kwargs)
+
+
+def test_training_a_linear_in_front_of_sparse_aggregate(rng):
+    """A Linear, then sparse_aggregate, plus a skip connection: the weight gradient equals the
+    float64 reference's (it was once silently missing the aggregation's share)."""
+    import torch
+
+    import qkernels
+
+    (row_ptr, col_idx, ew, nf), _ = _torch_call("sparse_aggregate", rng, n_dst=6, n_src=6, heads=1, dim=4)
+    lin = torch.nn.Linear(4, 4)
+    x = nf[:, 0, :]
+
+    def model(agg):
+        h = lin(x)
+        return (agg(row_ptr, col_idx, ew, h[:, None, :])[:, 0, :] + h).square().sum()
+
+    model(qkernels.sparse_aggregate).backward()
+    got = lin.weight.grad.clone()
+    lin.weight.grad = None
+    lin.bias.grad = None
+    model(_t_sparse_aggregate).backward()
+    torch.testing.assert_close(got, lin.weight.grad, rtol=1e-5, atol=1e-5)
