@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import requires_torch
+from conftest import capture_graph, requires_cuda, requires_torch, to_device
 from qkernels import testing
 from qkernels.testing import FLOAT_ARGS
 
@@ -247,8 +247,6 @@ def test_out_refuses_grad(op, rng):
 
 
 def test_raw_op_refuses_grad_with_the_public_op_named(rng):
-    import torch
-
     import qkernels
 
     (x, w, b), _ = torch_sample("linear", rng)
@@ -274,12 +272,52 @@ def test_dropout_follows_torch_manual_seed(rng):
 
 
 def test_stream_keyword_refused_on_the_operator_path(rng):
-    import torch
-
     import qkernels
 
     (x, w, b), _ = torch_sample("linear", rng)
     x.requires_grad_(True)
     with pytest.raises(TypeError, match="stream"):
         qkernels.linear(x, w, b, stream=None)
-    del torch
+
+
+@requires_cuda
+@pytest.mark.parametrize("op", FORWARD)
+def test_reduce_overhead_on_cuda(op, rng):
+    """torch.compile(mode="reduce-overhead"): the op inside CUDA graphs that torch captures."""
+    import torch
+
+    import qkernels
+
+    args, kwargs = testing.sample(op, rng)
+    args = to_device(op, args, "cuda")
+    kwargs = {k: torch.from_numpy(v).cuda() if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+    fn = getattr(qkernels, op)
+
+    def f(*a):
+        return fn(*a, **kwargs) * 2
+
+    torch._dynamo.reset()
+    g = torch.compile(f, mode="reduce-overhead", fullgraph=True)
+    want = f(*args)
+    for _ in range(3):  # warm-up, record, replay
+        got = g(*args)
+    torch.testing.assert_close(got, want)
+
+
+@requires_cuda
+def test_cuda_graph_replays_draw_fresh_dropout_masks(rng):
+    import torch
+
+    import qkernels
+
+    x, res, gamma, beta = (torch.randn(*s, device="cuda") for s in ((256, 64), (256, 64), (64,), (64,)))
+    graph, out = capture_graph(lambda: qkernels.fused_norm_residual(x, res, gamma, beta, p=0.5, training=True))
+    graph.replay()
+    first = out.clone()
+    graph.replay()
+    assert not torch.equal(first, out)  # a new seed per replay: torch's generator advanced
+    torch.manual_seed(9)
+    a = qkernels.fused_norm_residual(x, res, gamma, beta, p=0.5, training=True)
+    torch.manual_seed(9)
+    torch.testing.assert_close(qkernels.fused_norm_residual(x, res, gamma, beta, p=0.5, training=True), a,
+                               rtol=0, atol=0)

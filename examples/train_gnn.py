@@ -1,0 +1,264 @@
+"""Training the QEC GNN decoder of eval_gnn.py with qkernels, beside the same model in pure PyTorch.
+
+The model, code, noise and batch layout are eval_gnn.py's (imported from it); here its weights are
+parameters, the four graph ops carry gradients (qkernels' torch operators and backward kernels), and
+Adam trains it on freshly sampled syndromes.  The same model is also written with PyTorch ops only
+(gather + cat, index_add, layer_norm + dropout, binary_cross_entropy_with_logits), so one script
+compares:
+
+  qkernels   eager | torch.compile | torch.compile(mode="reduce-overhead")  (CUDA graphs)
+  pytorch    eager | torch.compile | torch.compile(mode="reduce-overhead")
+
+First a comparison run: the same seed, data and initial weights through qkernels and pure PyTorch
+(eager) with dropout off; their loss curves must agree (LOSS_RTOL).  Then the timed runs, with
+dropout on (qkernels regenerates its mask from a seed drawn from torch's generator; PyTorch stores
+it): the training step (forward, loss, backward, Adam) and the forward pass alone, per variant.
+
+    python examples/train_gnn.py [--distance 5] [--batch 256] [--layers 3] [--hidden 32] [--steps 30]
+                                 [--dropout 0.1] [--variants qkernels:eager,...] [--check]
+    python examples/train_gnn.py --check      # tiny, on the CPU: the comparison run only
+
+The examples import the installed qkernels (`pip install .`); in a source checkout built in place,
+put it on the path: PYTHONPATH=. python examples/train_gnn.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see eval_gnn.py
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import qkernels  # noqa: E402
+import qkernels.torch  # noqa: E402,F401  registers the operators before torch.compile traces
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from eval_gnn import batch_structure, build_graph, init_weights, node_inputs, sample  # noqa: E402
+
+# Loss curves of qkernels and pure PyTorch (float32, different summation orders) over the comparison
+# steps: Adam follows the gradients' signs, so early steps stay within a few float32 ulps per op.
+LOSS_RTOL = 1e-4
+
+
+class QkernelsOps:
+    """The decoder's graph ops from qkernels."""
+
+    name = "qkernels"
+
+    def __init__(self, st):
+        self.st = st
+
+    def edge_features(self, x, e):
+        return qkernels.fused_edge_features(x, self.st.edge_index, e)
+
+    def aggregate(self, att, v):
+        return qkernels.sparse_aggregate(self.st.row_ptr, self.st.col_idx, att[self.st.dir_edge], v)
+
+    def norm(self, x, res, gamma, beta, p, training):
+        return qkernels.fused_norm_residual(x, res, gamma, beta, p=p, training=training)
+
+    def loss(self, logits, labels):
+        return qkernels.graph_norm_bce(logits, labels, self.st.edge_graph, self.st.num_graphs)
+
+
+class TorchOps:
+    """The same ops written with PyTorch only."""
+
+    name = "pytorch"
+
+    def __init__(self, st):
+        self.st = st
+        self.src, self.dst = st.edge_index.long()
+        counts = torch.diff(st.row_ptr.long())
+        self.csr_row = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+        self.col = st.col_idx.long()
+        self.graph = st.edge_graph.long()
+        self.per_graph = torch.bincount(self.graph, minlength=st.num_graphs).clamp(min=1).float()
+
+    def edge_features(self, x, e):
+        xs, xd = x[self.src], x[self.dst]
+        return torch.cat([xs + xd, (xs - xd).abs(), e], dim=1)
+
+    def aggregate(self, att, v):
+        msg = att[self.st.dir_edge][:, :, None] * v[self.col]
+        return torch.zeros_like(v).index_add(0, self.csr_row, msg)
+
+    def norm(self, x, res, gamma, beta, p, training):
+        return F.dropout(F.layer_norm(x, x.shape[-1:], gamma, beta, 1e-5), p, training) + res
+
+    def loss(self, logits, labels):
+        bce = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+        sums = torch.zeros(self.st.num_graphs, device=logits.device).index_add(0, self.graph, bce)
+        return (sums / self.per_graph).mean()
+
+
+class Decoder(torch.nn.Module):
+    """eval_gnn.py's forward() as a module whose weights are parameters."""
+
+    def __init__(self, weights, heads, ops, dropout):
+        super().__init__()
+        self.heads, self.ops, self.dropout = heads, ops, dropout
+
+        def P(a):
+            return torch.nn.Parameter(torch.from_numpy(np.array(a)))
+
+        self.node_in = torch.nn.ParameterList([P(a) for a in weights["node_in"]])
+        self.edge_in = torch.nn.ParameterList([P(a) for a in weights["edge_in"]])
+        self.layers = torch.nn.ModuleList()
+        for lw in weights["layers"]:
+            m = torch.nn.Module()
+            m.w1, m.msg, m.att = (torch.nn.ParameterList([P(a) for a in lw[k]]) for k in ("w1", "msg", "att"))
+            m.v, m.o = P(lw["v"]), P(lw["o"])
+            m.norm_x, m.norm_e = (torch.nn.ParameterList([P(a) for a in lw[k]]) for k in ("norm_x", "norm_e"))
+            self.layers.append(m)
+        self.head1 = torch.nn.ParameterList([P(a) for a in weights["head1"]])
+        self.head2 = torch.nn.ParameterList([P(a) for a in weights["head2"]])
+
+    def forward(self, node_x, edge_x, labels):
+        ops, p, training = self.ops, self.dropout, self.training
+        x = node_x @ self.node_in[0] + self.node_in[1]
+        e = edge_x @ self.edge_in[0] + self.edge_in[1]
+        N, H = x.shape
+        for m in self.layers:
+            h = torch.relu(ops.edge_features(x, e) @ m.w1[0] + m.w1[1])
+            msg = h @ m.msg[0] + m.msg[1]
+            att = torch.sigmoid(h @ m.att[0] + m.att[1])
+            v = (x @ m.v).view(N, self.heads, H // self.heads)
+            agg = ops.aggregate(att, v)
+            x = ops.norm(agg.view(N, H) @ m.o, x, m.norm_x[0], m.norm_x[1], p, training)
+            e = ops.norm(msg, e, m.norm_e[0], m.norm_e[1], p, training)
+        h = torch.relu(ops.edge_features(x, e) @ self.head1[0] + self.head1[1])
+        logits = (h @ self.head2[0] + self.head2[1]).view(-1)
+        return ops.loss(logits, labels)
+
+
+def make_batches(graph, st, a, count, seed, device):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        det, labels = sample(graph, a.batch, a.p, a.p, rng)
+        det_t = torch.from_numpy(det).to(device, torch.float32)
+        out.append((node_inputs(st, det_t), st.edge_raw,
+                    torch.from_numpy(labels.reshape(-1)).to(device, torch.float32)))
+    return out
+
+
+def build(impl, mode, weights, st, a, dropout):
+    model = Decoder(weights, a.heads, (QkernelsOps if impl == "qkernels" else TorchOps)(st), dropout)
+    model = model.to(st.row_ptr.device)
+    opt = torch.optim.Adam(model.parameters(), lr=a.lr, **({"fused": True} if st.row_ptr.is_cuda else {}))
+    fwd = model if mode == "eager" else torch.compile(model, mode=None if mode == "compile" else mode,
+                                                      fullgraph=impl == "qkernels")
+    return model, opt, fwd
+
+
+def train(model, opt, fwd, batches):
+    losses = []
+    model.train()
+    for node_x, edge_x, labels in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = fwd(node_x, edge_x, labels)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return [float(v) for v in losses]
+
+
+def timed(fn, iters, device):
+    """Seconds per call of fn over iters calls after warm-up (the device waited for at both ends)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / iters
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--distance", type=int, default=5)
+    p.add_argument("--rounds", type=int)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--p", type=float, default=0.003)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--steps", type=int, default=30, help="steps of the comparison run")
+    p.add_argument("--iters", type=int, default=50, help="timed steps per variant")
+    p.add_argument("--dropout", type=float, default=0.1, help="dropout of the timed runs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("cuda", "cpu"))
+    p.add_argument("--variants", default="qkernels:eager,qkernels:compile,qkernels:reduce-overhead,pytorch:eager,"
+                   "pytorch:compile,pytorch:reduce-overhead", help="comma-separated impl:mode of the timed runs")
+    p.add_argument("--check", action="store_true", help="tiny sizes on the CPU, the comparison run only")
+    a = p.parse_args(argv)
+    if a.check:
+        a.distance, a.batch, a.steps, a.device = 3, 4, 8, a.device or "cpu"
+    a.rounds = a.rounds or a.distance
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() and qkernels.AVAILABLE else "cpu"))
+
+    graph = build_graph(a.distance, a.rounds, a.p, a.p)
+    st = batch_structure(graph, a.batch, device)
+    prior = min(max(float(graph.edge_prior.mean()), 1e-6), 0.5)
+    weights = init_weights(a.seed, a.layers, a.hidden, a.heads, np.log(prior / (1 - prior)))
+    print(f"train_gnn: d={a.distance}, {a.rounds} rounds, batch {a.batch} ({a.batch * graph.num_nodes} nodes, "
+          f"{a.batch * graph.num_edges} edges), {a.layers} layers, hidden {a.hidden}, {a.heads} heads; "
+          f"device {device}, float32, Adam lr {a.lr}")
+
+    # The comparison run: dropout off, the same batches and initial weights.
+    batches = make_batches(graph, st, a, a.steps, a.seed + 1, device)
+    curves = {}
+    for impl in ("qkernels", "pytorch"):
+        model, opt, fwd = build(impl, "eager", weights, st, a, 0.0)
+        curves[impl] = train(model, opt, fwd, batches)
+    q, t = np.array(curves["qkernels"]), np.array(curves["pytorch"])
+    worst = float(np.max(np.abs(q - t) / np.abs(t)))
+    ok = worst <= LOSS_RTOL and q[-1] < q[0]
+    print(f"comparison ({a.steps} steps, dropout off): loss {q[0]:.6f} -> {q[-1]:.6f} (qkernels), "
+          f"{t[0]:.6f} -> {t[-1]:.6f} (pytorch); max rel diff {worst:.1e} (tol {LOSS_RTOL:.0e}): "
+          f"{'PASS' if ok else 'FAIL'}")
+    if a.check:
+        # one compiled step with qkernels inside torch.compile (fullgraph): the eager loss, the same grads
+        model, opt, fwd = build("qkernels", "compile", weights, st, a, 0.0)
+        c = train(model, opt, fwd, batches[:2])
+        same = np.allclose(c, q[:2], rtol=LOSS_RTOL)
+        print(f"compiled (fullgraph): losses {c[0]:.6f}, {c[1]:.6f} vs eager {q[0]:.6f}, {q[1]:.6f}: "
+              f"{'PASS' if same else 'FAIL'}")
+        ok &= same
+        print("check passed" if ok else "check FAILED")
+        return 0 if ok else 1
+
+    print(f"timed: {a.iters} steps per variant, dropout {a.dropout}")
+    print(f"  {'variant':<28} {'train step':>11} {'forward':>9}")
+    node_x, edge_x, labels = batches[0]
+    for variant in a.variants.split(","):
+        impl, mode = variant.split(":")
+        torch._dynamo.reset()
+        model, opt, fwd = build(impl, mode, weights, st, a, a.dropout)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = fwd(node_x, edge_x, labels)
+            loss.backward()
+            opt.step()
+
+        t_step = timed(step, a.iters, device)
+        model.eval()
+        with torch.no_grad():
+            t_fwd = timed(lambda: fwd(node_x, edge_x, labels), a.iters, device)
+        print(f"  {variant:<28} {t_step * 1e3:>8.3f} ms {t_fwd * 1e3:>6.3f} ms")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
