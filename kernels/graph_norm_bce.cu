@@ -58,18 +58,41 @@ struct Work {
     long long run_len;  // edges per warp, a multiple of 32 * kRun
 };
 
-__device__ __forceinline__ float bce_value(float l, float t, const qk_graph_norm_bce_args &a) {
+// pw: the edge's pos_weight (used when a.has_pos_weight).
+__device__ __forceinline__ float bce_value(float l, float t, float pw, const qk_graph_norm_bce_args &a) {
     float v = fmaxf(l, 0.f) - l * t + log1pf(__expf(-fabsf(l)));
-    if (a.has_pos_weight) v *= 1.f + (a.pos_weight - 1.f) * t;
+    if (a.has_pos_weight) v *= 1.f + (pw - 1.f) * t;
     return v;
 }
 
+// A pos_weight tensor: one weight per edge (pw_stride != 0), or one for all.
+__device__ __forceinline__ bool pos_weight_per_edge(const qk_graph_norm_bce_args &a) {
+    return a.pos_weight_t != nullptr && a.pw_stride != 0;
+}
+
 template <typename T>
-__device__ __forceinline__ float bce_term(const qk_graph_norm_bce_args &a, int64_t e) {
+__device__ __forceinline__ float pos_weight_at(const qk_graph_norm_bce_args &a, int64_t e) {
+    return a.pw_dtype == QK_F32 ? __ldg(static_cast<const float *>(a.pos_weight_t) + e * a.pw_stride)
+                                : qk_to_float(static_cast<const T *>(a.pos_weight_t)[e * a.pw_stride]);
+}
+
+// The pos_weight of every edge when there is one: the float of the call, or the tensor's value now.
+template <typename T>
+__device__ __forceinline__ float pos_weight_all(const qk_graph_norm_bce_args &a) {
+    return a.pos_weight_t != nullptr && a.pw_stride == 0 ? pos_weight_at<T>(a, 0) : a.pos_weight;
+}
+
+// pw: pos_weight_all's value, used unless the weights are per edge.
+template <typename T>
+__device__ __forceinline__ float bce_term(const qk_graph_norm_bce_args &a, int64_t e, float pw) {
     const float l = qk_to_float(static_cast<const T *>(a.logits)[e * a.logits_stride]);
     const float t = qk_to_float(static_cast<const T *>(a.target)[e * a.target_stride]);
-    return bce_value(l, t, a);
+    return bce_value(l, t, pos_weight_per_edge(a) ? pos_weight_at<T>(a, e) : pw, a);
 }
+
+// N consecutive pos_weight values from edge e (unit stride, 16-byte aligned), as floats.
+template <typename T, int N>
+__device__ __forceinline__ void load_pos_weights(const qk_graph_norm_bce_args &a, int64_t e, float (&out)[N]);
 
 template <typename I>
 __device__ __forceinline__ long long graph_of(const qk_graph_norm_bce_args &a, int64_t e) {
@@ -89,6 +112,18 @@ __device__ __forceinline__ void load_run(const T *p, T (&out)[N]) {
     } else {
         static_assert(bytes == 8, "8 bytes or whole 16-byte vectors");
         reinterpret_cast<uint2 *>(out)[0] = __ldg(reinterpret_cast<const uint2 *>(p));
+    }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void load_pos_weights(const qk_graph_norm_bce_args &a, int64_t e, float (&out)[N]) {
+    if (a.pw_dtype == QK_F32) {
+        load_run(static_cast<const float *>(a.pos_weight_t) + e, out);
+    } else {
+        T v[N];
+        load_run(static_cast<const T *>(a.pos_weight_t) + e, v);
+#pragma unroll
+        for (int i = 0; i < N; i++) out[i] = qk_to_float(v[i]);
     }
 }
 
@@ -213,6 +248,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSM) bce_sorted(qk_graph_no
     const int64_t block_begin = (int64_t)blockIdx.x * kWarps * range_len;
     const int64_t block_stop = min(block_begin + kWarps * range_len, a.num_edges);
     const int wfirst = wbegin < wend ? (int)graph_of<I>(a, wbegin) : -1;
+    const float pw_all = pos_weight_all<T>(a);
+    const bool per_edge = pos_weight_per_edge(a);
 
     double acc = 0;
     bool unsorted = false;
@@ -229,17 +266,19 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSM) bce_sorted(qk_graph_no
             load_run(static_cast<const T *>(a.logits) + e0, lv);
             load_run(static_cast<const T *>(a.target) + e0, tv);
             load_run(static_cast<const I *>(a.edge_graph) + e0, gv);
+            float pw[kRun];
+            if (per_edge) load_pos_weights<T>(a, e0, pw);
 #pragma unroll
             for (int i = 0; i < kRun; i++) {
                 g[i] = gv[i] >= 0 && gv[i] < a.num_graphs ? (int)gv[i] : -1;
-                v[i] = bce_value(qk_to_float(lv[i]), qk_to_float(tv[i]), a);
+                v[i] = bce_value(qk_to_float(lv[i]), qk_to_float(tv[i]), per_edge ? pw[i] : pw_all, a);
             }
         } else {
 #pragma unroll
             for (int i = 0; i < kRun; i++) {
                 const int64_t e = e0 + i;
                 g[i] = e < wend ? (int)graph_of<I>(a, e) : INT_MAX;  // past the end: a graph of its own
-                v[i] = e < wend ? bce_term<T>(a, e) : 0.f;
+                v[i] = e < wend ? bce_term<T>(a, e, pw_all) : 0.f;
             }
         }
         // This lane's edges: head segment, tail segment, graphs finished in between.  Edges past
@@ -359,12 +398,13 @@ __global__ void __launch_bounds__(kThreads) bce_per_graph(qk_graph_norm_bce_args
     __shared__ typename ReduceCount::TempStorage count_storage;
     __shared__ typename ReduceMean::TempStorage mean_storage;
     __shared__ bool is_last;
+    const float pw_all = pos_weight_all<T>(a);
     for (int64_t g = blockIdx.x; g < a.num_graphs; g += gridDim.x) {
         float sum = 0.f;
         unsigned int count = 0;
         for (int64_t e = threadIdx.x; e < a.num_edges; e += kThreads) {
             if (graph_of<I>(a, e) == g) {
-                sum += bce_term<T>(a, e);
+                sum += bce_term<T>(a, e, pw_all);
                 count++;
             }
         }
@@ -393,6 +433,126 @@ __global__ void __launch_bounds__(kThreads) bce_per_graph(qk_graph_norm_bce_args
 }
 
 size_t align16(size_t n) { return (n + 15) / 16 * 16; }
+
+// Per-edge pos_weight read by whole vectors (or none per edge).
+bool pos_weights_vector(const qk_graph_norm_bce_args *a) {
+    return a->pos_weight_t == nullptr || a->pw_stride == 0 || (a->pw_stride == 1 && qk_aligned16(a->pos_weight_t));
+}
+
+// ---- backward -------------------------------------------------------------------------------
+//
+// d loss / d l_e = grad * w_e * (sigmoid(l_e) - t_e) / (max(count_g, 1) * num_graphs): a count pass
+// over edge_graph, then one elementwise pass with a gather of the count.  The counts are integer
+// atomics (exact in any order, so deterministic) into a [num_graphs] array from the stream-ordered
+// allocator.  Each thread takes kRun consecutive edges (coalesced vector loads where the layout
+// allows) and adds each run of one graph once; the run open at a lane's end joins the neighbouring
+// lanes' through a segmented warp scan, so sorted ids cost about one atomic per 256 edges and
+// unsorted ids stay right.  Bytes: edge_graph twice, logits and target once, grad_logits written.
+
+constexpr int kBwdThreads = 256;
+
+template <typename I, bool kVector>
+__global__ void __launch_bounds__(kBwdThreads) bce_count(qk_graph_norm_bce_args a, unsigned long long *count) {
+    const int lane = threadIdx.x & 31;
+    const int64_t e0 = ((int64_t)blockIdx.x * kBwdThreads + threadIdx.x) * kRun;
+    int g[kRun];  // -1: out of range, or past the end
+    if (kVector && e0 + kRun <= a.num_edges) {
+        I gv[kRun];
+        load_run(static_cast<const I *>(a.edge_graph) + e0, gv);
+#pragma unroll
+        for (int i = 0; i < kRun; i++) g[i] = gv[i] >= 0 && gv[i] < a.num_graphs ? (int)gv[i] : -1;
+    } else {
+#pragma unroll
+        for (int i = 0; i < kRun; i++) g[i] = e0 + i < a.num_edges ? (int)graph_of<I>(a, e0 + i) : -1;
+    }
+    int cur = g[0];
+    unsigned int n = 1;
+#pragma unroll
+    for (int i = 1; i < kRun; i++) {
+        if (g[i] == cur) {
+            n++;
+        } else {
+            if (cur >= 0) atomicAdd(count + cur, (unsigned long long)n);
+            cur = g[i];
+            n = 1;
+        }
+    }
+    // The last run: a segmented inclusive scan over the lanes (head: a run that the lane before
+    // does not continue); the lane that ends its segment adds it.
+    const int prev = __shfl_up_sync(0xffffffffu, cur, 1), next = __shfl_down_sync(0xffffffffu, cur, 1);
+    bool head = lane == 0 || prev != cur;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const unsigned int on = __shfl_up_sync(0xffffffffu, n, d);
+        const bool oh = __shfl_up_sync(0xffffffffu, head, d);
+        if (lane >= d && !head) {
+            n += on;
+            head = oh;
+        }
+    }
+    if (cur >= 0 && (lane == 31 || next != cur)) atomicAdd(count + cur, (unsigned long long)n);
+}
+
+// N consecutive values to p (16-byte aligned) with streaming stores.
+template <typename T, int N>
+__device__ __forceinline__ void store_run(T *p, const T (&v)[N]) {
+    static_assert(N * sizeof(T) % 16 == 0, "whole 16-byte vectors");
+#pragma unroll
+    for (int i = 0; i < (int)(N * sizeof(T) / 16); i++)
+        __stcs(reinterpret_cast<uint4 *>(p) + i, reinterpret_cast<const uint4 *>(v)[i]);
+}
+
+template <typename T, typename I, bool kVector>
+__global__ void __launch_bounds__(kBwdThreads) bce_grad(qk_graph_norm_bce_args a, const unsigned long long *count) {
+    const int64_t e0 = ((int64_t)blockIdx.x * kBwdThreads + threadIdx.x) * kRun;
+    if (e0 >= a.num_edges) return;
+    const float grad = __ldg(a.grad), num_graphs = (float)a.num_graphs, pw_all = pos_weight_all<T>(a);
+    const bool per_edge = pos_weight_per_edge(a), full = e0 + kRun <= a.num_edges;
+    float l[kRun], t[kRun], pw[kRun];
+    int g[kRun];
+    if (kVector && full) {
+        T lv[kRun], tv[kRun];
+        I gv[kRun];
+        load_run(static_cast<const T *>(a.logits) + e0, lv);
+        load_run(static_cast<const T *>(a.target) + e0, tv);
+        load_run(static_cast<const I *>(a.edge_graph) + e0, gv);
+        if (per_edge) load_pos_weights<T>(a, e0, pw);
+#pragma unroll
+        for (int i = 0; i < kRun; i++) {
+            l[i] = qk_to_float(lv[i]);
+            t[i] = qk_to_float(tv[i]);
+            g[i] = gv[i] >= 0 && gv[i] < a.num_graphs ? (int)gv[i] : -1;
+            if (!per_edge) pw[i] = pw_all;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < kRun; i++) {
+            const int64_t e = e0 + i;
+            const bool in = e < a.num_edges;
+            l[i] = in ? qk_to_float(static_cast<const T *>(a.logits)[e * a.logits_stride]) : 0.f;
+            t[i] = in ? qk_to_float(static_cast<const T *>(a.target)[e * a.target_stride]) : 0.f;
+            g[i] = in ? (int)graph_of<I>(a, e) : -1;
+            pw[i] = in && per_edge ? pos_weight_at<T>(a, e) : pw_all;
+        }
+    }
+    T out[kRun];
+#pragma unroll
+    for (int i = 0; i < kRun; i++) {
+        const unsigned long long c = g[i] >= 0 ? __ldg(count + g[i]) : 1ull;
+        const float w = a.has_pos_weight ? 1.f + (pw[i] - 1.f) * t[i] : 1.f;
+        const float e = expf(-fabsf(l[i])), sig = (l[i] >= 0.f ? 1.f : e) / (1.f + e);
+        const float d = g[i] >= 0 ? grad * w * (sig - t[i]) / ((float)(c > 1 ? c : 1) * num_graphs) : 0.f;
+        out[i] = qk_from_float<T>(d);
+    }
+    T *gl = static_cast<T *>(a.grad_logits);
+    if (kVector && full) {
+        store_run(gl + e0, out);
+    } else {
+#pragma unroll
+        for (int i = 0; i < kRun; i++)
+            if (e0 + i < a.num_edges) gl[(e0 + i) * a.grad_stride] = out[i];
+    }
+}
 
 }  // namespace
 
@@ -423,7 +583,8 @@ extern "C" int qk_graph_norm_bce_cuda(const qk_graph_norm_bce_args *a, void *str
               (float *)(scratch + off_sum), (unsigned int *)(scratch + off_count), (long long)run_len};
     int status = (int)cudaMemsetAsync(scratch, 0, 2 * sizeof(unsigned int), s);
     const bool vector = a->logits_stride == 1 && a->target_stride == 1 && a->graph_stride == 1 &&
-                        qk_aligned16(a->logits) && qk_aligned16(a->target) && qk_aligned16(a->edge_graph);
+                        qk_aligned16(a->logits) && qk_aligned16(a->target) && qk_aligned16(a->edge_graph) &&
+                        pos_weights_vector(a);
     qk_graph_norm_bce_args p = *a;
     void *args[] = {&p, &w};
     if (!status) {
@@ -441,5 +602,40 @@ extern "C" int qk_graph_norm_bce_cuda(const qk_graph_norm_bce_args *a, void *str
         }();
     }
     const int freed = (int)cudaFreeAsync(scratch, s);
+    return status ? status : freed;
+}
+
+extern "C" int qk_graph_norm_bce_backward_cuda(const qk_graph_norm_bce_args *a, void *stream) {
+    cudaStream_t s = (cudaStream_t)stream;
+    const int64_t E = a->num_edges, G = a->num_graphs;
+    if (E == 0) return QK_OK;
+    if (G > 0x7fffffff) return QK_E_UNSUPPORTED;  // ids are ints in the kernels' registers
+    const int64_t blocks = (E + (int64_t)kBwdThreads * kRun - 1) / ((int64_t)kBwdThreads * kRun);
+    if (blocks > 0x7fffffff) return QK_E_UNSUPPORTED;
+    unsigned long long *count = nullptr;
+    QK_CUDA_TRY(cudaMallocAsync((void **)&count, (size_t)G * sizeof(unsigned long long), s));
+    int status = (int)cudaMemsetAsync(count, 0, (size_t)G * sizeof(unsigned long long), s);
+    const bool vector_ids = a->graph_stride == 1 && qk_aligned16(a->edge_graph);
+    const bool vector = vector_ids && a->logits_stride == 1 && a->target_stride == 1 && a->grad_stride == 1 &&
+                        qk_aligned16(a->logits) && qk_aligned16(a->target) && qk_aligned16(a->grad_logits) &&
+                        pos_weights_vector(a);
+    qk_graph_norm_bce_args p = *a;
+    if (!status) {
+        status = [&]() -> int {
+            QK_DISPATCH_FLOAT(a->dtype, T, QK_DISPATCH_INDEX(a->index_dtype, I, {
+                void *count_args[] = {&p, &count};
+                int r = qk_launch(vector_ids ? (const void *)bce_count<I, true> : (const void *)bce_count<I, false>,
+                                  dim3((unsigned)blocks), dim3(kBwdThreads), 0, s, count_args);
+                const unsigned long long *ccount = count;
+                void *grad_args[] = {&p, &ccount};
+                if (!r)
+                    r = qk_launch(vector ? (const void *)bce_grad<T, I, true> : (const void *)bce_grad<T, I, false>,
+                                  dim3((unsigned)blocks), dim3(kBwdThreads), 0, s, grad_args);
+                return r;
+            }))
+            return QK_OK;
+        }();
+    }
+    const int freed = (int)cudaFreeAsync(count, s);
     return status ? status : freed;
 }

@@ -72,29 +72,67 @@ def dropout_keep(seed, shape, p):
     return (draw >= min(int(np.ldexp(p, 32)), 0xFFFFFFFF)).reshape(shape)
 
 
+def _dropped(op, a, p, training, seed):
+    """a with fused_norm_residual's dropout applied (seed: an int or a one-element integer array)."""
+    if not (training and p > 0):
+        return a
+    if seed is None:
+        raise ValueError(f"reference: {op} with dropout needs the seed= of the call")
+    seed = int(np.asarray(seed).reshape(-1)[0])
+    return np.where(dropout_keep(seed, a.shape, p), a / (1.0 - p) if p < 1 else 0.0, 0.0)
+
+
+def _norm_rows(x, eps):
+    """(xhat, rstd) of each row of x (float64, biased variance)."""
+    x = _f64(x)
+    mean = x.mean(axis=1, keepdims=True)
+    rstd = 1 / np.sqrt(((x - mean) ** 2).mean(axis=1, keepdims=True) + eps)
+    return (x - mean) * rstd, rstd
+
+
 def _ref_fused_norm_residual(x, residual, gamma, beta, *, p=0.0, training=False, eps=1e-5, seed=None):
     """LayerNorm of each row of x (biased variance) * gamma + beta, dropout when training (the
     dropout_keep mask, kept values scaled by 1 / (1 - p)), + residual."""
-    x = _f64(x)
-    mean = x.mean(axis=1, keepdims=True)
-    y = (x - mean) / np.sqrt(((x - mean) ** 2).mean(axis=1, keepdims=True) + eps) * _f64(gamma) + _f64(beta)
-    if training and p > 0:
-        if seed is None:
-            raise ValueError("reference: fused_norm_residual with dropout needs the seed= of the call")
-        y = np.where(dropout_keep(seed, y.shape, p), y / (1.0 - p) if p < 1 else 0.0, 0.0)
-    return y + _f64(residual)
+    y = _norm_rows(x, eps)[0] * _f64(gamma) + _f64(beta)
+    return _dropped("fused_norm_residual", y, p, training, seed) + _f64(residual)
+
+
+def _ref_fused_norm_residual_backward(grad_out, x, gamma, *, p=0.0, training=False, eps=1e-5, seed=None):
+    """(grad_x, grad_gamma, grad_beta) of fused_norm_residual's output against grad_out: with g =
+    grad_out through the forward's dropout, grad_beta = sum_r g, grad_gamma = sum_r g * xhat,
+    grad_x = rstd * (g*gamma - mean_h(g*gamma) - xhat * mean_h(g*gamma*xhat))."""
+    xhat, rstd = _norm_rows(x, eps)
+    g = _dropped("fused_norm_residual_backward", _f64(grad_out), p, training, seed)
+    gg = g * _f64(gamma)
+    grad_x = rstd * (gg - gg.mean(axis=1, keepdims=True) - xhat * (gg * xhat).mean(axis=1, keepdims=True))
+    return grad_x, (g * xhat).sum(axis=0), g.sum(axis=0)
+
+
+def _bce_weight(target, pos_weight):
+    """1 + (pos_weight - 1) * target per edge (pos_weight a float or an array broadcasting to [E])."""
+    return 1.0 if pos_weight is None else 1 + (_f64(pos_weight) - 1) * _f64(target)
 
 
 def _ref_graph_norm_bce(logits, target, edge_graph, num_graphs, *, pos_weight=None):
     """The mean over graphs 0 .. num_graphs - 1 of each graph's mean BCE-with-logits over its edges
-    (weighted 1 + (pos_weight - 1) * target); a graph without edges counts as 0.  A 0-d array."""
+    (weighted 1 + (pos_weight - 1) * target, pos_weight a float or [E], [1], [] array); a graph
+    without edges counts as 0.  A 0-d array."""
     lg, t = _f64(logits), _f64(target)
-    loss = np.maximum(lg, 0) - lg * t + np.log1p(np.exp(-np.abs(lg)))
-    if pos_weight is not None:
-        loss = loss * (1 + (pos_weight - 1) * t)
+    loss = (np.maximum(lg, 0) - lg * t + np.log1p(np.exp(-np.abs(lg)))) * _bce_weight(t, pos_weight)
     g = _idx(edge_graph)
-    sums = np.bincount(g, weights=loss, minlength=num_graphs)
+    sums = np.bincount(g, weights=np.broadcast_to(loss, g.shape), minlength=num_graphs)
     return np.array(np.mean(sums / np.maximum(np.bincount(g, minlength=num_graphs), 1)))
+
+
+def _ref_graph_norm_bce_backward(grad, logits, target, edge_graph, num_graphs, *, pos_weight=None):
+    """d graph_norm_bce / d logits times grad (one element): grad * w_e * (sigmoid(l_e) - t_e) /
+    (max(count_g, 1) * num_graphs), g = edge_graph[e]; [E]."""
+    lg, t, g = _f64(logits), _f64(target), _idx(edge_graph)
+    e = np.exp(-np.abs(lg))
+    sig = np.where(lg >= 0, 1, e) / (1 + e)
+    count = np.maximum(np.bincount(g, minlength=num_graphs), 1)
+    grad = float(_f64(grad).reshape(-1)[0])
+    return grad * _bce_weight(t, pos_weight) * (sig - t) / (count[g] * num_graphs)
 
 
 # ---- references: dense LLM ops --------------------------------------------------------------
@@ -274,6 +312,18 @@ def _sample_graph_norm_bce(rng, dt, ix, e=17, graphs=3, sort=True):
     return (_randn(rng, dt, e, scale=3.0), (rng.random(e) < 0.3).astype(dt), eg, graphs), {}
 
 
+def _sample_fused_norm_residual_backward(rng, dt, ix, rows=5, h=12, mean=0.0, p=0.0):
+    """grad_out ~N(0, 1) and the forward sample's x and gamma; p > 0: training with dropout p (seed=)."""
+    (x, _, gamma, _), _ = _sample_fused_norm_residual(rng, dt, ix, rows, h, mean)
+    kwargs = {"p": p, "training": True, "seed": int(rng.integers(0, 2**63))} if p > 0 else {}
+    return (_randn(rng, dt, rows, h), x, gamma), kwargs
+
+
+def _sample_graph_norm_bce_backward(rng, dt, ix, e=17, graphs=3, sort=True):
+    """grad: float32 [1] (the loss's gradient), then the forward sample's arguments."""
+    return (_randn(rng, np.float32, 1),) + _sample_graph_norm_bce(rng, dt, ix, e, graphs, sort)[0], {}
+
+
 def freqs_cis(rng, lead, d):
     """(cos, sin) of random angles in [0, 10): float32 [*lead, D/2, 2], rotary_emb's table."""
     angle = 10 * rng.random(tuple(lead) + (d // 2,))
@@ -361,7 +411,9 @@ WORK_SIZES = {
     "sparse_aggregate": dict(n_dst=2000, n_src=2000, heads=4, dim=32, avg_degree=8),
     "fused_edge_features": dict(n=2000, e=16000, h=32),
     "fused_norm_residual": dict(rows=2000, h=128),
+    "fused_norm_residual_backward": dict(rows=2000, h=128, p=0.1),
     "graph_norm_bce": dict(e=50000, graphs=32),
+    "graph_norm_bce_backward": dict(e=50000, graphs=32),
     "rotary_emb": dict(lead=(64,), h=8, d=128),
     "linear": dict(m=16, k=1024, n=1024),
     "swiglu": dict(m=16, k=1024, n=2048),
@@ -376,6 +428,8 @@ WORK_SIZES = {
 # Ops whose CUDA kernels take 16-bit floats: the dtype of each argument on the device (None: as
 # sampled; CuPy has no bfloat16, so it gets float16).
 DEVICE_DTYPES = {
+    "fused_norm_residual_backward": ("bfloat16",) * 3,
+    "graph_norm_bce_backward": (None, "bfloat16", "bfloat16"),
     "rotary_emb": ("bfloat16", None),
     "linear": ("bfloat16",) * 3,
     "swiglu": ("bfloat16",) * 3,
@@ -388,7 +442,8 @@ DEVICE_DTYPES = {
 
 FLOAT_ARGS = {
     "sparse_aggregate": (2, 3), "fused_edge_features": (0, 2), "fused_norm_residual": (0, 1, 2, 3),
-    "graph_norm_bce": (0, 1), "rotary_emb": (0, 1), "linear": (0, 1, 2), "swiglu": (0, 1, 2),
+    "fused_norm_residual_backward": (0, 1, 2), "graph_norm_bce": (0, 1), "graph_norm_bce_backward": (0, 1, 2),
+    "rotary_emb": (0, 1), "linear": (0, 1, 2), "swiglu": (0, 1, 2),
     "attn_decode": (0, 1, 2), "attn_prefill": (0, 1, 2), "attn_paged_decode": (0, 1, 2),
     "attn_paged_prefill": (0, 1, 2),
 }

@@ -57,6 +57,11 @@ def fp32_sum_tol(max_degree):
     return max(1e-5, 4 * float(np.sqrt(max_degree)) * 2.0**-24)
 
 
+def results(r):
+    """An op's result as a tuple of its tensors (the backward ops return several)."""
+    return r if isinstance(r, tuple) else (r,)
+
+
 def rel_err(out, ref):
     out = np.asarray(out, dtype=np.float64)
     assert not np.isnan(out).any(), "output holds NaN (an element was not written)"
@@ -171,6 +176,8 @@ DEVICE_SIZES = {
     "fused_edge_features": dict(n=50, e=100, h=8),
     "fused_norm_residual": dict(rows=30, h=64),
     "graph_norm_bce": dict(e=500, graphs=7),
+    "fused_norm_residual_backward": dict(rows=30, h=64, p=0.2),
+    "graph_norm_bce_backward": dict(e=500, graphs=7),
     "attn_decode": dict(b=2, l=50, hkv=2, ratio=4, d=64),
     "attn_paged_decode": dict(lens=[5, 40], hkv=2, ratio=4, d=64),
     "attn_prefill": dict(b=2, lq=30, lkv=50, hkv=2, ratio=4, d=64, is_causal=True),

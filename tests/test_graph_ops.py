@@ -139,7 +139,7 @@ def test_norm_residual_errors(rng):
         qkernels.fused_norm_residual(x, res, g, b, eps=-1.0)
     with pytest.raises(TypeError, match="p must be a float"):
         qkernels.fused_norm_residual(x, res, g, b, p="x")
-    with pytest.raises(TypeError, match="seed must be an int or None"):
+    with pytest.raises(TypeError, match="seed must be an int, a one-element int64 tensor or None, got float"):
         qkernels.fused_norm_residual(x, res, g, b, seed=1.5)
     with pytest.raises(ValueError, match=r"residual must have shape \[R, H\] = \[5, 8\]"):
         qkernels.fused_norm_residual(x, res[:4], g, b)
@@ -195,7 +195,7 @@ def test_graph_bce_errors(rng):
         qkernels.graph_norm_bce(logits, target[:5], eg, 5)
     with pytest.raises(TypeError, match=r"target must have logits' dtype \(float32\), got float64"):
         qkernels.graph_norm_bce(logits, target.astype(np.float64), eg, 5)
-    with pytest.raises(TypeError, match="pos_weight must be a float or None"):
+    with pytest.raises(TypeError, match="pos_weight must be a float, a tensor or None, got str"):
         qkernels.graph_norm_bce(logits, target, eg, 5, pos_weight="a")
 
 

@@ -12,6 +12,8 @@ SIZES = {"sparse_aggregate": dict(n_dst=30, n_src=9, heads=3, dim=5, avg_degree=
          "fused_edge_features": dict(n=20, e=50, h=7, edge_attr=False),
          "fused_norm_residual": dict(rows=9, h=33, mean=100.0),
          "graph_norm_bce": dict(e=300, graphs=11, sort=False),
+         "fused_norm_residual_backward": dict(rows=9, h=33, mean=100.0, p=0.3),
+         "graph_norm_bce_backward": dict(e=300, graphs=11, sort=False),
          "rotary_emb": dict(lead=(2, 6), h=3, d=16, interleaved=False),
          "linear": dict(m=None, k=33, n=17, bias=False),
          "swiglu": dict(m=4, k=33, n=17),
@@ -25,15 +27,20 @@ SIZES = {"sparse_aggregate": dict(n_dst=30, n_src=9, heads=3, dim=5, avg_degree=
 @pytest.mark.parametrize("op", OPS)
 def test_reference_matches_the_cpu_backend(rng, op, options):
     if options == "float16" and op in ("sparse_aggregate", "fused_edge_features", "fused_norm_residual",
-                                       "graph_norm_bce"):
+                                       "graph_norm_bce", "fused_norm_residual_backward", "graph_norm_bce_backward"):
         pytest.skip("the graph ops' cpu kernels take float32 only")
     kw = {"sizes": SIZES[op], "float16": {"dtype": np.float16, "index_dtype": np.int32}}.get(options, {})
     args, kwargs = sample(op, rng, **kw)
-    out = np.asarray(getattr(qkernels, op)(*args, **kwargs, backend="cpu"), np.float64)
-    ref = reference(op, *args, **kwargs)
-    assert out.shape == ref.shape and ref.dtype == np.float64
+    outs = getattr(qkernels, op)(*args, **kwargs, backend="cpu")
+    refs = reference(op, *args, **kwargs)
+    if not isinstance(refs, tuple):  # ops with several results (the backward ops) return tuples
+        outs, refs = (outs,), (refs,)
+    assert type(outs) is tuple and len(outs) == len(refs)
     tol = 2e-3 if options == "float16" else 1e-5
-    assert np.linalg.norm(out - ref) <= tol * max(np.linalg.norm(ref), 1e-30)
+    for out, ref in zip(outs, refs):
+        out = np.asarray(out, np.float64)
+        assert out.shape == ref.shape and ref.dtype == np.float64
+        assert np.linalg.norm(out - ref) <= tol * max(np.linalg.norm(ref), 1e-30)
 
 
 def test_dropout_reference_needs_the_seed(rng):

@@ -38,13 +38,28 @@ static inline float gb_softplus_neg(float a) {
     return 2.f * s * (1.f + s2 * (1.f / 3 + s2 * (1.f / 5 + s2 * (1.f / 7 + s2 * (1.f / 9 + s2 * (1.f / 11 + s2 * (1.f / 13)))))));
 }
 
+/* pos_weight_e - 1 for edges e0 .. e0 + n - 1 of a pos_weight tensor (float32 or the logits' dtype,
+ * both float32 here: the CPU kernels take float32 only). */
+static void gb_pos_weights(const qk_graph_norm_bce_args *a, int64_t e0, int n, float *restrict out) {
+    const float *pw = (const float *)a->pos_weight_t + e0 * a->pw_stride;
+    const int64_t s = a->pw_stride;
+    for (int i = 0; i < n; i++) out[i] = pw[i * s] - 1.f;
+}
+
 /* Not multiversioned: its AVX-512 clone measured 2x slower than the baseline SSE build here. */
 static void gb_terms(const qk_graph_norm_bce_args *a, int64_t e0, int n, float *restrict out) {
     const float *lg = (const float *)a->logits + e0 * a->logits_stride;
     const float *tg = (const float *)a->target + e0 * a->target_stride;
     const int64_t ls = a->logits_stride, ts = a->target_stride;
     const float pw = a->has_pos_weight ? a->pos_weight - 1.f : 0.f;
-    if (ls == 1 && ts == 1) {
+    if (a->pos_weight_t) {
+        float pwm1[GB_BLOCK];
+        gb_pos_weights(a, e0, n, pwm1);
+        for (int i = 0; i < n; i++) {
+            const float l = lg[i * ls], t = tg[i * ts];
+            out[i] = ((l > 0.f ? l : 0.f) - l * t + gb_softplus_neg(fabsf(l))) * (1.f + pwm1[i] * t);
+        }
+    } else if (ls == 1 && ts == 1) {
         for (int i = 0; i < n; i++) {
             const float l = lg[i], t = tg[i];
             out[i] = ((l > 0.f ? l : 0.f) - l * t + gb_softplus_neg(fabsf(l))) * (1.f + pw * t);
@@ -105,6 +120,10 @@ int qk_graph_norm_bce_cpu(qk_graph_norm_bce_args *a, void *stream) {
     (void)stream;
     if (a->dtype != QK_F32) return QK_E_UNSUPPORTED;
     const int64_t E = a->num_edges, G = a->num_graphs;
+    if (a->pos_weight_t && a->pw_stride == 0) { /* one value for every edge: host memory here */
+        a->pos_weight = *(const float *)a->pos_weight_t;
+        a->pos_weight_t = NULL;
+    }
     gb_job j = {0};
     j.a = a;
     /* Chunks of >= 64k edges, and at most ~4M partial slots in all. */
@@ -138,5 +157,121 @@ int qk_graph_norm_bce_cpu(qk_graph_norm_bce_args *a, void *stream) {
     free(j.count);
     free(j.bad);
     free(j.per_graph);
+    return status;
+}
+
+/* ---- graph_norm_bce_backward ------------------------------------------------------------------
+ * Two passes: the edges of each graph are counted (integers, so the thread split cannot change
+ * them; the first bad id is found in position order), then every edge's gradient is its term
+ * w * (sigmoid(l) - t), computed in vectorised blocks, times its graph's factor
+ * grad / (max(count, 1) * num_graphs). */
+
+typedef struct {
+    qk_graph_norm_bce_args *a;
+    int nparts;        /* count arrays: one per share of the edges */
+    int64_t *count;    /* [nparts][num_graphs] */
+    int64_t *bad;      /* [nparts]: first out-of-range position in the share, or -1 */
+    float *factor;     /* [num_graphs] */
+} gbb_job;
+
+/* exp(-a) for a >= 0 as gb_softplus_neg computes it (0 past e^-87), vectorisable */
+static inline float gb_exp_neg(float a) {
+    const float x = a < 87.f ? -a : -87.f;
+    const float n = (float)(int)(x * 1.44269504f - 0.5f);
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-06f;
+    const float er = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720 + r * (1.f / 5040)))))));
+    union {
+        int32_t i;
+        float f;
+    } scale = {((int32_t)n + 127) << 23};
+    return a < 87.f ? er * scale.f : 0.f;
+}
+
+static void gbb_count(void *p, int tid, int nthreads) {
+    gbb_job *j = p;
+    const qk_graph_norm_bce_args *a = j->a;
+    const int64_t G = a->num_graphs;
+    int64_t e0, e1; /* nthreads == nparts: share tid counts into count array tid */
+    qk_share(a->num_edges, tid, nthreads, &e0, &e1);
+    int64_t *cnt = j->count + (size_t)tid * (size_t)G;
+    j->bad[tid] = -1;
+    for (int64_t e = e0; e < e1; e++) {
+        const int64_t g = qk_index(a->edge_graph, a->index_dtype, e, a->graph_stride);
+        if (g < 0 || g >= G) {
+            j->bad[tid] = e;
+            return;
+        }
+        cnt[g]++;
+    }
+}
+
+static void gbb_grads(void *p, int tid, int nthreads) {
+    gbb_job *j = p;
+    const qk_graph_norm_bce_args *a = j->a;
+    const float pw_scalar = a->has_pos_weight ? a->pos_weight - 1.f : 0.f;
+    float term[GB_BLOCK], pwm1[GB_BLOCK];
+    int64_t b0, b1;
+    qk_share((a->num_edges + GB_BLOCK - 1) / GB_BLOCK, tid, nthreads, &b0, &b1);
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t e0 = b * GB_BLOCK;
+        const int n = (int)(a->num_edges - e0 < GB_BLOCK ? a->num_edges - e0 : GB_BLOCK);
+        const float *lg = (const float *)a->logits + e0 * a->logits_stride;
+        const float *tg = (const float *)a->target + e0 * a->target_stride;
+        const int64_t ls = a->logits_stride, ts = a->target_stride;
+        if (a->pos_weight_t) gb_pos_weights(a, e0, n, pwm1);
+        else
+            for (int i = 0; i < n; i++) pwm1[i] = pw_scalar;
+        for (int i = 0; i < n; i++) {
+            const float l = lg[i * ls], t = tg[i * ts];
+            const float e = gb_exp_neg(fabsf(l)), sig = (l >= 0.f ? 1.f : e) / (1.f + e);
+            term[i] = (1.f + pwm1[i] * t) * (sig - t);
+        }
+        float *out = (float *)a->grad_logits + e0 * a->grad_stride;
+        for (int i = 0; i < n; i++)
+            out[i * a->grad_stride] =
+                term[i] * j->factor[qk_index(a->edge_graph, a->index_dtype, e0 + i, a->graph_stride)];
+    }
+}
+
+int qk_graph_norm_bce_backward_cpu(qk_graph_norm_bce_args *a, void *stream) {
+    (void)stream;
+    if (a->dtype != QK_F32) return QK_E_UNSUPPORTED;
+    const int64_t E = a->num_edges, G = a->num_graphs;
+    if (a->pos_weight_t && a->pw_stride == 0) { /* one value for every edge */
+        a->pos_weight = *(const float *)a->pos_weight_t;
+        a->pos_weight_t = NULL;
+    }
+    const int maxt = a->num_threads > 0 ? a->num_threads : 1;
+    gbb_job j = {0};
+    j.a = a;
+    /* one count array per thread, at most ~4M counters in all */
+    j.nparts = qk_threads_for(E, maxt);
+    if ((int64_t)j.nparts * G > (1 << 22)) j.nparts = (1 << 22) / G > 1 ? (int)((1 << 22) / G) : 1;
+    j.count = calloc((size_t)j.nparts * (size_t)G, sizeof(int64_t));
+    j.bad = malloc(sizeof(int64_t) * (size_t)j.nparts);
+    j.factor = malloc(sizeof(float) * (size_t)G);
+    int status = QK_E_NOMEM;
+    if (j.count && j.bad && j.factor) {
+        status = qk_parallel_run(j.nparts, gbb_count, &j);
+        for (int t = 0; status == QK_OK && t < j.nparts; t++) {
+            if (j.bad[t] >= 0) { /* shares are in position order: the first bad one is the earliest */
+                a->bad_pos = j.bad[t];
+                a->bad_value = qk_index(a->edge_graph, a->index_dtype, j.bad[t], a->graph_stride);
+                status = QK_E_INDEX;
+            }
+        }
+        if (status == QK_OK) {
+            const double grad = *a->grad;
+            for (int64_t g = 0; g < G; g++) {
+                int64_t n = 0;
+                for (int t = 0; t < j.nparts; t++) n += j.count[(size_t)t * (size_t)G + g];
+                j.factor[g] = (float)(grad / ((double)(n > 1 ? n : 1) * (double)G));
+            }
+            status = qk_parallel_run(qk_threads_for(E * 8, maxt), gbb_grads, &j);
+        }
+    }
+    free(j.count);
+    free(j.bad);
+    free(j.factor);
     return status;
 }

@@ -13,7 +13,21 @@ QK_DOCS(fused_norm_residual, "x, residual, gamma, beta, *, p=0.0, training=False
     "LayerNorm over the last dim (population variance, two-pass), * gamma + beta, dropout with\n"
     "probability p when training (kept values scaled by 1/(1-p)), + residual.  x, residual [R, H];\n"
     "gamma, beta [H].  The dropout mask is a Philox4x32-10 draw keyed by (seed, r * H + h): the same\n"
-    "on cpu and cuda for the same seed; seed=None draws a fresh one.\n" QK_GRAPH_DOC)
+    "on cpu and cuda for the same seed.  seed is an int (its low 64 bits), a one-element int64 tensor\n"
+    "on x's device (shape [] or [1]; read when the kernel runs, never copied to the host, so a\n"
+    "captured CUDA graph replayed after the tensor changes uses the new value), or None (a fresh\n"
+    "seed per call).\n" QK_GRAPH_DOC)
+
+QK_DOCS(fused_norm_residual_backward, "grad_out, x, gamma, *, p=0.0, training=False, eps=1e-5, seed=None",
+    "Gradients of fused_norm_residual -> (grad_x [R, H], grad_gamma [H], grad_beta [H]).  grad_out\n"
+    "[R, H] is the gradient of the forward's output; the residual's gradient is grad_out itself, so\n"
+    "it is not returned (the caller uses grad_out).  p, training, eps and seed must be the forward's:\n"
+    "the dropout mask is regenerated from the seed (an int or the forward's int64 tensor), and seed\n"
+    "is required when training with p > 0.  Mean and rstd are recomputed from x.  With\n"
+    "xhat = (x - mean) * rstd and g = grad_out * mask / (1 - p) (training) or grad_out:\n"
+    "grad_x = rstd * (g*gamma - mean_h(g*gamma) - xhat * mean_h(g*gamma*xhat)),\n"
+    "grad_gamma = sum_r g*xhat, grad_beta = sum_r g (fp32 accumulation, in gamma's dtype).  The\n"
+    "column sums are deterministic (fixed-order partial sums, no float atomics).\n" QK_GRAPH_DOC)
 
 /* seed=None: a fresh seed per call (splitmix64 of a process counter and the clock). */
 static uint64_t nr_fresh_seed(void) {
@@ -27,22 +41,81 @@ static uint64_t nr_fresh_seed(void) {
     return z ^ (z >> 31);
 }
 
-static int nr_float_arg(PyObject *obj, const char *arg, double dflt, double *v) {
+static int nr_float_arg(const char *op, PyObject *obj, const char *arg, double dflt, double *v) {
     *v = dflt;
     if (obj == NULL || obj == Py_None) return 0;
     *v = PyFloat_AsDouble(obj);
     if (*v == -1.0 && PyErr_Occurred()) {
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, OP ": %s must be a float, got %.200s", arg, Py_TYPE(obj)->tp_name);
+        PyErr_Format(PyExc_TypeError, "%s: %s must be a float, got %.200s", op, arg, Py_TYPE(obj)->tp_name);
         return -1;
     }
     return 0;
 }
 
+/* The dropout and normalisation keywords shared by the forward and the backward: p, training, eps. */
+static int nr_options(const char *op, PyObject *p_obj, PyObject *training_obj, PyObject *eps_obj, double *p,
+                      int *training, double *eps) {
+    if (nr_float_arg(op, p_obj, "p", 0.0, p) < 0 || nr_float_arg(op, eps_obj, "eps", 1e-5, eps) < 0) return -1;
+    if (!(*p >= 0.0 && *p <= 1.0)) {
+        PyErr_Format(PyExc_ValueError, "%s: p must be in [0, 1], got %R", op, p_obj);
+        return -1;
+    }
+    if (!(*eps >= 0.0) || isinf((float)*eps)) { /* the kernels add eps in float32 */
+        PyErr_Format(PyExc_ValueError, "%s: eps must be a finite value >= 0, got %R", op, eps_obj);
+        return -1;
+    }
+    *training = training_obj ? PyObject_IsTrue(training_obj) : 0;
+    if (*training < 0) { /* e.g. a NumPy array of several elements: name the op and the argument */
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: training must be a bool, got %.200s", op, Py_TYPE(training_obj)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+/* seed=: an int (its low 64 bits key the generator; 1 is returned), None (0), or a tensor (2),
+ * imported into *sv for the caller to check (nr_seed_check) once the device is known. */
+static int nr_seed_arg(qk_state *st, const char *op, PyObject *obj, void *stream, uint64_t *seed, qk_view *sv) {
+    if (obj == NULL || obj == Py_None) return 0;
+    if (PyLong_Check(obj)) {
+        *seed = PyLong_AsUnsignedLongLongMask(obj);
+        if (*seed == (uint64_t)-1 && PyErr_Occurred()) return -1;
+        return 1;
+    }
+    if (!qk_is_tensor(st, obj) && !PyCapsule_CheckExact(obj) && !PyObject_HasAttr(obj, st->str_dlpack)) {
+        PyErr_Format(PyExc_TypeError, "%s: seed must be an int, a one-element int64 tensor or None, got %.200s", op,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    return qk_import(st, obj, op, "seed", stream, sv) < 0 ? -1 : 2;
+}
+
+static int nr_seed_check(const char *op, const qk_view *sv) {
+    if (sv->dtype != QK_I64) {
+        PyErr_Format(PyExc_TypeError, "%s: seed must be an int64 tensor, got %s", op, qk_dtype_name(sv->dtype));
+        return -1;
+    }
+    if (sv->ndim > 1 || (sv->ndim == 1 && sv->shape[0] != 1)) {
+        char got[160];
+        qk_shape_str(got, sizeof got, sv->shape, sv->ndim);
+        PyErr_Format(PyExc_ValueError, "%s: seed must hold one element (shape [] or [1]), got shape %s", op, got);
+        return -1;
+    }
+    return 0;
+}
+
+/* drop when the 32-bit draw < p * 2^32; p = 1 drops everything (scale 0 zeroes the lone survivor) */
+static void nr_dropout(double p, uint32_t *threshold, float *scale) {
+    const double thr = ldexp(p, 32);
+    *threshold = thr >= 4294967295.0 ? 0xFFFFFFFFu : (uint32_t)thr;
+    *scale = p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.f;
+}
+
 PyObject *qk_op_fused_norm_residual(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"x", "residual", "gamma", "beta", "p", "training", "eps", "seed", "out",
                                         "stream", NULL};
-    static const char *const in_names[] = {"x", "residual", "gamma", "beta"};
+    static const char *const in_names[] = {"x", "residual", "gamma", "beta", "seed"};
     qk_state *st = qk_get_state(module);
     PyObject *a[10] = {NULL};
     if (qk_parse_args(OP, args, nargs, kwnames, names, 4, 4, a) < 0) return NULL;
@@ -50,40 +123,22 @@ PyObject *qk_op_fused_norm_residual(PyObject *module, PyObject *const *args, Py_
     int stream_given;
     if (qk_stream_arg(OP, a[9], &stream, &stream_given) < 0) return NULL;
     double p, eps;
-    if (nr_float_arg(a[4], "p", 0.0, &p) < 0 || nr_float_arg(a[6], "eps", 1e-5, &eps) < 0) return NULL;
-    if (!(p >= 0.0 && p <= 1.0)) {
-        PyErr_Format(PyExc_ValueError, OP ": p must be in [0, 1], got %R", a[4]);
-        return NULL;
-    }
-    if (!(eps >= 0.0) || isinf((float)eps)) { /* the kernels add eps in float32 */
-        PyErr_Format(PyExc_ValueError, OP ": eps must be a finite value >= 0, got %R", a[6]);
-        return NULL;
-    }
-    int training = a[5] ? PyObject_IsTrue(a[5]) : 0;
-    if (training < 0) { /* e.g. a NumPy array of several elements: name the op and the argument */
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, OP ": training must be a bool, got %.200s", Py_TYPE(a[5])->tp_name);
-        return NULL;
-    }
-    uint64_t seed = 0;
-    if (a[7] && a[7] != Py_None) {
-        if (!PyLong_Check(a[7])) {
-            PyErr_Format(PyExc_TypeError, OP ": seed must be an int or None, got %.200s", Py_TYPE(a[7])->tp_name);
-            return NULL;
-        }
-        seed = PyLong_AsUnsignedLongLongMask(a[7]); /* any int; its low 64 bits key the generator */
-        if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-    } else if (training && p > 0) {
-        seed = nr_fresh_seed();
-    }
+    int training;
+    if (nr_options(OP, a[4], a[5], a[6], &p, &training, &eps) < 0) return NULL;
 
-    qk_view in[4] = {{0}}, ov = {0};
+    qk_view in[5] = {{0}}, ov = {0};
     qk_output o = {0};
     qk_launch l = {0};
     int ok = 0, launched = 0, n_in = 0;
+    uint64_t seed = 0;
     for (; n_in < 4; n_in++)
         if (qk_import(st, a[n_in], OP, in_names[n_in], stream, &in[n_in]) < 0) goto done;
-    if (qk_same_device(OP, in, in_names, 4) < 0) goto done;
+    const int seed_kind = nr_seed_arg(st, OP, a[7], stream, &seed, &in[4]);
+    if (seed_kind < 0) goto done;
+    if (seed_kind == 2) n_in = 5;
+    if (seed_kind == 0 && training && p > 0) seed = nr_fresh_seed();
+    if (qk_same_device(OP, in, in_names, n_in) < 0) goto done;
+    if (seed_kind == 2 && nr_seed_check(OP, &in[4]) < 0) goto done;
     if (qk_check_ndim(OP, "x", &in[0], 2, "[R, H]") < 0 || qk_check_ndim(OP, "residual", &in[1], 2, "[R, H]") < 0 ||
         qk_check_ndim(OP, "gamma", &in[2], 1, "[H]") < 0 || qk_check_ndim(OP, "beta", &in[3], 1, "[H]") < 0)
         goto done;
@@ -122,11 +177,9 @@ PyObject *qk_op_fused_norm_residual(PyObject *module, PyObject *const *args, Py_
     nr.beta_stride = in[3].strides[0];
     nr.eps = (float)eps;
     nr.training = training && p > 0;
-    /* drop when the 32-bit draw < p * 2^32; p = 1 drops everything (scale 0 zeroes the lone survivor) */
-    const double thr = ldexp(p, 32);
-    nr.drop_threshold = thr >= 4294967295.0 ? 0xFFFFFFFFu : (uint32_t)thr;
-    nr.scale = p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.f;
+    nr_dropout(p, &nr.drop_threshold, &nr.scale);
     nr.seed = seed;
+    nr.seed_ptr = seed_kind == 2 ? (const int64_t *)in[4].data : NULL;
     nr.dtype = in[0].dtype;
     nr.num_threads = st->num_threads;
     int status = QK_OK;
@@ -135,4 +188,91 @@ PyObject *qk_op_fused_norm_residual(PyObject *module, PyObject *const *args, Py_
     else ok = 1;
 done:
     return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);
+}
+
+#undef OP
+#define OP "fused_norm_residual_backward"
+
+PyObject *qk_op_fused_norm_residual_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                                             PyObject *kwnames) {
+    static const char *const names[] = {"grad_out", "x", "gamma", "p", "training", "eps", "seed", "stream", NULL};
+    static const char *const in_names[] = {"grad_out", "x", "gamma", "seed"};
+    qk_state *st = qk_get_state(module);
+    PyObject *a[8] = {NULL};
+    if (qk_parse_args(OP, args, nargs, kwnames, names, 3, 3, a) < 0) return NULL;
+    void *stream;
+    int stream_given;
+    if (qk_stream_arg(OP, a[7], &stream, &stream_given) < 0) return NULL;
+    double p, eps;
+    int training;
+    if (nr_options(OP, a[3], a[4], a[5], &p, &training, &eps) < 0) return NULL;
+
+    qk_view in[4] = {{0}}, ov[3] = {{0}};
+    qk_output o[3] = {{0}};
+    qk_launch l = {0};
+    int ok = 0, launched = 0, n_in = 0;
+    uint64_t seed = 0;
+    for (; n_in < 3; n_in++)
+        if (qk_import(st, a[n_in], OP, in_names[n_in], stream, &in[n_in]) < 0) goto done;
+    const int seed_kind = nr_seed_arg(st, OP, a[6], stream, &seed, &in[3]);
+    if (seed_kind < 0) goto done;
+    if (seed_kind == 2) n_in = 4;
+    if (seed_kind == 0 && training && p > 0) { /* the mask cannot be regenerated without the forward's seed */
+        PyErr_SetString(PyExc_ValueError, OP ": seed is required when training with p > 0 (the forward's seed)");
+        goto done;
+    }
+    if (qk_same_device(OP, in, in_names, n_in) < 0) goto done;
+    if (seed_kind == 2 && nr_seed_check(OP, &in[3]) < 0) goto done;
+    if (qk_check_ndim(OP, "grad_out", &in[0], 2, "[R, H]") < 0 || qk_check_ndim(OP, "x", &in[1], 2, "[R, H]") < 0 ||
+        qk_check_ndim(OP, "gamma", &in[2], 1, "[H]") < 0)
+        goto done;
+    if (qk_check_dtype_float(OP, "grad_out", &in[0]) < 0 ||
+        qk_check_same_dtype(OP, "x", &in[1], "grad_out's", &in[0]) < 0 ||
+        qk_check_same_dtype(OP, "gamma", &in[2], "grad_out's", &in[0]) < 0)
+        goto done;
+    const int64_t R = in[1].shape[0], H = in[1].shape[1];
+    char layout[96];
+    snprintf(layout, sizeof layout, "[R, H] = [%lld, %lld]", (long long)R, (long long)H);
+    if (qk_check_dim(OP, "grad_out", &in[0], 0, R, layout) < 0 || qk_check_dim(OP, "grad_out", &in[0], 1, H, layout) < 0)
+        goto done;
+    snprintf(layout, sizeof layout, "[H] = [%lld]", (long long)H);
+    if (qk_check_dim(OP, "gamma", &in[2], 0, H, layout) < 0) goto done;
+    if (qk_launch_begin(st, OP, &in[0], stream, stream_given, &l) < 0) goto done;
+    launched = 1;
+    const int64_t shape[2] = {R, H};
+    if (qk_output_prepare(st, OP, NULL, &in[1], in[1].dtype, 2, shape, &l, &ov[0], &o[0]) < 0 ||
+        qk_output_prepare(st, OP, NULL, &in[2], in[2].dtype, 1, &shape[1], &l, &ov[1], &o[1]) < 0 ||
+        qk_output_prepare(st, OP, NULL, &in[2], in[2].dtype, 1, &shape[1], &l, &ov[2], &o[2]) < 0)
+        goto done;
+
+    qk_fused_norm_residual_backward_args nb = {0};
+    nb.grad_out = in[0].data;
+    nb.x = in[1].data;
+    nb.gamma = in[2].data;
+    nb.grad_x = ov[0].data;
+    nb.grad_gamma = ov[1].data;
+    nb.grad_beta = ov[2].data;
+    nb.R = R;
+    nb.H = H;
+    for (int i = 0; i < 2; i++) {
+        nb.go_stride[i] = in[0].strides[i];
+        nb.x_stride[i] = in[1].strides[i];
+        nb.gx_stride[i] = ov[0].strides[i];
+    }
+    nb.gamma_stride = in[2].strides[0];
+    nb.gg_stride = ov[1].strides[0];
+    nb.gb_stride = ov[2].strides[0];
+    nb.eps = (float)eps;
+    nb.training = training && p > 0;
+    nr_dropout(p, &nb.drop_threshold, &nb.scale);
+    nb.seed = seed;
+    nb.seed_ptr = seed_kind == 2 ? (const int64_t *)in[3].data : NULL;
+    nb.dtype = in[0].dtype;
+    nb.num_threads = st->num_threads;
+    int status = QK_OK;
+    if (H > 0) QK_RUN(status, &l, fused_norm_residual_backward, &nb); /* R = 0: zero column sums */
+    if (status) qk_raise_status(OP, status);
+    else ok = 1;
+done:
+    return qk_op_finish_many(&l, launched, o, ov, 3, ok, in, n_in);
 }

@@ -9,100 +9,211 @@
 QK_DOCS(graph_norm_bce, "logits, target, edge_graph, num_graphs, *, pos_weight=None",
     "Graph-normalised binary cross-entropy with logits, as a 0-d float32 tensor: the mean over\n"
     "g < num_graphs of (sum of bce(e) over edges with edge_graph[e] == g) / max(count_g, 1), where\n"
-    "bce = max(l, 0) - l*t + log1p(exp(-|l|)), times 1 + (pos_weight - 1)*t when pos_weight is given.\n"
-    "Graphs without edges contribute 0 but count.  Sorted edge_graph (PyG batches) is the fast path;\n"
-    "unsorted is right too.  Deterministic: the same inputs give the same bits.\n" QK_GRAPH_DOC)
+    "bce = max(l, 0) - l*t + log1p(exp(-|l|)), times 1 + (pos_weight_e - 1)*t when pos_weight is given:\n"
+    "a float, or a tensor on logits' device, [E] (one weight per edge) or of one element (shape [] or\n"
+    "[1]), float32 or logits' dtype, read by the kernel (no host sync).  Graphs without edges\n"
+    "contribute 0 but count.  Sorted edge_graph (PyG batches) is the fast path; unsorted is right too.\n"
+    "Deterministic: the same inputs give the same bits.\n" QK_GRAPH_DOC)
+
+QK_DOCS(graph_norm_bce_backward, "grad, logits, target, edge_graph, num_graphs, *, pos_weight=None",
+    "Gradient of graph_norm_bce with respect to logits -> grad_logits [E] in logits' dtype:\n"
+    "grad * w_e * (sigmoid(l_e) - t_e) / (max(count_g, 1) * num_graphs) with g = edge_graph[e] and\n"
+    "w_e = 1 + (pos_weight_e - 1)*t_e (1 without pos_weight).  grad is the upstream gradient of the\n"
+    "loss: a float32 tensor of one element (shape [] or [1]) on logits' device, read by the kernel\n"
+    "(no host sync).  The other arguments are the forward's.  Per-graph edge counts take one pass\n"
+    "over edge_graph (integer counts: deterministic); sorted or not, the result is the same.  On\n"
+    "cuda an edge whose graph id is out of range gets 0.\n" QK_GRAPH_DOC)
+
+/* num_graphs: an int in [1, 2^63 - 1] whose scratch fits in 2^63 bytes; -1 with an exception */
+static long long gb_num_graphs(const char *op, PyObject *obj) {
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: num_graphs must be an int, got %.200s", op, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    const long long G = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (G == -1 && PyErr_Occurred()) return -1;
+    if (overflow || G < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: num_graphs must be between 1 and 2^63 - 1, got %R", op, obj);
+        return -1;
+    }
+    if (G > INT64_MAX / 32) { /* the kernels keep a few words per graph */
+        PyErr_Format(PyExc_MemoryError, "%s: num_graphs = %lld needs more than 2^63 bytes of scratch", op, G);
+        return -1;
+    }
+    return G;
+}
+
+/* pos_weight=: None (0), a float (1, in *value), or a tensor (2, imported into *v and checked
+ * against logits once the others are: gb_pos_weight_check). */
+static int gb_pos_weight_arg(qk_state *st, const char *op, PyObject *obj, void *stream, double *value, qk_view *v) {
+    if (obj == NULL || obj == Py_None) return 0;
+    if (!PyFloat_Check(obj) && !PyLong_Check(obj) &&
+        (qk_is_tensor(st, obj) || PyCapsule_CheckExact(obj) || PyObject_HasAttr(obj, st->str_dlpack)))
+        return qk_import(st, obj, op, "pos_weight", stream, v) < 0 ? -1 : 2;
+    *value = PyFloat_AsDouble(obj);
+    if (*value == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: pos_weight must be a float, a tensor or None, got %.200s", op,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (!isfinite((float)*value)) { /* the kernels weigh in float32 */
+        PyErr_Format(PyExc_ValueError, "%s: pos_weight must be finite in float32, got %R", op, obj);
+        return -1;
+    }
+    return 1;
+}
+
+static int gb_pos_weight_check(const char *op, const qk_view *pw, const qk_view *logits, int64_t E) {
+    if (pw->dtype != QK_F32 && pw->dtype != logits->dtype) {
+        PyErr_Format(PyExc_TypeError, "%s: pos_weight must be float32 or logits' dtype (%s), got %s", op,
+                     qk_dtype_name(logits->dtype), qk_dtype_name(pw->dtype));
+        return -1;
+    }
+    if (pw->ndim > 1 || (pw->ndim == 1 && pw->shape[0] != E && pw->shape[0] != 1)) {
+        char got[160];
+        qk_shape_str(got, sizeof got, pw->shape, pw->ndim);
+        PyErr_Format(PyExc_ValueError, "%s: pos_weight must have shape [E] = [%lld], [1] or [], got %s", op,
+                     (long long)E, got);
+        return -1;
+    }
+    return 0;
+}
+
+/* Imports and checks shared by the forward and the backward: logits, target, edge_graph at
+ * in[first..first+2], pos_weight after them when it is a tensor.  Fills the arguments' part of gb. */
+static int gb_inputs(qk_state *st, const char *op, PyObject *const *objs, PyObject *pw_obj, long long G, void *stream,
+                     qk_view *in, const char *const *in_names, int first, int *n_in, qk_graph_norm_bce_args *gb) {
+    double pw_value = 1.0;
+    for (; *n_in < first + 3; (*n_in)++)
+        if (qk_import(st, objs[*n_in - first], op, in_names[*n_in], stream, &in[*n_in]) < 0) return -1;
+    const int pw_kind = gb_pos_weight_arg(st, op, pw_obj, stream, &pw_value, &in[first + 3]);
+    if (pw_kind < 0) return -1;
+    if (pw_kind == 2) (*n_in)++;
+    if (qk_same_device(op, in, in_names, *n_in) < 0) return -1;
+    const qk_view *lg = &in[first], *tg = &in[first + 1], *eg = &in[first + 2];
+    if (qk_check_ndim(op, "logits", lg, 1, "[E]") < 0 || qk_check_ndim(op, "target", tg, 1, "[E]") < 0 ||
+        qk_check_ndim(op, "edge_graph", eg, 1, "[E]") < 0 || qk_check_dtype_index(op, "edge_graph", eg) < 0)
+        return -1;
+    if (qk_check_dtype_float(op, "logits", lg) < 0 || qk_check_same_dtype(op, "target", tg, "logits'", lg) < 0)
+        return -1;
+    const int64_t E = lg->shape[0];
+    char layout[64];
+    snprintf(layout, sizeof layout, "[E] = [%lld]", (long long)E);
+    if (qk_check_dim(op, "target", tg, 0, E, layout) < 0 || qk_check_dim(op, "edge_graph", eg, 0, E, layout) < 0)
+        return -1;
+    if (pw_kind == 2 && gb_pos_weight_check(op, &in[first + 3], lg, E) < 0) return -1;
+    gb->logits = lg->data;
+    gb->target = tg->data;
+    gb->edge_graph = eg->data;
+    gb->num_edges = E;
+    gb->num_graphs = G;
+    gb->logits_stride = lg->strides[0];
+    gb->target_stride = tg->strides[0];
+    gb->graph_stride = eg->strides[0];
+    gb->pos_weight = (float)pw_value;
+    gb->has_pos_weight = pw_kind != 0;
+    if (pw_kind == 2 && E > 0) { /* E = 0: nothing is read (an empty pos_weight may have no data) */
+        const qk_view *pw = &in[first + 3];
+        gb->pos_weight_t = pw->data;
+        gb->pw_stride = pw->ndim == 1 && pw->shape[0] == E && E > 1 ? pw->strides[0] : 0; /* 0: one value */
+        gb->pw_dtype = pw->dtype;
+    }
+    gb->dtype = lg->dtype;
+    gb->index_dtype = eg->dtype;
+    gb->num_threads = st->num_threads;
+    return 0;
+}
+
+/* Run launcher name (graph_norm_bce or graph_norm_bce_backward) with QKERNELS_CHECK's index check
+ * first on cuda; raise for a bad index.  0 on success. */
+#define GB_RUN(st, l, name, gb, op)                                                                             \
+    do {                                                                                                       \
+        int status_ = QK_OK;                                                                                   \
+        if ((l)->device_type == kDLCUDA && (st)->check_indices) /* QKERNELS_CHECK=1 */                         \
+            status_ = (l)->cuda->index_check((gb)->edge_graph, (gb)->index_dtype, (gb)->num_edges,            \
+                                             (gb)->graph_stride, 0, (gb)->num_graphs, &(gb)->bad_pos,          \
+                                             &(gb)->bad_value, (l)->stream);                                   \
+        if (status_ == QK_OK) QK_RUN(status_, l, name, gb);                                                     \
+        if (status_ == QK_E_INDEX)                                                                             \
+            PyErr_Format(PyExc_ValueError, "%s: edge_graph[%lld] = %lld is out of range for num_graphs = %lld", \
+                         op, (long long)(gb)->bad_pos, (long long)(gb)->bad_value,                            \
+                         (long long)(gb)->num_graphs);                                                         \
+        else if (status_)                                                                                      \
+            qk_raise_status(op, status_);                                                                      \
+        else                                                                                                   \
+            ok = 1;                                                                                            \
+    } while (0)
 
 PyObject *qk_op_graph_norm_bce(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"logits", "target", "edge_graph", "num_graphs", "pos_weight", "stream", NULL};
-    static const char *const in_names[] = {"logits", "target", "edge_graph"};
+    static const char *const in_names[] = {"logits", "target", "edge_graph", "pos_weight"};
     qk_state *st = qk_get_state(module);
     PyObject *a[6] = {NULL};
     if (qk_parse_args(OP, args, nargs, kwnames, names, 4, 4, a) < 0) return NULL;
     void *stream;
     int stream_given;
     if (qk_stream_arg(OP, a[5], &stream, &stream_given) < 0) return NULL;
-    if (!PyLong_Check(a[3])) {
-        PyErr_Format(PyExc_TypeError, OP ": num_graphs must be an int, got %.200s", Py_TYPE(a[3])->tp_name);
-        return NULL;
-    }
-    int overflow = 0;
-    const long long G = PyLong_AsLongLongAndOverflow(a[3], &overflow);
-    if (G == -1 && PyErr_Occurred()) return NULL;
-    if (overflow || G < 1) {
-        PyErr_Format(PyExc_ValueError, OP ": num_graphs must be between 1 and 2^63 - 1, got %R", a[3]);
-        return NULL;
-    }
-    if (G > INT64_MAX / 32) { /* the kernels keep a few words per graph */
-        PyErr_Format(PyExc_MemoryError, OP ": num_graphs = %lld needs more than 2^63 bytes of scratch", G);
-        return NULL;
-    }
-    double pos_weight = 1.0;
-    const int has_pw = a[4] && a[4] != Py_None;
-    if (has_pw) {
-        pos_weight = PyFloat_AsDouble(a[4]);
-        if (pos_weight == -1.0 && PyErr_Occurred()) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, OP ": pos_weight must be a float or None, got %.200s",
-                         Py_TYPE(a[4])->tp_name);
-            return NULL;
-        }
-    }
-
-    if (has_pw && !isfinite((float)pos_weight)) { /* the kernels weigh in float32 */
-        PyErr_Format(PyExc_ValueError, OP ": pos_weight must be finite in float32, got %R", a[4]);
-        return NULL;
-    }
-    qk_view in[3] = {{0}}, ov = {0};
+    const long long G = gb_num_graphs(OP, a[3]);
+    if (G < 0) return NULL;
+    qk_view in[4] = {{0}}, ov = {0};
     qk_output o = {0};
     qk_launch l = {0};
+    qk_graph_norm_bce_args gb = {0};
     int ok = 0, launched = 0, n_in = 0;
-    for (; n_in < 3; n_in++)
-        if (qk_import(st, a[n_in], OP, in_names[n_in], stream, &in[n_in]) < 0) goto done;
-    if (qk_same_device(OP, in, in_names, 3) < 0) goto done;
-    if (qk_check_ndim(OP, "logits", &in[0], 1, "[E]") < 0 || qk_check_ndim(OP, "target", &in[1], 1, "[E]") < 0 ||
-        qk_check_ndim(OP, "edge_graph", &in[2], 1, "[E]") < 0 || qk_check_dtype_index(OP, "edge_graph", &in[2]) < 0)
-        goto done;
-    if (qk_check_dtype_float(OP, "logits", &in[0]) < 0 ||
-        qk_check_same_dtype(OP, "target", &in[1], "logits'", &in[0]) < 0)
-        goto done;
-    const int64_t E = in[0].shape[0];
-    char layout[64];
-    snprintf(layout, sizeof layout, "[E] = [%lld]", (long long)E);
-    if (qk_check_dim(OP, "target", &in[1], 0, E, layout) < 0 || qk_check_dim(OP, "edge_graph", &in[2], 0, E, layout) < 0)
-        goto done;
+    if (gb_inputs(st, OP, a, a[4], G, stream, in, in_names, 0, &n_in, &gb) < 0) goto done;
     if (qk_launch_begin(st, OP, &in[0], stream, stream_given, &l) < 0) goto done;
     launched = 1;
     if (qk_output_prepare(st, OP, NULL, &in[0], QK_F32, 0, NULL, &l, &ov, &o) < 0) goto done;
-
-    qk_graph_norm_bce_args gb = {0};
-    gb.logits = in[0].data;
-    gb.target = in[1].data;
-    gb.edge_graph = in[2].data;
     gb.out = (float *)ov.data;
-    gb.num_edges = E;
-    gb.num_graphs = G;
-    gb.logits_stride = in[0].strides[0];
-    gb.target_stride = in[1].strides[0];
-    gb.graph_stride = in[2].strides[0];
-    gb.pos_weight = (float)pos_weight;
-    gb.has_pos_weight = has_pw;
-    gb.dtype = in[0].dtype;
-    gb.index_dtype = in[2].dtype;
-    gb.num_threads = st->num_threads;
-    int status;
-    status = QK_OK;
-    if (l.device_type == kDLCUDA && st->check_indices) /* QKERNELS_CHECK=1 */
-        status = l.cuda->index_check(gb.edge_graph, gb.index_dtype, E, gb.graph_stride, 0, G, &gb.bad_pos,
-                                     &gb.bad_value, l.stream);
-    if (status == QK_OK) QK_RUN(status, &l, graph_norm_bce, &gb);
-    if (status == QK_E_INDEX)
-        PyErr_Format(PyExc_ValueError, OP ": edge_graph[%lld] = %lld is out of range for num_graphs = %lld",
-                     (long long)gb.bad_pos, (long long)gb.bad_value, G);
-    else if (status)
-        qk_raise_status(OP, status);
-    else
-        ok = 1;
+    GB_RUN(st, &l, graph_norm_bce, &gb, OP);
+done:
+    return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);
+}
+
+#undef OP
+#define OP "graph_norm_bce_backward"
+
+PyObject *qk_op_graph_norm_bce_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"grad", "logits", "target", "edge_graph", "num_graphs", "pos_weight",
+                                        "stream", NULL};
+    static const char *const in_names[] = {"grad", "logits", "target", "edge_graph", "pos_weight"};
+    qk_state *st = qk_get_state(module);
+    PyObject *a[7] = {NULL};
+    if (qk_parse_args(OP, args, nargs, kwnames, names, 5, 5, a) < 0) return NULL;
+    void *stream;
+    int stream_given;
+    if (qk_stream_arg(OP, a[6], &stream, &stream_given) < 0) return NULL;
+    const long long G = gb_num_graphs(OP, a[4]);
+    if (G < 0) return NULL;
+    qk_view in[5] = {{0}}, ov = {0};
+    qk_output o = {0};
+    qk_launch l = {0};
+    qk_graph_norm_bce_args gb = {0};
+    int ok = 0, launched = 0, n_in = 0;
+    if (qk_import(st, a[0], OP, "grad", stream, &in[0]) < 0) goto done;
+    n_in = 1;
+    if (gb_inputs(st, OP, a + 1, a[5], G, stream, in, in_names, 1, &n_in, &gb) < 0) goto done;
+    if (in[0].dtype != QK_F32) {
+        PyErr_Format(PyExc_TypeError, OP ": grad must be float32 (the loss's dtype), got %s", qk_dtype_name(in[0].dtype));
+        goto done;
+    }
+    if (in[0].ndim > 1 || (in[0].ndim == 1 && in[0].shape[0] != 1)) {
+        char got[160];
+        qk_shape_str(got, sizeof got, in[0].shape, in[0].ndim);
+        PyErr_Format(PyExc_ValueError, OP ": grad must hold one element (shape [] or [1]), got shape %s", got);
+        goto done;
+    }
+    if (qk_launch_begin(st, OP, &in[0], stream, stream_given, &l) < 0) goto done;
+    launched = 1;
+    const int64_t E = gb.num_edges;
+    if (qk_output_prepare(st, OP, NULL, &in[1], in[1].dtype, 1, &E, &l, &ov, &o) < 0) goto done;
+    gb.grad = (const float *)in[0].data;
+    gb.grad_logits = ov.data;
+    gb.grad_stride = ov.strides[0];
+    if (E > 0) GB_RUN(st, &l, graph_norm_bce_backward, &gb, OP);
+    else ok = 1;
 done:
     return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);
 }

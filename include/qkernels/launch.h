@@ -108,21 +108,51 @@ typedef struct {
     uint32_t drop_threshold;  /* drop when the 32-bit draw is below it: round(p * 2^32), saturated */
     int training;             /* 0: no dropout */
     uint64_t seed;
+    const int64_t *seed_ptr;  /* NULL: seed; else the seed is *seed_ptr, read where the kernel runs */
     int dtype, num_threads;
 } qk_fused_norm_residual_args;
 
+/* fused_norm_residual_backward: the gradients of fused_norm_residual's output with respect to x,
+ * gamma and beta, given grad_out (the residual's gradient is grad_out itself).  Per row, with mean
+ * and rstd recomputed from x as in the forward, xhat = (x - mean) * rstd, g = grad_out * mask *
+ * scale when training (the forward's Philox mask, regenerated from the seed), else grad_out:
+ *   grad_x = rstd * (g*gamma - mean_h(g*gamma) - xhat * mean_h(g*gamma*xhat)),
+ *   grad_gamma = sum_r g * xhat, grad_beta = sum_r g.
+ * The column sums are deterministic: per-block partial sums in a fixed order, then a second pass
+ * over the blocks (no float atomics); CUDA takes the partials from the stream-ordered allocator. */
+typedef struct {
+    const void *grad_out, *x, *gamma;      /* [R, H], [R, H], [H] */
+    void *grad_x, *grad_gamma, *grad_beta; /* [R, H], [H], [H] */
+    int64_t R, H;
+    int64_t go_stride[2], x_stride[2], gx_stride[2], gamma_stride, gg_stride, gb_stride;
+    float eps, scale;         /* as the forward's */
+    uint32_t drop_threshold;
+    int training;
+    uint64_t seed;
+    const int64_t *seed_ptr;
+    int dtype, num_threads;
+} qk_fused_norm_residual_backward_args;
+
 /* graph_norm_bce: mean over g < num_graphs of (sum of bce(e) over edges with edge_graph[e] == g) /
- * max(count_g, 1), bce = max(l,0) - l*t + log1p(exp(-|l|)), times 1 + (pos_weight-1)*t when
- * has_pos_weight.  Writes one float32.  Deterministic: the same inputs give the same bits.
- * CUDA takes scratch space from the stream-ordered allocator (cudaMallocAsync). */
+ * max(count_g, 1), bce = max(l,0) - l*t + log1p(exp(-|l|)), times w_e = 1 + (pw_e - 1)*t when
+ * has_pos_weight, pw_e = pos_weight, or pos_weight_t[e * pw_stride] when pos_weight_t is given
+ * (pw_stride 0: one value for every edge; read where the kernel runs).  Writes one float32.
+ * Deterministic: the same inputs give the same bits.  CUDA takes scratch space from the
+ * stream-ordered allocator (cudaMallocAsync).
+ * graph_norm_bce_backward (the same struct): grad_logits[e] = grad[0] * w_e * (sigmoid(l_e) - t_e)
+ * / (max(count_g, 1) * num_graphs), g = edge_graph[e]; grad is read where the kernel runs.  CUDA
+ * gives an edge whose graph id is out of range a zero gradient. */
 typedef struct {
     const void *logits, *target, *edge_graph; /* [E], [E], [E] index_dtype */
-    float *out;                               /* one float32 */
+    float *out;                               /* one float32 (forward) */
+    const float *grad;                        /* one float32 (backward) */
+    void *grad_logits;                        /* [E] with grad_stride, dtype (backward) */
+    const void *pos_weight_t;                 /* NULL, or [E] with pw_stride, pw_dtype QK_F32 or dtype */
     int64_t num_edges, num_graphs;
-    int64_t logits_stride, target_stride, graph_stride;
+    int64_t logits_stride, target_stride, graph_stride, pw_stride, grad_stride;
     float pos_weight;
     int has_pos_weight;
-    int dtype, index_dtype, num_threads;
+    int dtype, index_dtype, pw_dtype, num_threads;
     int64_t bad_pos, bad_value; /* QK_E_INDEX: edge_graph[bad_pos] = bad_value outside [0, num_graphs) */
 } qk_graph_norm_bce_args;
 
@@ -271,7 +301,9 @@ typedef struct {
     X(sparse_aggregate, sparse_aggregate)       \
     X(fused_edge_features, fused_edge_features) \
     X(fused_norm_residual, fused_norm_residual) \
+    X(fused_norm_residual_backward, fused_norm_residual_backward) \
     X(graph_norm_bce, graph_norm_bce)           \
+    X(graph_norm_bce_backward, graph_norm_bce)  \
     X(attn_decode, attn_decode)                 \
     X(attn_prefill, attn_prefill)               \
     X(rotary_emb, rotary_emb)                   \
@@ -282,7 +314,9 @@ typedef struct {
     X(sparse_aggregate, sparse_aggregate, sparse_aggregate, 3)            \
     X(fused_edge_features, fused_edge_features, fused_edge_features, 0)   \
     X(fused_norm_residual, fused_norm_residual, fused_norm_residual, 0)   \
+    X(fused_norm_residual_backward, fused_norm_residual_backward, fused_norm_residual, 0) \
     X(graph_norm_bce, graph_norm_bce, graph_norm_bce, 0)                  \
+    X(graph_norm_bce_backward, graph_norm_bce_backward, graph_norm_bce, 0) \
     X(rotary_emb, rotary_emb, rotary_emb, 0)                              \
     X(linear, linear, linear, 0)                                          \
     X(swiglu, swiglu, swiglu, 0)                                          \
