@@ -24,16 +24,15 @@ from ._frameworks import run
 NAMESPACE = "qkernels"
 
 # The functional form of every op as a torch schema (without the trailing backend argument), and
-# what it returns.  Differentiable tensors are positional: autograd.Function sees only those.
+# what it returns.  Every tensor of a differentiable op is positional: autograd.Function sees only those.
 # A public argument that takes a number or a tensor is two schema arguments (see _UNIONS).
 SCHEMAS = {
     "sparse_aggregate": ("Tensor row_ptr, Tensor col_idx, Tensor edge_weight, Tensor node_feat", "Tensor"),
     "fused_edge_features": ("Tensor x, Tensor edge_index, Tensor? edge_attr=None", "Tensor"),
-    "fused_norm_residual": ("Tensor x, Tensor residual, Tensor gamma, Tensor beta, *, float p=0.0, "
-                            "bool training=False, float eps=1e-05, int? seed=None, Tensor? seed_tensor=None",
-                            "Tensor"),
-    "graph_norm_bce": ("Tensor logits, Tensor target, Tensor edge_graph, int num_graphs, *, float? pos_weight=None, "
-                       "Tensor? pos_weight_tensor=None", "Tensor"),
+    "fused_norm_residual": ("Tensor x, Tensor residual, Tensor gamma, Tensor beta, Tensor? seed_tensor=None, *, "
+                            "float p=0.0, bool training=False, float eps=1e-05, int? seed=None", "Tensor"),
+    "graph_norm_bce": ("Tensor logits, Tensor target, Tensor edge_graph, int num_graphs, "
+                       "Tensor? pos_weight_tensor=None, *, float? pos_weight=None", "Tensor"),
     "rotary_emb": ("Tensor x, Tensor freqs_cis, *, bool interleaved=True", "Tensor"),
     "linear": ("Tensor x, Tensor weight, Tensor? bias=None", "Tensor"),
     "swiglu": ("Tensor x, Tensor up_weight, Tensor gate_weight", "Tensor"),
@@ -148,7 +147,7 @@ def _grad_fused_norm_residual(ctx, g):
         g, x, gamma, p=ctx.p, training=ctx.training, eps=ctx.eps, seed=ctx.seed, seed_tensor=seed_tensor,
         backend=ctx.backend)
     need = ctx.needs_input_grad
-    return gx if need[0] else None, g if need[1] else None, gg if need[2] else None, gb if need[3] else None
+    return gx if need[0] else None, g if need[1] else None, gg if need[2] else None, gb if need[3] else None, None
 
 
 def _grad_graph_norm_bce(ctx, g):
@@ -156,7 +155,7 @@ def _grad_graph_norm_bce(ctx, g):
     gl = torch.ops.qkernels.graph_norm_bce_backward(g, logits, target, edge_graph, ctx.num_graphs,
                                                     pos_weight=ctx.pos_weight, pos_weight_tensor=pw_tensor,
                                                     backend=ctx.backend)
-    return gl, None, None, None
+    return gl, None, None, None, None
 
 
 def _grad_rotary_emb(ctx, g):
@@ -191,12 +190,12 @@ def _save_fused_edge_features(ctx, a, kw):
 
 
 def _save_fused_norm_residual(ctx, a, kw):
-    ctx.save_for_backward(a[0], a[2], kw.get("seed_tensor"))
+    ctx.save_for_backward(a[0], a[2], a[4])
     ctx.p, ctx.training, ctx.eps, ctx.seed = kw["p"], kw["training"], kw["eps"], kw.get("seed")
 
 
 def _save_graph_norm_bce(ctx, a, kw):
-    ctx.save_for_backward(a[0], a[1], a[2], kw.get("pos_weight_tensor"))
+    ctx.save_for_backward(a[0], a[1], a[2], a[4])
     ctx.num_graphs, ctx.pos_weight = a[3], kw.get("pos_weight")
 
 
@@ -356,10 +355,9 @@ def execute(op, c, backend):
                                    if op in _dispatch.CALL_AXES else ())[0]
     if backend == "flash":
         return _flash.OPS[op](*args, **kwargs)
-    if backend == "cpu" and x.device.type != "cpu":
-        written = ((1, "k_cache"), (2, "v_cache")) if kwargs.get("new_k") is not None else ()
-        return run(op, spec.raw, args, kwargs, x, True, written)
-    return spec.raw(*args, **kwargs)
+    staged = backend == "cpu" and x.device.type != "cpu"
+    written = ((1, "k_cache"), (2, "v_cache")) if staged and kwargs.get("new_k") is not None else ()
+    return run(op, spec.raw, args, kwargs, x, staged, written)
 
 
 def _dtype_name(dtype):
