@@ -429,7 +429,7 @@ WORK_SIZES = {
 # sampled; CuPy has no bfloat16, so it gets float16).
 DEVICE_DTYPES = {
     "fused_norm_residual_backward": ("bfloat16",) * 3,
-    "graph_norm_bce_backward": (None, "bfloat16", "bfloat16"),
+    "graph_norm_bce_backward": (None, "bfloat16", "bfloat16", None, None),
     "rotary_emb": ("bfloat16", None),
     "linear": ("bfloat16",) * 3,
     "swiglu": ("bfloat16",) * 3,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import qkernels
-from qkernels.testing import OPS, reference, sample
+from qkernels.testing import DEVICE_DTYPES, OPS, reference, sample
 
 SIZES = {"sparse_aggregate": dict(n_dst=30, n_src=9, heads=3, dim=5, avg_degree=4),
          "fused_edge_features": dict(n=20, e=50, h=7, edge_attr=False),
@@ -59,3 +59,11 @@ def test_unknown_op_and_option():
         sample("conv")
     with pytest.raises(TypeError, match="unexpected keyword argument 'heads'"):
         sample("linear", heads=3)
+
+
+@pytest.mark.parametrize("op", sorted(DEVICE_DTYPES))
+def test_device_dtypes_name_every_argument(op):
+    """A row of DEVICE_DTYPES has one entry per argument of the sample call (callers zip them)."""
+    args, _ = sample(op)
+    assert len(DEVICE_DTYPES[op]) == len(args)
+

@@ -13,8 +13,16 @@
 
 #define NR_LANES 8
 
+/* Inlined into their callers, so a multiversioned caller runs them in its own instruction set
+ * (a call from an AVX-512 clone into baseline SSE code stalls on the state transition). */
+#if defined(__GNUC__)
+#define NR_INLINE static inline __attribute__((always_inline))
+#else
+#define NR_INLINE static inline
+#endif
+
 /* sum of (x - shift - mean), or with squares of its squares; 8 partial sums for SIMD */
-static float nr_pass(const float *restrict p, int64_t n, float shift, float mean, int squares) {
+NR_INLINE float nr_pass(const float *restrict p, int64_t n, float shift, float mean, int squares) {
     float part[NR_LANES] = {0};
     int64_t h = 0;
     for (; h + NR_LANES <= n; h += NR_LANES)
@@ -94,7 +102,6 @@ int qk_fused_norm_residual_cpu(qk_fused_norm_residual_args *a, void *stream) {
     return qk_parallel_run(qk_threads_for(a->R * a->H * 8, a->num_threads > 0 ? a->num_threads : 1), nr_worker, a);
 }
 
-
 /* ---- fused_norm_residual_backward ------------------------------------------------------------
  * Rows are cut into chunks whose size depends only on R, so the column sums (grad_gamma,
  * grad_beta) are the same for any thread count: each chunk sums its rows' terms in row order into
@@ -109,23 +116,11 @@ typedef struct {
     int64_t chunk, nchunks;
     float *partial; /* [nchunks][2H]: sum g*xhat, then sum g */
     float *gamma;   /* [H], contiguous */
-    float *rows;    /* [nthreads][6H]: gathered x and grad_out, xhat, g, the mask, grad_x */
+    float *rows;    /* [nthreads][6H]: gathered x and grad_out, xhat, g * gamma, the mask, grad_x */
 } nrb_job;
 
-/* sum of p[h] * q[h] (q NULL: of p[h]); 8 partial sums for SIMD */
-static float nrb_dot(const float *restrict p, const float *restrict q, int64_t n) {
-    float part[NR_LANES] = {0};
-    int64_t h = 0;
-    for (; h + NR_LANES <= n; h += NR_LANES)
-        for (int j = 0; j < NR_LANES; j++) part[j] += q ? p[h + j] * q[h + j] : p[h + j];
-    float s = 0.f;
-    for (; h < n; h++) s += q ? p[h] * q[h] : p[h];
-    for (int j = 0; j < NR_LANES; j++) s += part[j];
-    return s;
-}
-
 /* mask[h] = scale or 0 for elements base .. base + n - 1: one Philox evaluation per 4 indices */
-static void nrb_mask(const qk_fused_norm_residual_backward_args *a, uint64_t base, int64_t n, float *restrict mask) {
+NR_INLINE void nrb_mask(const qk_fused_norm_residual_backward_args *a, uint64_t base, int64_t n, float *restrict mask) {
     int64_t h = 0;
     while (h < n) {
         const uint64_t i = base + (uint64_t)h;
@@ -134,9 +129,11 @@ static void nrb_mask(const qk_fused_norm_residual_backward_args *a, uint64_t bas
     }
 }
 
-/* One row: x, go (contiguous) -> gx, and its terms added to dgamma / dbeta. */
+/* One row: x, go (contiguous) -> gx, and its terms added to dgamma / dbeta.  One fused pass
+ * makes x-hat, g * gamma, the column terms and the two row sums (8 partial sums for SIMD); a
+ * second writes grad_x. */
 QK_MULTIVERSION static void nrb_row(const nrb_job *j, int64_t r, const float *restrict x, const float *restrict go,
-                                    float *restrict xh, float *restrict g, float *restrict mask, float *restrict gx,
+                                    float *restrict xh, float *restrict gg, float *restrict mask, float *restrict gx,
                                     float *restrict dgamma, float *restrict dbeta) {
     const qk_fused_norm_residual_backward_args *a = j->a;
     const int64_t H = a->H;
@@ -144,20 +141,35 @@ QK_MULTIVERSION static void nrb_row(const nrb_job *j, int64_t r, const float *re
     const float shift = x[0];
     const float mean = nr_pass(x, H, shift, 0.f, 0) / (float)H; /* of the shifted values */
     const float rstd = 1.f / sqrtf(nr_pass(x, H, shift, mean, 1) / (float)H + a->eps);
-    for (int64_t h = 0; h < H; h++) xh[h] = ((x[h] - shift) - mean) * rstd;
-    if (a->training) {
-        nrb_mask(a, (uint64_t)(r * H), H, mask);
-        for (int64_t h = 0; h < H; h++) g[h] = go[h] * mask[h];
-    } else {
-        for (int64_t h = 0; h < H; h++) g[h] = go[h];
+    if (a->training) nrb_mask(a, (uint64_t)(r * H), H, mask);
+    float p1[NR_LANES] = {0}, p2[NR_LANES] = {0};
+    int64_t h = 0;
+    for (; h + NR_LANES <= H; h += NR_LANES)
+        for (int k = 0; k < NR_LANES; k++) {
+            const float xv = ((x[h + k] - shift) - mean) * rstd, g = a->training ? go[h + k] * mask[h + k] : go[h + k];
+            dgamma[h + k] += g * xv;
+            dbeta[h + k] += g;
+            xh[h + k] = xv;
+            gg[h + k] = g * gamma[h + k];
+            p1[k] += gg[h + k];
+            p2[k] += gg[h + k] * xv;
+        }
+    float s1 = 0.f, s2 = 0.f;
+    for (; h < H; h++) {
+        const float xv = ((x[h] - shift) - mean) * rstd, g = a->training ? go[h] * mask[h] : go[h];
+        dgamma[h] += g * xv;
+        dbeta[h] += g;
+        xh[h] = xv;
+        gg[h] = g * gamma[h];
+        s1 += gg[h];
+        s2 += gg[h] * xv;
     }
-    for (int64_t h = 0; h < H; h++) {
-        dgamma[h] += g[h] * xh[h];
-        dbeta[h] += g[h];
-        g[h] *= gamma[h];
+    for (int k = 0; k < NR_LANES; k++) {
+        s1 += p1[k];
+        s2 += p2[k];
     }
-    const float m1 = nrb_dot(g, NULL, H) / (float)H, m2 = nrb_dot(g, xh, H) / (float)H;
-    for (int64_t h = 0; h < H; h++) gx[h] = rstd * ((g[h] - m1) - xh[h] * m2);
+    const float m1 = s1 / (float)H, m2 = s2 / (float)H;
+    for (h = 0; h < H; h++) gx[h] = rstd * ((gg[h] - m1) - xh[h] * m2);
 }
 
 static void nrb_chunks(void *p, int tid, int nthreads) {

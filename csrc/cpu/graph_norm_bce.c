@@ -179,7 +179,8 @@ static inline float gb_exp_neg(float a) {
     const float x = a < 87.f ? -a : -87.f;
     const float n = (float)(int)(x * 1.44269504f - 0.5f);
     const float r = (x - n * 0.693145752f) - n * 1.42860677e-06f;
-    const float er = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720 + r * (1.f / 5040)))))));
+    const float er =
+        1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720 + r * (1.f / 5040)))))));
     union {
         int32_t i;
         float f;

@@ -233,7 +233,8 @@ PyObject *qk_op_fused_norm_residual_backward(PyObject *module, PyObject *const *
     const int64_t R = in[1].shape[0], H = in[1].shape[1];
     char layout[96];
     snprintf(layout, sizeof layout, "[R, H] = [%lld, %lld]", (long long)R, (long long)H);
-    if (qk_check_dim(OP, "grad_out", &in[0], 0, R, layout) < 0 || qk_check_dim(OP, "grad_out", &in[0], 1, H, layout) < 0)
+    if (qk_check_dim(OP, "grad_out", &in[0], 0, R, layout) < 0 ||
+        qk_check_dim(OP, "grad_out", &in[0], 1, H, layout) < 0)
         goto done;
     snprintf(layout, sizeof layout, "[H] = [%lld]", (long long)H);
     if (qk_check_dim(OP, "gamma", &in[2], 0, H, layout) < 0) goto done;

@@ -196,7 +196,8 @@ PyObject *qk_op_graph_norm_bce_backward(PyObject *module, PyObject *const *args,
     n_in = 1;
     if (gb_inputs(st, OP, a + 1, a[5], G, stream, in, in_names, 1, &n_in, &gb) < 0) goto done;
     if (in[0].dtype != QK_F32) {
-        PyErr_Format(PyExc_TypeError, OP ": grad must be float32 (the loss's dtype), got %s", qk_dtype_name(in[0].dtype));
+        PyErr_Format(PyExc_TypeError, OP ": grad must be float32 (the loss's dtype), got %s",
+                     qk_dtype_name(in[0].dtype));
         goto done;
     }
     if (in[0].ndim > 1 || (in[0].ndim == 1 && in[0].shape[0] != 1)) {
