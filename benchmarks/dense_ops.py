@@ -7,6 +7,11 @@ process:
               elementwise kernels
   rotary_emb  the complex-multiply rotary (Llama's: view_as_complex(x) * freqs_cis, back to real)
               eager and under torch.compile; qkernels reads the same table as view_as_real(freqs_cis)
+  linear_backward   each product alone against the same GEMM on cuBLAS (torch.matmul): grad_x =
+              grad_out @ W (reads the weight once), grad_weight = grad_out^T @ x (writes it once)
+  swiglu_backward   every gradient against eager autograd's formulation: a, b recomputed by F.linear,
+              ga and gb by elementwise ops, then the two products of each gradient on cuBLAS
+  rotary_emb_backward   as rotary_emb, the rotation by the negated angle
 Every result, the anchors' too, is first checked against the float64 reference of qkernels.testing
 on the same inputs (the first CHECK_COLUMNS output columns, the first CHECK_TOKENS rotary tokens;
 relative error in the 2-norm below REL_TOL: PASS/FAIL; a bfloat16 output rounded once is ~2e-3
@@ -26,7 +31,7 @@ copy timed the same way in the same run (bytes read + written); "% copy" is an o
 share of it.  The ratio is anchor time / qkernels time (>1: qkernels is faster); the target
 column holds the bar and whether it is met.
 
-    python3 benchmarks/dense_ops.py [--quick] [--ops linear,swiglu,rotary_emb] [--markdown FILE]
+    python3 benchmarks/dense_ops.py [--quick] [--ops linear,swiglu,rotary_emb,...] [--markdown FILE]
 """
 
 import math
@@ -38,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from common import COLD_FOOTPRINT_BYTES, F32, Case, Impl, gpu_copy_ceiling_gbps, gpu_replay_time_us, reference
 
-OPS = ("linear", "swiglu", "rotary_emb")
+OPS = ("linear", "swiglu", "rotary_emb", "linear_backward", "swiglu_backward", "rotary_emb_backward")
 
 BF16 = 2  # bytes per bfloat16 element
 MAX_INPUT_SETS = 64
@@ -211,7 +216,118 @@ def rotary_emb_cases(quick):
     return cases
 
 
-CASE_BUILDERS = {"linear": linear_cases, "swiglu": swiglu_cases, "rotary_emb": rotary_emb_cases}
+# ---------------------------------------------------------------------------------------------
+# the backward ops
+
+BWD_WEIGHTS = ((14336, 4096), (4096, 14336))
+BWD_MS = (1, 8, 16, 32, 64)
+
+
+def on_backward(op, variant, *names, **flags):
+    """One call of the raw backward op on the input set's tensors `names` with _variant= (tiles: the
+    tile kernels at every M; lt: cuBLASLt at every M), on torch's current stream."""
+    raw = getattr(qkernels._C, op + "_raw")
+
+    def call(s):
+        x = s[names[1]]
+        r = raw(*(s[n] for n in names), stream=torch.cuda.current_stream(x.device).cuda_stream, _variant=variant,
+                **flags)
+        return tuple(t if t is None or isinstance(t, torch.Tensor) else torch.from_dlpack(t) for t in r)
+    return call
+
+
+def linear_backward_case(m, n, k, grad, target=0.95):
+    """grad "x": grad_x = grad_out @ W, the weight read once; "weight": grad_weight = grad_out^T x, N x K
+    written once.  The anchor is the same product on cuBLAS."""
+    def make_inputs(gen):
+        return {"g": randn(gen, m, n), "x": randn(gen, m, k), "w": randn(gen, n, k, scale=k ** -0.5)}
+
+    nbytes = (n * k + m * n + m * k) * BF16  # the weight (read or written), grad_out and x (or grad_x)
+    pick = 0 if grad == "x" else 1
+    flags = {"x_grad": grad == "x", "weight_grad": grad == "weight"}
+    ours = lambda s: qkernels.linear_backward(s["g"], s["x"], s["w"], backend="cuda", **flags)[pick]  # noqa: E731
+    tiles, lt = (on_backward("linear_backward", v, "g", "x", "w", **flags) for v in ("tiles", "lt"))
+    if grad == "x":  # the first CHECK_COLUMNS columns of grad_x
+        anchor = lambda s: torch.matmul(s["g"], s["w"])  # noqa: E731
+        ref = lambda s: reference("linear_backward", s["g"], s["x"][:, :CHECK_COLUMNS], s["w"][:, :CHECK_COLUMNS],  # noqa: E731
+                                  weight_grad=False)[0]
+        part = lambda out: out[:, :CHECK_COLUMNS]  # noqa: E731
+    else:  # the first CHECK_COLUMNS rows of grad_weight
+        anchor = lambda s: torch.matmul(s["g"].t(), s["x"])  # noqa: E731
+        ref = lambda s: reference("linear_backward", s["g"][:, :CHECK_COLUMNS], s["x"], s["w"][:CHECK_COLUMNS],  # noqa: E731
+                                  x_grad=False)[1]
+        part = lambda out: out[:CHECK_COLUMNS]  # noqa: E731
+    impls = [Impl("qkernels", ours, ours=True),
+             Impl("qkernels, tile kernels", lambda s: tiles(s)[pick]),
+             Impl("qkernels, cuBLASLt", lambda s: lt(s)[pick]),
+             Impl("cuBLAS (torch.matmul)", anchor, min_ratio=target)]
+    return Case("linear_backward", f"grad_{grad} M={m} W={n}x{k}", make_inputs, nbytes, impls, ref, part)
+
+
+def linear_backward_cases(quick):
+    weights, ms = (BWD_WEIGHTS[:1], (1, 16)) if quick else (BWD_WEIGHTS, BWD_MS)
+    cases = [linear_backward_case(m, n, k, grad) for grad in ("x", "weight") for n, k in weights for m in ms]
+    if not quick:  # past the decode range: cuBLASLt on both sides (no target)
+        cases += [linear_backward_case(m, 14336, 4096, grad, None) for grad in ("x", "weight") for m in LARGE_MS]
+    return cases
+
+
+def swiglu_backward_eager(g, x, up, gate):
+    """Autograd's work for linear(x, up) * silu(linear(x, gate)) given its saved inputs."""
+    a, b = F.linear(x, up), F.linear(x, gate)
+    s = torch.sigmoid(b)
+    ga, gb = g * (b * s), g * a * (s * (1 + b * (1 - s)))
+    return ga @ up + gb @ gate, ga.t() @ x, gb.t() @ x
+
+
+def swiglu_backward_case(m, n, k, target=0.95):
+    def make_inputs(gen):
+        return {"g": randn(gen, m, n), "x": randn(gen, m, k), "up": randn(gen, n, k, scale=k ** -0.5),
+                "gate": randn(gen, n, k, scale=2 * k ** -0.5)}
+
+    # Minimal bytes: both weights read twice (the products a, b and grad_x) and both gradients written.
+    nbytes = (6 * n * k + 2 * m * n + 2 * m * k) * BF16
+    names = ("g", "x", "up", "gate")
+    impls = [Impl("qkernels", lambda s: qkernels.swiglu_backward(*(s[n] for n in names), backend="cuda"), ours=True),
+             Impl("qkernels, tile kernels", on_backward("swiglu_backward", "tiles", *names)),
+             Impl("qkernels, cuBLASLt", on_backward("swiglu_backward", "lt", *names)),
+             Impl("eager (cuBLAS)", lambda s: swiglu_backward_eager(*(s[n] for n in names)), min_ratio=target)]
+    return Case("swiglu_backward", f"M={m} up/gate={n}x{k}", make_inputs, nbytes, impls,
+                lambda s: reference("swiglu_backward", *(s[n] for n in names), weight_grad=False)[0][:, :CHECK_COLUMNS],
+                lambda out: out[0][:, :CHECK_COLUMNS])
+
+
+def swiglu_backward_cases(quick):
+    return [swiglu_backward_case(m, 14336, 4096) for m in ((1, 16) if quick else SWIGLU_MS + (64,))]
+
+
+def rotary_backward_case(tokens, heads, dim, interleaved):
+    def make_inputs(gen):
+        angles = 10 * torch.rand(tokens, dim // 2, generator=gen, device="cuda")
+        return {"g": randn(gen, tokens, heads, dim), "freqs_cis": torch.polar(torch.ones_like(angles), angles)}
+
+    nbytes = 2 * tokens * heads * dim * BF16 + tokens * (dim // 2) * 2 * F32
+    conj = lambda s: s["freqs_cis"].conj()  # noqa: E731  the inverse rotation
+    impls = [
+        Impl("qkernels", lambda s: qkernels.rotary_emb_backward(s["g"], torch.view_as_real(s["freqs_cis"]),
+                                                                interleaved=interleaved, backend="cuda"), ours=True),
+        Impl("eager complex multiply", lambda s: rotary_complex(s["g"], conj(s), interleaved)),
+    ]
+    convention = "interleaved" if interleaved else "rotate-half"
+    check = CHECK_TOKENS
+    return Case("rotary_emb_backward", f"T={count(tokens)} H={heads} D={dim} {convention}", make_inputs, nbytes, impls,
+                lambda s: reference("rotary_emb_backward", s["g"][:check], torch.view_as_real(s["freqs_cis"][:check]),
+                                    interleaved=interleaved), lambda out: out[:check])
+
+
+def rotary_emb_backward_cases(quick):
+    tokens = 4096 if quick else 32768
+    return [rotary_backward_case(tokens, 32, 128, interleaved) for interleaved in (True, False)]
+
+
+CASE_BUILDERS = {"linear": linear_cases, "swiglu": swiglu_cases, "rotary_emb": rotary_emb_cases,
+                 "linear_backward": linear_backward_cases, "swiglu_backward": swiglu_backward_cases,
+                 "rotary_emb_backward": rotary_emb_backward_cases}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -142,17 +142,18 @@ void lt_load() {
     g_lt_ok = ok && g_lt.version() / 10000 == kLtMajor;
 }
 
-// One matmul's descriptors and algorithm, cached by everything the heuristic looked at.
+// One matmul's descriptors and algorithm, cached by everything the heuristic looked at.  Column-major
+// cuBLAS terms: D [m, n] = op(A) [m, k] op(B) [k, n] (+ D), op = transposed where ta / tb is kLtOpT.
 struct LtKey {
-    int dev, in_type, out_type, bias;
-    int64_t M, N, K, ldx, ldw, ldo;
-    uint32_t align[4];  // x, w, out, bias: the largest power of two (<= 256) dividing the address
+    int dev, in_type, out_type, bias, ta, tb;
+    int64_t m, n, k, lda, ldb, ldd;
+    uint32_t align[4];  // A, B, D, bias: the largest power of two (<= 256) dividing the address
     bool operator==(const LtKey &o) const { return memcmp(this, &o, sizeof *this) == 0; }
 };
 struct LtPlan {
     LtKey key;
     LtDesc desc;
-    LtLayout lw, lx, lo;
+    LtLayout la, lb, ld;
     LtAlgo algo;
     size_t workspace;
 };
@@ -171,7 +172,7 @@ uint32_t lt_align(const void *p) {
 }
 
 void lt_free_plan(LtPlan &p) {  // also a partly built one: what was not created is null
-    for (LtLayout l : {p.lw, p.lx, p.lo})
+    for (LtLayout l : {p.la, p.lb, p.ld})
         if (l) g_lt.layout_destroy(l);
     if (p.desc) g_lt.desc_destroy(p.desc);
 }
@@ -184,7 +185,7 @@ LtPlan *lt_plan(const LtKey &k, const void *bias) {
     LtPlan p = {};
     p.key = k;
     if (g_lt.desc_create(&p.desc, kLtCompute32F, kLtR32F)) return nullptr;
-    const int32_t ta = kLtOpT, tb = kLtOpN;
+    const int32_t ta = k.ta, tb = k.tb;
     const uint32_t epi = k.bias ? kLtEpilogueBias : kLtEpilogueDefault;
     const int32_t bias_type = k.out_type;
     bool ok = !g_lt.desc_set(p.desc, kLtDescTransA, &ta, sizeof ta) && !g_lt.desc_set(p.desc, kLtDescTransB, &tb, sizeof tb) &&
@@ -192,9 +193,10 @@ LtPlan *lt_plan(const LtKey &k, const void *bias) {
     if (ok && k.bias)  // the heuristic reads the bias address for its alignment
         ok = !g_lt.desc_set(p.desc, kLtDescBiasDataType, &bias_type, sizeof bias_type) &&
              !g_lt.desc_set(p.desc, kLtDescBiasPointer, &bias, sizeof bias);
-    ok = ok && !g_lt.layout_create(&p.lw, k.in_type, (uint64_t)k.K, (uint64_t)k.N, k.ldw) &&
-         !g_lt.layout_create(&p.lx, k.in_type, (uint64_t)k.K, (uint64_t)k.M, k.ldx) &&
-         !g_lt.layout_create(&p.lo, k.out_type, (uint64_t)k.N, (uint64_t)k.M, k.ldo);
+    const bool an = k.ta == kLtOpN, bn = k.tb == kLtOpN;  // stored as op(.) or transposed
+    ok = ok && !g_lt.layout_create(&p.la, k.in_type, (uint64_t)(an ? k.m : k.k), (uint64_t)(an ? k.k : k.m), k.lda) &&
+         !g_lt.layout_create(&p.lb, k.in_type, (uint64_t)(bn ? k.k : k.n), (uint64_t)(bn ? k.n : k.k), k.ldb) &&
+         !g_lt.layout_create(&p.ld, k.out_type, (uint64_t)k.m, (uint64_t)k.n, k.ldd);
     // The heuristic's best algorithm whose split-K partials (if any) are summed in fp32, never in
     // the output type.  Ranking the unfiltered list and skipping the rest keeps the heuristic's
     // first choice where it qualifies; filtering through the preference's reduction mask instead
@@ -204,10 +206,10 @@ LtPlan *lt_plan(const LtKey &k, const void *bias) {
     int found = 0, pick = -1;
     if (ok && !g_lt.pref_create(&pref)) {
         const uint64_t max_ws = 32ull << 20;
-        const uint32_t al[4] = {k.align[1], k.align[0], k.align[2], k.align[2]};  // A = w, B = x, C = D = out
+        const uint32_t al[4] = {k.align[0], k.align[1], k.align[2], k.align[2]};  // A, B, C = D
         ok = !g_lt.pref_set(pref, kLtPrefMaxWorkspace, &max_ws, sizeof max_ws);
         for (int i = 0; i < 4 && ok; i++) ok = !g_lt.pref_set(pref, kLtPrefAlignA + i, &al[i], sizeof al[i]);
-        ok = ok && !g_lt.heuristic(g_handles[k.dev], p.desc, p.lw, p.lx, p.lo, p.lo, pref, 8, hs, &found);
+        ok = ok && !g_lt.heuristic(g_handles[k.dev], p.desc, p.la, p.lb, p.ld, p.ld, pref, 8, hs, &found);
         for (int i = 0; ok && i < found && pick < 0; i++) {
             uint32_t splits = 1, scheme = 0;
             size_t w1 = 0, w2 = 0;
@@ -238,22 +240,15 @@ LtPlan *lt_plan(const LtKey &k, const void *bias) {
     return &slot;
 }
 
-// out (out_type, ld ldo) = x w^T (+ bias) on stream: 0, a CUDA error, or QK_E_UNSUPPORTED where
-// cuBLASLt is absent or declines (nothing was enqueued then).
-int lt_matmul(const qk_linear_args *a, const void *w, int64_t ldw, void *out, int out_type, int64_t ldo, const void *bias,
-              cudaStream_t stream) {
+// D = op(A) op(B) (+ bias, + D when accumulate) on stream, as LtKey describes: 0, a CUDA error, or
+// QK_E_UNSUPPORTED where cuBLASLt is absent or declines (nothing was enqueued then).
+int lt_run(LtKey k, const void *A, const void *B, void *D, const void *bias, bool accumulate, cudaStream_t stream) {
     int dev;
     QK_CUDA_TRY(cudaGetDevice(&dev));
     if (dev < 0 || dev >= kLtDevices) return QK_E_UNSUPPORTED;
-    LtKey k;
-    memset(&k, 0, sizeof k);  // the key is compared bytewise
     k.dev = dev;
-    k.in_type = a->dtype == QK_BF16 ? kLtR16BF : kLtR16F;
-    k.out_type = out_type;
     k.bias = bias != nullptr;
-    k.M = a->M, k.N = a->N, k.K = a->K;
-    k.ldx = a->x_stride, k.ldw = ldw, k.ldo = ldo;
-    k.align[0] = lt_align(a->x), k.align[1] = lt_align(w), k.align[2] = lt_align(out), k.align[3] = bias ? lt_align(bias) : 0;
+    k.align[0] = lt_align(A), k.align[1] = lt_align(B), k.align[2] = lt_align(D), k.align[3] = bias ? lt_align(bias) : 0;
     pthread_mutex_lock(&g_lt_mu);
     LtPlan *p = lt_plan(k, bias);
     int st = QK_E_UNSUPPORTED;
@@ -262,8 +257,8 @@ int lt_matmul(const qk_linear_args *a, const void *w, int64_t ldw, void *out, in
         cudaError_t e = p->workspace ? cudaMallocAsync(&ws, p->workspace, stream) : cudaSuccess;
         if (e == cudaSuccess && bias) e = g_lt.desc_set(p->desc, kLtDescBiasPointer, &bias, sizeof bias) ? cudaErrorInvalidValue : cudaSuccess;
         if (e == cudaSuccess) {
-            const float one = 1.f, zero = 0.f;
-            const int s = g_lt.matmul(g_handles[dev], p->desc, &one, w, p->lw, a->x, p->lx, &zero, out, p->lo, out, p->lo,
+            const float one = 1.f, beta = accumulate ? 1.f : 0.f;
+            const int s = g_lt.matmul(g_handles[dev], p->desc, &one, A, p->la, B, p->lb, &beta, D, p->ld, D, p->ld,
                                       &p->algo, ws, p->workspace, stream);
             // A CUDA error is reported; a refusal enqueues nothing: the tile kernels take the call.
             const cudaError_t last = cudaGetLastError();
@@ -280,6 +275,24 @@ int lt_matmul(const qk_linear_args *a, const void *w, int64_t ldw, void *out, in
     }
     pthread_mutex_unlock(&g_lt_mu);
     return st;
+}
+
+LtKey lt_key(int in_dtype, int out_type) {
+    LtKey k;
+    memset(&k, 0, sizeof k);  // the key is compared bytewise
+    k.in_type = in_dtype == QK_BF16 ? kLtR16BF : kLtR16F;
+    k.out_type = out_type;
+    return k;
+}
+
+// out (out_type, ld ldo) = x w^T (+ bias): column-major out^T [N, M] = (W as K x N)^T (x as K x M).
+int lt_matmul(const qk_linear_args *a, const void *w, int64_t ldw, void *out, int out_type, int64_t ldo, const void *bias,
+              cudaStream_t stream) {
+    LtKey k = lt_key(a->dtype, out_type);
+    k.ta = kLtOpT, k.tb = kLtOpN;
+    k.m = a->N, k.n = a->M, k.k = a->K;
+    k.lda = ldw, k.ldb = a->x_stride, k.ldd = ldo;
+    return lt_run(k, w, a->x, out, bias, false, stream);
 }
 
 // out[m, n] = up * silu(gate) from the two fp32 products ([M, N] each, contiguous), one rounding.
@@ -348,4 +361,24 @@ extern "C" int qk_linear_lt(const qk_linear_args *a, int swiglu, cudaStream_t st
     if (st == QK_OK) st = a->dtype == QK_BF16 ? lt_combine<__nv_bfloat16>(scratch, a, stream) : lt_combine<__half>(scratch, a, stream);
     const cudaError_t f = cudaFreeAsync(scratch, stream);
     return st != QK_OK ? st : (int)f;
+}
+
+// The backward ops' products past the decode range (linear_backward.cu), in cuBLAS's column-major
+// terms: D [m, n] (ld ldd; float32 when out_f32, else in_dtype) = op(A) [m, k] op(B) [k, n], plus D
+// when accumulate; transa / transb: 1 where A / B are stored transposed ([k, m] / [n, k]).
+// QK_E_UNSUPPORTED where cuBLASLt is absent, declines, or the shape is out of its range (nothing
+// enqueued).
+extern "C" int qk_linear_lt_gemm(int in_dtype, int transa, int transb, int64_t m, int64_t n, int64_t k, const void *A,
+                                 int64_t lda, const void *B, int64_t ldb, void *D, int out_f32, int64_t ldd, int accumulate,
+                                 cudaStream_t stream) {
+    pthread_once(&g_lt_once, lt_load);
+    if (!g_lt_ok || (in_dtype != QK_BF16 && in_dtype != QK_F16)) return QK_E_UNSUPPORTED;
+    const int64_t lim = 1ll << 31;
+    if (m <= 0 || n <= 0 || k <= 0 || m >= lim || n >= lim || k >= lim) return QK_E_UNSUPPORTED;
+    if (lda < (transa ? k : m) || ldb < (transb ? n : k) || ldd < m) return QK_E_UNSUPPORTED;
+    LtKey key = lt_key(in_dtype, out_f32 ? kLtR32F : in_dtype == QK_BF16 ? kLtR16BF : kLtR16F);
+    key.ta = transa ? kLtOpT : kLtOpN, key.tb = transb ? kLtOpT : kLtOpN;
+    key.m = m, key.n = n, key.k = k;
+    key.lda = lda, key.ldb = ldb, key.ldd = ldd;
+    return lt_run(key, A, B, D, nullptr, accumulate != 0, stream);
 }

@@ -1,7 +1,8 @@
 // rotary_emb: rotate each (x_e, x_o) pair of every (token, head) row by that token's (cos, sin):
 //   (x_e c - x_o s, x_e s + x_o c), fp32 arithmetic, one rounding; interleaved pairs (2i, 2i+1) or
 //   rotate-half pairs (i, i + D/2).  In place when out == x: every thread reads all the pairs it
-//   owns before writing them, and no two threads own the same element.
+//   owns before writing them, and no two threads own the same element.  rotary_emb_backward
+//   (a.inverse) runs the same kernels with s negated as it is loaded: the rotation by -angle.
 //
 // Work decomposition: a 256-thread block owns `tpb` tokens; inside it a thread owns one chunk j of
 // a row (16 bytes = 4 interleaved pairs; rotate-half: both halves of 8 pairs, two 16-byte pieces;
@@ -68,24 +69,26 @@ __device__ __forceinline__ void ro_rotate_halves(uint4 &lo, uint4 &hi, const flo
     for (int q = 0; q < 4; q++) ro_rotate_word_pair<T>(ro_word(lo, q), ro_word(hi, q), c[2 * q], sn[2 * q], c[2 * q + 1], sn[2 * q + 1]);
 }
 
-// (cos, sin) of pairs i0 .. i0 + P - 1 of one token row of the table.
+// (cos, sin) of pairs i0 .. i0 + P - 1 of one token row of the table, sin times sg (1, or -1 for the
+// backward op: an exact sign flip).
 template <int P, bool kFVec>
-__device__ __forceinline__ void ro_load_freqs(const float *f, int64_t i0, int64_t fs, float (&c)[P], float (&s)[P]) {
+__device__ __forceinline__ void ro_load_freqs(const float *f, int64_t i0, int64_t fs, float sg, float (&c)[P],
+                                              float (&s)[P]) {
     if (kFVec) {  // pairs contiguous (fs == 2) and 16-byte aligned: P/2 float4 loads
         const float4 *q = reinterpret_cast<const float4 *>(f + 2 * i0);
 #pragma unroll
         for (int k = 0; k < P / 2; k++) {
             const float4 v = __ldg(q + k);
             c[2 * k] = v.x;
-            s[2 * k] = v.y;
+            s[2 * k] = sg * v.y;
             c[2 * k + 1] = v.z;
-            s[2 * k + 1] = v.w;
+            s[2 * k + 1] = sg * v.w;
         }
     } else {
 #pragma unroll
         for (int k = 0; k < P; k++) {
             c[k] = __ldg(f + (i0 + k) * fs);
-            s[k] = __ldg(f + (i0 + k) * fs + 1);
+            s[k] = sg * __ldg(f + (i0 + k) * fs + 1);
         }
     }
 }
@@ -96,7 +99,7 @@ template <typename T, bool kFVec>
 __device__ __forceinline__ void ro_half_heads(const qk_rotary_emb_args &a, const T *xt, T *ot, const float *ft, int j,
                                               int64_t hs, int64_t H, int hpar, int64_t half) {
     float c[8], sn[8];
-    ro_load_freqs<8, kFVec>(ft, 8 * (int64_t)j, a.f_stride[2], c, sn);
+    ro_load_freqs<8, kFVec>(ft, 8 * (int64_t)j, a.f_stride[2], a.inverse ? -1.f : 1.f, c, sn);
     for (int64_t h = hs; h < H; h += 2 * hpar) {
         const bool two = h + hpar < H;
         const T *x0 = xt + h * a.x_stride[2] + 8 * j, *x1 = xt + (h + hpar) * a.x_stride[2] + 8 * j;
@@ -127,6 +130,7 @@ __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4) ro_kernel
     const T *x = static_cast<const T *>(a.x);
     T *out = static_cast<T *>(a.out);
     const int64_t H = a.H, half = a.D / 2;
+    const float sg = a.inverse ? -1.f : 1.f;
     for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
         for (int64_t grp = blockIdx.x; grp < ngroups; grp += gridDim.x) {
             const int64_t s = grp * tpb + tl;
@@ -136,7 +140,7 @@ __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4) ro_kernel
             const float *ft = a.freqs + b * a.f_stride[0] + s * a.f_stride[1];
             for (int j = jt; j < nc; j += nct) {
                 if (kMode == kScalar) {
-                    const float c = __ldg(ft + j * a.f_stride[2]), sn = __ldg(ft + j * a.f_stride[2] + 1);
+                    const float c = __ldg(ft + j * a.f_stride[2]), sn = sg * __ldg(ft + j * a.f_stride[2] + 1);
                     const int64_t ie = a.interleaved ? 2 * j : j, io = a.interleaved ? 2 * j + 1 : j + half;
                     for (int64_t h = hs; h < H; h += hpar) {
                         const T *xr = xt + h * a.x_stride[2];
@@ -147,7 +151,7 @@ __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4) ro_kernel
                     }
                 } else if (kMode == kVecInterleaved) {
                     float c[4], sn[4];
-                    ro_load_freqs<4, kFVec>(ft, 4 * (int64_t)j, a.f_stride[2], c, sn);
+                    ro_load_freqs<4, kFVec>(ft, 4 * (int64_t)j, a.f_stride[2], sg, c, sn);
                     for (int64_t h = hs; h < H; h += 2 * hpar) {
                         const bool two = h + hpar < H;
                         // Both heads' loads before any store: out may alias x, so the compiler

@@ -94,6 +94,12 @@ def _to_numpy(x):
     return x if isinstance(x, (int, float)) else np.asarray(x)
 
 
+def _outputs(r):
+    """An op's outputs as a list of float64 NumPy arrays: one, or a backward op's gradients (a gradient
+    not asked for, None, left out)."""
+    return [np.asarray(_to_numpy(t), np.float64) for t in (r if type(r) is tuple else (r,)) if t is not None]
+
+
 def _sync(fw):
     if fw == "torch":
         import torch
@@ -181,16 +187,15 @@ def selfcheck(problems=None):
                 continue
             with warnings.catch_warnings():  # the row names the backend; staging is the selection's doing
                 warnings.simplefilter("ignore", qkernels.FallbackWarning)
-                out = _to_numpy(getattr(qkernels, op)(*args, **kw))
+                outs = _outputs(getattr(qkernels, op)(*args, **kw))
         except Exception as e:  # a missing kernel fails this op, not the whole check
             ok = False
             print(f"  {op:<20} {best:<5} FAIL: {type(e).__name__}: {_reason(op, e)}")
             continue
-        ref = reference(op, *(_to_numpy(a) for a in args), **kw)  # the inputs as the op saw them
-        if isinstance(ref, tuple):  # several results (the backward ops): judged as one vector
-            out, ref = (np.concatenate([np.ravel(np.asarray(t, np.float64)) for t in ts]) for ts in (out, ref))
-        err = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-        passed = bool(np.isfinite(out).all() and err < (DEVICE_TOLERANCE if half else TOLERANCE))
+        refs = _outputs(reference(op, *(_to_numpy(a) for a in args), **kw))  # the inputs as the op saw them
+        err = max(float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)) for out, ref in zip(outs, refs))
+        passed = bool(all(np.isfinite(out).all() for out in outs) and len(outs) == len(refs) and
+                      err < (DEVICE_TOLERANCE if half else TOLERANCE))
         ok &= passed
         print(f"  {op:<20} {best:<5} rel err {err:.2e}  {'PASS' if passed else 'FAIL'}")
     if fw and "fused_norm_residual" not in problems:  # the dropout mask on the device is the documented one

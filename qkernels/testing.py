@@ -5,7 +5,8 @@ random NumPy arrays (float32 data unless ``dtype=``, int64 indices unless ``inde
 sizes that are multiples of nothing; each op's keyword options below set the sizes).
 
 ``reference(op, *args, **kwargs)`` is what ``qkernels.<op>(*args, **kwargs)`` returns, computed in
-float64 NumPy from the same arguments: NumPy arrays, or anything ``np.asarray`` takes (convert
+float64 NumPy from the same arguments (a tuple, with None for a gradient not asked for, where the op
+returns several): NumPy arrays, or anything ``np.asarray`` takes (convert
 bfloat16 and device tensors first, e.g. ``t.double().cpu().numpy()``).  ``out=``, ``stream=`` and
 ``backend=`` are accepted and ignored.  The ``_ref_<op>`` functions below are the statement of each
 op's semantics.
@@ -164,6 +165,53 @@ def _ref_swiglu(x, up_weight, gate_weight):
     g = _ref_linear(x, gate_weight)
     with np.errstate(over="ignore"):  # e^-g overflows for g < -709: silu is -0 there
         return _ref_linear(x, up_weight) * g / (1 + np.exp(-g))
+
+
+# ---- references: gradients of the dense LLM ops (float64, analytic) ------------------------
+
+def _ref_rotary_emb_backward(grad_out, freqs_cis, *, interleaved=True):
+    """rotary_emb's gradient with respect to x: each pair of grad_out [..., H, D] times the transposed
+    rotation, (ge, go) -> (ge c + go s, go c - ge s)."""
+    g, f = _f64(grad_out), _f64(freqs_cis)
+    c, s = f[..., None, :, 0], f[..., None, :, 1]
+    half = g.shape[-1] // 2
+    ge, go = (g[..., 0::2], g[..., 1::2]) if interleaved else (g[..., :half], g[..., half:])
+    out = np.empty_like(g)
+    ye, yo = ge * c + go * s, go * c - ge * s
+    if interleaved:
+        out[..., 0::2], out[..., 1::2] = ye, yo
+    else:
+        out[..., :half], out[..., half:] = ye, yo
+    return out
+
+
+def _rows(a, n):
+    """a [*, n] as float64 rows [M, n]."""
+    return _f64(a).reshape(int(np.prod(np.shape(a)[:-1])), n)
+
+
+def _ref_linear_backward(grad_out, x, weight, *, x_grad=True, weight_grad=True, bias_grad=False):
+    """(grad_out @ weight [*, K], grad_out^T @ x over all leading positions [N, K], grad_out summed over
+    the rows [N]), each None unless asked for: grad_out [*, N], x [*, K], weight [N, K]."""
+    w = _f64(weight)
+    n, k = w.shape
+    g, xr = _rows(grad_out, n), _rows(x, k)
+    return ((g @ w).reshape(np.shape(x)) if x_grad else None, g.T @ xr if weight_grad else None,
+            g.sum(0) if bias_grad else None)
+
+
+def _ref_swiglu_backward(grad_out, x, up_weight, gate_weight, *, x_grad=True, weight_grad=True):
+    """With a = x up^T, b = x gate^T, s = sigmoid(b): ga = grad_out * b * s, gb = grad_out * a * s * (1 + b (1 - s))
+    -> (ga @ up + gb @ gate [*, K], ga^T x [N, K], gb^T x [N, K]), None where not asked for."""
+    up, gate = _f64(up_weight), _f64(gate_weight)
+    n, k = up.shape
+    g, xr = _rows(grad_out, n), _rows(x, k)
+    a, b = xr @ up.T, xr @ gate.T
+    with np.errstate(over="ignore"):  # e^-b overflows for b < -709: s is 0 there
+        s = 1 / (1 + np.exp(-b))
+    ga, gb = g * b * s, g * a * s * (1 + b * (1 - s))
+    return ((ga @ up + gb @ gate).reshape(np.shape(x)) if x_grad else None, ga.T @ xr if weight_grad else None,
+            gb.T @ xr if weight_grad else None)
 
 
 # ---- references: attention ------------------------------------------------------------------
@@ -347,6 +395,33 @@ def _sample_swiglu(rng, dt, ix, m=3, k=10, n=7):
     return (x, _randn(rng, dt, n, k, scale=max(k, 1) ** -0.5), _randn(rng, dt, n, k, scale=2 * max(k, 1) ** -0.5)), {}
 
 
+def _sample_rotary_emb_backward(rng, dt, ix, lead=(5,), h=3, d=8, interleaved=None):
+    """grad_out [*lead, H, D] and its freqs_cis; interleaved=None leaves the keyword out."""
+    return _sample_rotary_emb(rng, dt, ix, lead, h, d, interleaved)
+
+
+def _lead_shape(lead, m):
+    return tuple(lead) + (() if m is None else (m,))
+
+
+def _sample_linear_backward(rng, dt, ix, m=3, k=10, n=7, lead=(), bias_grad=True, x_grad=None, weight_grad=None):
+    """grad_out [*lead, M, N], x [*lead, M, K] (m=None: no M dimension), weight [N, K] scaled by K^-1/2;
+    the flags are passed when not None (bias_grad=True by default: every gradient)."""
+    rows = _lead_shape(lead, m)
+    args = (_randn(rng, dt, *rows, n), _randn(rng, dt, *rows, k), _randn(rng, dt, n, k, scale=max(k, 1) ** -0.5))
+    flags = {"x_grad": x_grad, "weight_grad": weight_grad, "bias_grad": bias_grad}
+    return args, {key: v for key, v in flags.items() if v is not None}
+
+
+def _sample_swiglu_backward(rng, dt, ix, m=3, k=10, n=7, lead=(), x_grad=None, weight_grad=None):
+    """grad_out [*lead, M, N], x [*lead, M, K], up and gate [N, K] as swiglu's sample."""
+    rows = _lead_shape(lead, m)
+    args = (_randn(rng, dt, *rows, n), _randn(rng, dt, *rows, k), _randn(rng, dt, n, k, scale=max(k, 1) ** -0.5),
+            _randn(rng, dt, n, k, scale=2 * max(k, 1) ** -0.5))
+    flags = {"x_grad": x_grad, "weight_grad": weight_grad}
+    return args, {key: v for key, v in flags.items() if v is not None}
+
+
 def _sample_attn_decode(rng, dt, ix, b=2, l=9, hkv=2, ratio=2, d=8):
     """q [B, 1, Hkv * ratio, D], k/v [B, L, Hkv, D]."""
     return (_randn(rng, dt, b, 1, hkv * ratio, d), _randn(rng, dt, b, l, hkv, d), _randn(rng, dt, b, l, hkv, d)), {}
@@ -417,6 +492,9 @@ WORK_SIZES = {
     "rotary_emb": dict(lead=(64,), h=8, d=128),
     "linear": dict(m=16, k=1024, n=1024),
     "swiglu": dict(m=16, k=1024, n=2048),
+    "rotary_emb_backward": dict(lead=(64,), h=8, d=128),
+    "linear_backward": dict(m=16, k=1024, n=1024),
+    "swiglu_backward": dict(m=16, k=1024, n=2048),
     "attn_decode": dict(b=4, l=1024, hkv=8, ratio=4, d=128),
     "attn_paged_decode": dict(lens=[1000, 300, 64, 700], hkv=8, ratio=4, d=128, index_dtype=np.int32),
     # a prefix cache (the queries are the last of their keys, causal bottom-right), one a single query
@@ -433,6 +511,9 @@ DEVICE_DTYPES = {
     "rotary_emb": ("bfloat16", None),
     "linear": ("bfloat16",) * 3,
     "swiglu": ("bfloat16",) * 3,
+    "rotary_emb_backward": ("bfloat16", None),
+    "linear_backward": ("bfloat16",) * 3,
+    "swiglu_backward": ("bfloat16",) * 4,
     "attn_decode": ("bfloat16",) * 3,
     "attn_paged_decode": ("bfloat16",) * 3 + (None,) * 3,
     "attn_prefill": ("bfloat16",) * 3,
@@ -444,6 +525,7 @@ FLOAT_ARGS = {
     "sparse_aggregate": (2, 3), "fused_edge_features": (0, 2), "fused_norm_residual": (0, 1, 2, 3),
     "fused_norm_residual_backward": (0, 1, 2), "graph_norm_bce": (0, 1), "graph_norm_bce_backward": (0, 1, 2),
     "rotary_emb": (0, 1), "linear": (0, 1, 2), "swiglu": (0, 1, 2),
+    "rotary_emb_backward": (0, 1), "linear_backward": (0, 1, 2), "swiglu_backward": (0, 1, 2, 3),
     "attn_decode": (0, 1, 2), "attn_prefill": (0, 1, 2), "attn_paged_decode": (0, 1, 2),
     "attn_paged_prefill": (0, 1, 2),
 }

@@ -57,9 +57,15 @@ def fp32_sum_tol(max_degree):
     return max(1e-5, 4 * float(np.sqrt(max_degree)) * 2.0**-24)
 
 
-def results(r):
-    """An op's result as a tuple of its tensors (the backward ops return several)."""
-    return r if isinstance(r, tuple) else (r,)
+def outputs(r):
+    """An op's result as a tuple of its outputs: the backward ops return several (None where a gradient
+    was not asked for), the others one."""
+    return r if type(r) is tuple else (r,)
+
+
+def takes_out(op):
+    """Whether op takes out= (the backward ops and graph_norm_bce do not)."""
+    return "out=None" in getattr(qkernels, op).__text_signature__
 
 
 def rel_err(out, ref):
@@ -255,6 +261,8 @@ class Ops:
             if kwargs.get("stream") is None:  # the public op's stream: torch's current one
                 kwargs["stream"] = torch.cuda.current_stream(args[0].device).cuda_stream
             r = raw(*args, **kwargs, **tuning)
+            if type(r) is tuple:  # the backward ops' gradients, None where not asked for
+                return tuple(t if t is None or isinstance(t, torch.Tensor) else torch.from_dlpack(t) for t in r)
             return r if isinstance(r, torch.Tensor) else torch.from_dlpack(r)
 
         return call

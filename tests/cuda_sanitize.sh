@@ -63,7 +63,7 @@ fi
 # (2026-11-29: norm_residual reading torch-made inputs, the tests' .double().cpu()).  Its set is
 # therefore test_cuda_initcheck.py, whose data reach the GPU and come back by copies only.
 files=(tests/test_cuda.py tests/test_cuda_graph_ops.py tests/test_cuda_attention_decode.py
-       tests/test_cuda_attention_prefill.py tests/test_cuda_dense_ops.py)
+       tests/test_cuda_attention_prefill.py tests/test_cuda_dense_ops.py tests/test_cuda_dense_backward.py)
 [ "$tool" = initcheck ] && { files=(tests/test_cuda_initcheck.py); filter=${2:-}; }
 # QK_SANITIZER_FILES: other test files (to split a long run, e.g. the prefill file alone).
 [ -n "${QK_SANITIZER_FILES:-}" ] && read -r -a files <<< "$QK_SANITIZER_FILES"

@@ -12,7 +12,7 @@ import pytest
 
 import qkernels
 from qkernels.testing import OPS, sample
-from conftest import DEVICE_SIZES, LLM, host_tensors, requires_cuda, results
+from conftest import DEVICE_SIZES, LLM, host_tensors, requires_cuda, outputs
 
 torch = __import__("torch") if importlib.util.find_spec("torch") else None
 pytestmark = [requires_cuda, pytest.mark.skipif(torch is None, reason="torch is not installed")]
@@ -39,8 +39,8 @@ def test_copied_in_copied_out(rng, op, size):
     host = host_tensors(op, args)
     dev = [a.to("cuda") if isinstance(a, torch.Tensor) else a for a in host]  # copies only
     fn = getattr(qkernels, op)
-    outs = results(fn(*dev, backend="cuda", **kw))
-    wants = results(fn(*host, backend="cpu", **kw))
+    outs = outputs(fn(*dev, backend="cuda", **kw))
+    wants = outputs(fn(*host, backend="cpu", **kw))
     assert len(outs) == len(wants)
     for out, want in zip(outs, wants):
         got = out.cpu()  # a device-to-host copy of the whole output (initcheck checks its source)

@@ -10,7 +10,7 @@ import pytest
 
 import qkernels
 from qkernels.testing import OPS, sample
-from conftest import DEVICE_SIZES, LLM, capture_graph, requires_cuda, results, to_device
+from conftest import DEVICE_SIZES, LLM, capture_graph, requires_cuda, outputs, to_device
 
 torch = __import__("torch") if importlib.util.find_spec("torch") else None
 pytestmark = [requires_cuda, pytest.mark.skipif(torch is None, reason="torch is not installed")]
@@ -23,7 +23,7 @@ def float_tensors(op, args):
 
 def close(a, b, op):
     """Every result of a (a tensor, or a tuple of them for the backward ops) close to b's."""
-    a, b = results(a), results(b)
+    a, b = outputs(a), outputs(b)
     tol = 1e-2 if op in LLM else 1e-5
     return len(a) == len(b) and all((x.float() - y.float()).abs().max().item() <=
                                     tol * max(1.0, y.float().abs().max().item()) for x, y in zip(a, b))
@@ -34,7 +34,7 @@ def clone(r):
 
 
 def equal(a, b):
-    return all(torch.equal(x, y) for x, y in zip(results(a), results(b)))
+    return all(torch.equal(x, y) for x, y in zip(outputs(a), outputs(b)))
 
 
 @pytest.mark.parametrize("op", OPS)

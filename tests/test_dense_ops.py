@@ -300,9 +300,11 @@ def test_linear_swiglu_errors(rng):
         qkernels.linear(x, w, b.astype(np.float64))
     with pytest.raises(TypeError, match="linear: x must be bfloat16 or float16 or float32, got int32"):
         qkernels.linear(x.astype(np.int32), w)
-    with pytest.raises(ValueError, match=r"linear: x must have 1 or 2 dimensions \[K\] or \[M, K\], got shape "
-                                         r"\[2, 2, 6\]"):
-        qkernels.linear(x.reshape(2, 2, 6), w)
+    with pytest.raises(ValueError, match=r"linear: x must have at least 1 dimension \[\*, K\], got a 0-d tensor"):
+        qkernels.linear(x[0, 0, ...], w)
+    with pytest.raises(ValueError, match=r"linear: x's leading dimensions \(shape \[2, 2, 6\], strides \[6, 12, 1\] "
+                                         r"in elements\) cannot be read as rows of one stride; pass x.contiguous\(\)"):
+        qkernels.linear(x.reshape(2, 2, 6).transpose(1, 0, 2), w)
     with pytest.raises(ValueError, match=r"linear: weight must have shape \[N, K\] = \[5, 6\] with size 6 in "
                                          r"dimension 1, got \[5, 7\]"):
         qkernels.linear(x, randn(rng, 5, 7))

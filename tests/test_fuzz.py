@@ -566,6 +566,10 @@ INVALID_CALLS = textwrap.dedent('''
             "rotary_emb": ([ones(3, 2, D), ones(3, D // 2, 2)], {"interleaved": False}, (3, 2, D)),
             "linear": ([ones(4, 6), ones(5, 6), ones(5)], {}, (4, 5)),
             "swiglu": ([ones(4, 6), ones(5, 6), ones(5, 6)], {}, (4, 5)),
+            # the backward ops take no out=
+            "rotary_emb_backward": ([ones(3, 2, D), ones(3, D // 2, 2)], {"interleaved": False}, None),
+            "linear_backward": ([ones(4, 5), ones(4, 6), ones(5, 6)], {"bias_grad": True, "x_grad": True}, None),
+            "swiglu_backward": ([ones(2, 2, 5), ones(2, 2, 6), ones(5, 6), ones(5, 6)], {"weight_grad": True}, None),
         }
 
     OPS = list(good())

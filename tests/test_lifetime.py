@@ -8,7 +8,7 @@ import pytest
 
 import qkernels
 from qkernels.testing import OPS, reference, sample
-from conftest import memory_stays_flat, rel_err
+from conftest import memory_stays_flat, outputs, rel_err
 
 
 def test_100k_calls_keep_memory_flat():
@@ -46,6 +46,9 @@ THREAD_SIZES = {
     "rotary_emb": dict(lead=(40,), h=4, d=64),
     "linear": dict(m=5, k=256, n=300),
     "swiglu": dict(m=5, k=256, n=300),
+    "rotary_emb_backward": dict(lead=(40,), h=4, d=64),
+    "linear_backward": dict(m=40, k=256, n=300),
+    "swiglu_backward": dict(m=40, k=256, n=300),
     "attn_decode": dict(b=3, l=700, hkv=2, ratio=4, d=64),
     "attn_prefill": dict(b=2, lq=90, lkv=200, hkv=2, ratio=4, d=64, is_causal=True),
     "attn_paged_decode": dict(lens=[300, 1, 90], hkv=2, ratio=2, d=64),
@@ -65,11 +68,8 @@ def test_eight_threads_at_once():
             start.wait()
             for _ in range(5):
                 for (op, a, kw), ref in zip(calls[i], refs[i]):
-                    out = getattr(qkernels, op)(*a, **kw)
-                    if isinstance(ref, tuple):  # the backward ops' several results
-                        assert len(out) == len(ref) and all(rel_err(o, r) < 1e-5 for o, r in zip(out, ref)), op
-                    else:
-                        assert rel_err(out, ref) < 1e-5, op
+                    for out, r in zip(outputs(getattr(qkernels, op)(*a, **kw)), outputs(ref)):
+                        assert rel_err(out, r) < 1e-5, op
         except Exception as e:  # reported by the main thread
             errors.append(e)
 

@@ -9,7 +9,7 @@ import pytest
 
 import qkernels
 from qkernels.testing import OPS, sample
-from conftest import DEVICE_SIZES, LLM, results, to_device
+from conftest import DEVICE_SIZES, LLM, outputs, to_device
 
 torch = __import__("torch") if importlib.util.find_spec("torch") else None
 pytestmark = pytest.mark.skipif(
@@ -22,12 +22,12 @@ def test_runs_on_the_tensors_device(rng, op, current, data):
     args, kw = sample(op, rng, **DEVICE_SIZES[op])
     fn = getattr(qkernels, op)
     on_cpu = to_device(op, args, "cpu")
-    expected = results(fn(*on_cpu, backend="cpu", **kw))
+    expected = outputs(fn(*on_cpu, backend="cpu", **kw))
     with torch.cuda.device(current):
         on_gpu = to_device(op, args, f"cuda:{data}")
         torch.cuda.synchronize(current)
         before = torch.cuda.memory_allocated(current)
-        outs = results(fn(*on_gpu, backend="cuda", **kw))
+        outs = outputs(fn(*on_gpu, backend="cuda", **kw))
         torch.cuda.synchronize(data)
         assert torch.cuda.current_device() == current, "the caller's device is restored"
         assert torch.cuda.memory_allocated(current) == before, "nothing allocated on the other device"

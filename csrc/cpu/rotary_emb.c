@@ -1,5 +1,7 @@
 /* rotary_emb on the CPU: each (token, head) row of D values is rotated pair by pair with that
  * token's (cos, sin) table, in fp32, rounded once.  Rows are split evenly between threads.
+ * rotary_emb_backward (inverse) rotates by the negated angle: the same formula with sin negated, an
+ * exact sign flip, so it rounds as the forward does.
  *
  * In place (out == x) is safe: both values of a pair are read before either is written, and the
  * pairs of a row are disjoint. */
@@ -7,9 +9,9 @@
 #include "half.h"
 
 static inline __attribute__((always_inline)) void ro_row(const void *x, void *out, const float *f, int64_t f_stride,
-                                                         int64_t half, int interleaved, int dtype) {
+                                                         int64_t half, int interleaved, int dtype, float sign) {
     for (int64_t i = 0; i < half; i++) {
-        const float c = f[i * f_stride], s = f[i * f_stride + 1];
+        const float c = f[i * f_stride], s = sign * f[i * f_stride + 1];
         const int64_t ie = interleaved ? 2 * i : i, io = interleaved ? 2 * i + 1 : i + half;
         const float xe = qk_load_f32(x, ie, dtype), xo = qk_load_f32(x, io, dtype);
         qk_store_f32(out, ie, dtype, xe * c - xo * s);
@@ -21,6 +23,7 @@ QK_MULTIVERSION static void ro_worker(void *p, int tid, int nthreads) {
     const qk_rotary_emb_args *a = p;
     const int64_t S = a->S, H = a->H, half = a->D / 2;
     const size_t esize = a->dtype == QK_F32 ? 4 : 2;
+    const float sign = a->inverse ? -1.f : 1.f;
     int64_t r0, r1;
     qk_share(a->B * S * H, tid, nthreads, &r0, &r1);
     for (int64_t r = r0; r < r1; r++) {
@@ -30,13 +33,13 @@ QK_MULTIVERSION static void ro_worker(void *p, int tid, int nthreads) {
         const float *f = a->freqs + b * a->f_stride[0] + s * a->f_stride[1];
         /* constant dtype and convention per call, so each loop is specialised */
         if (a->interleaved) {
-            if (a->dtype == QK_F32) ro_row(x, o, f, a->f_stride[2], half, 1, QK_F32);
-            else if (a->dtype == QK_BF16) ro_row(x, o, f, a->f_stride[2], half, 1, QK_BF16);
-            else ro_row(x, o, f, a->f_stride[2], half, 1, QK_F16);
+            if (a->dtype == QK_F32) ro_row(x, o, f, a->f_stride[2], half, 1, QK_F32, sign);
+            else if (a->dtype == QK_BF16) ro_row(x, o, f, a->f_stride[2], half, 1, QK_BF16, sign);
+            else ro_row(x, o, f, a->f_stride[2], half, 1, QK_F16, sign);
         } else {
-            if (a->dtype == QK_F32) ro_row(x, o, f, a->f_stride[2], half, 0, QK_F32);
-            else if (a->dtype == QK_BF16) ro_row(x, o, f, a->f_stride[2], half, 0, QK_BF16);
-            else ro_row(x, o, f, a->f_stride[2], half, 0, QK_F16);
+            if (a->dtype == QK_F32) ro_row(x, o, f, a->f_stride[2], half, 0, QK_F32, sign);
+            else if (a->dtype == QK_BF16) ro_row(x, o, f, a->f_stride[2], half, 0, QK_BF16, sign);
+            else ro_row(x, o, f, a->f_stride[2], half, 0, QK_F16, sign);
         }
     }
 }

@@ -1,23 +1,87 @@
-/* linear(x, weight, bias=None, *, out=None, stream=None) and
- * swiglu(x, up_weight, gate_weight, *, out=None, stream=None): argument checks, then the CPU or
- * CUDA launcher by device.  Both fill qk_linear_args; a 1-D x [K] is one row and gives out [N].
- * The raw ops also take the private tuning keywords _variant= (a name below), _split= and _tile_m=
- * (qk_linear_args' variant, split and tile_m). */
+/* linear(x, weight, bias=None, *, out=None, stream=None),
+ * swiglu(x, up_weight, gate_weight, *, out=None, stream=None),
+ * linear_backward(grad_out, x, weight, *, x_grad=True, weight_grad=True, bias_grad=False, stream=None) and
+ * swiglu_backward(grad_out, x, up_weight, gate_weight, *, x_grad=True, weight_grad=True, stream=None):
+ * argument checks, then the CPU or CUDA launcher by device.  All fill qk_linear_args.  x is [*, K]
+ * like torch.nn.functional.linear: its leading dimensions are the M rows, which must step by one
+ * stride (a 1-D x is one row).  The raw forward ops also take the private tuning keywords _variant=
+ * (a name below), _split= and _tile_m= (qk_linear_args' variant, split and tile_m); the raw backward
+ * ops _variant= and _split= (the partial sums the CUDA kernels reduce). */
 #include "../qk.h"
 #include "../cpu/cpu.h"
 
 QK_DOCS(linear, "x, weight, bias=None, *, out=None",
     "x @ weight^T + bias.\n\n"
-    "x [M, K] (or [K], giving [N]), weight [N, K], bias [N] -> [M, N]; fp32 accumulation, bias added in\n"
-    "fp32, one rounding.\n" QK_DENSE_DOC)
+    "x [*, K] (any leading dimensions, or [K]), weight [N, K], bias [N] -> [*, N]; fp32 accumulation, bias\n"
+    "added in fp32, one rounding.  x's leading dimensions must step by one stride (else ValueError: pass\n"
+    "x.contiguous()).\n" QK_DENSE_DOC)
 
 QK_DOCS(swiglu, "x, up_weight, gate_weight, *, out=None",
     "The gated MLP's first half in one pass: linear(x, up_weight) * silu(linear(x, gate_weight)).\n\n"
-    "x [M, K] (or [K]), up_weight and gate_weight [N, K] -> [M, N] (or [N]); fp32 throughout\n"
-    "(silu(g) = g / (1 + exp(-g))), one rounding.\n" QK_DENSE_DOC)
+    "x [*, K] (any leading dimensions, or [K]), up_weight and gate_weight [N, K] -> [*, N]; fp32\n"
+    "throughout (silu(g) = g / (1 + exp(-g))), one rounding.\n" QK_DENSE_DOC)
+
+QK_DOCS(linear_backward, "grad_out, x, weight, *, x_grad=True, weight_grad=True, bias_grad=False",
+    "The gradients of linear(x, weight, bias): (grad_x, grad_weight, grad_bias).\n\n"
+    "grad_out [*, N], x [*, K] (the same leading dimensions), weight [N, K] -> grad_x = grad_out @ weight\n"
+    "[*, K], grad_weight = grad_out^T @ x [N, K] (summed over every leading position), grad_bias = grad_out\n"
+    "summed over the rows [N]; each None unless asked for (x_grad, weight_grad, bias_grad).  fp32\n"
+    "accumulation, one rounding to x's dtype; deterministic (every sum in a fixed order).\n" QK_DENSE_DOC)
+
+QK_DOCS(swiglu_backward, "grad_out, x, up_weight, gate_weight, *, x_grad=True, weight_grad=True",
+    "The gradients of swiglu(x, up_weight, gate_weight): (grad_x, grad_up_weight, grad_gate_weight).\n\n"
+    "grad_out [*, N], x [*, K] (the same leading dimensions), up_weight and gate_weight [N, K].  With\n"
+    "a = x up^T, b = x gate^T recomputed in fp32, s = sigmoid(b): ga = grad_out * silu(b),\n"
+    "gb = grad_out * a * s * (1 + b * (1 - s)); grad_x = ga @ up + gb @ gate [*, K], grad_up = ga^T x and\n"
+    "grad_gate = gb^T x [N, K]; None where not asked for (x_grad, weight_grad).  fp32 accumulation,\n"
+    "one rounding to x's dtype; on cuda ga and gb are rounded to that dtype before the products (as\n"
+    "autograd of the unfused formulation would).  Deterministic.\n" QK_DENSE_DOC)
 
 static const char *const ln_variants[] = {
     [QK_LINEAR_AUTO] = "auto", [QK_LINEAR_MMA] = "mma", [QK_LINEAR_GEMV] = "gemv", [QK_LINEAR_ROWS] = "rows"};
+static const char *const lb_variants[] = {
+    [QK_LINEAR_BWD_AUTO] = "auto", [QK_LINEAR_BWD_TILES] = "tiles", [QK_LINEAR_BWD_LT] = "lt"};
+
+/* v as rows [M, last]: M = the product of its leading dimensions, *row_stride the one stride that steps
+ * through them (size-1 dimensions take any stride; with at most one row it is never used and set to
+ * the row length).  -1 with ValueError naming arg where the leading dimensions are not rows of one
+ * stride. */
+static int ln_rows(const char *op, const char *arg, const qk_view *v, int64_t *M, int64_t *row_stride) {
+    int64_t m = 1, stride = v->ndim ? v->shape[v->ndim - 1] : 1, next = 0;
+    int have = 0, ok = 1;
+    for (int i = v->ndim - 2; i >= 0; i--) {
+        if (__builtin_mul_overflow(m, v->shape[i], &m)) m = INT64_MAX; /* only with an empty last dim */
+        if (v->shape[i] == 1) continue;
+        if (have && v->strides[i] != next) ok = 0;
+        if (!have) stride = v->strides[i];
+        have = 1;
+        if (__builtin_mul_overflow(v->strides[i], v->shape[i], &next)) ok = 0;
+    }
+    if (m <= 1) { /* nothing to step through */
+        ok = 1;
+        stride = v->ndim ? v->shape[v->ndim - 1] : 1;
+    }
+    if (!ok) {
+        char shape[160], strides[160];
+        qk_shape_str(shape, sizeof shape, v->shape, v->ndim);
+        qk_shape_str(strides, sizeof strides, v->strides, v->ndim);
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s's leading dimensions (shape %s, strides %s in elements) cannot be read as rows of one "
+                     "stride; pass %s.contiguous()",
+                     op, arg, shape, strides, arg);
+        return -1;
+    }
+    *M = m;
+    *row_stride = stride;
+    return 0;
+}
+
+/* x [*, K]: at least one dimension */
+static int ln_check_x(const char *op, const char *arg, const qk_view *x) {
+    if (x->ndim >= 1) return 0;
+    PyErr_Format(PyExc_ValueError, "%s: %s must have at least 1 dimension [*, K], got a 0-d tensor", op, arg);
+    return -1;
+}
 
 /* in[0] x, in[1] the (up) weight, in[2] bias (linear) or gate_weight (swiglu) */
 static PyObject *ln_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int swiglu) {
@@ -47,14 +111,8 @@ static PyObject *ln_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         if (qk_import(st, a[n_in], op, names[n_in], stream, &in[n_in]) < 0) goto done;
     if (qk_same_device(op, in, names, n_in) < 0) goto done;
     qk_view *x = &in[0];
-    if (x->ndim != 1 && x->ndim != 2) {
-        char got[160];
-        qk_shape_str(got, sizeof got, x->shape, x->ndim);
-        PyErr_Format(PyExc_ValueError, "%s: x must have 1 or 2 dimensions [K] or [M, K], got shape %s", op, got);
-        goto done;
-    }
-    if (qk_check_dtype_llm(op, "x", x) < 0) goto done;
-    const int64_t M = x->ndim == 2 ? x->shape[0] : 1, K = x->shape[x->ndim - 1];
+    if (ln_check_x(op, "x", x) < 0 || qk_check_dtype_llm(op, "x", x) < 0) goto done;
+    const int64_t K = x->shape[x->ndim - 1];
     const int64_t N = in[1].ndim == 2 ? in[1].shape[0] : 0;
     char layout[96];
     snprintf(layout, sizeof layout, "[N, K] = [%lld, %lld]", (long long)N, (long long)K);
@@ -72,14 +130,17 @@ static PyObject *ln_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
             qk_check_inner_unit(op, names[i], &in[i]) < 0)
             goto done;
     }
-    if (qk_check_inner_unit(op, "x", x) < 0) goto done;
+    int64_t M, x_stride, out_M, out_stride;
+    if (qk_check_inner_unit(op, "x", x) < 0 || ln_rows(op, "x", x, &M, &x_stride) < 0) goto done;
     if (qk_launch_begin(st, op, x, stream, stream_given, &l) < 0) goto done;
     launched = 1;
-    const int64_t shape2[2] = {M, N}, shape1[1] = {N};
-    if (qk_output_prepare(st, op, a[3], x, x->dtype, x->ndim, x->ndim == 2 ? shape2 : shape1, &l, &ov, &o) < 0 ||
+    int64_t shape[QK_MAX_DIMS];
+    for (int i = 0; i < x->ndim - 1; i++) shape[i] = x->shape[i];
+    shape[x->ndim - 1] = N;
+    if (qk_output_prepare(st, op, a[3], x, x->dtype, x->ndim, shape, &l, &ov, &o) < 0 ||
         qk_out_overlap(op, &ov, in, names, n_in, 0) < 0)
         goto done;
-    if (qk_check_inner_unit(op, "out", &ov) < 0) goto done;
+    if (qk_check_inner_unit(op, "out", &ov) < 0 || ln_rows(op, "out", &ov, &out_M, &out_stride) < 0) goto done;
 
     qk_linear_args la = {0};
     la.x = x->data;
@@ -90,11 +151,11 @@ static PyObject *ln_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     la.M = M;
     la.N = N;
     la.K = K;
-    la.x_stride = x->ndim == 2 ? x->strides[0] : K;
+    la.x_stride = x_stride;
     la.w_stride = in[1].strides[0];
     la.gate_stride = swiglu ? in[2].strides[0] : 0;
     la.bias_stride = !swiglu && has_third ? in[2].strides[0] : 0;
-    la.out_stride = ov.ndim == 2 ? ov.strides[0] : N;
+    la.out_stride = out_stride;
     la.dtype = x->dtype;
     la.num_threads = st->num_threads;
     la.variant = variant;
@@ -117,4 +178,137 @@ PyObject *qk_op_linear(PyObject *module, PyObject *const *args, Py_ssize_t nargs
 
 PyObject *qk_op_swiglu(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     return ln_op(module, args, nargs, kwnames, 1);
+}
+
+/* A bool keyword (absent: dflt); -1 with TypeError naming it where truth cannot be taken. */
+static int lb_flag(const char *op, const char *arg, PyObject *obj, int dflt) {
+    if (obj == NULL) return dflt;
+    const int v = PyObject_IsTrue(obj);
+    if (v < 0) { /* e.g. a NumPy array of several elements */
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: %s must be a bool, got %.200s", op, arg, Py_TYPE(obj)->tp_name);
+    }
+    return v;
+}
+
+/* The backward ops.  in[0] grad_out, in[1] x, in[2] the (up) weight, in[3] gate_weight (swiglu);
+ * outputs o[0] grad_x, o[1] grad_weight (up's), o[2] grad_bias (linear) or grad_gate_weight (swiglu). */
+static PyObject *lb_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int swiglu) {
+    static const char *const linear_names[] = {"grad_out", "x", "weight", "x_grad", "weight_grad", "bias_grad",
+                                               "stream", "_variant", "_split", NULL};
+    static const char *const swiglu_names[] = {"grad_out", "x", "up_weight", "gate_weight", "x_grad", "weight_grad",
+                                               "stream", "_variant", "_split", NULL};
+    const char *const op = swiglu ? "swiglu_backward" : "linear_backward";
+    const char *const *names = swiglu ? swiglu_names : linear_names;
+    const int n_tensors = swiglu ? 4 : 3;
+    qk_state *st = qk_get_state(module);
+    PyObject *p[9] = {NULL};
+    if (qk_parse_args(op, args, nargs, kwnames, names, n_tensors, n_tensors, p) < 0) return NULL;
+    /* p: the tensors, then the flags (three for linear, two for swiglu), stream, _variant, _split */
+    PyObject *const *kw = p + n_tensors;
+    const int n_flags = swiglu ? 2 : 3;
+    void *stream;
+    int stream_given, variant, split;
+    if (qk_stream_arg(op, kw[n_flags], &stream, &stream_given) < 0 ||
+        qk_variant_arg(op, "_variant", kw[n_flags + 1], lb_variants, QK_COUNT(lb_variants), &variant) < 0 ||
+        qk_tuning_int_arg(op, "_split", kw[n_flags + 2], 64, 0, &split) < 0)
+        return NULL;
+    const int want_x = lb_flag(op, "x_grad", kw[0], 1);
+    if (want_x < 0) return NULL;
+    const int want_w = lb_flag(op, "weight_grad", kw[1], 1);
+    if (want_w < 0) return NULL;
+    const int want_b = swiglu ? 0 : lb_flag(op, "bias_grad", kw[2], 0);
+    if (want_b < 0) return NULL;
+
+    qk_view in[4] = {{0}}, ov[3] = {{0}};
+    qk_output o[3] = {{0}};
+    qk_launch l = {0};
+    int ok = 0, launched = 0, n_in = 0;
+    for (; n_in < n_tensors; n_in++)
+        if (qk_import(st, p[n_in], op, names[n_in], stream, &in[n_in]) < 0) goto done;
+    if (qk_same_device(op, in, names, n_in) < 0) goto done;
+    qk_view *g = &in[0], *x = &in[1];
+    if (qk_check_dtype_llm(op, "grad_out", g) < 0) goto done;
+    if (ln_check_x(op, "x", x) < 0 || qk_check_same_dtype(op, "x", x, "grad_out's", g) < 0) goto done;
+    const int64_t K = x->shape[x->ndim - 1];
+    const int64_t N = in[2].ndim == 2 ? in[2].shape[0] : 0;
+    char layout[160];
+    snprintf(layout, sizeof layout, "[N, K] = [%lld, %lld]", (long long)N, (long long)K);
+    for (int i = 2; i < n_in; i++) /* the (up) weight fixes N; K comes from x */
+        if (qk_check_same_dtype(op, names[i], &in[i], "grad_out's", g) < 0 ||
+            qk_check_ndim(op, names[i], &in[i], 2, "[N, K]") < 0 || qk_check_dim(op, names[i], &in[i], 0, N, layout) < 0 ||
+            qk_check_dim(op, names[i], &in[i], 1, K, layout) < 0 || qk_check_inner_unit(op, names[i], &in[i]) < 0)
+            goto done;
+    {   /* grad_out: x's leading dimensions, then N */
+        int64_t want[QK_MAX_DIMS];
+        for (int i = 0; i < x->ndim - 1; i++) want[i] = x->shape[i];
+        want[x->ndim - 1] = N;
+        int bad = g->ndim != x->ndim;
+        for (int i = 0; !bad && i < x->ndim; i++) bad = g->shape[i] != want[i];
+        if (bad) {
+            char w[160], got[160];
+            qk_shape_str(w, sizeof w, want, x->ndim);
+            qk_shape_str(got, sizeof got, g->shape, g->ndim);
+            PyErr_Format(PyExc_ValueError, "%s: grad_out must have shape %s (x's leading dimensions, then N = %lld), "
+                         "got %s", op, w, (long long)N, got);
+            goto done;
+        }
+    }
+    int64_t M, x_stride, g_stride, gx_stride = 0, m2;
+    if (qk_check_inner_unit(op, "grad_out", g) < 0 || qk_check_inner_unit(op, "x", x) < 0 ||
+        ln_rows(op, "grad_out", g, &M, &g_stride) < 0 || ln_rows(op, "x", x, &M, &x_stride) < 0)
+        goto done;
+    if (qk_launch_begin(st, op, x, stream, stream_given, &l) < 0) goto done;
+    launched = 1;
+    const int64_t wshape[2] = {N, K};
+    if (want_x && (qk_output_prepare(st, op, NULL, x, x->dtype, x->ndim, x->shape, &l, &ov[0], &o[0]) < 0 ||
+                   ln_rows(op, "grad_x", &ov[0], &m2, &gx_stride) < 0))
+        goto done;
+    if (want_w && qk_output_prepare(st, op, NULL, x, x->dtype, 2, wshape, &l, &ov[1], &o[1]) < 0) goto done;
+    if (swiglu && want_w && qk_output_prepare(st, op, NULL, x, x->dtype, 2, wshape, &l, &ov[2], &o[2]) < 0) goto done;
+    if (want_b && qk_output_prepare(st, op, NULL, x, x->dtype, 1, wshape, &l, &ov[2], &o[2]) < 0) goto done;
+
+    qk_linear_args la = {0};
+    la.x = x->data;
+    la.w = in[2].data;
+    la.gate = swiglu ? in[3].data : NULL;
+    la.M = M;
+    la.N = N;
+    la.K = K;
+    la.x_stride = x_stride;
+    la.w_stride = in[2].strides[0];
+    la.gate_stride = swiglu ? in[3].strides[0] : 0;
+    la.grad_out = g->data;
+    la.grad_out_stride = g_stride;
+    la.grad_x = want_x ? ov[0].data : NULL;
+    la.grad_x_stride = gx_stride;
+    la.grad_w = want_w ? ov[1].data : NULL;
+    la.grad_w_stride = want_w ? ov[1].strides[0] : 0;
+    la.grad_gate = swiglu && want_w ? ov[2].data : NULL;
+    la.grad_gate_stride = swiglu && want_w ? ov[2].strides[0] : 0;
+    la.grad_bias = want_b ? ov[2].data : NULL;
+    la.grad_bias_stride = want_b ? ov[2].strides[0] : 0;
+    la.dtype = x->dtype;
+    la.num_threads = st->num_threads;
+    la.variant = variant;
+    la.split = split;
+    int status = QK_OK;
+    /* empty gradients need no kernel; the launchers write zeros where a sum has no terms */
+    const int work = (want_x && M > 0 && K > 0) || (want_w && N > 0 && K > 0) || (want_b && N > 0);
+    if (work) {
+        if (swiglu) QK_RUN(status, &l, swiglu_backward, &la);
+        else QK_RUN(status, &l, linear_backward, &la);
+    }
+    if (status) qk_raise_status(op, status);
+    else ok = 1;
+done:
+    return qk_op_finish_many(&l, launched, o, ov, 3, ok, in, n_in);
+}
+
+PyObject *qk_op_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    return lb_op(module, args, nargs, kwnames, 0);
+}
+
+PyObject *qk_op_swiglu_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    return lb_op(module, args, nargs, kwnames, 1);
 }

@@ -1,9 +1,9 @@
-/* rotary_emb(x, freqs_cis, *, interleaved=True, out=None, stream=None): argument checks, then the
- * CPU or CUDA launcher by device.  In place when out is x. */
+/* rotary_emb(x, freqs_cis, *, interleaved=True, out=None, stream=None) and
+ * rotary_emb_backward(grad_out, freqs_cis, *, interleaved=True, stream=None): argument checks, then
+ * the CPU or CUDA launcher by device.  In place when out is x.  The backward op runs the same
+ * launcher with qk_rotary_emb_args.inverse set: a rotation's gradient is the rotation by -angle. */
 #include "../qk.h"
 #include "../cpu/cpu.h"
-
-#define OP "rotary_emb"
 
 QK_DOCS(rotary_emb, "x, freqs_cis, *, interleaved=True, out=None",
     "Rotary position embedding.\n\n"
@@ -12,19 +12,32 @@ QK_DOCS(rotary_emb, "x, freqs_cis, *, interleaved=True, out=None",
     "pairs (x[i], x[i + D/2]): (xe*c - xo*s, xe*s + xo*c) in fp32, rounded once.  In place with out=x.\n"
     QK_DENSE_DOC)
 
-PyObject *qk_op_rotary_emb(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    static const char *const names[] = {"x", "freqs_cis", "interleaved", "out", "stream", NULL};
-    static const char *const in_names[] = {"x", "freqs_cis"};
+QK_DOCS(rotary_emb_backward, "grad_out, freqs_cis, *, interleaved=True",
+    "The gradient of rotary_emb with respect to x: grad_out rotated by the negated angles.\n\n"
+    "grad_out [T, H, D] or [B, S, H, D], freqs_cis as for rotary_emb -> grad_x of grad_out's shape and\n"
+    "dtype: (ge*c + go*s, go*c - ge*s) per pair, in fp32, rounded once (the transpose of the rotation).\n"
+    "Deterministic.  " QK_DENSE_DOC)
+
+/* a[] of both ops: 0 x (grad_out), 1 freqs_cis, 2 interleaved, 3 out (forward only), 4 stream */
+static PyObject *ro_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int backward) {
+    static const char *const fwd_names[] = {"x", "freqs_cis", "interleaved", "out", "stream", NULL};
+    static const char *const bwd_names[] = {"grad_out", "freqs_cis", "interleaved", "stream", NULL};
+    const char *const OP = backward ? "rotary_emb_backward" : "rotary_emb";
+    const char *const *in_names = backward ? bwd_names : fwd_names;
+    const char *const X = in_names[0];
     qk_state *st = qk_get_state(module);
-    PyObject *a[5] = {NULL};
-    if (qk_parse_args(OP, args, nargs, kwnames, names, 2, 2, a) < 0) return NULL;
+    PyObject *p[5] = {NULL}, *a[5] = {NULL};
+    if (qk_parse_args(OP, args, nargs, kwnames, in_names, 2, 2, p) < 0) return NULL;
+    a[0] = p[0], a[1] = p[1], a[2] = p[2];
+    a[3] = backward ? NULL : p[3];
+    a[4] = backward ? p[3] : p[4];
     void *stream;
     int stream_given;
     if (qk_stream_arg(OP, a[4], &stream, &stream_given) < 0) return NULL;
     const int interleaved = a[2] ? PyObject_IsTrue(a[2]) : 1;
     if (interleaved < 0) { /* e.g. a NumPy array of several elements: name the op and the argument */
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, OP ": interleaved must be a bool, got %.200s", Py_TYPE(a[2])->tp_name);
+        PyErr_Format(PyExc_TypeError, "%s: interleaved must be a bool, got %.200s", OP, Py_TYPE(a[2])->tp_name);
         return NULL;
     }
 
@@ -40,19 +53,19 @@ PyObject *qk_op_rotary_emb(PyObject *module, PyObject *const *args, Py_ssize_t n
     if (x->ndim != 3 && x->ndim != 4) {
         char got[160];
         qk_shape_str(got, sizeof got, x->shape, x->ndim);
-        PyErr_Format(PyExc_ValueError, OP ": x must have 3 or 4 dimensions [T, H, D] or [B, S, H, D], got shape %s",
-                     got);
+        PyErr_Format(PyExc_ValueError, "%s: %s must have 3 or 4 dimensions [T, H, D] or [B, S, H, D], got shape %s", OP,
+                     X, got);
         goto done;
     }
-    if (qk_check_dtype_llm(OP, "x", x) < 0) goto done;
+    if (qk_check_dtype_llm(OP, X, x) < 0) goto done;
     if (f->dtype != QK_F32) {
-        PyErr_Format(PyExc_TypeError, OP ": freqs_cis must be float32, got %s", qk_dtype_name(f->dtype));
+        PyErr_Format(PyExc_TypeError, "%s: freqs_cis must be float32, got %s", OP, qk_dtype_name(f->dtype));
         goto done;
     }
     const int64_t B = batched ? x->shape[0] : 1, S = x->shape[x->ndim - 3], H = x->shape[x->ndim - 2],
                   D = x->shape[x->ndim - 1];
     if (D % 2) {
-        PyErr_Format(PyExc_ValueError, OP ": x's last dimension D = %lld must be even (pairs are rotated)",
+        PyErr_Format(PyExc_ValueError, "%s: %s's last dimension D = %lld must be even (pairs are rotated)", OP, X,
                      (long long)D);
         goto done;
     }
@@ -66,11 +79,11 @@ PyObject *qk_op_rotary_emb(PyObject *module, PyObject *const *args, Py_ssize_t n
     const int64_t want[4] = {B, S, D / 2, 2};
     for (int i = 0; i < f->ndim; i++)
         if (qk_check_dim(OP, "freqs_cis", f, i, want[4 - f->ndim + i], layout) < 0) goto done;
-    if (qk_check_inner_unit(OP, "x", x) < 0 || qk_check_inner_unit(OP, "freqs_cis", f) < 0) goto done;
+    if (qk_check_inner_unit(OP, X, x) < 0 || qk_check_inner_unit(OP, "freqs_cis", f) < 0) goto done;
     if (qk_launch_begin(st, OP, x, stream, stream_given, &l) < 0) goto done;
     launched = 1;
     if (qk_output_prepare(st, OP, a[3], x, x->dtype, x->ndim, x->shape, &l, &ov, &o) < 0 ||
-        qk_out_overlap(OP, &ov, in, in_names, 2, 1u << 0) < 0) /* out=x */
+        qk_out_overlap(OP, &ov, in, in_names, 2, 1u << 0) < 0) /* out=x; the backward op has no out */
         goto done;
     if (qk_check_inner_unit(OP, "out", &ov) < 0) goto done;
 
@@ -89,6 +102,7 @@ PyObject *qk_op_rotary_emb(PyObject *module, PyObject *const *args, Py_ssize_t n
         ra.f_stride[i] = i < lead ? 0 : f->strides[i - lead];
     }
     ra.interleaved = interleaved;
+    ra.inverse = backward;
     ra.dtype = x->dtype;
     ra.num_threads = st->num_threads;
     int status = QK_OK;
@@ -97,4 +111,12 @@ PyObject *qk_op_rotary_emb(PyObject *module, PyObject *const *args, Py_ssize_t n
     else ok = 1;
 done:
     return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);
+}
+
+PyObject *qk_op_rotary_emb(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    return ro_op(module, args, nargs, kwnames, 0);
+}
+
+PyObject *qk_op_rotary_emb_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    return ro_op(module, args, nargs, kwnames, 1);
 }

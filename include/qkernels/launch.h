@@ -36,6 +36,11 @@ enum {
     QK_LINEAR_GEMV, /* the CUDA-core GEMV wherever M <= 8; neither cuBLASLt nor the sm_90 row kernel */
     QK_LINEAR_ROWS, /* the sm_90 one-CTA-per-SM row kernel wherever M <= 64; neither cuBLASLt nor the GEMV */
 };
+enum { /* linear_backward and swiglu_backward (qk_linear_args.variant) */
+    QK_LINEAR_BWD_AUTO = 0,
+    QK_LINEAR_BWD_TILES, /* linear_backward.cu's kernels at every M (no cuBLASLt) */
+    QK_LINEAR_BWD_LT,    /* cuBLASLt's products at every M, where it loads */
+};
 enum {
     QK_DECODE_AUTO = 0,
     QK_DECODE_WORKSPACE, /* no on-chip cluster merge: the splits merge through a workspace and a second kernel */
@@ -266,11 +271,17 @@ typedef struct {
     int64_t x_stride[3], out_stride[3]; /* {b, s, h} */
     int64_t f_stride[3];                /* {b, s, i} */
     int interleaved, dtype, num_threads;
+    int inverse; /* rotary_emb_backward: rotate by -angle (s' negated), the transpose of the rotation */
 } qk_rotary_emb_args;
 
 /* linear: out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]), fp32 accumulation, bias added in fp32, one
  *   rounding.  swiglu: out[m, n] = (x w_up[n]) * silu(x w_gate[n]) with w = up, gate = gate weight,
- *   fp32 throughout, one rounding.  Rows of x, w, gate and out are unit-stride along k / n. */
+ *   fp32 throughout, one rounding.  Rows of x, w, gate and out are unit-stride along k / n.
+ * linear_backward (g = grad_out [M, N]; out and bias unused): grad_x = g w, grad_w = g^T x, grad_bias[n] =
+ *   sum_m g[m, n].  swiglu_backward: with a = x up^T, b = x gate^T in fp32 and s = sigmoid(b),
+ *   ga = g silu(b), gb = g a s (1 + b (1 - s)); grad_x = ga up + gb gate, grad_w = ga^T x (up's),
+ *   grad_gate = gb^T x.  fp32 accumulation, one rounding of each gradient; a gradient whose pointer is
+ *   NULL is not computed.  Every output element is summed in a fixed order (no float atomics). */
 typedef struct {
     const void *x;      /* [M, K] */
     const void *w;      /* [N, K] (swiglu: up) */
@@ -284,6 +295,10 @@ typedef struct {
     int variant;        /* 0 auto, QK_LINEAR_MMA, QK_LINEAR_GEMV, QK_LINEAR_ROWS */
     int split;          /* 0 auto, else the cluster size 1, 2, 4 or 8 over which sm_90 splits K */
     int tile_m;         /* 0 auto, else 1..64: the mma.sync kernel's tile configuration for that M */
+    /* the backward ops: rows unit-stride along their last dimension; bias stride in elements */
+    const void *grad_out;                           /* [M, N] */
+    void *grad_x, *grad_w, *grad_gate, *grad_bias;  /* [M, K], [N, K], [N, K], [N]; NULL: not wanted */
+    int64_t grad_out_stride, grad_x_stride, grad_w_stride, grad_gate_stride, grad_bias_stride;
 } qk_linear_args;
 
 /* The op table.  Every layer follows these two lists; adding an op is a row in each (see
@@ -308,7 +323,9 @@ typedef struct {
     X(attn_prefill, attn_prefill)               \
     X(rotary_emb, rotary_emb)                   \
     X(linear, linear)                           \
-    X(swiglu, linear)
+    X(swiglu, linear)                           \
+    X(linear_backward, linear)                  \
+    X(swiglu_backward, linear)
 
 #define QK_OPS(X)                                                         \
     X(sparse_aggregate, sparse_aggregate, sparse_aggregate, 3)            \
@@ -318,8 +335,11 @@ typedef struct {
     X(graph_norm_bce, graph_norm_bce, graph_norm_bce, 0)                  \
     X(graph_norm_bce_backward, graph_norm_bce_backward, graph_norm_bce, 0) \
     X(rotary_emb, rotary_emb, rotary_emb, 0)                              \
+    X(rotary_emb_backward, rotary_emb, rotary_emb, 0)                     \
     X(linear, linear, linear, 0)                                          \
+    X(linear_backward, linear_backward, linear, 0)                        \
     X(swiglu, swiglu, swiglu, 0)                                          \
+    X(swiglu_backward, swiglu_backward, swiglu, 0)                        \
     X(attn_decode, attn_decode, attention, 0)                             \
     X(attn_paged_decode, attn_decode, attention, 0)                       \
     X(attn_prefill, attn_prefill, attention, 0)                           \
