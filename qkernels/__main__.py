@@ -91,6 +91,12 @@ def _to_numpy(x):
     return x if isinstance(x, (int, float)) else np.asarray(x)
 
 
+def _flat(r):
+    """A result as one NumPy vector: a backward op's tuple of gradients (None left out) end to end."""
+    parts = [_to_numpy(t) for t in (r if isinstance(r, tuple) else (r,)) if t is not None]
+    return np.concatenate([np.ravel(p) for p in parts]) if len(parts) != 1 else parts[0]
+
+
 def _sync(fw):
     if fw == "torch":
         import torch
@@ -178,12 +184,12 @@ def selfcheck(problems=None):
                 continue
             with warnings.catch_warnings():  # the row names the backend; staging is the selection's doing
                 warnings.simplefilter("ignore", qkernels.FallbackWarning)
-                out = _to_numpy(getattr(qkernels, op)(*args, **kw))
+                out = _flat(getattr(qkernels, op)(*args, **kw))
         except Exception as e:  # a missing kernel fails this op, not the whole check
             ok = False
             print(f"  {op:<20} {best:<5} FAIL: {type(e).__name__}: {_reason(op, e)}")
             continue
-        ref = reference(op, *(_to_numpy(a) for a in args), **kw)  # the inputs as the op saw them
+        ref = _flat(reference(op, *(_to_numpy(a) for a in args), **kw))  # the inputs as the op saw them
         err = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
         passed = bool(np.isfinite(out).all() and err < (DEVICE_TOLERANCE if half else TOLERANCE))
         ok &= passed

@@ -12,7 +12,7 @@ import pytest
 
 import qkernels
 from qkernels.testing import OPS, sample
-from conftest import DEVICE_SIZES, LLM, host_tensors, requires_cuda
+from conftest import DEVICE_SIZES, LLM, host_tensors, requires_cuda, results
 
 torch = __import__("torch") if importlib.util.find_spec("torch") else None
 pytestmark = [requires_cuda, pytest.mark.skipif(torch is None, reason="torch is not installed")]
@@ -39,12 +39,14 @@ def test_copied_in_copied_out(rng, op, size):
     host = host_tensors(op, args)
     dev = [a.to("cuda") if isinstance(a, torch.Tensor) else a for a in host]  # copies only
     fn = getattr(qkernels, op)
-    out = fn(*dev, backend="cuda", **kw)
-    got = out.cpu()  # a device-to-host copy of the whole output (initcheck checks its source)
-    want = fn(*host, backend="cpu", **kw)
-    assert got.shape == want.shape and got.dtype == want.dtype
-    got, want = got.double(), want.double()
-    assert torch.isfinite(got).all(), "non-finite output"
-    tol = 2e-2 if op in LLM else 1e-5
-    err = (got - want).abs().max().item()
-    assert err <= tol * max(1.0, want.abs().max().item()), f"{op}: max error {err}"
+    outs = results(fn(*dev, backend="cuda", **kw))
+    wants = results(fn(*host, backend="cpu", **kw))
+    assert len(outs) == len(wants)
+    for out, want in zip(outs, wants):
+        got = out.cpu()  # a device-to-host copy of the whole output (initcheck checks its source)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        got, want = got.double(), want.double()
+        assert torch.isfinite(got).all(), "non-finite output"
+        tol = 2e-2 if op in LLM else 1e-5
+        err = (got - want).abs().max().item()
+        assert err <= tol * max(1.0, want.abs().max().item()), f"{op}: max error {err}"

@@ -9,7 +9,7 @@ import pytest
 
 import qkernels
 from qkernels.testing import OPS, sample
-from conftest import DEVICE_SIZES, LLM, to_device
+from conftest import DEVICE_SIZES, LLM, results, to_device
 
 torch = __import__("torch") if importlib.util.find_spec("torch") else None
 pytestmark = pytest.mark.skipif(
@@ -22,19 +22,21 @@ def test_runs_on_the_tensors_device(rng, op, current, data):
     args, kw = sample(op, rng, **DEVICE_SIZES[op])
     fn = getattr(qkernels, op)
     on_cpu = to_device(op, args, "cpu")
-    expected = fn(*on_cpu, backend="cpu", **kw).float()
+    expected = [t.float() for t in results(fn(*on_cpu, backend="cpu", **kw))]
     with torch.cuda.device(current):
         on_gpu = to_device(op, args, f"cuda:{data}")
         torch.cuda.synchronize(current)
         before = torch.cuda.memory_allocated(current)
-        out = fn(*on_gpu, backend="cuda", **kw)
+        outs = results(fn(*on_gpu, backend="cuda", **kw))
         torch.cuda.synchronize(data)
         assert torch.cuda.current_device() == current, "the caller's device is restored"
         assert torch.cuda.memory_allocated(current) == before, "nothing allocated on the other device"
-    assert out.device == torch.device("cuda", data)
-    tol = 2e-2 if op in LLM else 1e-5
-    err = (out.float().cpu() - expected).abs().max().item()
-    assert err <= tol * max(1.0, expected.abs().max().item()), err
+    assert len(outs) == len(expected)
+    for out, want in zip(outs, expected):
+        assert out.device == torch.device("cuda", data)
+        tol = 2e-2 if op in LLM else 1e-5
+        err = (out.float().cpu() - want).abs().max().item()
+        assert err <= tol * max(1.0, want.abs().max().item()), err
 
 
 def test_mixed_devices_are_rejected():
