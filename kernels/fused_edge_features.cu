@@ -94,9 +94,10 @@ extern "C" int qk_fused_edge_features_cuda(const qk_fused_edge_features_args *a,
 // grad_x, deterministically: the 2E incidences (item 2e + side: side 0 at src, 1 at dst) are
 // grouped by node (group_sort.cuh), so each node sees its incidences in (edge, side) order.
 // Groups of G lanes (G = 8, 16 or 32 by H, so small H does not idle most of a warp) then walk
-// kEfbChunk consecutive sorted incidences each: the node's own x row and its fp32 accumulator stay
-// in registers, and each incidence gathers the grad_out row's g_sum and g_abs and the other end's
-// x row (several in flight) and adds g_sum + sign(x[n] - x[other]) * g_abs, which is
+// kEfbChunk consecutive sorted incidences each: the node's fp32 accumulator stays in registers,
+// and each incidence gathers the grad_out row's g_sum and g_abs and both ends' x rows (several in
+// flight; the node's own row comes from L1 after its first incidence) and adds
+// g_sum + sign(x[n] - x[other]) * g_abs, which is
 // g_sum + s * g_abs at the source and g_sum - s * g_abs at the destination.  A node whose
 // incidences cross a chunk boundary leaves fp32 partials in workspace slots that a second kernel
 // adds in chunk order (as sparse_aggregate_backward does); nodes without incidences are zeroed from
@@ -154,19 +155,12 @@ __global__ void __launch_bounds__(256) efb_walk(EfbArgs a, const uint32_t *keys,
         uint32_t cur = keys[k0];
         if (cur >= N) continue;  // only left-out incidences from here on
         bool before = k0 > 0 && keys[k0 - 1] == cur;
-        float acc[K][V], own[K][V];
+        float acc[K][V];
         auto start = [&]() {
 #pragma unroll
-            for (int k = 0; k < K; k++) {
-                const int c = lane + G * k;
-                qk_vec<T> v;
-                if (c < nvec) v = qk_load_vec(x + (int64_t)cur * a.x_stride[0] + c * V);
+            for (int k = 0; k < K; k++)
 #pragma unroll
-                for (int j = 0; j < V; j++) {
-                    own[k][j] = c < nvec ? qk_to_float(v.v[j]) : 0.f;
-                    acc[k][j] = 0.f;
-                }
-            }
+                for (int j = 0; j < V; j++) acc[k][j] = 0.f;
         };
         auto flush = [&](bool after) {
             if (!before && !after) {
@@ -194,7 +188,9 @@ __global__ void __launch_bounds__(256) efb_walk(EfbArgs a, const uint32_t *keys,
         bool done = false;
         for (int64_t b = k0; b < k1 && !done; b += U) {
             uint32_t key[U];
-            qk_vec<T> gs[U][K], ga[U][K], xo[U][K];
+            // each incidence's own row too (an L1 hit after the first of a node): no load waits
+            // on a change of node
+            qk_vec<T> gs[U][K], ga[U][K], xo[U][K], xs[U][K];
 #pragma unroll
             for (int u = 0; u < U; u++) {
                 key[u] = b + u < k1 ? keys[b + u] : N;
@@ -210,9 +206,11 @@ __global__ void __launch_bounds__(256) efb_walk(EfbArgs a, const uint32_t *keys,
                     if (e >= 0 && c < nvec) {
                         gs[u][k] = qk_load_vec(go + e * a.go_stride[0] + c * V);
                         ga[u][k] = qk_load_vec(go + e * a.go_stride[0] + H + c * V);
+                        xs[u][k] = qk_load_vec(x + (int64_t)key[u] * a.x_stride[0] + c * V);
                     } else {
 #pragma unroll
-                        for (int j = 0; j < V; j++) gs[u][k].v[j] = ga[u][k].v[j] = qk_from_float<T>(0.f);
+                        for (int j = 0; j < V; j++)
+                            gs[u][k].v[j] = ga[u][k].v[j] = xs[u][k].v[j] = qk_from_float<T>(0.f);
                     }
                     if (other >= 0 && c < nvec) {
                         xo[u][k] = qk_load_vec(x + other * a.x_stride[0] + c * V);
@@ -240,7 +238,8 @@ __global__ void __launch_bounds__(256) efb_walk(EfbArgs a, const uint32_t *keys,
 #pragma unroll
                     for (int j = 0; j < V; j++)
                         acc[k][j] += qk_to_float(gs[u][k].v[j]) +
-                                     efb_sign(own[k][j] - qk_to_float(xo[u][k].v[j])) * qk_to_float(ga[u][k].v[j]);
+                                     efb_sign(qk_to_float(xs[u][k].v[j]) - qk_to_float(xo[u][k].v[j])) *
+                                         qk_to_float(ga[u][k].v[j]);
             }
         }
         if (!done) flush(k1 < M && keys[k1] == cur);
@@ -397,8 +396,8 @@ int efb_grouped(const EfbArgs *a, int G, int K, cudaStream_t s) {
             const uint8_t *cmarked = marked;
             int64_t rows = a->num_nodes, elems = a->H;
             void *zero[] = {&out, &cmarked, &rows, &elems};
-            status = qk_launch((const void *)qk_zero_unmarked<T>, dim3(qk_grid_for(rows * elems, 256, 132 * 16)),
-                               dim3(256), 0, s, zero);
+            status = qk_launch((const void *)qk_zero_unmarked<T>, dim3(qk_grid_for(rows, 8, 132 * 16)), dim3(256), 0,
+                               s, zero);
         }
     } else if (!status) {
         void *args[] = {&p, &sk, &si};

@@ -35,12 +35,15 @@ cudaError_t qk_sort_pairs(void *temp, size_t &temp_bytes, cub::DoubleBuffer<U> &
 }
 
 // Zero the rows (row_elems contiguous elements each) of the nodes no item was grouped under:
-// the backward kernels write only the nodes they visit.
+// the backward kernels write only the nodes they visit.  A warp per row, so a marked row costs
+// one read of its mark.  Launch with 256 threads and qk_grid_for(rows, 8).
 template <typename T>
 __global__ void __launch_bounds__(256) qk_zero_unmarked(T *out, const uint8_t *marked, int64_t rows, int64_t row_elems) {
-    const int64_t total = rows * row_elems;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x)
-        if (!marked[i / row_elems]) out[i] = qk_from_float<T>(0.f);
+    const int lane = threadIdx.x & 31;
+    const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
+    for (int64_t r = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps)
+        if (!marked[r])
+            for (int64_t i = lane; i < row_elems; i += 32) out[r * row_elems + i] = qk_from_float<T>(0.f);
 }
 
 // First position in sorted keys[0, n) whose key is >= key.

@@ -298,9 +298,10 @@ extern "C" int qk_sparse_aggregate_check_cuda(qk_sparse_aggregate_args *a, void 
 // writes the source's row when its edges end inside the chunk.  A source whose edges cross a
 // chunk boundary leaves one fp32 partial per chunk in a workspace slot, and a second kernel adds
 // them in chunk order: deterministic, no atomics, every warp's work bounded by kBwdChunk edges
-// however skewed the in-degrees.  grad_edge_weight comes out of the same walk: a source's own
-// node_feat row stays in registers, and each gathered grad_out row is dotted with it per head
-// (lane partials, then a fixed shuffle tree), so grad_out is gathered once per edge for both.
+// however skewed the in-degrees.  grad_edge_weight comes out of the same walk: each gathered
+// grad_out row is dotted per head with the source's own node_feat row (loaded beside it, from L1
+// after the source's first edge; lane partials, then a fixed shuffle tree), so grad_out is
+// gathered once per edge for both.
 // Sources without edges are zeroed from a mark array the grouping fills.
 // grad_edge_weight alone: warps walk chunks of the CSR edges; the row's grad_out stays in
 // registers while its edges' node_feat rows are gathered and dotted.  deterministic=False (fp32)
@@ -483,34 +484,37 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) sab_csr(SabArgs a) {
 }
 
 // Grouping: key col_idx[e] (num_src for an edge outside the rows or with a bad column), value e,
-// the row of e, and a mark on each source with an edge.
+// the row of e, and a mark on each source with an edge.  A warp takes kPrepare consecutive edges:
+// the rows of its first and last edge bound each lane's search for the row of its own.
+constexpr int kPrepare = 256;
+
 template <typename I, typename U>
 __global__ void __launch_bounds__(256) sab_prepare(SabArgs a, U *keys, U *edges, U *row_of, uint8_t *marked) {
     const int lane = threadIdx.x & 31;
     int64_t lo, hi;
     sab_bounds<I>(a, lo, hi);
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
-    for (int64_t base = ((int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 32; base < a.num_edges;
-         base += warps * 32) {
-        const int64_t e = base + lane;
+    for (int64_t base = ((int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kPrepare; base < a.num_edges;
+         base += warps * kPrepare) {
         int64_t ra = 0, rb = 0;
-        if (lo < hi && a.num_dst > 0) {  // the rows of this warp's first and last edges bound each lane's search
+        if (lo < hi) {
             ra = sab_row_search<I>(a, min(max(base, lo), hi - 1), 0, a.num_dst - 1);
-            rb = sab_row_search<I>(a, min(max(base + 31, lo), hi - 1), ra, a.num_dst - 1);
+            rb = sab_row_search<I>(a, min(max(base + kPrepare - 1, lo), hi - 1), ra, a.num_dst - 1);
         }
-        if (e >= a.num_edges) continue;
-        uint64_t key = (uint64_t)a.num_src, row = 0;
-        if (e >= lo && e < hi) {
-            const int64_t col = qk_load_index<I>(a.col_idx, e, a.col_idx_stride);
-            if (col >= 0 && col < a.num_src) {
-                key = (uint64_t)col;
-                marked[col] = 1;
+        for (int64_t e = base + lane; e < min(base + kPrepare, a.num_edges); e += 32) {
+            uint64_t key = (uint64_t)a.num_src, row = 0;
+            if (e >= lo && e < hi) {
+                const int64_t col = qk_load_index<I>(a.col_idx, e, a.col_idx_stride);
+                if (col >= 0 && col < a.num_src) {
+                    key = (uint64_t)col;
+                    marked[col] = 1;
+                }
+                row = (uint64_t)sab_row_search<I>(a, e, ra, rb);
             }
-            row = (uint64_t)sab_row_search<I>(a, e, ra, rb);
+            keys[e] = (U)key;
+            edges[e] = (U)e;
+            row_of[e] = (U)row;
         }
-        keys[e] = (U)key;
-        edges[e] = (U)e;
-        row_of[e] = (U)row;
     }
 }
 
@@ -521,7 +525,7 @@ template <typename T, int K, bool kEW>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     sab_csc(SabArgs a, const uint32_t *keys, const uint32_t *edges, const uint32_t *row_of, float *slots) {
     constexpr int V = qk_vec<T>::N;
-    constexpr int U = K >= 8 ? 1 : 8 / K;
+    constexpr int U = kEW ? (K >= 4 ? 1 : 4 / K) : (K >= 8 ? 1 : 8 / K);  // edges in flight, in the register budget
     const int lane = threadIdx.x & 31;
     const int H = (int)a.num_heads, hd = (int)(a.num_heads * a.head_dim), nvec = hd / V, gd = (int)(a.head_dim / V);
     const int64_t M = a.num_edges, nchunks = (M + kBwdChunk - 1) / kBwdChunk;
@@ -539,15 +543,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
         if (!kEW && cur >= N) continue;  // only left-out edges from here on
         bool before = k0 > 0 && keys[k0 - 1] == cur;
         float acc[K][V] = {};
-        qk_vec<T> own[K];
-        auto load_own = [&]() {
-#pragma unroll
-            for (int k = 0; k < K; k++) {
-                const int c = lane + 32 * k;
-                if (kEW && cur < N && c < nvec) own[k] = qk_load_vec(nf + (int64_t)cur * a.nf_stride[0] + c * V);
-                else sab_zero_vec(own[k]);
-            }
-        };
         auto flush = [&](bool after) {
             if (cur >= N) return;
             if (!before && !after) {
@@ -571,7 +566,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
                 }
             }
         };
-        load_own();
         for (int64_t b = k0; b < k1; b += U) {
             uint32_t key[U], e[U];
 #pragma unroll
@@ -579,7 +573,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
                 key[u] = b + u < k1 ? keys[b + u] : N;
                 e[u] = b + u < k1 ? edges[b + u] : 0u;
             }
-            qk_vec<T> g[U][K];
+            // kEW: each edge's source row too (an L1 hit after the first of a source), so no load
+            // waits on a change of source
+            qk_vec<T> g[U][K], own[U][K];
             float w[U][K];
 #pragma unroll
             for (int u = 0; u < U; u++) {
@@ -590,8 +586,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
                     if (row >= 0 && c < nvec) {
                         g[u][k] = qk_load_vec(go + row * a.go_stride[0] + c * V);
                         w[u][k] = qk_to_float(__ldg(ew + (int64_t)e[u] * a.ew_stride[0] + head[k] * a.ew_stride[1]));
+                        if constexpr (kEW) own[u][k] = qk_load_vec(nf + (int64_t)key[u] * a.nf_stride[0] + c * V);
                     } else {
                         sab_zero_vec(g[u][k]);
+                        if constexpr (kEW) sab_zero_vec(own[u][k]);
                         w[u][k] = 0.f;
                     }
                 }
@@ -607,7 +605,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
                     for (int k = 0; k < K; k++)
 #pragma unroll
                         for (int j = 0; j < V; j++) acc[k][j] = 0.f;
-                    load_own();
                 }
 #pragma unroll
                 for (int k = 0; k < K; k++)
@@ -619,7 +616,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
                     for (int k = 0; k < K; k++) {
                         p[k] = 0.f;
 #pragma unroll
-                        for (int j = 0; j < V; j++) p[k] = fmaf(qk_to_float(g[u][k].v[j]), qk_to_float(own[k].v[j]), p[k]);
+                        for (int j = 0; j < V; j++) p[k] = fmaf(qk_to_float(g[u][k].v[j]), qk_to_float(own[u][k].v[j]), p[k]);
                     }
                     sab_store_head_dots<T, K>(p, gd, nvec, lane, gew + (int64_t)e[u] * H);
                 }
@@ -773,7 +770,7 @@ int sab_grouped(const SabArgs *a, int k, cudaStream_t s) {
     if (!status) {
         U *k0 = keys.Current(), *e0 = edges.Current();
         void *args[] = {&p, &k0, &e0, &row_of, &marked};
-        status = qk_launch((const void *)sab_prepare<I, U>, dim3(qk_grid_for(E, 256)), dim3(256), 0, s, args);
+        status = qk_launch((const void *)sab_prepare<I, U>, dim3(qk_grid_for(E, 8 * kPrepare)), dim3(256), 0, s, args);
     }
     if (!status) status = (int)qk_sort_pairs<U>(base + o_temp, temp_bytes, keys, edges, (U)E, end_bit, s);
     const U *sk = keys.Current(), *se = edges.Current(), *sr = row_of;
@@ -804,8 +801,8 @@ int sab_grouped(const SabArgs *a, int k, cudaStream_t s) {
             const uint8_t *cmarked = marked;
             int64_t rows = a->num_src, elems = hd;
             void *zero[] = {&out, &cmarked, &rows, &elems};
-            status = qk_launch((const void *)qk_zero_unmarked<T>, dim3(qk_grid_for(rows * elems, 256, 132 * 16)),
-                               dim3(256), 0, s, zero);
+            status = qk_launch((const void *)qk_zero_unmarked<T>, dim3(qk_grid_for(rows, 8, 132 * 16)), dim3(256), 0,
+                               s, zero);
         }
     } else if (!status) {
         void *args[] = {&p, &sk, &se, &sr};
