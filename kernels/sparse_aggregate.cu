@@ -402,7 +402,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) sab_csr(SabArgs a) {
     for (int64_t ch = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5); ch < nchunks;
          ch += (int64_t)gridDim.x * kWarpsPerBlock) {
         const int64_t e0 = ch * kBwdChunk, e1 = min(e0 + kBwdChunk, E);
-        if constexpr (kEW)  // edges outside the rows
+        if (kEW && (e0 < lo || e1 > hi))  // edges outside the rows
             for (int64_t i = lane; i < (e1 - e0) * H; i += 32) {
                 const int64_t e = e0 + i / H;
                 if (e < lo || e >= hi) gew[e0 * H + i] = qk_from_float<T>(0.f);
