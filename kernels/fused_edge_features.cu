@@ -88,3 +88,358 @@ extern "C" int qk_fused_edge_features_cuda(const qk_fused_edge_features_args *a,
     }))
     return QK_OK;
 }
+
+// ---- fused_edge_features_backward ---------------------------------------------------------------
+//
+// grad_x, deterministically: the 2E incidences (item 2e + side: side 0 at src, 1 at dst) are
+// grouped by node (group_sort.cuh), so each node sees its incidences in (edge, side) order.
+// Groups of G lanes (G = 8, 16 or 32 by H, so small H does not idle most of a warp) then walk
+// kEfbChunk consecutive sorted incidences each: the node's fp32 accumulator stays in registers,
+// and each incidence gathers the grad_out row's g_sum and g_abs and both ends' x rows (several in
+// flight; the node's own row comes from L1 after its first incidence) and adds
+// g_sum + sign(x[n] - x[other]) * g_abs, which is
+// g_sum + s * g_abs at the source and g_sum - s * g_abs at the destination.  A node whose
+// incidences cross a chunk boundary leaves fp32 partials in workspace slots that a second kernel
+// adds in chunk order (as sparse_aggregate_backward does); nodes without incidences are zeroed from
+// the grouping's marks.  grad_edge_attr is grad_out's last H columns, copied by cudaMemcpy2DAsync.
+// Layouts the vector kernels cannot take, H beyond 128 vectors or 2^32 incidences take a scalar
+// kernel (a thread per element of grad_x, binary searches in the sorted keys).
+// Bytes: the grouping reads edge_index once and sorts 2E 8-byte pairs; the walk reads per
+// incidence an index, 2H of grad_out and H of x; grad_x written once.  An out-of-range index never
+// addresses memory: its incidence is left out, and as the other end it reads as a zero row.
+
+#include "group_sort.cuh"
+
+namespace {
+
+constexpr int kEfbChunk = 256;  // sorted incidences per lane group
+
+using EfbArgs = qk_fused_edge_features_backward_args;
+
+// sign(d) with sign(0) = 0, and 0 for NaN as torch.sign (torch's abs backward) gives
+__device__ __forceinline__ float efb_sign(float d) { return (float)((d > 0.f) - (d < 0.f)); }
+
+template <typename I>
+__device__ __forceinline__ int64_t efb_node(const EfbArgs &a, int64_t side, int64_t e) {
+    const int64_t v = qk_load_index<I>(a.edge_index, side * a.ei_stride[0] + e * a.ei_stride[1], 1);
+    return v >= 0 && v < a.num_nodes ? v : -1;
+}
+
+template <typename I, typename U>
+__global__ void __launch_bounds__(256) efb_prepare(EfbArgs a, U *keys, U *items, uint8_t *marked) {
+    const int64_t m = 2 * a.num_edges;
+    for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < m; k += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t node = efb_node<I>(a, k & 1, k >> 1);
+        if (node >= 0) marked[node] = 1;
+        keys[k] = (U)(node >= 0 ? node : a.num_nodes);
+        items[k] = (U)k;
+    }
+}
+
+// Groups of G lanes (K 16-byte chunks per lane when G = 32) walk kEfbChunk sorted incidences each.
+// A node's piece that does not both start and end in the chunk goes to slot 2 * chunk (it
+// continues from earlier chunks) or 2 * chunk + 1 (it starts here and goes on).
+template <typename T, typename I, int G, int K>
+__global__ void __launch_bounds__(256) efb_walk(EfbArgs a, const uint32_t *keys, const uint32_t *items, float *slots) {
+    constexpr int V = qk_vec<T>::N;
+    constexpr int U = 4 / K;  // incidences in flight: 3U K 16-byte gathers per lane
+    const int lane = threadIdx.x % G;
+    const int H = (int)a.H, nvec = H / V;
+    const int64_t M = 2 * a.num_edges, nchunks = (M + kEfbChunk - 1) / kEfbChunk;
+    const int64_t groups = (int64_t)gridDim.x * (blockDim.x / G);
+    const uint32_t N = (uint32_t)a.num_nodes;
+    const T *x = static_cast<const T *>(a.x), *go = static_cast<const T *>(a.grad_out);
+    T *gx = static_cast<T *>(a.grad_x);
+    for (int64_t ch = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / G; ch < nchunks; ch += groups) {
+        const int64_t k0 = ch * kEfbChunk, k1 = min(k0 + kEfbChunk, M);
+        uint32_t cur = keys[k0];
+        if (cur >= N) continue;  // only left-out incidences from here on
+        bool before = k0 > 0 && keys[k0 - 1] == cur;
+        float acc[K][V];
+        auto start = [&]() {
+#pragma unroll
+            for (int k = 0; k < K; k++)
+#pragma unroll
+                for (int j = 0; j < V; j++) acc[k][j] = 0.f;
+        };
+        auto flush = [&](bool after) {
+            if (!before && !after) {
+#pragma unroll
+                for (int k = 0; k < K; k++) {
+                    const int c = lane + G * k;
+                    if (c >= nvec) continue;
+                    qk_vec<T> o;
+#pragma unroll
+                    for (int j = 0; j < V; j++) o.v[j] = qk_from_float<T>(acc[k][j]);
+                    qk_store_vec(gx + (int64_t)cur * H + c * V, o);
+                }
+            } else {
+                float *slot = slots + (2 * ch + (before ? 0 : 1)) * H;
+#pragma unroll
+                for (int k = 0; k < K; k++) {
+                    const int c = lane + G * k;
+                    if (c < nvec)
+#pragma unroll
+                        for (int j = 0; j < V; j++) slot[c * V + j] = acc[k][j];
+                }
+            }
+        };
+        start();
+        bool done = false;
+        for (int64_t b = k0; b < k1 && !done; b += U) {
+            uint32_t key[U];
+            // each incidence's own row too (an L1 hit after the first of a node): no load waits
+            // on a change of node
+            qk_vec<T> gs[U][K], ga[U][K], xo[U][K], xs[U][K];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                key[u] = b + u < k1 ? keys[b + u] : N;
+                int64_t e = -1, other = -1;
+                if (key[u] < N) {
+                    const uint32_t item = items[b + u];
+                    e = item >> 1;
+                    other = efb_node<I>(a, 1 - (item & 1), e);
+                }
+#pragma unroll
+                for (int k = 0; k < K; k++) {
+                    const int c = lane + G * k;
+                    if (e >= 0 && c < nvec) {
+                        gs[u][k] = qk_load_vec(go + e * a.go_stride[0] + c * V);
+                        ga[u][k] = qk_load_vec(go + e * a.go_stride[0] + H + c * V);
+                        xs[u][k] = qk_load_vec(x + (int64_t)key[u] * a.x_stride[0] + c * V);
+                    } else {
+#pragma unroll
+                        for (int j = 0; j < V; j++)
+                            gs[u][k].v[j] = ga[u][k].v[j] = xs[u][k].v[j] = qk_from_float<T>(0.f);
+                    }
+                    if (other >= 0 && c < nvec) {
+                        xo[u][k] = qk_load_vec(x + other * a.x_stride[0] + c * V);
+                    } else {
+#pragma unroll
+                        for (int j = 0; j < V; j++) xo[u][k].v[j] = qk_from_float<T>(0.f);
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                if (b + u >= k1) break;
+                if (key[u] != cur) {  // the previous node's incidences end here
+                    flush(false);
+                    cur = key[u];
+                    if (cur >= N) {
+                        done = true;
+                        break;
+                    }
+                    before = false;
+                    start();
+                }
+#pragma unroll
+                for (int k = 0; k < K; k++)
+#pragma unroll
+                    for (int j = 0; j < V; j++)
+                        acc[k][j] += qk_to_float(gs[u][k].v[j]) +
+                                     efb_sign(qk_to_float(xs[u][k].v[j]) - qk_to_float(xo[u][k].v[j])) *
+                                         qk_to_float(ga[u][k].v[j]);
+            }
+        }
+        if (!done) flush(k1 < M && keys[k1] == cur);
+    }
+}
+
+// The nodes whose incidences cross chunk boundaries: the chunk where one starts adds its slot 1 and
+// the following chunks' slot 0, in chunk order, and writes the row.
+template <typename T, int G, int K>
+__global__ void __launch_bounds__(256) efb_fixup(EfbArgs a, const uint32_t *keys, const float *slots) {
+    constexpr int V = qk_vec<T>::N;
+    const int lane = threadIdx.x % G;
+    const int H = (int)a.H, nvec = H / V;
+    const int64_t M = 2 * a.num_edges, nchunks = (M + kEfbChunk - 1) / kEfbChunk;
+    const int64_t groups = (int64_t)gridDim.x * (blockDim.x / G);
+    const uint32_t N = (uint32_t)a.num_nodes;
+    T *gx = static_cast<T *>(a.grad_x);
+    for (int64_t ch = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / G; ch < nchunks; ch += groups) {
+        const int64_t k0 = ch * kEfbChunk, k1 = k0 + kEfbChunk;
+        if (k1 >= M) continue;
+        const uint32_t j = keys[k1 - 1];
+        if (j >= N || keys[k1] != j || (k0 > 0 && keys[k0] == j && keys[k0 - 1] == j)) continue;
+        float acc[K][V];
+#pragma unroll
+        for (int k = 0; k < K; k++)
+#pragma unroll
+            for (int v = 0; v < V; v++) acc[k][v] = 0.f;
+        for (int64_t c = ch; c < nchunks && (c == ch || keys[c * kEfbChunk] == j); c++) {
+            const float *slot = slots + (2 * c + (c == ch ? 1 : 0)) * H;
+#pragma unroll
+            for (int k = 0; k < K; k++) {
+                const int cc = lane + G * k;
+                if (cc < nvec)
+#pragma unroll
+                    for (int v = 0; v < V; v++) acc[k][v] += slot[cc * V + v];
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            const int cc = lane + G * k;
+            if (cc >= nvec) continue;
+            qk_vec<T> o;
+#pragma unroll
+            for (int v = 0; v < V; v++) o.v[v] = qk_from_float<T>(acc[k][v]);
+            qk_store_vec(gx + (int64_t)j * H + cc * V, o);
+        }
+    }
+}
+
+// Scalar grad_x: a thread per element, its node's incidences found by binary search, in order.
+template <typename T, typename I, typename U>
+__global__ void __launch_bounds__(256) efb_scalar(EfbArgs a, const U *keys, const U *items) {
+    const T *x = static_cast<const T *>(a.x), *go = static_cast<const T *>(a.grad_out);
+    T *gx = static_cast<T *>(a.grad_x);
+    const int64_t M = 2 * a.num_edges, total = a.num_nodes * a.H;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t n = i / a.H, h = i - n * a.H;
+        const float xs = qk_to_float(x[n * a.x_stride[0] + h * a.x_stride[1]]);
+        const int64_t end = qk_lower_bound(keys, M, (uint64_t)n + 1);
+        float acc = 0.f;
+        for (int64_t k = qk_lower_bound(keys, M, (uint64_t)n); k < end; k++) {
+            const int64_t item = (int64_t)items[k], e = item >> 1, other = efb_node<I>(a, 1 - (item & 1), e);
+            const float xo = other >= 0 ? qk_to_float(x[other * a.x_stride[0] + h * a.x_stride[1]]) : 0.f;
+            const T *g = go + e * a.go_stride[0];
+            acc += qk_to_float(g[h * a.go_stride[1]]) + efb_sign(xs - xo) * qk_to_float(g[(a.H + h) * a.go_stride[1]]);
+        }
+        gx[i] = qk_from_float<T>(acc);
+    }
+}
+
+// grad_edge_attr = grad_out[:, 2H:] where a 2-D copy cannot take grad_out's strides.
+template <typename T>
+__global__ void __launch_bounds__(256) efb_copy_attr(EfbArgs a) {
+    const T *go = static_cast<const T *>(a.grad_out);
+    T *gea = static_cast<T *>(a.grad_edge_attr);
+    const int64_t total = a.num_edges * a.H;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t e = i / a.H, h = i - e * a.H;
+        gea[i] = go[e * a.go_stride[0] + (2 * a.H + h) * a.go_stride[1]];
+    }
+}
+
+// Lanes per group G and 16-byte chunks per lane K of the vector walk; G = 0: the scalar kernel.
+template <typename T>
+void efb_shape(const EfbArgs *a, int &G, int &K) {
+    constexpr int V = qk_vec<T>::N;
+    G = K = 0;
+    const bool layout = a->H % V == 0 && a->x_stride[1] == 1 && a->x_stride[0] % V == 0 && a->go_stride[1] == 1 &&
+                        a->go_stride[0] % V == 0 && qk_aligned16(a->x) && qk_aligned16(a->grad_out) &&
+                        qk_aligned16(a->grad_x) && 2 * a->num_edges < (int64_t)UINT32_MAX &&
+                        a->num_nodes < (int64_t)UINT32_MAX;
+    const int64_t nvec = a->H / V;
+    if (!layout || nvec > 128) return;
+    G = nvec <= 8 ? 8 : nvec <= 16 ? 16 : 32;
+    K = nvec <= 32 ? 1 : nvec <= 64 ? 2 : 4;
+}
+
+template <typename T, typename I, typename U>
+int efb_grouped(const EfbArgs *a, int G, int K, cudaStream_t s) {
+    const int64_t m = 2 * a->num_edges, nchunks = (m + kEfbChunk - 1) / kEfbChunk;
+    const bool vector = G > 0 && sizeof(U) == 4;
+    const int end_bit = qk_bit_width((uint64_t)a->num_nodes);
+    size_t temp_bytes = 0;
+    cub::DoubleBuffer<U> keys(nullptr, nullptr), items(nullptr, nullptr);
+    QK_CUDA_TRY(qk_sort_pairs<U>(nullptr, temp_bytes, keys, items, (U)m, end_bit, s));
+    qk_scratch_layout plan;
+    const size_t bytes = (size_t)m * sizeof(U);
+    const size_t o_keys0 = plan.take(bytes), o_keys1 = plan.take(bytes), o_items0 = plan.take(bytes),
+                 o_items1 = plan.take(bytes), o_marked = plan.take((size_t)a->num_nodes),
+                 o_slots = plan.take(vector ? (size_t)(2 * nchunks * a->H) * sizeof(float) : 0),
+                 o_temp = plan.take(temp_bytes);
+    char *base = nullptr;
+    QK_CUDA_TRY(cudaMallocAsync((void **)&base, plan.bytes, s));
+    keys = cub::DoubleBuffer<U>((U *)(base + o_keys0), (U *)(base + o_keys1));
+    items = cub::DoubleBuffer<U>((U *)(base + o_items0), (U *)(base + o_items1));
+    uint8_t *marked = (uint8_t *)(base + o_marked);
+    EfbArgs p = *a;
+    int status = (int)cudaMemsetAsync(marked, 0, (size_t)a->num_nodes, s);
+    if (!status) {
+        U *k0 = keys.Current(), *i0 = items.Current();
+        void *args[] = {&p, &k0, &i0, &marked};
+        status = qk_launch((const void *)efb_prepare<I, U>, dim3(qk_grid_for(m, 256, 132 * 16)), dim3(256), 0, s, args);
+    }
+    if (!status) status = (int)qk_sort_pairs<U>(base + o_temp, temp_bytes, keys, items, (U)m, end_bit, s);
+    const U *sk = keys.Current(), *si = items.Current();
+    if (!status && vector) {
+        const uint32_t *k32 = (const uint32_t *)sk, *i32 = (const uint32_t *)si;
+        float *slots = (float *)(base + o_slots);
+        const float *cslots = slots;
+        void *walk[] = {&p, &k32, &i32, &slots};
+        void *fix[] = {&p, &k32, &cslots};
+        const void *walker = nullptr, *fixer = nullptr;
+        if (G == 8) {
+            walker = (const void *)efb_walk<T, I, 8, 1>;
+            fixer = (const void *)efb_fixup<T, 8, 1>;
+        } else if (G == 16) {
+            walker = (const void *)efb_walk<T, I, 16, 1>;
+            fixer = (const void *)efb_fixup<T, 16, 1>;
+        } else if (K == 1) {
+            walker = (const void *)efb_walk<T, I, 32, 1>;
+            fixer = (const void *)efb_fixup<T, 32, 1>;
+        } else if (K == 2) {
+            walker = (const void *)efb_walk<T, I, 32, 2>;
+            fixer = (const void *)efb_fixup<T, 32, 2>;
+        } else {
+            walker = (const void *)efb_walk<T, I, 32, 4>;
+            fixer = (const void *)efb_fixup<T, 32, 4>;
+        }
+        const dim3 grid(qk_grid_for(nchunks, 256 / G)), block(256);
+        status = qk_launch(walker, grid, block, 0, s, walk);
+        if (!status) status = qk_launch(fixer, grid, block, 0, s, fix);
+        if (!status) {
+            T *out = static_cast<T *>(a->grad_x);
+            const uint8_t *cmarked = marked;
+            int64_t rows = a->num_nodes, elems = a->H;
+            void *zero[] = {&out, &cmarked, &rows, &elems};
+            status = qk_launch((const void *)qk_zero_unmarked<T>, dim3(qk_grid_for(rows, 8, 132 * 16)), dim3(256), 0,
+                               s, zero);
+        }
+    } else if (!status) {
+        void *args[] = {&p, &sk, &si};
+        status = qk_launch((const void *)efb_scalar<T, I, U>, dim3(qk_grid_for(a->num_nodes * a->H, 256, 132 * 16)),
+                           dim3(256), 0, s, args);
+    }
+    const int freed = (int)cudaFreeAsync(base, s);
+    return status ? status : freed;
+}
+
+}  // namespace
+
+extern "C" int qk_fused_edge_features_backward_cuda(const qk_fused_edge_features_backward_args *a, void *stream) {
+    cudaStream_t s = (cudaStream_t)stream;
+    if (a->dtype != QK_F32 && a->dtype != QK_F16 && a->dtype != QK_BF16) return QK_E_UNSUPPORTED;
+    if (a->index_dtype != QK_I32 && a->index_dtype != QK_I64) return QK_E_UNSUPPORTED;
+    const size_t esize = a->dtype == QK_F32 ? 4 : 2;
+    if (a->H == 0) return QK_OK;
+    if (a->grad_edge_attr && a->num_edges > 0) {
+        const int64_t s0 = a->go_stride[0];
+        if (a->go_stride[1] == 1 && s0 >= a->H) {
+            QK_CUDA_TRY(cudaMemcpy2DAsync(a->grad_edge_attr, (size_t)a->H * esize,
+                                          (const char *)a->grad_out + (size_t)(2 * a->H) * esize, (size_t)s0 * esize,
+                                          (size_t)a->H * esize, (size_t)a->num_edges, cudaMemcpyDeviceToDevice, s));
+        } else {
+            qk_fused_edge_features_backward_args p = *a;
+            void *args[] = {&p};
+            QK_DISPATCH_FLOAT(a->dtype, T, {
+                const int status = qk_launch((const void *)efb_copy_attr<T>,
+                                             dim3(qk_grid_for(a->num_edges * a->H, 256, 132 * 16)), dim3(256), 0, s, args);
+                if (status) return status;
+            })
+        }
+    }
+    if (a->num_nodes == 0) return QK_OK;
+    if (a->num_edges == 0) return (int)cudaMemsetAsync(a->grad_x, 0, (size_t)(a->num_nodes * a->H) * esize, s);
+    QK_DISPATCH_FLOAT(a->dtype, T, QK_DISPATCH_INDEX(a->index_dtype, I, {
+        int G, K;
+        efb_shape<T>(a, G, K);
+        if (2 * a->num_edges < (int64_t)UINT32_MAX && a->num_nodes < (int64_t)UINT32_MAX)
+            return efb_grouped<T, I, uint32_t>(a, G, K, s);
+        return efb_grouped<T, I, uint64_t>(a, 0, 0, s);
+    }))
+    return QK_OK;
+}

@@ -287,3 +287,579 @@ extern "C" int qk_sparse_aggregate_check_cuda(qk_sparse_aggregate_args *a, void 
     a->bad_value = (int64_t)host[2];
     return QK_E_INDEX;
 }
+
+// ---- sparse_aggregate_backward ------------------------------------------------------------------
+//
+// grad_node_feat (deterministic): the edges are grouped by column (group_sort.cuh: keys col_idx,
+// or num_src for an edge outside the rows or with a bad column; values the edge ids), so each
+// source's edges come in ascending order.  Each warp then walks kBwdChunk consecutive sorted
+// edges: it keeps the current source's [H*D] accumulator in registers as the forward keeps a
+// row's, gathers grad_out[row(e)] (several edges in flight), adds edge_weight * grad_out, and
+// writes the source's row when its edges end inside the chunk.  A source whose edges cross a
+// chunk boundary leaves one fp32 partial per chunk in a workspace slot, and a second kernel adds
+// them in chunk order: deterministic, no atomics, every warp's work bounded by kBwdChunk edges
+// however skewed the in-degrees.  grad_edge_weight comes out of the same walk: each gathered
+// grad_out row is dotted per head with the source's own node_feat row (loaded beside it, from L1
+// after the source's first edge; lane partials, then a fixed shuffle tree), so grad_out is
+// gathered once per edge for both.
+// Sources without edges are zeroed from a mark array the grouping fills.
+// grad_edge_weight alone: warps walk chunks of the CSR edges; the row's grad_out stays in
+// registers while its edges' node_feat rows are gathered and dotted.  deterministic=False (fp32)
+// uses the same walk to scatter edge_weight * grad_out into grad_node_feat with atomic adds
+// instead of grouping.
+// Layouts the vector kernels cannot take (odd D, strided rows, H*D over 256 vectors, heads that
+// straddle lanes unevenly, 2^32 or more edges) take scalar kernels: one thread per (edge, head) for
+// grad_edge_weight, one per output element (binary searches in the sorted keys) for grad_node_feat.
+// Bytes (deterministic, both gradients): the grouping reads col_idx and row_ptr once and sorts
+// 8-byte pairs; the walk reads E*(H + 3 indices) + E*H*D gathered + N_src*H*D own rows and writes
+// E*H + N_src*H*D.  Bad indices are never followed: edges with a column outside [0, N_src) or
+// outside the rows get grad_edge_weight 0 and add nothing.
+
+#include "group_sort.cuh"
+
+namespace {
+
+constexpr int kBwdChunk = 256;  // edges per warp in both walks
+
+using SabArgs = qk_sparse_aggregate_backward_args;
+
+template <typename I>
+__device__ __forceinline__ void sab_bounds(const SabArgs &a, int64_t &lo, int64_t &hi) {
+    lo = min(max(qk_load_index<I>(a.row_ptr, 0, a.row_ptr_stride), (int64_t)0), a.num_edges);
+    hi = min(max(qk_load_index<I>(a.row_ptr, a.num_dst, a.row_ptr_stride), lo), a.num_edges);
+}
+
+// The last row r in [r_lo, r_hi] with row_ptr[r] <= e (row_ptr non-decreasing; any input gives a
+// row in range).
+template <typename I>
+__device__ __forceinline__ int64_t sab_row_search(const SabArgs &a, int64_t e, int64_t r_lo, int64_t r_hi) {
+    while (r_lo < r_hi) {
+        const int64_t mid = (r_lo + r_hi + 1) / 2;
+        if (qk_load_index<I>(a.row_ptr, mid, a.row_ptr_stride) <= e) r_lo = mid;
+        else r_hi = mid - 1;
+    }
+    return r_lo;
+}
+
+// p[k]: this lane's partial dot product over its chunk lane + 32k (V values of one head).  gd = D / V
+// chunks per head: a power of two up to 32 (the lanes of a head form an aligned group) or a
+// multiple of 32 (a head spans gd / 32 whole slices k).  Every lane takes part; the head sums are
+// stored to row[h] by one lane each, in a fixed shuffle order.
+template <typename T, int K>
+__device__ __forceinline__ void sab_store_head_dots(float (&p)[K], int gd, int nvec, int lane, T *row) {
+    if (gd <= 32) {
+        for (int off = gd >> 1; off > 0; off >>= 1)
+#pragma unroll
+            for (int k = 0; k < K; k++) p[k] += __shfl_xor_sync(0xffffffffu, p[k], off);
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            const int c = lane + 32 * k;
+            if (c < nvec && (lane & (gd - 1)) == 0) row[c / gd] = qk_from_float<T>(p[k]);
+        }
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < K; k++)
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) p[k] += __shfl_xor_sync(0xffffffffu, p[k], off);
+    const int slices = gd / 32;
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        s += p[k];
+        if ((k + 1) % slices == 0) {
+            if (lane == 0 && 32 * k < nvec) row[(32 * k) / gd] = qk_from_float<T>(s);
+            s = 0.f;
+        }
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void sab_zero_vec(qk_vec<T> &v) {
+#pragma unroll
+    for (int j = 0; j < qk_vec<T>::N; j++) v.v[j] = qk_from_float<T>(0.f);
+}
+
+// CSR walk: warp per kBwdChunk edges.  kEW: grad_edge_weight of each edge (0 outside the rows or for
+// a bad column).  kScatter (fp32 only): atomically adds edge_weight * grad_out[row] into
+// grad_node_feat[col] (zeroed beforehand).
+template <typename T, typename I, int K, bool kEW, bool kScatter>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) sab_csr(SabArgs a) {
+    constexpr int V = qk_vec<T>::N;
+    constexpr int U = K >= 8 ? 1 : 8 / K;
+    const int lane = threadIdx.x & 31;
+    const int H = (int)a.num_heads, hd = (int)(a.num_heads * a.head_dim), nvec = hd / V, gd = (int)(a.head_dim / V);
+    const int64_t E = a.num_edges, nchunks = (E + kBwdChunk - 1) / kBwdChunk;
+    const T *go = static_cast<const T *>(a.grad_out), *nf = static_cast<const T *>(a.node_feat);
+    const T *ew = static_cast<const T *>(a.edge_weight);
+    T *gew = static_cast<T *>(a.grad_edge_weight);
+    float *gnf = static_cast<float *>(a.grad_node_feat);
+    int head[K];
+#pragma unroll
+    for (int k = 0; k < K; k++) head[k] = (lane + 32 * k) / gd;
+    int64_t lo, hi;
+    sab_bounds<I>(a, lo, hi);
+    for (int64_t ch = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5); ch < nchunks;
+         ch += (int64_t)gridDim.x * kWarpsPerBlock) {
+        const int64_t e0 = ch * kBwdChunk, e1 = min(e0 + kBwdChunk, E);
+        if (kEW && (e0 < lo || e1 > hi))  // edges outside the rows
+            for (int64_t i = lane; i < (e1 - e0) * H; i += 32) {
+                const int64_t e = e0 + i / H;
+                if (e < lo || e >= hi) gew[e0 * H + i] = qk_from_float<T>(0.f);
+            }
+        const int64_t a0 = max(e0, lo), a1 = min(e1, hi);
+        if (a0 >= a1) continue;
+        int64_t r = sab_row_search<I>(a, a0, 0, a.num_dst - 1);
+        for (int64_t e = a0; e < a1; r++) {
+            const int64_t rb = r + 1 >= a.num_dst ? a1
+                                                  : min(max(qk_load_index<I>(a.row_ptr, r + 1, a.row_ptr_stride), e), a1);
+            if (rb == e) continue;  // an empty row
+            float g[K][V];
+#pragma unroll
+            for (int k = 0; k < K; k++) {
+                const int c = lane + 32 * k;
+                qk_vec<T> v;
+                if (c < nvec) v = qk_load_vec(go + r * a.go_stride[0] + c * V);
+                else sab_zero_vec(v);
+#pragma unroll
+                for (int j = 0; j < V; j++) g[k][j] = qk_to_float(v.v[j]);
+            }
+            for (int64_t b = e; b < rb; b += U) {
+                int64_t col[U];
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    col[u] = b + u < rb ? qk_load_index<I>(a.col_idx, b + u, a.col_idx_stride) : -1;
+                    if (col[u] >= a.num_src) col[u] = -1;
+                }
+                qk_vec<T> x[U][K];
+                float w[U][K];
+#pragma unroll
+                for (int u = 0; u < U; u++)
+#pragma unroll
+                    for (int k = 0; k < K; k++) {
+                        const int c = lane + 32 * k;
+                        const bool live = col[u] >= 0 && c < nvec;
+                        if constexpr (kEW) {
+                            if (live) x[u][k] = qk_load_vec(nf + col[u] * a.nf_stride[0] + c * V);
+                            else sab_zero_vec(x[u][k]);
+                        }
+                        if constexpr (kScatter)
+                            w[u][k] = live ? qk_to_float(__ldg(ew + (b + u) * a.ew_stride[0] + head[k] * a.ew_stride[1])) : 0.f;
+                    }
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    if (b + u >= rb) break;
+                    if constexpr (kEW) {
+                        float p[K];
+#pragma unroll
+                        for (int k = 0; k < K; k++) {
+                            p[k] = 0.f;
+#pragma unroll
+                            for (int j = 0; j < V; j++) p[k] = fmaf(g[k][j], qk_to_float(x[u][k].v[j]), p[k]);
+                        }
+                        sab_store_head_dots<T, K>(p, gd, nvec, lane, gew + (b + u) * H);
+                    }
+                    if constexpr (kScatter) {
+                        static_assert(V == 4, "atomic scatter: fp32 only");
+                        if (col[u] >= 0)
+#pragma unroll
+                        for (int k = 0; k < K; k++) {
+                            const int c = lane + 32 * k;
+                            if (c >= nvec) continue;
+                            float *dst = gnf + col[u] * hd + c * V;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+                            atomicAdd(reinterpret_cast<float4 *>(dst),
+                                      make_float4(w[u][k] * g[k][0], w[u][k] * g[k][1], w[u][k] * g[k][2], w[u][k] * g[k][3]));
+#else
+#pragma unroll
+                            for (int j = 0; j < V; j++) atomicAdd(dst + j, w[u][k] * g[k][j]);
+#endif
+                        }
+                    }
+                }
+            }
+            e = rb;
+        }
+    }
+}
+
+// Grouping: key col_idx[e] (num_src for an edge outside the rows or with a bad column), value e,
+// the row of e, and a mark on each source with an edge.  A warp takes kPrepare consecutive edges:
+// the rows of its first and last edge bound each lane's search for the row of its own.
+constexpr int kPrepare = 256;
+
+template <typename I, typename U>
+__global__ void __launch_bounds__(256) sab_prepare(SabArgs a, U *keys, U *edges, U *row_of, uint8_t *marked) {
+    const int lane = threadIdx.x & 31;
+    int64_t lo, hi;
+    sab_bounds<I>(a, lo, hi);
+    const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
+    for (int64_t base = ((int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kPrepare; base < a.num_edges;
+         base += warps * kPrepare) {
+        int64_t ra = 0, rb = 0;
+        if (lo < hi) {
+            ra = sab_row_search<I>(a, min(max(base, lo), hi - 1), 0, a.num_dst - 1);
+            rb = sab_row_search<I>(a, min(max(base + kPrepare - 1, lo), hi - 1), ra, a.num_dst - 1);
+        }
+        for (int64_t e = base + lane; e < min(base + kPrepare, a.num_edges); e += 32) {
+            uint64_t key = (uint64_t)a.num_src, row = 0;
+            if (e >= lo && e < hi) {
+                const int64_t col = qk_load_index<I>(a.col_idx, e, a.col_idx_stride);
+                if (col >= 0 && col < a.num_src) {
+                    key = (uint64_t)col;
+                    marked[col] = 1;
+                }
+                row = (uint64_t)sab_row_search<I>(a, e, ra, rb);
+            }
+            keys[e] = (U)key;
+            edges[e] = (U)e;
+            row_of[e] = (U)row;
+        }
+    }
+}
+
+// CSC walk over the sorted edges: warp per kBwdChunk of them.  A source's piece that does not
+// both start and end inside the chunk goes to slot 2 * chunk (it continues one from earlier
+// chunks) or 2 * chunk + 1 (it starts here and goes on); sab_fixup adds them up.
+template <typename T, int K, bool kEW>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    sab_csc(SabArgs a, const uint32_t *keys, const uint32_t *edges, const uint32_t *row_of, float *slots) {
+    constexpr int V = qk_vec<T>::N;
+    constexpr int U = kEW ? (K >= 4 ? 1 : 4 / K) : (K >= 8 ? 1 : 8 / K);  // edges in flight, in the register budget
+    const int lane = threadIdx.x & 31;
+    const int H = (int)a.num_heads, hd = (int)(a.num_heads * a.head_dim), nvec = hd / V, gd = (int)(a.head_dim / V);
+    const int64_t M = a.num_edges, nchunks = (M + kBwdChunk - 1) / kBwdChunk;
+    const uint32_t N = (uint32_t)a.num_src;
+    const T *go = static_cast<const T *>(a.grad_out), *nf = static_cast<const T *>(a.node_feat);
+    const T *ew = static_cast<const T *>(a.edge_weight);
+    T *gew = static_cast<T *>(a.grad_edge_weight), *gnf = static_cast<T *>(a.grad_node_feat);
+    int head[K];
+#pragma unroll
+    for (int k = 0; k < K; k++) head[k] = (lane + 32 * k) / gd;
+    for (int64_t ch = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5); ch < nchunks;
+         ch += (int64_t)gridDim.x * kWarpsPerBlock) {
+        const int64_t k0 = ch * kBwdChunk, k1 = min(k0 + kBwdChunk, M);
+        uint32_t cur = keys[k0];
+        if (!kEW && cur >= N) continue;  // only left-out edges from here on
+        bool before = k0 > 0 && keys[k0 - 1] == cur;
+        float acc[K][V] = {};
+        auto flush = [&](bool after) {
+            if (cur >= N) return;
+            if (!before && !after) {
+#pragma unroll
+                for (int k = 0; k < K; k++) {
+                    const int c = lane + 32 * k;
+                    if (c >= nvec) continue;
+                    qk_vec<T> o;
+#pragma unroll
+                    for (int j = 0; j < V; j++) o.v[j] = qk_from_float<T>(acc[k][j]);
+                    qk_store_vec(gnf + (int64_t)cur * hd + c * V, o);
+                }
+            } else {
+                float *slot = slots + (2 * ch + (before ? 0 : 1)) * hd;
+#pragma unroll
+                for (int k = 0; k < K; k++) {
+                    const int c = lane + 32 * k;
+                    if (c >= nvec) continue;
+#pragma unroll
+                    for (int j = 0; j < V; j++) slot[c * V + j] = acc[k][j];
+                }
+            }
+        };
+        for (int64_t b = k0; b < k1; b += U) {
+            uint32_t key[U], e[U];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                key[u] = b + u < k1 ? keys[b + u] : N;
+                e[u] = b + u < k1 ? edges[b + u] : 0u;
+            }
+            // kEW: each edge's source row too (an L1 hit after the first of a source), so no load
+            // waits on a change of source
+            qk_vec<T> g[U][K], own[U][K];
+            float w[U][K];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int64_t row = key[u] < N ? (int64_t)row_of[e[u]] : -1;
+#pragma unroll
+                for (int k = 0; k < K; k++) {
+                    const int c = lane + 32 * k;
+                    if (row >= 0 && c < nvec) {
+                        g[u][k] = qk_load_vec(go + row * a.go_stride[0] + c * V);
+                        w[u][k] = qk_to_float(__ldg(ew + (int64_t)e[u] * a.ew_stride[0] + head[k] * a.ew_stride[1]));
+                        if constexpr (kEW) own[u][k] = qk_load_vec(nf + (int64_t)key[u] * a.nf_stride[0] + c * V);
+                    } else {
+                        sab_zero_vec(g[u][k]);
+                        if constexpr (kEW) sab_zero_vec(own[u][k]);
+                        w[u][k] = 0.f;
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                if (b + u >= k1) break;
+                if (key[u] != cur) {  // the previous source's edges end here
+                    flush(false);
+                    cur = key[u];
+                    before = false;
+#pragma unroll
+                    for (int k = 0; k < K; k++)
+#pragma unroll
+                        for (int j = 0; j < V; j++) acc[k][j] = 0.f;
+                }
+#pragma unroll
+                for (int k = 0; k < K; k++)
+#pragma unroll
+                    for (int j = 0; j < V; j++) acc[k][j] = fmaf(w[u][k], qk_to_float(g[u][k].v[j]), acc[k][j]);
+                if (kEW) {  // left-out edges have zero rows here: their gradient is written as 0
+                    float p[K];
+#pragma unroll
+                    for (int k = 0; k < K; k++) {
+                        p[k] = 0.f;
+#pragma unroll
+                        for (int j = 0; j < V; j++) p[k] = fmaf(qk_to_float(g[u][k].v[j]), qk_to_float(own[u][k].v[j]), p[k]);
+                    }
+                    sab_store_head_dots<T, K>(p, gd, nvec, lane, gew + (int64_t)e[u] * H);
+                }
+            }
+            if (!kEW && cur >= N) break;
+        }
+        flush(k1 < M && keys[k1] == cur);
+    }
+}
+
+// The sources whose edges cross chunk boundaries: the chunk where one starts adds its slot 1 and
+// the following chunks' slot 0, in chunk order, and writes the row.
+template <typename T, int K>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) sab_fixup(SabArgs a, const uint32_t *keys, const float *slots) {
+    constexpr int V = qk_vec<T>::N;
+    const int lane = threadIdx.x & 31;
+    const int hd = (int)(a.num_heads * a.head_dim), nvec = hd / V;
+    const int64_t M = a.num_edges, nchunks = (M + kBwdChunk - 1) / kBwdChunk;
+    const uint32_t N = (uint32_t)a.num_src;
+    T *gnf = static_cast<T *>(a.grad_node_feat);
+    for (int64_t ch = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5); ch < nchunks;
+         ch += (int64_t)gridDim.x * kWarpsPerBlock) {
+        const int64_t k0 = ch * kBwdChunk, k1 = k0 + kBwdChunk;
+        if (k1 >= M) continue;
+        const uint32_t j = keys[k1 - 1];
+        if (j >= N || keys[k1] != j || (k0 > 0 && keys[k0] == j && keys[k0 - 1] == j)) continue;
+        float acc[K][V];
+#pragma unroll
+        for (int k = 0; k < K; k++)
+#pragma unroll
+            for (int v = 0; v < V; v++) acc[k][v] = 0.f;
+        for (int64_t c = ch; c < nchunks && (c == ch || keys[c * kBwdChunk] == j); c++) {
+            const float *slot = slots + (2 * c + (c == ch ? 1 : 0)) * hd;
+#pragma unroll
+            for (int k = 0; k < K; k++) {
+                const int cc = lane + 32 * k;
+                if (cc < nvec)
+#pragma unroll
+                    for (int v = 0; v < V; v++) acc[k][v] += slot[cc * V + v];
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            const int cc = lane + 32 * k;
+            if (cc >= nvec) continue;
+            qk_vec<T> o;
+#pragma unroll
+            for (int v = 0; v < V; v++) o.v[v] = qk_from_float<T>(acc[k][v]);
+            qk_store_vec(gnf + (int64_t)j * hd + cc * V, o);
+        }
+    }
+}
+
+// Scalar grad_edge_weight: a thread per (edge, head), any strides.
+template <typename T, typename I>
+__global__ void __launch_bounds__(256) sab_gew_scalar(SabArgs a) {
+    const T *go = static_cast<const T *>(a.grad_out), *nf = static_cast<const T *>(a.node_feat);
+    T *gew = static_cast<T *>(a.grad_edge_weight);
+    int64_t lo, hi;
+    sab_bounds<I>(a, lo, hi);
+    const int64_t total = a.num_edges * a.num_heads;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t e = i / a.num_heads, h = i - e * a.num_heads;
+        float s = 0.f;
+        if (e >= lo && e < hi) {
+            const int64_t col = qk_load_index<I>(a.col_idx, e, a.col_idx_stride);
+            if (col >= 0 && col < a.num_src) {
+                const int64_t r = sab_row_search<I>(a, e, 0, a.num_dst - 1);
+                const T *g = go + r * a.go_stride[0] + h * a.go_stride[1];
+                const T *x = nf + col * a.nf_stride[0] + h * a.nf_stride[1];
+                for (int64_t d = 0; d < a.head_dim; d++)
+                    s = fmaf(qk_to_float(g[d * a.go_stride[2]]), qk_to_float(x[d * a.nf_stride[2]]), s);
+            }
+        }
+        gew[i] = qk_from_float<T>(s);
+    }
+}
+
+// Scalar grad_node_feat over the sorted edges: a thread per output element, its source's edges
+// found by binary search, summed in order.
+template <typename T, typename U>
+__global__ void __launch_bounds__(256)
+    sab_gnf_scalar(SabArgs a, const U *keys, const U *edges, const U *row_of) {
+    const T *go = static_cast<const T *>(a.grad_out), *ew = static_cast<const T *>(a.edge_weight);
+    T *gnf = static_cast<T *>(a.grad_node_feat);
+    const int64_t D = a.head_dim, hd = a.num_heads * D, total = a.num_src * hd;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t j = i / hd, h = (i - j * hd) / D, d = i - j * hd - h * D;
+        const int64_t end = qk_lower_bound(keys, a.num_edges, (uint64_t)j + 1);
+        float acc = 0.f;
+        for (int64_t k = qk_lower_bound(keys, a.num_edges, (uint64_t)j); k < end; k++) {
+            const int64_t e = (int64_t)edges[k];
+            acc = fmaf(qk_to_float(ew[e * a.ew_stride[0] + h * a.ew_stride[1]]),
+                       qk_to_float(go[(int64_t)row_of[e] * a.go_stride[0] + h * a.go_stride[1] + d * a.go_stride[2]]), acc);
+        }
+        gnf[i] = qk_from_float<T>(acc);
+    }
+}
+
+// Chunks per lane of the vector kernels (1, 2, 4 or 8 16-byte chunks of the H*D values), or 0 for
+// the scalar kernels.
+template <typename T>
+int sab_chunks_per_lane(const SabArgs *a) {
+    constexpr int V = qk_vec<T>::N;
+    const int64_t D = a->head_dim, hd = a->num_heads * D, gd = D / V;
+    const bool layout = D % V == 0 && a->go_stride[2] == 1 && a->go_stride[1] == D && a->go_stride[0] % V == 0 &&
+                        a->nf_stride[2] == 1 && a->nf_stride[1] == D && a->nf_stride[0] % V == 0 &&
+                        qk_aligned16(a->grad_out) && qk_aligned16(a->node_feat) &&
+                        (!a->grad_node_feat || qk_aligned16(a->grad_node_feat));
+    const bool heads = gd > 0 && ((gd <= 32 && (gd & (gd - 1)) == 0) || gd % 32 == 0);
+    if (!layout || !heads) return 0;
+    const int64_t per_lane = (hd / V + 31) / 32;
+    for (int k = 1; k <= 8; k *= 2)
+        if (per_lane <= k && (gd <= 32 || k % (gd / 32) == 0)) return k;
+    return 0;
+}
+
+template <typename T, typename I, int K, bool kEW, bool kScatter>
+int sab_launch_csr(const SabArgs *a, cudaStream_t s) {
+    SabArgs p = *a;
+    void *args[] = {&p};
+    const int64_t nchunks = (a->num_edges + kBwdChunk - 1) / kBwdChunk;
+    return qk_launch((const void *)sab_csr<T, I, K, kEW, kScatter>, dim3(qk_grid_for(nchunks, kWarpsPerBlock)),
+                     dim3(kWarpsPerBlock * 32), 0, s, args);
+}
+
+// The deterministic grad_node_feat (and grad_edge_weight with it): group, then the vector walk
+// (k > 0) or the scalar kernels.
+template <typename T, typename I, typename U>
+int sab_grouped(const SabArgs *a, int k, cudaStream_t s) {
+    const int64_t E = a->num_edges, hd = a->num_heads * a->head_dim, nchunks = (E + kBwdChunk - 1) / kBwdChunk;
+    const bool vector = k > 0 && sizeof(U) == 4;
+    const int end_bit = qk_bit_width((uint64_t)a->num_src);
+    size_t temp_bytes = 0;
+    cub::DoubleBuffer<U> keys(nullptr, nullptr), edges(nullptr, nullptr);
+    QK_CUDA_TRY(qk_sort_pairs<U>(nullptr, temp_bytes, keys, edges, (U)E, end_bit, s));
+    qk_scratch_layout plan;
+    const size_t items = (size_t)E * sizeof(U);
+    const size_t o_keys0 = plan.take(items), o_keys1 = plan.take(items), o_edges0 = plan.take(items),
+                 o_edges1 = plan.take(items), o_rows = plan.take(items), o_marked = plan.take((size_t)a->num_src),
+                 o_slots = plan.take(vector ? (size_t)(2 * nchunks * hd) * sizeof(float) : 0),
+                 o_temp = plan.take(temp_bytes);
+    char *base = nullptr;
+    QK_CUDA_TRY(cudaMallocAsync((void **)&base, plan.bytes, s));
+    keys = cub::DoubleBuffer<U>((U *)(base + o_keys0), (U *)(base + o_keys1));
+    edges = cub::DoubleBuffer<U>((U *)(base + o_edges0), (U *)(base + o_edges1));
+    U *row_of = (U *)(base + o_rows);
+    uint8_t *marked = (uint8_t *)(base + o_marked);
+    SabArgs p = *a;
+    int status = (int)cudaMemsetAsync(marked, 0, (size_t)a->num_src, s);
+    if (!status) {
+        U *k0 = keys.Current(), *e0 = edges.Current();
+        void *args[] = {&p, &k0, &e0, &row_of, &marked};
+        status = qk_launch((const void *)sab_prepare<I, U>, dim3(qk_grid_for(E, 8 * kPrepare)), dim3(256), 0, s, args);
+    }
+    if (!status) status = (int)qk_sort_pairs<U>(base + o_temp, temp_bytes, keys, edges, (U)E, end_bit, s);
+    const U *sk = keys.Current(), *se = edges.Current(), *sr = row_of;
+    if (!status && vector) {
+        const uint32_t *k32 = (const uint32_t *)sk, *e32 = (const uint32_t *)se, *r32 = (const uint32_t *)sr;
+        float *slots = (float *)(base + o_slots);
+        const float *cslots = slots;
+        void *walk[] = {&p, &k32, &e32, &r32, &slots};
+        void *fix[] = {&p, &k32, &cslots};
+        const dim3 grid(qk_grid_for(nchunks, kWarpsPerBlock)), block(kWarpsPerBlock * 32);
+        const void *walker = nullptr, *fixer = nullptr;
+        switch (k) {
+#define SAB_CASE(KK)                                                                                          \
+    case KK:                                                                                                  \
+        walker = a->grad_edge_weight ? (const void *)sab_csc<T, KK, true> : (const void *)sab_csc<T, KK, false>; \
+        fixer = (const void *)sab_fixup<T, KK>;                                                               \
+        break;
+            SAB_CASE(1)
+            SAB_CASE(2)
+            SAB_CASE(4)
+            SAB_CASE(8)
+#undef SAB_CASE
+        }
+        status = qk_launch(walker, grid, block, 0, s, walk);
+        if (!status) status = qk_launch(fixer, grid, block, 0, s, fix);
+        if (!status) {
+            T *out = static_cast<T *>(a->grad_node_feat);
+            const uint8_t *cmarked = marked;
+            int64_t rows = a->num_src, elems = hd;
+            void *zero[] = {&out, &cmarked, &rows, &elems};
+            status = qk_launch((const void *)qk_zero_unmarked<T>, dim3(qk_grid_for(rows, 8, 132 * 16)), dim3(256), 0,
+                               s, zero);
+        }
+    } else if (!status) {
+        void *args[] = {&p, &sk, &se, &sr};
+        status = qk_launch((const void *)sab_gnf_scalar<T, U>, dim3(qk_grid_for(a->num_src * hd, 256, 132 * 16)),
+                           dim3(256), 0, s, args);
+        if (!status && a->grad_edge_weight) {
+            void *gargs[] = {&p};
+            status = qk_launch((const void *)sab_gew_scalar<T, I>, dim3(qk_grid_for(E * a->num_heads, 256, 132 * 16)),
+                               dim3(256), 0, s, gargs);
+        }
+    }
+    const int freed = (int)cudaFreeAsync(base, s);
+    return status ? status : freed;
+}
+
+}  // namespace
+
+extern "C" int qk_sparse_aggregate_backward_cuda(const qk_sparse_aggregate_backward_args *a, void *stream) {
+    cudaStream_t s = (cudaStream_t)stream;
+    const int64_t E = a->num_edges, hd = a->num_heads * a->head_dim;
+    const size_t esize = a->dtype == QK_F32 ? 4 : 2;
+    if (!a->grad_edge_weight && !a->grad_node_feat) return QK_OK;
+    if (a->dtype != QK_F32 && a->dtype != QK_F16 && a->dtype != QK_BF16) return QK_E_UNSUPPORTED;
+    if (a->index_dtype != QK_I32 && a->index_dtype != QK_I64) return QK_E_UNSUPPORTED;
+    // Nothing to gather: the gradients that exist are zero.
+    if (hd == 0 || E == 0 || a->num_src == 0) {
+        if (a->grad_edge_weight) QK_CUDA_TRY(cudaMemsetAsync(a->grad_edge_weight, 0, (size_t)(E * a->num_heads) * esize, s));
+        if (a->grad_node_feat) QK_CUDA_TRY(cudaMemsetAsync(a->grad_node_feat, 0, (size_t)(a->num_src * hd) * esize, s));
+        return QK_OK;
+    }
+    QK_DISPATCH_FLOAT(a->dtype, T, QK_DISPATCH_INDEX(a->index_dtype, I, {
+        const int k = sab_chunks_per_lane<T>(a);
+        if (!a->grad_node_feat) {  // grad_edge_weight alone: no grouping
+            SabArgs p = *a;
+            void *args[] = {&p};
+            switch (k) {
+            case 1: return sab_launch_csr<T, I, 1, true, false>(a, s);
+            case 2: return sab_launch_csr<T, I, 2, true, false>(a, s);
+            case 4: return sab_launch_csr<T, I, 4, true, false>(a, s);
+            case 8: return sab_launch_csr<T, I, 8, true, false>(a, s);
+            default:
+                return qk_launch((const void *)sab_gew_scalar<T, I>, dim3(qk_grid_for(E * a->num_heads, 256, 132 * 16)),
+                                 dim3(256), 0, s, args);
+            }
+        }
+        if (!a->deterministic && a->dtype == QK_F32 && k > 0) {  // atomics into a zeroed fp32 grad_node_feat
+            QK_CUDA_TRY(cudaMemsetAsync(a->grad_node_feat, 0, (size_t)(a->num_src * hd) * sizeof(float), s));
+            const bool ew = a->grad_edge_weight != nullptr;
+            switch (k) {
+            case 1: return ew ? sab_launch_csr<float, I, 1, true, true>(a, s) : sab_launch_csr<float, I, 1, false, true>(a, s);
+            case 2: return ew ? sab_launch_csr<float, I, 2, true, true>(a, s) : sab_launch_csr<float, I, 2, false, true>(a, s);
+            case 4: return ew ? sab_launch_csr<float, I, 4, true, true>(a, s) : sab_launch_csr<float, I, 4, false, true>(a, s);
+            default: return ew ? sab_launch_csr<float, I, 8, true, true>(a, s) : sab_launch_csr<float, I, 8, false, true>(a, s);
+            }
+        }
+        if (E < (int64_t)UINT32_MAX && a->num_src < (int64_t)UINT32_MAX) return sab_grouped<T, I, uint32_t>(a, k, s);
+        return sab_grouped<T, I, uint64_t>(a, 0, s);
+    }))
+    return QK_OK;
+}

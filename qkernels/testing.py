@@ -41,6 +41,26 @@ def _ref_sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat):
     np.add.at(out, rows, _f64(edge_weight)[lo:hi, :, None] * _f64(node_feat[col_idx[lo:hi]]))
     return out
 
+def _ref_sparse_aggregate_backward(grad_out, row_ptr, col_idx, edge_weight, node_feat, *, edge_weight_grad=True,
+                                   node_feat_grad=True, deterministic=True):
+    """(grad_edge_weight [E, H], grad_node_feat [N_src, H, D]) of sparse_aggregate for grad_out [N_dst, H, D],
+    None where not wanted: grad_edge_weight[e, h] = grad_out[i, h] . node_feat[col_idx[e], h] for the row i
+    holding e (0 outside [row_ptr[0], row_ptr[-1])); grad_node_feat[j, h] = sum of edge_weight[e, h] *
+    grad_out[i, h] over the edges e of column j."""
+    row_ptr, col_idx = _idx(row_ptr), _idx(col_idx)
+    lo, hi = row_ptr[0], row_ptr[-1]
+    go, ew, nf = _f64(grad_out), _f64(edge_weight), _f64(node_feat)
+    rows = np.repeat(np.arange(len(row_ptr) - 1), np.diff(row_ptr))
+    cols = col_idx[lo:hi]
+    gew = gnf = None
+    if edge_weight_grad:
+        gew = np.zeros(ew.shape)
+        gew[lo:hi] = np.einsum("ehd,ehd->eh", go[rows], nf[cols])
+    if node_feat_grad:
+        gnf = np.zeros(nf.shape)
+        np.add.at(gnf, cols, ew[lo:hi, :, None] * go[rows])
+    return gew, gnf
+
 
 def _ref_fused_edge_features(x, edge_index, edge_attr=None):
     """[x[src] + x[dst], |x[src] - x[dst]|, edge_attr] side by side: [E, 2H] or [E, 3H]."""
@@ -48,6 +68,21 @@ def _ref_fused_edge_features(x, edge_index, edge_attr=None):
     x = np.asarray(x)
     xs, xd = _f64(x[src]), _f64(x[dst])
     return np.concatenate([xs + xd, np.abs(xs - xd)] + ([] if edge_attr is None else [_f64(edge_attr)]), axis=1)
+
+def _ref_fused_edge_features_backward(grad_out, x, edge_index):
+    """(grad_x [N, H], grad_edge_attr [E, H] or None) of fused_edge_features for grad_out [E, 3H] (with
+    edge_attr) or [E, 2H]: x[src] and x[dst] get g_sum +- sign(x[src] - x[dst]) * g_abs (sign 0 at a tie, and
+    at NaN as torch.sign)."""
+    src, dst = _idx(edge_index)
+    x, go = _f64(x), _f64(grad_out)
+    h = x.shape[1]
+    g_sum, g_abs = go[:, :h], go[:, h:2 * h]
+    d = x[src] - x[dst]
+    s = (d > 0).astype(np.float64) - (d < 0)
+    gx = np.zeros(x.shape)
+    np.add.at(gx, src, g_sum + s * g_abs)
+    np.add.at(gx, dst, g_sum - s * g_abs)
+    return gx, (go[:, 2 * h:].copy() if h and go.shape[1] == 3 * h else None)
 
 
 def philox4x32(counter, key):
@@ -340,10 +375,23 @@ def _sample_sparse_aggregate(rng, dt, ix, n_dst=7, n_src=5, heads=2, dim=3, degr
     col_idx = rng.integers(0, max(n_src, 1), e).astype(ix)
     return (row_ptr, col_idx, _randn(rng, dt, e, heads), _randn(rng, dt, n_src, heads, dim)), {}
 
+def _sample_sparse_aggregate_backward(rng, dt, ix, n_dst=7, n_src=5, heads=2, dim=3, degrees=None, avg_degree=4,
+                                      edge_weight_grad=None, node_feat_grad=None, deterministic=None):
+    """grad_out [N_dst, H, D] and sparse_aggregate's sample; the flags are passed when not None."""
+    (row_ptr, col_idx, ew, nf), _ = _sample_sparse_aggregate(rng, dt, ix, n_dst, n_src, heads, dim, degrees, avg_degree)
+    kwargs = {k: v for k, v in (("edge_weight_grad", edge_weight_grad), ("node_feat_grad", node_feat_grad),
+                                ("deterministic", deterministic)) if v is not None}
+    return (_randn(rng, dt, n_dst, heads, dim), row_ptr, col_idx, ew, nf), kwargs
+
 
 def _sample_fused_edge_features(rng, dt, ix, n=6, e=11, h=4, edge_attr=True):
     x, ei = _randn(rng, dt, n, h), rng.integers(0, n, (2, e)).astype(ix)
     return (x, ei) + ((_randn(rng, dt, e, h),) if edge_attr else ()), {}
+
+def _sample_fused_edge_features_backward(rng, dt, ix, n=6, e=11, h=4, edge_attr=True):
+    """grad_out [E, 3H] (edge_attr) or [E, 2H], x [N, H], edge_index [2, E]."""
+    (x, ei), _ = _sample_fused_edge_features(rng, dt, ix, n, e, h, edge_attr=False)
+    return (_randn(rng, dt, e, (3 if edge_attr else 2) * h), x, ei), {}
 
 
 def _sample_fused_norm_residual(rng, dt, ix, rows=5, h=12, mean=0.0):
@@ -484,7 +532,9 @@ def sample(op, rng=None, *, dtype=np.float32, index_dtype=np.int64, **options):
 # at sizes where the kernels do real work (several blocks, GQA 4, head_dim 128, ragged token pools).
 WORK_SIZES = {
     "sparse_aggregate": dict(n_dst=2000, n_src=2000, heads=4, dim=32, avg_degree=8),
+    "sparse_aggregate_backward": dict(n_dst=2000, n_src=2000, heads=4, dim=32, avg_degree=8),
     "fused_edge_features": dict(n=2000, e=16000, h=32),
+    "fused_edge_features_backward": dict(n=2000, e=16000, h=32),
     "fused_norm_residual": dict(rows=2000, h=128),
     "fused_norm_residual_backward": dict(rows=2000, h=128, p=0.1),
     "graph_norm_bce": dict(e=50000, graphs=32),
@@ -508,6 +558,8 @@ WORK_SIZES = {
 DEVICE_DTYPES = {
     "fused_norm_residual_backward": ("bfloat16",) * 3,
     "graph_norm_bce_backward": (None, "bfloat16", "bfloat16", None, None),
+    "sparse_aggregate_backward": ("bfloat16", None, None, "bfloat16", "bfloat16"),
+    "fused_edge_features_backward": ("bfloat16", "bfloat16", None),
     "rotary_emb": ("bfloat16", None),
     "linear": ("bfloat16",) * 3,
     "swiglu": ("bfloat16",) * 3,
@@ -522,7 +574,8 @@ DEVICE_DTYPES = {
 
 
 FLOAT_ARGS = {
-    "sparse_aggregate": (2, 3), "fused_edge_features": (0, 2), "fused_norm_residual": (0, 1, 2, 3),
+    "sparse_aggregate": (2, 3), "sparse_aggregate_backward": (0, 3, 4),
+    "fused_edge_features": (0, 2), "fused_edge_features_backward": (0, 1), "fused_norm_residual": (0, 1, 2, 3),
     "fused_norm_residual_backward": (0, 1, 2), "graph_norm_bce": (0, 1), "graph_norm_bce_backward": (0, 1, 2),
     "rotary_emb": (0, 1), "linear": (0, 1, 2), "swiglu": (0, 1, 2),
     "rotary_emb_backward": (0, 1), "linear_backward": (0, 1, 2), "swiglu_backward": (0, 1, 2, 3),

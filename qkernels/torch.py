@@ -160,14 +160,15 @@ def _grad_graph_norm_bce(ctx, g):
 
 def _grad_rotary_emb(ctx, g):
     (freqs,) = ctx.saved_tensors
-    return torch.ops.qkernels.rotary_emb_backward(g, freqs, interleaved=ctx.interleaved, backend=ctx.backend), None
+    return torch.ops.qkernels.rotary_emb_backward(g.contiguous(), freqs, interleaved=ctx.interleaved,
+                                                  backend=ctx.backend), None
 
 
 def _grad_linear(ctx, g):
     x, w = ctx.saved_tensors
     need = ctx.needs_input_grad
     has_bias = ctx.has_bias and need[2]
-    gx, gw, gb = torch.ops.qkernels.linear_backward(g, x, w, x_grad=need[0], weight_grad=need[1], bias_grad=has_bias,
+    gx, gw, gb = torch.ops.qkernels.linear_backward(g.contiguous(), x, w, x_grad=need[0], weight_grad=need[1], bias_grad=has_bias,
                                                     backend=ctx.backend)
     return gx if need[0] else None, gw if need[1] else None, gb if has_bias else None
 
@@ -175,7 +176,7 @@ def _grad_linear(ctx, g):
 def _grad_swiglu(ctx, g):
     x, up, gate = ctx.saved_tensors
     need = ctx.needs_input_grad
-    gx, gu, gg = torch.ops.qkernels.swiglu_backward(g, x, up, gate, x_grad=need[0], weight_grad=need[1] or need[2],
+    gx, gu, gg = torch.ops.qkernels.swiglu_backward(g.contiguous(), x, up, gate, x_grad=need[0], weight_grad=need[1] or need[2],
                                                     backend=ctx.backend)
     return gx if need[0] else None, gu if need[1] else None, gg if need[2] else None
 
@@ -237,7 +238,8 @@ class _Spec:
         public = _dispatch.params(op)
         self.public = [p for p in public if p != "backend"]
         sig = getattr(_C, op).__text_signature__.strip("()")
-        self.public_pos = [p.split("=")[0].strip() for p in sig.split("*")[0].split(",") if p.strip()]
+        self.public_pos = [n for n in (p.split("=")[0].strip() for p in sig.split("*")[0].split(","))
+                           if n and n not in ("out", "backend")]
         self.defaults = {}
         for part in sig.split(","):
             name, eq, value = part.strip(" *").partition("=")

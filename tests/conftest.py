@@ -68,6 +68,11 @@ def takes_out(op):
     return "out=None" in getattr(qkernels, op).__text_signature__
 
 
+def results(r):
+    """An op's result as a list: a backward op's gradients without its None entries, or [r]."""
+    return [t for t in outputs(r) if t is not None]
+
+
 def rel_err(out, ref):
     out = np.asarray(out, dtype=np.float64)
     assert not np.isnan(out).any(), "output holds NaN (an element was not written)"
@@ -179,7 +184,9 @@ LLM = {"attn_decode", "attn_paged_decode", "attn_prefill", "attn_paged_prefill",
 # head_dim of 32, 64, 128 or 256): the table of the tests that run each op on the GPU.
 DEVICE_SIZES = {
     "sparse_aggregate": dict(n_dst=60, n_src=40, heads=2, dim=16),
+    "sparse_aggregate_backward": dict(n_dst=60, n_src=40, heads=2, dim=16),
     "fused_edge_features": dict(n=50, e=100, h=8),
+    "fused_edge_features_backward": dict(n=50, e=100, h=8),
     "fused_norm_residual": dict(rows=30, h=64),
     "graph_norm_bce": dict(e=500, graphs=7),
     "fused_norm_residual_backward": dict(rows=30, h=64, p=0.2),

@@ -48,7 +48,10 @@ def test_swiglu_fp32(rng, m, k, n):
     (x, up, gate), _ = sample("swiglu", rng, m=m, k=k, n=n)
     out = qkernels.swiglu(x, up, gate)
     assert out.shape == (m, n) and out.dtype == np.float32
-    assert rel_err(out, reference("swiglu", x, up, gate)) < 2 * fp32_sum_tol(k)
+    # against the size of the summands, not the result: with n = 1 a single output may cancel to ~0
+    scale = np.linalg.norm(reference("swiglu", np.abs(x), np.abs(up), np.abs(gate)))
+    err = np.linalg.norm(np.asarray(out, np.float64) - reference("swiglu", x, up, gate))
+    assert err < 2 * fp32_sum_tol(k) * scale
 
 
 @pytest.mark.parametrize("m,n", [(1, 4096), (2, 14336)])

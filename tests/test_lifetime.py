@@ -38,7 +38,9 @@ def test_100k_calls_keep_memory_flat():
 # Sizes at which each call splits its work between the pool's threads.
 THREAD_SIZES = {
     "sparse_aggregate": dict(n_dst=3000, n_src=1000, heads=4, dim=16, avg_degree=8),
+    "sparse_aggregate_backward": dict(n_dst=3000, n_src=1000, heads=4, dim=16, avg_degree=8),
     "fused_edge_features": dict(n=1000, e=4000, h=32),
+    "fused_edge_features_backward": dict(n=1000, e=4000, h=32),
     "fused_norm_residual": dict(rows=500, h=64),
     "graph_norm_bce": dict(e=20000, graphs=16),
     "fused_norm_residual_backward": dict(rows=500, h=64, p=0.2),

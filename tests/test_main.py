@@ -12,8 +12,8 @@ import pytest
 import qkernels
 from qkernels.__main__ import cuda_kernels_line
 
-GRAPH_OPS = ("sparse_aggregate", "fused_edge_features", "fused_norm_residual", "graph_norm_bce",
-             "fused_norm_residual_backward", "graph_norm_bce_backward")
+GRAPH_OPS = ("sparse_aggregate", "sparse_aggregate_backward", "fused_edge_features", "fused_edge_features_backward",
+             "fused_norm_residual", "graph_norm_bce", "fused_norm_residual_backward", "graph_norm_bce_backward")
 LLM_OPS = ("rotary_emb", "linear", "swiglu", "attn_decode", "attn_prefill", "attn_paged_decode", "attn_paged_prefill")
 no_gpu = pytest.mark.skipif(qkernels.AVAILABLE, reason="the cuda backend runs here")
 

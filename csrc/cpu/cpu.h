@@ -36,6 +36,31 @@ int qk_parallel_run(int nthreads, qk_worker_fn fn, void *ctx);
  * shares that ran other than once, *late_runs shares still running after their call returned. */
 int qk_parallel_selftest(int jobs, int few, int many, int64_t *bad_runs, int64_t *late_runs);
 
+/* Stable grouping of n items by key (a counting sort): item i's key is the index at
+ * base[(i / per) * stride_q + (i % per) * stride_r] (dtype QK_I32/QK_I64, per 1 or 2).  Fills
+ * offsets[num_keys + 1] and order[n]: the items of key j are order[offsets[j] .. offsets[j+1] - 1],
+ * in ascending i, whatever the thread count.  A key outside [0, num_keys) gives QK_E_INDEX with
+ * *bad_item the smallest such item and *bad_key its key. */
+typedef struct {
+    const void *base;
+    int dtype, per;
+    int64_t stride_q, stride_r;
+} qk_key_reader;
+int qk_group_by_key(const qk_key_reader *keys, int64_t n, int64_t num_keys, int max_threads, int64_t *offsets,
+                    int64_t *order, int64_t *bad_item, int64_t *bad_key);
+
+/* The first of n groups whose cost prefix offsets[j] + j reaches target (offsets non-decreasing):
+ * where to cut groups of uneven sizes into shares of equal work. */
+static inline int64_t qk_group_at(const int64_t *offsets, int64_t n, int64_t target) {
+    int64_t lo = 0, hi = n;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (offsets[mid] + mid < target) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
 /* Threads worth using for `work` multiply-adds: one per ~1M, at most max_threads. */
 int qk_threads_for(int64_t work, int max_threads);
 

@@ -168,6 +168,112 @@ int qk_threads_for(int64_t work, int max_threads) {
     return (int)(t < max_threads ? t : max_threads);
 }
 
+/* ---- qk_group_by_key --------------------------------------------------------------------------
+ * Each share of the items counts its keys into a row of its own, the rows are turned into each
+ * share's first slot per key (key-major, share order within a key), and each share places its
+ * items in its own order: stable, so the result is the same for any number of shares.  Shares are
+ * capped at n / num_keys so the count rows never outgrow the items. */
+typedef struct {
+    const qk_key_reader *keys;
+    int64_t n, num_keys;
+    int64_t *counts; /* [shares][num_keys]: counts, then each share's next slot per key */
+    int64_t *offsets, *order, *block;
+    int64_t *bad_item, *bad_key; /* per share: the first bad item (-1 none) */
+    int rows, phase;
+} qk_group_job;
+
+static inline int64_t qk_key_at(const qk_key_reader *k, int64_t i) {
+    const int64_t pos = k->per == 1 ? i * k->stride_q : (i >> 1) * k->stride_q + (i & 1) * k->stride_r;
+    return k->dtype == QK_I32 ? (int64_t)((const int32_t *)k->base)[pos] : ((const int64_t *)k->base)[pos];
+}
+
+static void qk_group_worker(void *p, int tid, int nthreads) {
+    qk_group_job *j = p;
+    int64_t *row = j->counts + (int64_t)tid * j->num_keys;
+    int64_t i0, i1;
+    if (j->phase == 0) { /* count this share's keys */
+        qk_share(j->n, tid, nthreads, &i0, &i1);
+        j->bad_item[tid] = -1;
+        for (int64_t i = i0; i < i1; i++) {
+            const int64_t key = qk_key_at(j->keys, i);
+            if (key < 0 || key >= j->num_keys) {
+                j->bad_item[tid] = i;
+                j->bad_key[tid] = key;
+                return;
+            }
+            row[key]++;
+        }
+    } else if (j->phase == 1 || j->phase == 2) { /* this share of the keys: totals, then first slots */
+        qk_share(j->num_keys, tid, nthreads, &i0, &i1);
+        int64_t run = j->phase == 2 ? j->block[tid] : 0;
+        for (int64_t key = i0; key < i1; key++) {
+            if (j->phase == 2) j->offsets[key] = run;
+            for (int t = 0; t < j->rows; t++) {
+                int64_t *c = j->counts + (int64_t)t * j->num_keys + key;
+                const int64_t count = *c;
+                if (j->phase == 2) *c = run;
+                run += count;
+            }
+        }
+        if (j->phase == 1) j->block[tid] = run;
+    } else { /* place this share's items, in order */
+        qk_share(j->n, tid, nthreads, &i0, &i1);
+        for (int64_t i = i0; i < i1; i++) j->order[row[qk_key_at(j->keys, i)]++] = i;
+    }
+}
+
+int qk_group_by_key(const qk_key_reader *keys, int64_t n, int64_t num_keys, int max_threads, int64_t *offsets,
+                    int64_t *order, int64_t *bad_item, int64_t *bad_key) {
+    int64_t shares = num_keys > 0 ? n / num_keys : 1;
+    const int cap = qk_threads_for(4 * n, max_threads > 0 ? max_threads : 1);
+    if (shares > cap) shares = cap;
+    if (shares < 1) shares = 1;
+    const int t = (int)shares;
+    qk_group_job j = {.keys = keys, .n = n, .num_keys = num_keys, .offsets = offsets, .order = order, .rows = t};
+    j.counts = calloc((size_t)(t * num_keys > 0 ? t * num_keys : 1), sizeof(int64_t));
+    int64_t *scratch = malloc(sizeof(int64_t) * 3 * (size_t)t);
+    if (j.counts == NULL || scratch == NULL) {
+        free(j.counts);
+        free(scratch);
+        return QK_E_NOMEM;
+    }
+    j.block = scratch;
+    j.bad_item = scratch + t;
+    j.bad_key = scratch + 2 * t;
+    int status = qk_parallel_run(t, qk_group_worker, &j);
+    for (int s = 0; status == QK_OK && s < t; s++) {
+        if (j.bad_item[s] >= 0) { /* shares hold ascending items: the first share's is the smallest */
+            *bad_item = j.bad_item[s];
+            *bad_key = j.bad_key[s];
+            status = QK_E_INDEX;
+        }
+    }
+    /* the key ranges of the scan: as many shares as pay for num_keys * t reads */
+    const int scan = qk_threads_for(num_keys * t, t);
+    if (status == QK_OK) {
+        j.phase = 1;
+        status = qk_parallel_run(scan, qk_group_worker, &j);
+    }
+    if (status == QK_OK) {
+        int64_t run = 0;
+        for (int s = 0; s < scan; s++) {
+            const int64_t total = j.block[s];
+            j.block[s] = run;
+            run += total;
+        }
+        offsets[num_keys] = run;
+        j.phase = 2;
+        status = qk_parallel_run(scan, qk_group_worker, &j);
+    }
+    if (status == QK_OK) {
+        j.phase = 3;
+        status = qk_parallel_run(t, qk_group_worker, &j);
+    }
+    free(j.counts);
+    free(scratch);
+    return status;
+}
+
 /* ---- a self-test of the pool (tests/test_parallel.py) ----------------------------------------
  * Jobs alternate between few and many threads, as the CPU ops' thread counts do from one call to
  * the next; every share records itself in its job's row, and a share still running after its

@@ -128,3 +128,231 @@ int qk_sparse_aggregate_cpu(qk_sparse_aggregate_args *a, void *stream) {
     free(bad);
     return status;
 }
+
+/* ---- sparse_aggregate_backward ----------------------------------------------------------------
+ * grad_edge_weight alone: rows split by cost as above, each edge's H dot products from the row's
+ * grad_out and the gathered node_feat row.  grad_node_feat: the edges in range are grouped by
+ * column (qk_group_by_key: stable, so each source sees its edges in ascending order), then
+ * sources are split by cost; a source sums edge_weight * grad_out[row] over its edges in that
+ * order in fp32 and, when wanted, computes the same edges' grad_edge_weight from the grad_out rows
+ * it has just read and its own node_feat row, so each grad_out row is gathered once per edge.
+ * Dot products keep 8 partial sums (d mod 8) added in a fixed tree: vectorisable and the same bits
+ * on every clone. */
+
+#define SAB_LANES 8
+
+static inline float sab_dot(const float *x, int64_t sx, const float *y, int64_t sy, int64_t n) {
+    float lane[SAB_LANES] = {0};
+    int64_t d = 0;
+    for (; d + SAB_LANES <= n; d += SAB_LANES)
+        for (int l = 0; l < SAB_LANES; l++) lane[l] += x[(d + l) * sx] * y[(d + l) * sy];
+    float s = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+    for (; d < n; d++) s += x[d * sx] * y[d * sy];
+    return s;
+}
+
+static inline void sab_axpy(float *restrict acc, float w, const float *x, int64_t sx, int64_t n) {
+    for (int64_t d = 0; d < n; d++) acc[d] += w * x[d * sx];
+}
+
+typedef struct {
+    qk_sparse_aggregate_backward_args *a;
+    int64_t lo, hi, total_cost;
+    const int64_t *off, *order; /* per source: its edges (as e - lo) in ascending order */
+    int64_t *row_of;            /* [hi - lo]: the row of edge lo + k */
+    int64_t *bad_pos, *bad_value;
+    int phase, nomem;
+} sab_job;
+
+static int64_t sab_row_at(const qk_sparse_aggregate_backward_args *a, int64_t first_edge, int64_t target) {
+    int64_t lo = 0, hi = a->num_dst;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (qk_index(a->row_ptr, a->index_dtype, mid, a->row_ptr_stride) - first_edge + mid < target) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* Rows [r0, r1): phase 0 records each edge's row; phase 1 computes grad_edge_weight. */
+QK_MULTIVERSION static void sab_rows(sab_job *j, int tid, int64_t r0, int64_t r1) {
+    const qk_sparse_aggregate_backward_args *a = j->a;
+    const int64_t H = a->num_heads, D = a->head_dim;
+    const float *go = a->grad_out, *nf = a->node_feat;
+    float *gew = a->grad_edge_weight;
+    const int unit = a->go_stride[2] == 1 && a->nf_stride[2] == 1;
+    const int64_t row_bytes = a->nf_stride[2] == 1 && a->nf_stride[1] == D ? H * D * (int64_t)sizeof(float) : 64;
+    enum { AHEAD = 4 };
+    for (int64_t row = r0; row < r1; row++) {
+        const int64_t begin = qk_index(a->row_ptr, a->index_dtype, row, a->row_ptr_stride);
+        const int64_t end = qk_index(a->row_ptr, a->index_dtype, row + 1, a->row_ptr_stride);
+        if (j->phase == 0) {
+            for (int64_t e = begin; e < end; e++) j->row_of[e - j->lo] = row;
+            continue;
+        }
+        const float *g = go + row * a->go_stride[0];
+        for (int64_t e = begin; e < end; e++) {
+            if (e + AHEAD < end) {
+                const int64_t ahead = qk_index(a->col_idx, a->index_dtype, e + AHEAD, a->col_idx_stride);
+                if (ahead >= 0 && ahead < a->num_src) {
+                    const char *line = (const char *)(nf + ahead * a->nf_stride[0]);
+                    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(line + off);
+                }
+            }
+            const int64_t src = qk_index(a->col_idx, a->index_dtype, e, a->col_idx_stride);
+            if (src < 0 || src >= a->num_src) {
+                j->bad_pos[tid] = e;
+                j->bad_value[tid] = src;
+                return;
+            }
+            const float *x = nf + src * a->nf_stride[0];
+            for (int64_t h = 0; h < H; h++)
+                gew[e * H + h] = unit ? sab_dot(g + h * a->go_stride[1], 1, x + h * a->nf_stride[1], 1, D)
+                                      : sab_dot(g + h * a->go_stride[1], a->go_stride[2], x + h * a->nf_stride[1],
+                                                a->nf_stride[2], D);
+        }
+    }
+}
+
+/* Sources [s0, s1): grad_node_feat, and grad_edge_weight of their edges when wanted. */
+QK_MULTIVERSION static void sab_sources(sab_job *j, float *acc, int64_t s0, int64_t s1) {
+    const qk_sparse_aggregate_backward_args *a = j->a;
+    const int64_t H = a->num_heads, D = a->head_dim;
+    const float *go = a->grad_out, *nf = a->node_feat, *ew = a->edge_weight;
+    float *gew = a->grad_edge_weight, *gnf = a->grad_node_feat;
+    const int unit = a->go_stride[2] == 1 && a->nf_stride[2] == 1;
+    const int64_t row_bytes = a->go_stride[2] == 1 && a->go_stride[1] == D ? H * D * (int64_t)sizeof(float) : 64;
+    enum { AHEAD = 4 };
+    for (int64_t src = s0; src < s1; src++) {
+        const int64_t begin = j->off[src], end = j->off[src + 1];
+        const float *x = nf + src * a->nf_stride[0];
+        memset(acc, 0, sizeof(float) * (size_t)(H * D));
+        for (int64_t k = begin; k < end; k++) {
+            if (k + AHEAD < end) {
+                const char *line = (const char *)(go + j->row_of[j->order[k + AHEAD]] * a->go_stride[0]);
+                for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(line + off);
+            }
+            const int64_t item = j->order[k], e = j->lo + item;
+            const float *g = go + j->row_of[item] * a->go_stride[0];
+            for (int64_t h = 0; h < H; h++) {
+                const float w = ew[e * a->ew_stride[0] + h * a->ew_stride[1]];
+                const float *gh = g + h * a->go_stride[1];
+                if (unit) sab_axpy(acc + h * D, w, gh, 1, D);
+                else sab_axpy(acc + h * D, w, gh, a->go_stride[2], D);
+                if (gew)
+                    gew[e * H + h] = unit ? sab_dot(gh, 1, x + h * a->nf_stride[1], 1, D)
+                                          : sab_dot(gh, a->go_stride[2], x + h * a->nf_stride[1], a->nf_stride[2], D);
+            }
+        }
+        memcpy(gnf + src * H * D, acc, sizeof(float) * (size_t)(H * D));
+    }
+}
+
+static void sab_worker(void *p, int tid, int nthreads) {
+    sab_job *j = p;
+    const qk_sparse_aggregate_backward_args *a = j->a;
+    j->bad_pos[tid] = -1;
+    if (j->phase < 2) {
+        const int64_t r0 = sab_row_at(a, j->lo, j->total_cost * tid / nthreads);
+        const int64_t r1 = tid == nthreads - 1 ? a->num_dst : sab_row_at(a, j->lo, j->total_cost * (tid + 1) / nthreads);
+        if (r0 < r1) sab_rows(j, tid, r0, r1);
+        return;
+    }
+    const int64_t s0 = qk_group_at(j->off, a->num_src, j->total_cost * tid / nthreads);
+    const int64_t s1 = tid == nthreads - 1 ? a->num_src : qk_group_at(j->off, a->num_src, j->total_cost * (tid + 1) / nthreads);
+    if (s0 >= s1) return;
+    float *acc = malloc(sizeof(float) * (size_t)(a->num_heads * a->head_dim > 0 ? a->num_heads * a->head_dim : 1));
+    if (acc == NULL) {
+        j->nomem = 1;
+        return;
+    }
+    sab_sources(j, acc, s0, s1);
+    free(acc);
+}
+
+static int sab_run(sab_job *j, int phase, int64_t work) {
+    qk_sparse_aggregate_backward_args *a = j->a;
+    j->phase = phase;
+    const int nthreads = qk_threads_for(work, a->num_threads > 0 ? a->num_threads : 1);
+    int status = qk_parallel_run(nthreads, sab_worker, j);
+    if (status == QK_OK && j->nomem) status = QK_E_NOMEM;
+    for (int t = 0; status == QK_OK && t < nthreads; t++) {
+        if (j->bad_pos[t] >= 0) {
+            a->bad_arg = 1;
+            a->bad_pos = j->bad_pos[t];
+            a->bad_value = j->bad_value[t];
+            status = QK_E_INDEX;
+        }
+    }
+    return status;
+}
+
+int qk_sparse_aggregate_backward_cpu(qk_sparse_aggregate_backward_args *a, void *stream) {
+    (void)stream;
+    if (a->dtype != QK_F32 || (a->index_dtype != QK_I32 && a->index_dtype != QK_I64)) return QK_E_UNSUPPORTED;
+    int64_t prev = 0;
+    for (int64_t i = 0; i <= a->num_dst; i++) {
+        const int64_t v = qk_index(a->row_ptr, a->index_dtype, i, a->row_ptr_stride);
+        if (v < prev || v > a->num_edges) {
+            a->bad_arg = 0;
+            a->bad_pos = i;
+            a->bad_value = v;
+            return QK_E_INDEX;
+        }
+        prev = v;
+    }
+    const int64_t H = a->num_heads, D = a->head_dim;
+    sab_job j = {0};
+    j.a = a;
+    j.lo = qk_index(a->row_ptr, a->index_dtype, 0, a->row_ptr_stride);
+    j.hi = prev;
+    const int64_t m = j.hi - j.lo;
+    float *gew = a->grad_edge_weight;
+    if (gew) { /* edges outside the rows */
+        memset(gew, 0, sizeof(float) * (size_t)(j.lo * H));
+        memset(gew + j.hi * H, 0, sizeof(float) * (size_t)((a->num_edges - j.hi) * H));
+    }
+    const int maxt = a->num_threads > 0 ? a->num_threads : 1;
+    int64_t *bad = malloc(sizeof(int64_t) * 2 * (size_t)maxt);
+    if (bad == NULL) return QK_E_NOMEM;
+    j.bad_pos = bad;
+    j.bad_value = bad + maxt;
+    int status = QK_OK;
+    if (a->grad_node_feat == NULL) {
+        j.total_cost = m + a->num_dst;
+        if (gew && a->num_dst > 0) status = sab_run(&j, 1, (m + a->num_dst) * H * (D + 1));
+        free(bad);
+        return status;
+    }
+    int64_t *off = malloc(sizeof(int64_t) * (size_t)(a->num_src + 1));
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)(m > 0 ? 2 * m : 1));
+    if (off == NULL || order == NULL) status = QK_E_NOMEM;
+    if (status == QK_OK) {
+        const int64_t first = j.lo * a->col_idx_stride; /* the key of item k is col_idx[lo + k] */
+        const void *base = a->index_dtype == QK_I32 ? (const void *)((const int32_t *)a->col_idx + first)
+                                                    : (const void *)((const int64_t *)a->col_idx + first);
+        const qk_key_reader keys = {base, a->index_dtype, 1, a->col_idx_stride, 0};
+        int64_t bad_item = 0, bad_key = 0;
+        status = qk_group_by_key(&keys, m, a->num_src, maxt, off, order, &bad_item, &bad_key);
+        if (status == QK_E_INDEX) {
+            a->bad_arg = 1;
+            a->bad_pos = j.lo + bad_item;
+            a->bad_value = bad_key;
+        }
+    }
+    if (status == QK_OK) {
+        j.off = off;
+        j.order = order;
+        j.row_of = order + m;
+        j.total_cost = m + a->num_dst;
+        if (m > 0) status = sab_run(&j, 0, m + a->num_dst);
+    }
+    if (status == QK_OK) {
+        j.total_cost = m + a->num_src;
+        status = sab_run(&j, 2, (m + a->num_src) * H * (gew ? 2 * D + 1 : D + 1));
+    }
+    free(off);
+    free(order);
+    free(bad);
+    return status;
+}

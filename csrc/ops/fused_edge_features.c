@@ -85,3 +85,91 @@ PyObject *qk_op_fused_edge_features(PyObject *module, PyObject *const *args, Py_
 done:
     return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);
 }
+
+/* fused_edge_features_backward(grad_out, x, edge_index, *, stream=None) -> (grad_x, grad_edge_attr or None) */
+#undef OP
+#define OP "fused_edge_features_backward"
+
+QK_DOCS(fused_edge_features_backward, "grad_out, x, edge_index",
+    "Gradients of fused_edge_features: -> (grad_x [N, H], grad_edge_attr [E, H] or None).\n\n"
+    "grad_out [E, 3H] (the forward had edge_attr; grad_edge_attr is then a copy of grad_out[:, 2H:]) or\n"
+    "[E, 2H] (grad_edge_attr None); H = x.shape[1].  With g_sum = grad_out[e, :H], g_abs = grad_out[e, H:2H]\n"
+    "and s = sign(x[src] - x[dst]) (0 at a tie or NaN: torch.abs's subgradient), grad_x[n] sums\n"
+    "g_sum + s * g_abs over the edges with src == n and g_sum - s * g_abs over those with dst == n, in\n"
+    "edge order (src side first on a self-loop).  Deterministic: the same inputs give the same bits.\n"
+    QK_GRAPH_DOC)
+
+PyObject *qk_op_fused_edge_features_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                                             PyObject *kwnames) {
+    static const char *const names[] = {"grad_out", "x", "edge_index", "stream", NULL};
+    static const char *const in_names[] = {"grad_out", "x", "edge_index"};
+    qk_state *st = qk_get_state(module);
+    PyObject *a[4] = {NULL, NULL, NULL, NULL};
+    if (qk_parse_args(OP, args, nargs, kwnames, names, 3, 3, a) < 0) return NULL;
+    void *stream;
+    int stream_given;
+    if (qk_stream_arg(OP, a[3], &stream, &stream_given) < 0) return NULL;
+    qk_view in[3] = {{0}}, ov[2] = {{0}};
+    qk_output o[2] = {{0}};
+    qk_launch l = {0};
+    int ok = 0, launched = 0, n_in = 0;
+    for (; n_in < 3; n_in++)
+        if (qk_import(st, a[n_in], OP, in_names[n_in], stream, &in[n_in]) < 0) goto done;
+    if (qk_same_device(OP, in, in_names, 3) < 0) goto done;
+    if (qk_check_ndim(OP, "grad_out", &in[0], 2, "[E, 3H] or [E, 2H]") < 0 ||
+        qk_check_ndim(OP, "x", &in[1], 2, "[N, H]") < 0 || qk_check_ndim(OP, "edge_index", &in[2], 2, "[2, E]") < 0 ||
+        qk_check_dtype_index(OP, "edge_index", &in[2]) < 0 || qk_check_dtype_float(OP, "x", &in[1]) < 0 ||
+        qk_check_same_dtype(OP, "grad_out", &in[0], "x's", &in[1]) < 0 ||
+        qk_check_dim(OP, "edge_index", &in[2], 0, 2, "[2, E]") < 0)
+        goto done;
+    const int64_t E = in[2].shape[1], H = in[1].shape[1], N = in[1].shape[0];
+    const int64_t cols = in[0].shape[1];
+    if (in[0].shape[0] != E || (cols != 3 * H && cols != 2 * H)) {
+        PyErr_Format(PyExc_ValueError, OP ": grad_out must have shape [E, 3H] = [%lld, %lld] or [E, 2H] = [%lld, %lld], got [%lld, %lld]",
+                     (long long)E, (long long)(3 * H), (long long)E, (long long)(2 * H), (long long)in[0].shape[0],
+                     (long long)cols);
+        goto done;
+    }
+    const int has_attr = H > 0 ? cols == 3 * H : 0;
+    if (qk_launch_begin(st, OP, &in[0], stream, stream_given, &l) < 0) goto done;
+    launched = 1;
+    const int64_t x_shape[2] = {N, H}, ea_shape[2] = {E, H};
+    if (qk_output_prepare(st, OP, NULL, &in[0], in[1].dtype, 2, x_shape, &l, &ov[0], &o[0]) < 0 ||
+        (has_attr && qk_output_prepare(st, OP, NULL, &in[0], in[1].dtype, 2, ea_shape, &l, &ov[1], &o[1]) < 0))
+        goto done;
+
+    qk_fused_edge_features_backward_args eb = {0};
+    eb.grad_out = in[0].data;
+    eb.x = in[1].data;
+    eb.edge_index = in[2].data;
+    eb.grad_x = ov[0].data;
+    eb.grad_edge_attr = has_attr ? ov[1].data : NULL;
+    eb.num_nodes = N;
+    eb.num_edges = E;
+    eb.H = H;
+    for (int i = 0; i < 2; i++) {
+        eb.go_stride[i] = in[0].strides[i];
+        eb.x_stride[i] = in[1].strides[i];
+        eb.ei_stride[i] = in[2].strides[i];
+    }
+    eb.index_dtype = in[2].dtype;
+    eb.dtype = in[1].dtype;
+    eb.num_threads = st->num_threads;
+    int status = QK_OK;
+    if (l.device_type == kDLCUDA && st->check_indices) /* QKERNELS_CHECK=1: both rows, before the kernels */
+        for (int row = 0; row < 2 && status == QK_OK; row++) {
+            status = l.cuda->index_check((const char *)eb.edge_index + row * eb.ei_stride[0] * qk_dtype_size(eb.index_dtype),
+                                         eb.index_dtype, E, eb.ei_stride[1], 0, N, &eb.bad_pos, &eb.bad_value, l.stream);
+            eb.bad_row = row;
+        }
+    if (status == QK_OK) QK_RUN(status, &l, fused_edge_features_backward, &eb);
+    if (status == QK_E_INDEX)
+        PyErr_Format(PyExc_ValueError, OP ": edge_index[%d, %lld] = %lld is out of range for x with N = %lld",
+                     eb.bad_row, (long long)eb.bad_pos, (long long)eb.bad_value, (long long)N);
+    else if (status)
+        qk_raise_status(OP, status);
+    else
+        ok = 1;
+done:
+    return qk_op_finish_many(&l, launched, o, ov, 2, ok, in, n_in);
+}

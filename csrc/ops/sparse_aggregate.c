@@ -15,44 +15,45 @@ QK_DOCS(sparse_aggregate, "row_ptr, col_idx, edge_weight, node_feat, *, out=None
 
 enum { ROW_PTR, COL_IDX, EDGE_WEIGHT, NODE_FEAT, NUM_INPUTS };
 
-static int sa_check(qk_view *in) {
+/* The forward's inputs, also checked by the backward (op names the caller). */
+static int sa_check_op(const char *op, qk_view *in) {
     static const char *const where = "[N_dst + 1]";
-    if (qk_check_ndim(OP, "row_ptr", &in[ROW_PTR], 1, where) < 0 ||
-        qk_check_ndim(OP, "col_idx", &in[COL_IDX], 1, "[E]") < 0 ||
-        qk_check_ndim(OP, "edge_weight", &in[EDGE_WEIGHT], 2, "[E, H]") < 0 ||
-        qk_check_ndim(OP, "node_feat", &in[NODE_FEAT], 3, "[N_src, H, D]") < 0)
+    if (qk_check_ndim(op, "row_ptr", &in[ROW_PTR], 1, where) < 0 ||
+        qk_check_ndim(op, "col_idx", &in[COL_IDX], 1, "[E]") < 0 ||
+        qk_check_ndim(op, "edge_weight", &in[EDGE_WEIGHT], 2, "[E, H]") < 0 ||
+        qk_check_ndim(op, "node_feat", &in[NODE_FEAT], 3, "[N_src, H, D]") < 0)
         return -1;
-    if (qk_check_dtype_index(OP, "row_ptr", &in[ROW_PTR]) < 0 || qk_check_dtype_index(OP, "col_idx", &in[COL_IDX]) < 0)
+    if (qk_check_dtype_index(op, "row_ptr", &in[ROW_PTR]) < 0 || qk_check_dtype_index(op, "col_idx", &in[COL_IDX]) < 0)
         return -1;
     if (in[COL_IDX].dtype != in[ROW_PTR].dtype) {
-        PyErr_Format(PyExc_TypeError, OP ": col_idx must have the same dtype as row_ptr (%s), got %s",
+        PyErr_Format(PyExc_TypeError, "%s: col_idx must have the same dtype as row_ptr (%s), got %s", op,
                      qk_dtype_name(in[ROW_PTR].dtype), qk_dtype_name(in[COL_IDX].dtype));
         return -1;
     }
-    if (qk_check_dtype_float(OP, "node_feat", &in[NODE_FEAT]) < 0 ||
-        qk_check_same_dtype(OP, "edge_weight", &in[EDGE_WEIGHT], "node_feat's", &in[NODE_FEAT]) < 0)
+    if (qk_check_dtype_float(op, "node_feat", &in[NODE_FEAT]) < 0 ||
+        qk_check_same_dtype(op, "edge_weight", &in[EDGE_WEIGHT], "node_feat's", &in[NODE_FEAT]) < 0)
         return -1;
     if (in[ROW_PTR].shape[0] < 1) {
-        PyErr_SetString(PyExc_ValueError, OP ": row_ptr must have shape [N_dst + 1] with at least one element, got [0]");
+        PyErr_Format(PyExc_ValueError, "%s: row_ptr must have shape [N_dst + 1] with at least one element, got [0]", op);
         return -1;
     }
     const int64_t E = in[COL_IDX].shape[0], H = in[NODE_FEAT].shape[1];
     char layout[96];
     snprintf(layout, sizeof layout, "[E, H] = [%lld, %lld]", (long long)E, (long long)H);
-    if (qk_check_dim(OP, "edge_weight", &in[EDGE_WEIGHT], 0, E, layout) < 0 ||
-        qk_check_dim(OP, "edge_weight", &in[EDGE_WEIGHT], 1, H, layout) < 0)
+    if (qk_check_dim(op, "edge_weight", &in[EDGE_WEIGHT], 0, E, layout) < 0 ||
+        qk_check_dim(op, "edge_weight", &in[EDGE_WEIGHT], 1, H, layout) < 0)
         return -1;
     return 0;
 }
 
-static int sa_raise_index(const qk_sparse_aggregate_args *a) {
-    if (a->bad_arg == 0)
+static int sa_raise_index_op(const char *op, int bad_arg, int64_t bad_pos, int64_t bad_value, int64_t E, int64_t N_src) {
+    if (bad_arg == 0)
         PyErr_Format(PyExc_ValueError,
-                     OP ": row_ptr must be non-decreasing with 0 <= row_ptr[i] <= E = %lld; row_ptr[%lld] = %lld",
-                     (long long)a->num_edges, (long long)a->bad_pos, (long long)a->bad_value);
+                     "%s: row_ptr must be non-decreasing with 0 <= row_ptr[i] <= E = %lld; row_ptr[%lld] = %lld", op,
+                     (long long)E, (long long)bad_pos, (long long)bad_value);
     else
-        PyErr_Format(PyExc_ValueError, OP ": col_idx[%lld] = %lld is out of range for node_feat with N_src = %lld",
-                     (long long)a->bad_pos, (long long)a->bad_value, (long long)a->num_src);
+        PyErr_Format(PyExc_ValueError, "%s: col_idx[%lld] = %lld is out of range for node_feat with N_src = %lld", op,
+                     (long long)bad_pos, (long long)bad_value, (long long)N_src);
     return -1;
 }
 
@@ -75,7 +76,7 @@ PyObject *qk_op_sparse_aggregate(PyObject *module, PyObject *const *args, Py_ssi
     /* node_feat sets the device so the message blames the odd one out against the features */
     qk_view order[NUM_INPUTS] = {in[NODE_FEAT], in[ROW_PTR], in[COL_IDX], in[EDGE_WEIGHT]};
     static const char *const order_names[] = {"node_feat", "row_ptr", "col_idx", "edge_weight"};
-    if (qk_same_device(OP, order, order_names, NUM_INPUTS) < 0 || sa_check(in) < 0) goto done;
+    if (qk_same_device(OP, order, order_names, NUM_INPUTS) < 0 || sa_check_op(OP, in) < 0) goto done;
     if (qk_launch_begin(st, OP, &in[NODE_FEAT], stream, stream_given, &l) < 0) goto done;
     launched = 1;
     const int64_t shape[3] = {in[ROW_PTR].shape[0] - 1, in[NODE_FEAT].shape[1], in[NODE_FEAT].shape[2]};
@@ -106,10 +107,126 @@ PyObject *qk_op_sparse_aggregate(PyObject *module, PyObject *const *args, Py_ssi
     int status = QK_OK;
     if (l.device_type == kDLCUDA && st->check_indices) status = l.cuda->sparse_aggregate_check(&sa, l.stream);
     if (status == QK_OK) QK_RUN(status, &l, sparse_aggregate, &sa);
-    if (status == QK_E_INDEX) sa_raise_index(&sa);
+    if (status == QK_E_INDEX) sa_raise_index_op(OP, sa.bad_arg, sa.bad_pos, sa.bad_value, sa.num_edges, sa.num_src);
     else if (status) qk_raise_status(OP, status);
     else ok = 1;
 done:
     return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);
 }
 
+
+/* sparse_aggregate_backward(grad_out, row_ptr, col_idx, edge_weight, node_feat, *, edge_weight_grad=True,
+ * node_feat_grad=True, deterministic=True, stream=None) -> (grad_edge_weight or None, grad_node_feat or None) */
+#undef OP
+#define OP "sparse_aggregate_backward"
+
+QK_DOCS(sparse_aggregate_backward,
+    "grad_out, row_ptr, col_idx, edge_weight, node_feat, *, edge_weight_grad=True, node_feat_grad=True, "
+    "deterministic=True",
+    "Gradients of sparse_aggregate: -> (grad_edge_weight [E, H], grad_node_feat [N_src, H, D]), None\n"
+    "where edge_weight_grad / node_feat_grad is False.\n\n"
+    "grad_out [N_dst, H, D]; the other arguments as sparse_aggregate's.  grad_edge_weight[e,h] =\n"
+    "grad_out[i,h,:] . node_feat[col_idx[e],h,:] for the row i holding e (0 for edges outside\n"
+    "[row_ptr[0], row_ptr[-1])); grad_node_feat[j,h,:] = sum over the edges e with col_idx[e] == j, in\n"
+    "ascending e, of edge_weight[e,h] * grad_out[i,h,:].  Deterministic: the same inputs give the same\n"
+    "bits.  deterministic=False lets cuda scatter a float32 grad_node_feat with atomic adds instead of\n"
+    "grouping the edges by source (nondeterministic: the last bits may differ from call to call); cpu,\n"
+    "float16 and bfloat16 ignore it.\n" QK_GRAPH_DOC)
+
+static int sab_flag(PyObject *obj, const char *arg, int *value) {
+    *value = obj ? PyObject_IsTrue(obj) : 1;
+    if (*value >= 0) return 0;
+    PyErr_Clear(); /* e.g. a NumPy array of several elements: name the op and the argument */
+    PyErr_Format(PyExc_TypeError, OP ": %s must be a bool, got %.200s", arg, Py_TYPE(obj)->tp_name);
+    return -1;
+}
+
+PyObject *qk_op_sparse_aggregate_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                                          PyObject *kwnames) {
+    static const char *const names[] = {"grad_out", "row_ptr", "col_idx", "edge_weight", "node_feat",
+                                        "edge_weight_grad", "node_feat_grad", "deterministic", "stream", NULL};
+    static const char *const input_names[] = {"grad_out", "row_ptr", "col_idx", "edge_weight", "node_feat"};
+    qk_state *st = qk_get_state(module);
+    PyObject *a[9] = {NULL};
+    if (qk_parse_args(OP, args, nargs, kwnames, names, 5, 5, a) < 0) return NULL;
+    void *stream;
+    int stream_given, want_ew, want_nf, deterministic;
+    if (qk_stream_arg(OP, a[8], &stream, &stream_given) < 0 || sab_flag(a[5], "edge_weight_grad", &want_ew) < 0 ||
+        sab_flag(a[6], "node_feat_grad", &want_nf) < 0 || sab_flag(a[7], "deterministic", &deterministic) < 0)
+        return NULL;
+
+    enum { GRAD_OUT, NUM_VIEWS = 5 };
+    qk_view v[NUM_VIEWS] = {{0}}, ov[2] = {{0}};
+    qk_output o[2] = {{0}};
+    qk_launch l = {0};
+    int ok = 0, launched = 0, n_in = 0;
+    for (; n_in < NUM_VIEWS; n_in++)
+        if (qk_import(st, a[n_in], OP, input_names[n_in], stream, &v[n_in]) < 0) goto done;
+    qk_view *in = v + 1; /* row_ptr, col_idx, edge_weight, node_feat: the forward's inputs */
+    if (qk_same_device(OP, v, input_names, NUM_VIEWS) < 0 || sa_check_op(OP, in) < 0 ||
+        qk_check_ndim(OP, "grad_out", &v[GRAD_OUT], 3, "[N_dst, H, D]") < 0 ||
+        qk_check_same_dtype(OP, "grad_out", &v[GRAD_OUT], "node_feat's", &in[NODE_FEAT]) < 0)
+        goto done;
+    const int64_t N_dst = in[ROW_PTR].shape[0] - 1, H = in[NODE_FEAT].shape[1], D = in[NODE_FEAT].shape[2];
+    char layout[128];
+    snprintf(layout, sizeof layout, "[N_dst, H, D] = [%lld, %lld, %lld]", (long long)N_dst, (long long)H, (long long)D);
+    for (int d = 0; d < 3; d++)
+        if (qk_check_dim(OP, "grad_out", &v[GRAD_OUT], d, d == 0 ? N_dst : d == 1 ? H : D, layout) < 0) goto done;
+    if (qk_launch_begin(st, OP, &v[GRAD_OUT], stream, stream_given, &l) < 0) goto done;
+    launched = 1;
+    const int64_t E = in[COL_IDX].shape[0], N_src = in[NODE_FEAT].shape[0];
+    const int64_t ew_shape[2] = {E, H}, nf_shape[3] = {N_src, H, D};
+    const int dtype = in[NODE_FEAT].dtype;
+    if ((want_ew && qk_output_prepare(st, OP, NULL, &v[GRAD_OUT], dtype, 2, ew_shape, &l, &ov[0], &o[0]) < 0) ||
+        (want_nf && qk_output_prepare(st, OP, NULL, &v[GRAD_OUT], dtype, 3, nf_shape, &l, &ov[1], &o[1]) < 0))
+        goto done;
+
+    qk_sparse_aggregate_backward_args sb = {0};
+    sb.grad_out = v[GRAD_OUT].data;
+    sb.row_ptr = in[ROW_PTR].data;
+    sb.col_idx = in[COL_IDX].data;
+    sb.edge_weight = in[EDGE_WEIGHT].data;
+    sb.node_feat = in[NODE_FEAT].data;
+    sb.grad_edge_weight = want_ew ? ov[0].data : NULL;
+    sb.grad_node_feat = want_nf ? ov[1].data : NULL;
+    sb.num_dst = N_dst;
+    sb.num_src = N_src;
+    sb.num_edges = E;
+    sb.num_heads = H;
+    sb.head_dim = D;
+    for (int i = 0; i < 3; i++) {
+        sb.go_stride[i] = v[GRAD_OUT].strides[i];
+        sb.nf_stride[i] = in[NODE_FEAT].strides[i];
+    }
+    sb.row_ptr_stride = in[ROW_PTR].strides[0];
+    sb.col_idx_stride = in[COL_IDX].strides[0];
+    for (int i = 0; i < 2; i++) sb.ew_stride[i] = in[EDGE_WEIGHT].strides[i];
+    sb.index_dtype = in[ROW_PTR].dtype;
+    sb.dtype = dtype;
+    sb.num_threads = st->num_threads;
+    sb.deterministic = deterministic;
+
+    int status = QK_OK;
+    if ((want_ew || want_nf) && l.device_type == kDLCUDA && st->check_indices) {
+        /* QKERNELS_CHECK=1: the forward's validation reads the same row_ptr and col_idx */
+        qk_sparse_aggregate_args fa = {0};
+        fa.row_ptr = sb.row_ptr;
+        fa.col_idx = sb.col_idx;
+        fa.num_dst = N_dst;
+        fa.num_src = N_src;
+        fa.num_edges = E;
+        fa.row_ptr_stride = sb.row_ptr_stride;
+        fa.col_idx_stride = sb.col_idx_stride;
+        fa.index_dtype = sb.index_dtype;
+        status = l.cuda->sparse_aggregate_check(&fa, l.stream);
+        sb.bad_arg = fa.bad_arg;
+        sb.bad_pos = fa.bad_pos;
+        sb.bad_value = fa.bad_value;
+    }
+    if (status == QK_OK && (want_ew || want_nf)) QK_RUN(status, &l, sparse_aggregate_backward, &sb);
+    if (status == QK_E_INDEX) sa_raise_index_op(OP, sb.bad_arg, sb.bad_pos, sb.bad_value, E, N_src);
+    else if (status) qk_raise_status(OP, status);
+    else ok = 1;
+done:
+    return qk_op_finish_many(&l, launched, o, ov, 2, ok, v, n_in);
+}

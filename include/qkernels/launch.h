@@ -85,6 +85,29 @@ typedef struct {
     int64_t bad_pos, bad_value;
 } qk_sparse_aggregate_args;
 
+/* sparse_aggregate_backward: the gradients of sparse_aggregate for grad_out [num_dst, H, D] (same
+ * index rules; row i holds the edges row_ptr[i] <= e < row_ptr[i+1]):
+ *   grad_edge_weight[e,h] = grad_out[i,h,:] . node_feat[col_idx[e],h,:]   (0 for e outside
+ *                           [row_ptr[0], row_ptr[num_dst]));
+ *   grad_node_feat[j,h,:] = sum over the edges e with col_idx[e] == j, in ascending e, of
+ *                           edge_weight[e,h] * grad_out[i(e),h,:].
+ * An output left NULL is not computed.  Outputs are contiguous (the binding allocates them).
+ * deterministic = 0 lets CUDA scatter float32 grad_node_feat with float atomics (run-to-run bits
+ * may differ); otherwise the sums run in the order above on both backends.  CUDA builds the
+ * transposed graph in scratch from the stream-ordered allocator (cudaMallocAsync). */
+typedef struct {
+    const void *grad_out;    /* [num_dst, num_heads, head_dim], dtype */
+    const void *row_ptr, *col_idx, *edge_weight, *node_feat; /* as in qk_sparse_aggregate_args */
+    void *grad_edge_weight;  /* [num_edges, num_heads] or NULL */
+    void *grad_node_feat;    /* [num_src, num_heads, head_dim] or NULL */
+    int64_t num_dst, num_src, num_edges, num_heads, head_dim;
+    int64_t go_stride[3], row_ptr_stride, col_idx_stride, ew_stride[2], nf_stride[3];
+    int index_dtype, dtype, num_threads;
+    int deterministic;
+    int bad_arg; /* QK_E_INDEX: 0 row_ptr, 1 col_idx */
+    int64_t bad_pos, bad_value;
+} qk_sparse_aggregate_backward_args;
+
 /* fused_edge_features: out[e] = cat(x[src]+x[dst], |x[src]-x[dst]|, edge_attr[e]) with
  * src = edge_index[0,e], dst = edge_index[1,e]; out has 3H columns, or 2H without edge_attr.
  * CUDA treats an out-of-range index as a zero row (never read out of bounds). */
@@ -99,6 +122,26 @@ typedef struct {
     int bad_row; /* QK_E_INDEX: 0 src, 1 dst */
     int64_t bad_pos, bad_value;
 } qk_fused_edge_features_args;
+
+/* fused_edge_features_backward: for grad_out [E, 3H] (with edge_attr) or [E, 2H], with
+ * g_sum = grad_out[e, :H], g_abs = grad_out[e, H:2H] and s = sign(x[src] - x[dst]) (0 at a tie or NaN):
+ *   grad_x[n] = sum over the incidences of n, ordered by (edge, side), of g_sum + s * g_abs at
+ *               the source side and g_sum - s * g_abs at the destination side;
+ *   grad_edge_attr = grad_out[:, 2H:] (when given).
+ * Outputs are contiguous.  Deterministic; CUDA groups the 2E incidences per node in scratch from
+ * the stream-ordered allocator, and treats an out-of-range index as a zero row, as the forward. */
+typedef struct {
+    const void *grad_out;   /* [num_edges, 2H or 3H] */
+    const void *x;          /* [num_nodes, H] */
+    const void *edge_index; /* [2, num_edges], index_dtype */
+    void *grad_x;           /* [num_nodes, H] */
+    void *grad_edge_attr;   /* [num_edges, H] or NULL */
+    int64_t num_nodes, num_edges, H;
+    int64_t go_stride[2], x_stride[2], ei_stride[2];
+    int index_dtype, dtype, num_threads;
+    int bad_row; /* QK_E_INDEX: 0 src, 1 dst */
+    int64_t bad_pos, bad_value;
+} qk_fused_edge_features_backward_args;
 
 /* fused_norm_residual: y = LayerNorm(x) * gamma + beta over the last dim (population variance,
  * two-pass: mean, then squared deviations), then when training dropout with probability p (kept
@@ -314,7 +357,9 @@ typedef struct {
  *   and its argument at position <deciding> picks the backend. */
 #define QK_LAUNCHERS(X)                         \
     X(sparse_aggregate, sparse_aggregate)       \
+    X(sparse_aggregate_backward, sparse_aggregate_backward) \
     X(fused_edge_features, fused_edge_features) \
+    X(fused_edge_features_backward, fused_edge_features_backward) \
     X(fused_norm_residual, fused_norm_residual) \
     X(fused_norm_residual_backward, fused_norm_residual_backward) \
     X(graph_norm_bce, graph_norm_bce)           \
@@ -329,7 +374,9 @@ typedef struct {
 
 #define QK_OPS(X)                                                         \
     X(sparse_aggregate, sparse_aggregate, sparse_aggregate, 3)            \
+    X(sparse_aggregate_backward, sparse_aggregate_backward, sparse_aggregate, 0) \
     X(fused_edge_features, fused_edge_features, fused_edge_features, 0)   \
+    X(fused_edge_features_backward, fused_edge_features_backward, fused_edge_features, 0) \
     X(fused_norm_residual, fused_norm_residual, fused_norm_residual, 0)   \
     X(fused_norm_residual_backward, fused_norm_residual_backward, fused_norm_residual, 0) \
     X(graph_norm_bce, graph_norm_bce, graph_norm_bce, 0)                  \
