@@ -126,21 +126,48 @@ def _norm_rows(x, eps):
     return (x - mean) * rstd, rstd
 
 
-def _ref_fused_norm_residual(x, residual, gamma, beta, *, p=0.0, training=False, eps=1e-5, seed=None):
-    """LayerNorm of each row of x (biased variance) * gamma + beta, dropout when training (the
-    dropout_keep mask, kept values scaled by 1 / (1 - p)), + residual."""
-    y = _norm_rows(x, eps)[0] * _f64(gamma) + _f64(beta)
+def _graph_mean(v, batch, num_graphs, h):
+    """Per row, the mean over its graph's rows and h channels of the row sums v [R] (batch [R]);
+    an empty graph's mean is 0 and taken by no row."""
+    n = np.maximum(np.bincount(batch, minlength=num_graphs), 1) * max(h, 1)
+    return (np.bincount(batch, weights=v, minlength=num_graphs) / n)[batch, None]
+
+
+def _norm_graphs(x, eps, batch, num_graphs):
+    """(xhat, rstd) with mean and biased variance over all rows and channels of each graph (PyG's
+    LayerNorm(mode="graph"): eps on the variance); rstd per row [R, 1]."""
+    x, b = _f64(x), _idx(batch)
+    d = x - _graph_mean(x.sum(axis=1), b, num_graphs, x.shape[1])
+    rstd = 1 / np.sqrt(_graph_mean((d * d).sum(axis=1), b, num_graphs, x.shape[1]) + eps)
+    return d * rstd, rstd
+
+
+def _ref_fused_norm_residual(x, residual, gamma, beta, *, p=0.0, training=False, eps=1e-5, seed=None, batch=None,
+                             num_graphs=None):
+    """LayerNorm of each row of x (biased variance), or with batch of each graph's rows and channels
+    together, * gamma + beta, dropout when training (the dropout_keep mask, kept values scaled by
+    1 / (1 - p)), + residual."""
+    xhat = _norm_rows(x, eps)[0] if batch is None else _norm_graphs(x, eps, batch, num_graphs)[0]
+    y = xhat * _f64(gamma) + _f64(beta)
     return _dropped("fused_norm_residual", y, p, training, seed) + _f64(residual)
 
 
-def _ref_fused_norm_residual_backward(grad_out, x, gamma, *, p=0.0, training=False, eps=1e-5, seed=None):
+def _ref_fused_norm_residual_backward(grad_out, x, gamma, *, p=0.0, training=False, eps=1e-5, seed=None, batch=None,
+                                      num_graphs=None):
     """(grad_x, grad_gamma, grad_beta) of fused_norm_residual's output against grad_out: with g =
     grad_out through the forward's dropout, grad_beta = sum_r g, grad_gamma = sum_r g * xhat,
-    grad_x = rstd * (g*gamma - mean_h(g*gamma) - xhat * mean_h(g*gamma*xhat))."""
-    xhat, rstd = _norm_rows(x, eps)
+    grad_x = rstd * (g*gamma - mean(g*gamma) - xhat * mean(g*gamma*xhat)), the means over the row,
+    or with batch over the row's graph (all its rows and channels)."""
     g = _dropped("fused_norm_residual_backward", _f64(grad_out), p, training, seed)
     gg = g * _f64(gamma)
-    grad_x = rstd * (gg - gg.mean(axis=1, keepdims=True) - xhat * (gg * xhat).mean(axis=1, keepdims=True))
+    if batch is None:
+        xhat, rstd = _norm_rows(x, eps)
+        grad_x = rstd * (gg - gg.mean(axis=1, keepdims=True) - xhat * (gg * xhat).mean(axis=1, keepdims=True))
+    else:
+        xhat, rstd = _norm_graphs(x, eps, batch, num_graphs)
+        b, h = _idx(batch), gg.shape[1]
+        grad_x = rstd * (gg - _graph_mean(gg.sum(axis=1), b, num_graphs, h)
+                         - xhat * _graph_mean((gg * xhat).sum(axis=1), b, num_graphs, h))
     return grad_x, (g * xhat).sum(axis=0), g.sum(axis=0)
 
 
@@ -394,10 +421,20 @@ def _sample_fused_edge_features_backward(rng, dt, ix, n=6, e=11, h=4, edge_attr=
     return (_randn(rng, dt, e, (3 if edge_attr else 2) * h), x, ei), {}
 
 
-def _sample_fused_norm_residual(rng, dt, ix, rows=5, h=12, mean=0.0):
-    """x with row mean ~mean; gamma near 1, beta near 0."""
+def graph_batch(rng, rows, graphs, ix=np.int64, sort=True):
+    """A batch vector [R] of ids in [0, graphs), sorted (a PyG batch) unless sort=False."""
+    b = rng.integers(0, graphs, rows).astype(ix)
+    if sort:
+        b.sort()
+    return b
+
+
+def _sample_fused_norm_residual(rng, dt, ix, rows=5, h=12, mean=0.0, graphs=None, sort=True):
+    """x with row mean ~mean; gamma near 1, beta near 0; graphs=G: graph mode (batch=, num_graphs=G,
+    a graph_batch sorted unless sort=False)."""
+    kwargs = {} if graphs is None else {"batch": graph_batch(rng, rows, graphs, ix, sort), "num_graphs": graphs}
     return ((mean + rng.standard_normal((rows, h))).astype(dt), _randn(rng, dt, rows, h),
-            (1 + _randn(rng, np.float64, h, scale=0.1)).astype(dt), _randn(rng, dt, h, scale=0.1)), {}
+            (1 + _randn(rng, np.float64, h, scale=0.1)).astype(dt), _randn(rng, dt, h, scale=0.1)), kwargs
 
 
 def _sample_graph_norm_bce(rng, dt, ix, e=17, graphs=3, sort=True):
@@ -408,10 +445,12 @@ def _sample_graph_norm_bce(rng, dt, ix, e=17, graphs=3, sort=True):
     return (_randn(rng, dt, e, scale=3.0), (rng.random(e) < 0.3).astype(dt), eg, graphs), {}
 
 
-def _sample_fused_norm_residual_backward(rng, dt, ix, rows=5, h=12, mean=0.0, p=0.0):
-    """grad_out ~N(0, 1) and the forward sample's x and gamma; p > 0: training with dropout p (seed=)."""
-    (x, _, gamma, _), _ = _sample_fused_norm_residual(rng, dt, ix, rows, h, mean)
-    kwargs = {"p": p, "training": True, "seed": int(rng.integers(0, 2**63))} if p > 0 else {}
+def _sample_fused_norm_residual_backward(rng, dt, ix, rows=5, h=12, mean=0.0, p=0.0, graphs=None, sort=True):
+    """grad_out ~N(0, 1) and the forward sample's x and gamma (and batch, num_graphs with graphs=);
+    p > 0: training with dropout p (seed=)."""
+    (x, _, gamma, _), kwargs = _sample_fused_norm_residual(rng, dt, ix, rows, h, mean, graphs, sort)
+    if p > 0:
+        kwargs.update(p=p, training=True, seed=int(rng.integers(0, 2**63)))
     return (_randn(rng, dt, rows, h), x, gamma), kwargs
 
 

@@ -29,8 +29,9 @@ NAMESPACE = "qkernels"
 SCHEMAS = {
     "sparse_aggregate": ("Tensor row_ptr, Tensor col_idx, Tensor edge_weight, Tensor node_feat", "Tensor"),
     "fused_edge_features": ("Tensor x, Tensor edge_index, Tensor? edge_attr=None", "Tensor"),
-    "fused_norm_residual": ("Tensor x, Tensor residual, Tensor gamma, Tensor beta, Tensor? seed_tensor=None, *, "
-                            "float p=0.0, bool training=False, float eps=1e-05, int? seed=None", "Tensor"),
+    "fused_norm_residual": ("Tensor x, Tensor residual, Tensor gamma, Tensor beta, Tensor? seed_tensor=None, "
+                            "Tensor? batch=None, *, float p=0.0, bool training=False, float eps=1e-05, int? seed=None, "
+                            "int? num_graphs=None", "Tensor"),
     "graph_norm_bce": ("Tensor logits, Tensor target, Tensor edge_graph, int num_graphs, "
                        "Tensor? pos_weight_tensor=None, *, float? pos_weight=None", "Tensor"),
     "rotary_emb": ("Tensor x, Tensor freqs_cis, *, bool interleaved=True", "Tensor"),
@@ -52,8 +53,8 @@ SCHEMAS = {
                                   "bool deterministic=True", "(Tensor, Tensor)"),
     "fused_edge_features_backward": ("Tensor grad_out, Tensor x, Tensor edge_index", "(Tensor, Tensor)"),
     "fused_norm_residual_backward": ("Tensor grad_out, Tensor x, Tensor gamma, *, float p=0.0, bool training=False, "
-                                     "float eps=1e-05, int? seed=None, Tensor? seed_tensor=None",
-                                     "(Tensor, Tensor, Tensor)"),
+                                     "float eps=1e-05, int? seed=None, Tensor? seed_tensor=None, Tensor? batch=None, "
+                                     "int? num_graphs=None", "(Tensor, Tensor, Tensor)"),
     "graph_norm_bce_backward": ("Tensor grad, Tensor logits, Tensor target, Tensor edge_graph, int num_graphs, *, "
                                 "float? pos_weight=None, Tensor? pos_weight_tensor=None", "Tensor"),
     "rotary_emb_backward": ("Tensor grad_out, Tensor freqs_cis, *, bool interleaved=True", "Tensor"),
@@ -142,12 +143,13 @@ def _grad_fused_edge_features(ctx, g):
 
 
 def _grad_fused_norm_residual(ctx, g):
-    x, gamma, seed_tensor = ctx.saved_tensors
+    x, gamma, seed_tensor, batch = ctx.saved_tensors
     gx, gg, gb = torch.ops.qkernels.fused_norm_residual_backward(
         g, x, gamma, p=ctx.p, training=ctx.training, eps=ctx.eps, seed=ctx.seed, seed_tensor=seed_tensor,
-        backend=ctx.backend)
+        batch=batch, num_graphs=ctx.num_graphs, backend=ctx.backend)
     need = ctx.needs_input_grad
-    return gx if need[0] else None, g if need[1] else None, gg if need[2] else None, gb if need[3] else None, None
+    return (gx if need[0] else None, g if need[1] else None, gg if need[2] else None, gb if need[3] else None, None,
+            None)
 
 
 def _grad_graph_norm_bce(ctx, g):
@@ -191,8 +193,9 @@ def _save_fused_edge_features(ctx, a, kw):
 
 
 def _save_fused_norm_residual(ctx, a, kw):
-    ctx.save_for_backward(a[0], a[2], a[4])
+    ctx.save_for_backward(a[0], a[2], a[4], a[5])
     ctx.p, ctx.training, ctx.eps, ctx.seed = kw["p"], kw["training"], kw["eps"], kw.get("seed")
+    ctx.num_graphs = kw.get("num_graphs")
 
 
 def _save_graph_norm_bce(ctx, a, kw):

@@ -1,5 +1,5 @@
 /* fused_norm_residual(x, residual, gamma, beta, *, p=0.0, training=False, eps=1e-5, seed=None,
- *                     out=None, stream=None) */
+ *                     batch=None, num_graphs=None, out=None, stream=None) */
 #include "../qk.h"
 #include "../cpu/cpu.h"
 
@@ -9,16 +9,22 @@
 
 #define OP "fused_norm_residual"
 
-QK_DOCS(fused_norm_residual, "x, residual, gamma, beta, *, p=0.0, training=False, eps=1e-5, seed=None, out=None",
+QK_DOCS(fused_norm_residual,
+    "x, residual, gamma, beta, *, p=0.0, training=False, eps=1e-5, seed=None, batch=None, num_graphs=None, out=None",
     "LayerNorm over the last dim (population variance, two-pass), * gamma + beta, dropout with\n"
     "probability p when training (kept values scaled by 1/(1-p)), + residual.  x, residual [R, H];\n"
     "gamma, beta [H].  The dropout mask is a Philox4x32-10 draw keyed by (seed, r * H + h): the same\n"
     "on cpu and cuda for the same seed.  seed is an int (its low 64 bits), a one-element int64 tensor\n"
     "on x's device (shape [] or [1]; read when the kernel runs, never copied to the host, so a\n"
     "captured CUDA graph replayed after the tensor changes uses the new value), or None (a fresh\n"
-    "seed per call).\n" QK_GRAPH_DOC)
+    "seed per call).  With batch ([R] int32/int64 graph ids in [0, num_graphs), on x's device) the\n"
+    "statistics are per graph over all its rows and channels, as PyG's LayerNorm(mode=\"graph\"):\n"
+    "y = (x - mean_g) / sqrt(var_g + eps) * gamma + beta (eps on the variance), then dropout and\n"
+    "residual as above; num_graphs is then required.  Sorted batch is the fast path; unsorted is\n"
+    "right too.  Deterministic.  On cuda a row whose id is out of range gets out = residual.\n" QK_GRAPH_DOC)
 
-QK_DOCS(fused_norm_residual_backward, "grad_out, x, gamma, *, p=0.0, training=False, eps=1e-5, seed=None",
+QK_DOCS(fused_norm_residual_backward,
+    "grad_out, x, gamma, *, p=0.0, training=False, eps=1e-5, seed=None, batch=None, num_graphs=None",
     "Gradients of fused_norm_residual -> (grad_x [R, H], grad_gamma [H], grad_beta [H]).  grad_out\n"
     "[R, H] is the gradient of the forward's output; the residual's gradient is grad_out itself, so\n"
     "it is not returned (the caller uses grad_out).  p, training, eps and seed must be the forward's:\n"
@@ -27,7 +33,9 @@ QK_DOCS(fused_norm_residual_backward, "grad_out, x, gamma, *, p=0.0, training=Fa
     "xhat = (x - mean) * rstd and g = grad_out * mask / (1 - p) (training) or grad_out:\n"
     "grad_x = rstd * (g*gamma - mean_h(g*gamma) - xhat * mean_h(g*gamma*xhat)),\n"
     "grad_gamma = sum_r g*xhat, grad_beta = sum_r g (fp32 accumulation, in gamma's dtype).  The\n"
-    "column sums are deterministic (fixed-order partial sums, no float atomics).\n" QK_GRAPH_DOC)
+    "column sums are deterministic (fixed-order partial sums, no float atomics).  batch and\n"
+    "num_graphs must be the forward's: mean, rstd, mean_h are then per graph, over all its rows and\n"
+    "channels (on cuda a row whose id is out of range gets grad_x = 0 and adds nothing).\n" QK_GRAPH_DOC)
 
 /* seed=None: a fresh seed per call (splitmix64 of a process counter and the clock). */
 static uint64_t nr_fresh_seed(void) {
@@ -105,6 +113,80 @@ static int nr_seed_check(const char *op, const qk_view *sv) {
     return 0;
 }
 
+/* num_graphs=: an int in [1, 2^63 - 1] whose per-graph scratch fits in 2^63 bytes; -1 with an exception */
+static long long nr_num_graphs(const char *op, PyObject *obj) {
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: num_graphs must be an int, got %.200s", op, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    const long long G = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (G == -1 && PyErr_Occurred()) return -1;
+    if (overflow || G < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: num_graphs must be between 1 and 2^63 - 1, got %R", op, obj);
+        return -1;
+    }
+    if (G > INT64_MAX / 64) { /* the kernels keep a few words per graph */
+        PyErr_Format(PyExc_MemoryError, "%s: num_graphs = %lld needs more than 2^63 bytes of scratch", op, G);
+        return -1;
+    }
+    return G;
+}
+
+/* batch= and num_graphs=: neither (0), or batch imported into *bv with *G set (1); -1 with an exception. */
+static int nr_batch_arg(qk_state *st, const char *op, PyObject *batch_obj, PyObject *ng_obj, void *stream,
+                        qk_view *bv, int64_t *G) {
+    const int has_batch = batch_obj && batch_obj != Py_None, has_ng = ng_obj && ng_obj != Py_None;
+    if (!has_batch) {
+        if (has_ng) {
+            PyErr_Format(PyExc_ValueError, "%s: num_graphs is given without batch", op);
+            return -1;
+        }
+        return 0;
+    }
+    if (!has_ng) {
+        PyErr_Format(PyExc_ValueError, "%s: batch needs num_graphs (the number of graphs, an int >= 1)", op);
+        return -1;
+    }
+    const long long g = nr_num_graphs(op, ng_obj);
+    if (g < 0) return -1;
+    *G = g;
+    return qk_import(st, batch_obj, op, "batch", stream, bv) < 0 ? -1 : 1;
+}
+
+static int nr_batch_check(const char *op, const qk_view *bv, int64_t R, int64_t G) {
+    char layout[64];
+    snprintf(layout, sizeof layout, "[R] = [%lld]", (long long)R);
+    if (qk_check_ndim(op, "batch", bv, 1, "[R]") < 0 || qk_check_dtype_index(op, "batch", bv) < 0 ||
+        qk_check_dim(op, "batch", bv, 0, R, layout) < 0)
+        return -1;
+    if (bv->device_type == kDLCUDA && G > INT32_MAX) { /* graph ids are ints in the CUDA kernels' registers */
+        PyErr_Format(PyExc_ValueError, "%s: num_graphs must be below 2^31 on cuda, got %lld", op, (long long)G);
+        return -1;
+    }
+    return 0;
+}
+
+/* Run the launcher; with batch on cuda and QKERNELS_CHECK=1 validate the ids first.  A bad id raises
+ * ValueError naming batch and its first bad position. */
+#define NR_RUN(st, l, name, args, op, run)                                                                     \
+    do {                                                                                                    \
+        int status_ = QK_OK;                                                                                \
+        if ((args)->batch && (l)->device_type == kDLCUDA && (st)->check_indices) /* QKERNELS_CHECK=1 */     \
+            status_ = (l)->cuda->index_check((args)->batch, (args)->index_dtype, (args)->R,                 \
+                                             (args)->batch_stride, 0, (args)->num_graphs, &(args)->bad_pos, \
+                                             &(args)->bad_value, (l)->stream);                              \
+        if (status_ == QK_OK && (run)) QK_RUN(status_, l, name, args);                                      \
+        if (status_ == QK_E_INDEX && (args)->batch)                                                         \
+            PyErr_Format(PyExc_ValueError, "%s: batch[%lld] = %lld is out of range for num_graphs = %lld", op, \
+                         (long long)(args)->bad_pos, (long long)(args)->bad_value,                          \
+                         (long long)(args)->num_graphs);                                                    \
+        else if (status_)                                                                                   \
+            qk_raise_status(op, status_);                                                                   \
+        else                                                                                                \
+            ok = 1;                                                                                         \
+    } while (0)
+
 /* drop when the 32-bit draw < p * 2^32; p = 1 drops everything (scale 0 zeroes the lone survivor) */
 static void nr_dropout(double p, uint32_t *threshold, float *scale) {
     const double thr = ldexp(p, 32);
@@ -113,32 +195,36 @@ static void nr_dropout(double p, uint32_t *threshold, float *scale) {
 }
 
 PyObject *qk_op_fused_norm_residual(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    static const char *const names[] = {"x", "residual", "gamma", "beta", "p", "training", "eps", "seed", "out",
-                                        "stream", NULL};
-    static const char *const in_names[] = {"x", "residual", "gamma", "beta", "seed"};
+    static const char *const names[] = {"x", "residual", "gamma", "beta", "p", "training", "eps", "seed", "batch",
+                                        "num_graphs", "out", "stream", NULL};
+    const char *in_names[6] = {"x", "residual", "gamma", "beta"};
     qk_state *st = qk_get_state(module);
-    PyObject *a[10] = {NULL};
+    PyObject *a[12] = {NULL};
     if (qk_parse_args(OP, args, nargs, kwnames, names, 4, 4, a) < 0) return NULL;
     void *stream;
     int stream_given;
-    if (qk_stream_arg(OP, a[9], &stream, &stream_given) < 0) return NULL;
+    if (qk_stream_arg(OP, a[11], &stream, &stream_given) < 0) return NULL;
     double p, eps;
     int training;
     if (nr_options(OP, a[4], a[5], a[6], &p, &training, &eps) < 0) return NULL;
 
-    qk_view in[5] = {{0}}, ov = {0};
+    qk_view in[6] = {{0}}, ov = {0};
     qk_output o = {0};
     qk_launch l = {0};
-    int ok = 0, launched = 0, n_in = 0;
+    int ok = 0, launched = 0, n_in = 0, seed_at = -1, batch_at = -1;
     uint64_t seed = 0;
+    int64_t G = 0;
     for (; n_in < 4; n_in++)
         if (qk_import(st, a[n_in], OP, in_names[n_in], stream, &in[n_in]) < 0) goto done;
-    const int seed_kind = nr_seed_arg(st, OP, a[7], stream, &seed, &in[4]);
+    const int seed_kind = nr_seed_arg(st, OP, a[7], stream, &seed, &in[n_in]);
     if (seed_kind < 0) goto done;
-    if (seed_kind == 2) n_in = 5;
+    if (seed_kind == 2) in_names[seed_at = n_in++] = "seed";
     if (seed_kind == 0 && training && p > 0) seed = nr_fresh_seed();
+    const int batch_kind = nr_batch_arg(st, OP, a[8], a[9], stream, &in[n_in], &G);
+    if (batch_kind < 0) goto done;
+    if (batch_kind == 1) in_names[batch_at = n_in++] = "batch";
     if (qk_same_device(OP, in, in_names, n_in) < 0) goto done;
-    if (seed_kind == 2 && nr_seed_check(OP, &in[4]) < 0) goto done;
+    if (seed_kind == 2 && nr_seed_check(OP, &in[seed_at]) < 0) goto done;
     if (qk_check_ndim(OP, "x", &in[0], 2, "[R, H]") < 0 || qk_check_ndim(OP, "residual", &in[1], 2, "[R, H]") < 0 ||
         qk_check_ndim(OP, "gamma", &in[2], 1, "[H]") < 0 || qk_check_ndim(OP, "beta", &in[3], 1, "[H]") < 0)
         goto done;
@@ -153,10 +239,11 @@ PyObject *qk_op_fused_norm_residual(PyObject *module, PyObject *const *args, Py_
     snprintf(layout, sizeof layout, "[H] = [%lld]", (long long)H);
     if (qk_check_dim(OP, "gamma", &in[2], 0, H, layout) < 0 || qk_check_dim(OP, "beta", &in[3], 0, H, layout) < 0)
         goto done;
+    if (batch_kind == 1 && nr_batch_check(OP, &in[batch_at], R, G) < 0) goto done;
     if (qk_launch_begin(st, OP, &in[0], stream, stream_given, &l) < 0) goto done;
     launched = 1;
     const int64_t shape[2] = {R, H};
-    if (qk_output_prepare(st, OP, a[8], &in[0], in[0].dtype, 2, shape, &l, &ov, &o) < 0 ||
+    if (qk_output_prepare(st, OP, a[10], &in[0], in[0].dtype, 2, shape, &l, &ov, &o) < 0 ||
         qk_out_overlap(OP, &ov, in, in_names, n_in, 1u << 0 | 1u << 1) < 0) /* out=x, out=residual */
         goto done;
 
@@ -179,13 +266,17 @@ PyObject *qk_op_fused_norm_residual(PyObject *module, PyObject *const *args, Py_
     nr.training = training && p > 0;
     nr_dropout(p, &nr.drop_threshold, &nr.scale);
     nr.seed = seed;
-    nr.seed_ptr = seed_kind == 2 ? (const int64_t *)in[4].data : NULL;
+    nr.seed_ptr = seed_kind == 2 ? (const int64_t *)in[seed_at].data : NULL;
     nr.dtype = in[0].dtype;
     nr.num_threads = st->num_threads;
-    int status = QK_OK;
-    if (R > 0 && H > 0) QK_RUN(status, &l, fused_norm_residual, &nr);
-    if (status) qk_raise_status(OP, status);
-    else ok = 1;
+    if (batch_kind == 1 && R > 0) { /* R = 0: nothing to normalise (an empty batch may have no data) */
+        nr.batch = in[batch_at].data;
+        nr.batch_stride = in[batch_at].strides[0];
+        nr.index_dtype = in[batch_at].dtype;
+        nr.num_graphs = G;
+    }
+    /* H = 0 in graph mode: the cpu launcher still checks the ids */
+    NR_RUN(st, &l, fused_norm_residual, &nr, OP, R > 0 && (H > 0 || nr.batch));
 done:
     return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);
 }
@@ -195,34 +286,39 @@ done:
 
 PyObject *qk_op_fused_norm_residual_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                                              PyObject *kwnames) {
-    static const char *const names[] = {"grad_out", "x", "gamma", "p", "training", "eps", "seed", "stream", NULL};
-    static const char *const in_names[] = {"grad_out", "x", "gamma", "seed"};
+    static const char *const names[] = {"grad_out", "x", "gamma", "p", "training", "eps", "seed", "batch", "num_graphs",
+                                        "stream", NULL};
+    const char *in_names[5] = {"grad_out", "x", "gamma"};
     qk_state *st = qk_get_state(module);
-    PyObject *a[8] = {NULL};
+    PyObject *a[10] = {NULL};
     if (qk_parse_args(OP, args, nargs, kwnames, names, 3, 3, a) < 0) return NULL;
     void *stream;
     int stream_given;
-    if (qk_stream_arg(OP, a[7], &stream, &stream_given) < 0) return NULL;
+    if (qk_stream_arg(OP, a[9], &stream, &stream_given) < 0) return NULL;
     double p, eps;
     int training;
     if (nr_options(OP, a[3], a[4], a[5], &p, &training, &eps) < 0) return NULL;
 
-    qk_view in[4] = {{0}}, ov[3] = {{0}};
+    qk_view in[5] = {{0}}, ov[3] = {{0}};
     qk_output o[3] = {{0}};
     qk_launch l = {0};
-    int ok = 0, launched = 0, n_in = 0;
+    int ok = 0, launched = 0, n_in = 0, seed_at = -1, batch_at = -1;
     uint64_t seed = 0;
+    int64_t G = 0;
     for (; n_in < 3; n_in++)
         if (qk_import(st, a[n_in], OP, in_names[n_in], stream, &in[n_in]) < 0) goto done;
-    const int seed_kind = nr_seed_arg(st, OP, a[6], stream, &seed, &in[3]);
+    const int seed_kind = nr_seed_arg(st, OP, a[6], stream, &seed, &in[n_in]);
     if (seed_kind < 0) goto done;
-    if (seed_kind == 2) n_in = 4;
+    if (seed_kind == 2) in_names[seed_at = n_in++] = "seed";
     if (seed_kind == 0 && training && p > 0) { /* the mask cannot be regenerated without the forward's seed */
         PyErr_SetString(PyExc_ValueError, OP ": seed is required when training with p > 0 (the forward's seed)");
         goto done;
     }
+    const int batch_kind = nr_batch_arg(st, OP, a[7], a[8], stream, &in[n_in], &G);
+    if (batch_kind < 0) goto done;
+    if (batch_kind == 1) in_names[batch_at = n_in++] = "batch";
     if (qk_same_device(OP, in, in_names, n_in) < 0) goto done;
-    if (seed_kind == 2 && nr_seed_check(OP, &in[3]) < 0) goto done;
+    if (seed_kind == 2 && nr_seed_check(OP, &in[seed_at]) < 0) goto done;
     if (qk_check_ndim(OP, "grad_out", &in[0], 2, "[R, H]") < 0 || qk_check_ndim(OP, "x", &in[1], 2, "[R, H]") < 0 ||
         qk_check_ndim(OP, "gamma", &in[2], 1, "[H]") < 0)
         goto done;
@@ -238,6 +334,7 @@ PyObject *qk_op_fused_norm_residual_backward(PyObject *module, PyObject *const *
         goto done;
     snprintf(layout, sizeof layout, "[H] = [%lld]", (long long)H);
     if (qk_check_dim(OP, "gamma", &in[2], 0, H, layout) < 0) goto done;
+    if (batch_kind == 1 && nr_batch_check(OP, &in[batch_at], R, G) < 0) goto done;
     if (qk_launch_begin(st, OP, &in[0], stream, stream_given, &l) < 0) goto done;
     launched = 1;
     const int64_t shape[2] = {R, H};
@@ -267,13 +364,17 @@ PyObject *qk_op_fused_norm_residual_backward(PyObject *module, PyObject *const *
     nb.training = training && p > 0;
     nr_dropout(p, &nb.drop_threshold, &nb.scale);
     nb.seed = seed;
-    nb.seed_ptr = seed_kind == 2 ? (const int64_t *)in[3].data : NULL;
+    nb.seed_ptr = seed_kind == 2 ? (const int64_t *)in[seed_at].data : NULL;
     nb.dtype = in[0].dtype;
     nb.num_threads = st->num_threads;
-    int status = QK_OK;
-    if (H > 0) QK_RUN(status, &l, fused_norm_residual_backward, &nb); /* R = 0: zero column sums */
-    if (status) qk_raise_status(OP, status);
-    else ok = 1;
+    if (batch_kind == 1 && R > 0) { /* R = 0: the row mode's zero column sums */
+        nb.batch = in[batch_at].data;
+        nb.batch_stride = in[batch_at].strides[0];
+        nb.index_dtype = in[batch_at].dtype;
+        nb.num_graphs = G;
+    }
+    /* R = 0: zero column sums; H = 0 in graph mode: the cpu launcher still checks the ids */
+    NR_RUN(st, &l, fused_norm_residual_backward, &nb, OP, H > 0 || nb.batch);
 done:
     return qk_op_finish_many(&l, launched, o, ov, 3, ok, in, n_in);
 }

@@ -158,6 +158,16 @@ typedef struct {
     uint64_t seed;
     const int64_t *seed_ptr;  /* NULL: seed; else the seed is *seed_ptr, read where the kernel runs */
     int dtype, num_threads;
+    /* Graph mode (batch != NULL; PyG LayerNorm(mode="graph")): mean and variance are taken over all
+     * rows r with batch[r] == g and all H channels, per graph g < num_graphs, instead of per row;
+     * gamma, beta, dropout and residual as above.  Per-graph sums in a fixed order (no float
+     * atomics); sorted batch takes binary-searched segments, unsorted a stable counting sort.
+     * The CPU launcher returns QK_E_INDEX with bad_* at the first id outside [0, num_graphs); CUDA
+     * leaves such a row out of every graph and writes out = residual for it. */
+    const void *batch;        /* [R], index_dtype, element stride batch_stride */
+    int64_t num_graphs, batch_stride;
+    int index_dtype;
+    int64_t bad_pos, bad_value;
 } qk_fused_norm_residual_args;
 
 /* fused_norm_residual_backward: the gradients of fused_norm_residual's output with respect to x,
@@ -179,6 +189,14 @@ typedef struct {
     uint64_t seed;
     const int64_t *seed_ptr;
     int dtype, num_threads;
+    /* Graph mode, as the forward's: mean_g, rstd_g over each graph's rows and channels, and
+     *   grad_x = rstd_g * (g*gamma - mean_g(g*gamma) - xhat * mean_g(g*gamma*xhat))
+     * with mean_g over the graph's rows and channels; CUDA gives a row with a bad id grad_x = 0 and
+     * no share of grad_gamma or grad_beta. */
+    const void *batch;
+    int64_t num_graphs, batch_stride;
+    int index_dtype;
+    int64_t bad_pos, bad_value;
 } qk_fused_norm_residual_backward_args;
 
 /* graph_norm_bce: mean over g < num_graphs of (sum of bce(e) over edges with edge_graph[e] == g) /
@@ -393,7 +411,7 @@ typedef struct {
     X(attn_paged_prefill, attn_prefill, attention, 0)
 
 /* The CUDA shared object exports one symbol, qk_cuda_get_api, returning this table. */
-#define QK_CUDA_ABI 8
+#define QK_CUDA_ABI 9
 
 typedef struct {
     int abi;
