@@ -42,7 +42,7 @@ Targets: ours >= 1.0x the best SDPA backend on every contiguous case (on the bes
 row); <= 5 us at B=1 L=1k and <= 7 us at B=1 L=4k; >= 4.4 TB/s when the KV is >= 1 GB; paged >= 85%
 of our contiguous kernel's GB/s (on that row) and >= 3x the best gather + SDPA.
 
-    python3 benchmarks/attention_decode.py [--quick] [--cases contiguous,paged] [--markdown FILE] [--samples N]
+    python3 benchmarks/attn_decode.py [--quick] [--cases contiguous,paged] [--markdown FILE] [--samples N]
 """
 
 import math

@@ -10,7 +10,7 @@ for the last CHECK_QUERIES queries of the first sequence (with causal bottom-rig
 see the keys they see in the whole call; paged: the sequence's tokens gathered into a pool of their
 own).
 
-  python3 benchmarks/attention_prefill.py [--quick] [--markdown FILE]
+  python3 benchmarks/attn_prefill.py [--quick] [--markdown FILE]
 """
 
 import sys

@@ -1,7 +1,7 @@
 """What the benchmark scripts share: the checkout's qkernels first on sys.path, their command-line
 options and header lines, device time by CUDA-graph replay, the copy and GEMM ceilings, the check of
 each result against qkernels.testing's float64 reference, the case loop, and the result table
-(graph_ops.py, dense_ops.py, attention_decode.py, attention_prefill.py, overhead.py, run.py)."""
+(graph_ops.py, dense_ops.py, attn_decode.py, attn_prefill.py, overhead.py, run.py)."""
 
 import argparse
 import gc

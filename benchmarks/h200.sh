@@ -4,7 +4,8 @@
 # QK_SANITIZE=<tool> (memcheck, racecheck, initcheck, synccheck; 1 = memcheck) adds a
 # compute-sanitizer pass over the CUDA tests (tests/cuda_sanitize.sh, QK_SANITIZE_K narrows them);
 # QK_BENCH picks the tables (default "graph,decode,prefill,dense"; empty: none; "run": every
-# family in one process through benchmarks/run.py, which writes results/<gpu>-run.md and .json).
+# family in one process through benchmarks/run.py, which writes results/<gpu>-run.md and .json;
+# "backward": the graph ops' forward+backward; "train": examples/train_gnn.py's timed variants).
 # QK_PREBUILT=<path to a _qkernels_cuda.so built elsewhere for sm_90> skips nvcc here: only the C
 # extension is built and the shared object is copied in (device time is scarcer than CPU time;
 # build it with `QKERNELS_CUDA_ARCH=90 python3 setup.py build_ext --inplace`, copy it out of
@@ -46,14 +47,22 @@ if [[ ",$bench," == *,graph,* ]]; then  # the graph ops beside their anchors (~2
     tail -40 "$OUT/graph_ops.log" | cut -c1-150
 fi
 if [[ ",$bench," == *,decode,* ]]; then  # decode attention beside the SDPA backends (~3 minutes)
-    python3 benchmarks/attention_decode.py --markdown "$OUT/attention_decode.md" >"$OUT/attention_decode.log" 2>&1
-    tail -45 "$OUT/attention_decode.log" | cut -c1-150
+    python3 benchmarks/attn_decode.py --markdown "$OUT/attn_decode.md" >"$OUT/attn_decode.log" 2>&1
+    tail -45 "$OUT/attn_decode.log" | cut -c1-150
 fi
 if [[ ",$bench," == *,prefill,* ]]; then  # prefill attention beside SDPA FLASH and CUDNN (~30 s)
-    python3 benchmarks/attention_prefill.py --markdown "$OUT/attention_prefill.md" >"$OUT/attention_prefill.log" 2>&1
-    tail -40 "$OUT/attention_prefill.log" | cut -c1-150
+    python3 benchmarks/attn_prefill.py --markdown "$OUT/attn_prefill.md" >"$OUT/attn_prefill.log" 2>&1
+    tail -40 "$OUT/attn_prefill.log" | cut -c1-150
 fi
 if [[ ",$bench," == *,dense,* ]]; then  # linear, swiglu, rotary beside cuBLAS / eager / compile (~1 minute)
     python3 benchmarks/dense_ops.py --markdown "$OUT/dense_ops.md" >"$OUT/dense_ops.log" 2>&1
     tail -50 "$OUT/dense_ops.log" | cut -c1-150
+fi
+if [[ ",$bench," == *,backward,* ]]; then  # graph ops forward+backward beside eager and torch.compile
+    python3 benchmarks/graph_backward.py --markdown "$OUT/graph_backward.md" >"$OUT/graph_backward.log" 2>&1
+    tail -40 "$OUT/graph_backward.log" | cut -c1-150
+fi
+if [[ ",$bench," == *,train,* ]]; then  # the QEC decoder's training step and forward, six variants
+    python3 examples/train_gnn.py >"$OUT/train_gnn.log" 2>&1
+    tail -12 "$OUT/train_gnn.log" | cut -c1-150
 fi

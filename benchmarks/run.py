@@ -46,8 +46,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 MARKER = "<!-- written by benchmarks/run.py"
-COPY_SAMPLES = 15  # the copy-ceiling replays of graph_ops.py, attention_decode.py and dense_ops.py
-GEMM_SAMPLES = 10  # attention_prefill.py's
+COPY_SAMPLES = 15  # the copy-ceiling replays of graph_ops.py, attn_decode.py and dense_ops.py
+GEMM_SAMPLES = 10  # attn_prefill.py's
 
 
 @dataclass

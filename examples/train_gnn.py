@@ -38,12 +38,15 @@ import torch.nn.functional as F  # noqa: E402
 import qkernels  # noqa: E402
 import qkernels.torch  # noqa: E402,F401  registers the operators before torch.compile traces
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from eval_gnn import batch_structure, build_graph, init_weights, node_inputs, sample  # noqa: E402
+from eval_gnn import batch_structure, build_graph, init_weights, node_inputs, sample  # noqa: E402  (it sits beside this file)
 
-# Loss curves of qkernels and pure PyTorch (float32, different summation orders) over the comparison
-# steps: Adam follows the gradients' signs, so early steps stay within a few float32 ulps per op.
-LOSS_RTOL = 1e-4
+# Loss curves of qkernels and pure PyTorch over the comparison steps, float32 both.  The losses are
+# small (~5e-4 at p = 0.003: most edges have logits near -7.6), and PyTorch's BCE-with-logits computes
+# l + log(1 + exp(-l)) for them, which cancels to an absolute error of ~6e-8 per edge (qkernels uses
+# log1p): measured 6e-5 relative on the first, untrained step, growing under Adam to 4.5e-4 (2e-7
+# absolute) by step 4, while the first step's gradients agree to 1.7e-7.  A wrong gradient moves the
+# curves apart by orders of magnitude more within a few steps.
+LOSS_ATOL, LOSS_RTOL = 1e-6, 1e-3
 
 
 class QkernelsOps:
@@ -222,16 +225,16 @@ def main(argv=None):
         model, opt, fwd = build(impl, "eager", weights, st, a, 0.0)
         curves[impl] = train(model, opt, fwd, batches)
     q, t = np.array(curves["qkernels"]), np.array(curves["pytorch"])
-    worst = float(np.max(np.abs(q - t) / np.abs(t)))
-    ok = worst <= LOSS_RTOL and q[-1] < q[0]
+    worst = float(np.max(np.abs(q - t) / (LOSS_ATOL + LOSS_RTOL * np.abs(t))))
+    ok = worst <= 1.0 and q[-1] < q[0]
     print(f"comparison ({a.steps} steps, dropout off): loss {q[0]:.6f} -> {q[-1]:.6f} (qkernels), "
-          f"{t[0]:.6f} -> {t[-1]:.6f} (pytorch); max rel diff {worst:.1e} (tol {LOSS_RTOL:.0e}): "
-          f"{'PASS' if ok else 'FAIL'}")
+          f"{t[0]:.6f} -> {t[-1]:.6f} (pytorch); max abs diff {np.max(np.abs(q - t)):.1e}, "
+          f"{worst:.2f} of the tolerance {LOSS_ATOL:.0e} + {LOSS_RTOL:.0e} |loss|: {'PASS' if ok else 'FAIL'}")
     if a.check:
         # one compiled step with qkernels inside torch.compile (fullgraph): the eager loss, the same grads
         model, opt, fwd = build("qkernels", "compile", weights, st, a, 0.0)
         c = train(model, opt, fwd, batches[:2])
-        same = np.allclose(c, q[:2], rtol=LOSS_RTOL)
+        same = np.allclose(c, q[:2], rtol=LOSS_RTOL, atol=LOSS_ATOL)
         print(f"compiled (fullgraph): losses {c[0]:.6f}, {c[1]:.6f} vs eager {q[0]:.6f}, {q[1]:.6f}: "
               f"{'PASS' if same else 'FAIL'}")
         ok &= same

@@ -23,7 +23,7 @@ TINY = ["--layers", "1", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "
 
 def run(cmd, cwd=ROOT, status=0, **extra_env):
     """cmd's output; qkernels comes from PYTHONPATH (this checkout), as an installed one would: the
-    examples put nothing on sys.path themselves."""
+    examples put nothing on sys.path themselves (train_gnn.py imports eval_gnn.py from its own directory, which Python puts there)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     for var in ("ASTR_BACKEND", "QECDEC_BACKEND", "QKERNELS_OPS"):  # the automatic choice, whatever the
         env.pop(var, None)                                           # caller's shell says
@@ -42,7 +42,7 @@ def test_decode_step_check():
 
 
 def test_examples_leave_sys_path_alone():
-    for name in ("decode_step.py", "eval_gnn.py", "tp_decode.py"):
+    for name in ("decode_step.py", "eval_gnn.py", "tp_decode.py", "train_gnn.py"):
         with open(os.path.join(ROOT, "examples", name)) as f:
             assert not re.search(r"sys\.path\.(insert|append)|sys\.path\s*=", f.read()), name
 
@@ -56,6 +56,16 @@ def test_eval_gnn_check(tmp_path):
     assert re.search(r"^  loss \d+\.\d+ ", out, re.M), out
     assert "sparse_aggregate -> cpu (env QECDEC_BACKEND)" in out and "graph_norm_bce -> cpu (env QECDEC_BACKEND)" in out
     assert "sampler PASS" in out and "cpu    PASS" in out
+    assert "check passed" in out
+
+
+@requires_torch
+def test_train_gnn_check(tmp_path):
+    """qkernels' gradients train the decoder as pure PyTorch's do: the same loss curve, and one
+    compiled (fullgraph) step equal to eager."""
+    out = run([sys.executable, os.path.join(ROOT, "examples", "train_gnn.py"), "--check"], cwd=tmp_path)
+    assert re.search(r"^comparison .*: PASS$", out, re.M), out
+    assert re.search(r"^compiled \(fullgraph\).*: PASS$", out, re.M), out
     assert "check passed" in out
 
 
