@@ -128,14 +128,14 @@ def readme_examples():
 
 
 @pytest.mark.parametrize("framework,code,printed", readme_examples(), ids=lambda v: v if v in
-                         ("PyTorch", "JAX", "NumPy") else "")
+                         ("PyTorch", "JAX", "Training", "NumPy") else "")
 def test_readme_first_steps(framework, code, printed, tmp_path):
     """The README's first examples run from another folder and print what it says they print."""
-    if importlib.util.find_spec({"PyTorch": "torch", "JAX": "jax"}.get(framework, "numpy")) is None:
+    if importlib.util.find_spec({"PyTorch": "torch", "Training": "torch", "JAX": "jax"}.get(framework, "numpy")) is None:
         pytest.skip(f"{framework} is not installed")
     assert len(code.splitlines()) <= 12
     assert run([sys.executable, "-c", code], cwd=tmp_path).strip() == printed
 
 
 def test_readme_has_a_first_example_per_framework():
-    assert [f for f, _, _ in readme_examples()] == ["PyTorch", "JAX", "NumPy"]
+    assert [f for f, _, _ in readme_examples()] == ["PyTorch", "JAX", "Training", "NumPy"]
