@@ -47,7 +47,7 @@ def nr_torch(x, residual, gamma, beta):
 
 def bce_torch(logits, target, edge_graph, num_graphs, counts):
     loss = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
-    return (torch.zeros(num_graphs, device=logits.device).index_add(0, edge_graph, loss) / counts).mean()
+    return (torch.zeros(num_graphs, device=logits.device, dtype=logits.dtype).index_add(0, edge_graph, loss) / counts).mean()
 
 
 def cases(device, div, quick):

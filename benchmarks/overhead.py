@@ -8,7 +8,7 @@ CUDA launch queue's depth, so the host never waits for the GPU and the figure is
 drift hit all of them alike; the median over rounds is reported.  Every op runs on the sample
 call of qkernels.testing (graph ops in float32, the LLM ops in bfloat16 with head_dim 64), through
 the public entry point as a user calls it.  Besides the anchor, the table splits sparse_aggregate's
-call into its parts: the C entry point alone, the same with nothing to launch (an empty graph),
+call into its parts (and times each differentiable op once more with inputs that require grad): the C entry point alone, the same with nothing to launch (an empty graph),
 the dispatcher lookup, and what a naive binding would pay per call (t.__dlpack__(),
 torch.cuda.current_stream()).  Target: no op costs more host time than one torch.add.
 """
@@ -20,13 +20,15 @@ import time
 import common  # noqa: F401  (first: it puts the checkout's qkernels on sys.path)
 import numpy as np
 import qkernels
+import qkernels.torch
 import torch
 from qkernels import _dispatch
 from qkernels.testing import DEVICE_DTYPES, OPS, sample
 
 
-def op_call(op, dev):
-    """qkernels.<op> on its sample call as torch CUDA tensors (in the dtypes its CUDA kernels take)."""
+def op_call(op, dev, grad=False):
+    """qkernels.<op> on its sample call as torch CUDA tensors (in the dtypes its CUDA kernels take);
+    grad: its differentiable inputs require grad (the call records itself for autograd)."""
     options = {"d": 64} if op.startswith("attn") else {}
     args, kwargs = sample(op, np.random.default_rng(1), **options)
     dtypes = DEVICE_DTYPES.get(op, ())
@@ -37,6 +39,11 @@ def op_call(op, dev):
         t = torch.from_numpy(a).to(dev)
         return t.to(getattr(torch, dtypes[i])) if i < len(dtypes) and dtypes[i] else t
     args = [convert(i, a) for i, a in enumerate(args)]
+    if grad:
+        differentiable = qkernels.torch.GRADIENTS[op][2]
+        names = _dispatch.params(op)
+        args = [a.requires_grad_(True) if isinstance(a, torch.Tensor) and names[i] in differentiable else a
+                for i, a in enumerate(args)]
     fn = getattr(qkernels, op)
     return lambda: fn(*args, **kwargs)
 
@@ -70,6 +77,8 @@ def collect(a):
 
     cases = [("torch.add(x, y)  [anchor]", lambda: torch.add(x, y))]
     cases += [(f"qkernels.{op}", op_call(op, dev)) for op in OPS]
+    # under grad mode with inputs that require grad: the torch operator, recorded for autograd
+    cases += [(f"qkernels.{op} (inputs require grad)", op_call(op, dev, grad=True)) for op in qkernels.torch.GRADIENTS]
     cases += [
         ("qkernels.sparse_aggregate(4 tensors)", lambda: qkernels.sparse_aggregate(*args)),
         ("qkernels.sparse_aggregate(..., out=)", lambda: qkernels.sparse_aggregate(*args, out=out)),
