@@ -178,7 +178,8 @@ def naive_rotary(x, f, interleaved=True):
 
 # ---- sample calls as torch tensors ------------------------------------------------------------
 
-LLM = {"attn_decode", "attn_paged_decode", "attn_prefill", "attn_paged_prefill", "rotary_emb", "linear", "swiglu"}
+LLM = {"attn_decode", "attn_paged_decode", "attn_prefill", "attn_paged_prefill", "rotary_emb", "linear", "swiglu",
+       "rotary_emb_backward", "linear_backward", "swiglu_backward"}
 
 # Options of qkernels.testing.sample that every backend takes (the cuda attention kernels need a
 # head_dim of 32, 64, 128 or 256): the table of the tests that run each op on the GPU.
@@ -198,6 +199,9 @@ DEVICE_SIZES = {
     "rotary_emb": dict(lead=(10,), h=4, d=64),
     "linear": dict(m=4, k=128, n=64),
     "swiglu": dict(m=4, k=128, n=64),
+    "rotary_emb_backward": dict(lead=(10,), h=4, d=64),
+    "linear_backward": dict(m=4, k=128, n=64),
+    "swiglu_backward": dict(m=4, k=128, n=64),
 }
 
 
@@ -210,7 +214,7 @@ def host_tensors(op, args):
     for i, a in enumerate(args):
         if isinstance(a, np.ndarray):
             a = torch.from_numpy(np.ascontiguousarray(a))
-            if op in LLM and i in FLOAT_ARGS[op] and (op, i) != ("rotary_emb", 1):
+            if op in LLM and i in FLOAT_ARGS[op] and (op.removesuffix("_backward"), i) != ("rotary_emb", 1):
                 a = a.to(torch.bfloat16)
         out.append(a)
     return out

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import capture_graph, requires_cuda, requires_torch, to_device
+from conftest import DEVICE_SIZES, capture_graph, requires_cuda, requires_torch, to_device
 from qkernels import testing
 from qkernels.testing import FLOAT_ARGS
 
@@ -289,7 +289,7 @@ def test_reduce_overhead_on_cuda(op, rng):
 
     import qkernels
 
-    args, kwargs = testing.sample(op, rng)
+    args, kwargs = testing.sample(op, rng, **DEVICE_SIZES[op])  # sizes the cuda kernels take
     args = to_device(op, args, "cuda")
     kwargs = {k: torch.from_numpy(v).cuda() if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
     fn = getattr(qkernels, op)
