@@ -668,9 +668,10 @@ int lb_fwd_mt(const qk_linear_args *a, int forced, float **part, int *nsplit_out
 
 // ---- the launchers ------------------------------------------------------------------------------
 
-// cuBLASLt for the call: past M = 64 unless the tile kernels are forced, at any M when it is.
-bool lb_use_lt(const qk_linear_args *a) {
-    return a->variant == QK_LINEAR_BWD_LT || (a->variant == QK_LINEAR_BWD_AUTO && a->M > 64);
+// cuBLASLt for a product from M = min_m on (at any M when forced): on the H200 it matches cuBLAS from
+// M = 1 for grad_x and the tile kernels win only grad_weight and swiglu at M = 1 (docs/linear.md).
+bool lb_use_lt(const qk_linear_args *a, int64_t min_m) {
+    return a->variant == QK_LINEAR_BWD_LT || (a->variant == QK_LINEAR_BWD_AUTO && a->M >= min_m);
 }
 
 // In cuBLAS's column-major terms (lt_gemm): a row-major [R, C] matrix with row stride ld is C x R.
@@ -678,7 +679,7 @@ template <typename T>
 int lb_linear(const qk_linear_args *a, cudaStream_t stream) {
     const int64_t M = a->M, N = a->N, K = a->K;
     const uint16_t *dy = (const uint16_t *)a->grad_out, *x = (const uint16_t *)a->x, *w = (const uint16_t *)a->w;
-    const bool lt = lb_use_lt(a);
+    const bool lt = lb_use_lt(a, 1), lt_w = lb_use_lt(a, 2);
     int st = QK_OK;
     if (a->grad_x && M > 0 && K > 0) {
         // grad_x^T [K, M] = (W as K x N) (dy as N x M)
@@ -692,7 +693,7 @@ int lb_linear(const qk_linear_args *a, cudaStream_t stream) {
     }
     if (st == QK_OK && a->grad_w && N > 0 && K > 0) {
         // grad_w^T [K, N] = (x as K x M) (dy as N x M)^T
-        st = lt && M > 0 ? qk_linear_lt_gemm(a->dtype, 0, 1, K, N, M, x, a->x_stride, dy, a->grad_out_stride, a->grad_w, 0,
+        st = lt_w && M > 0 ? qk_linear_lt_gemm(a->dtype, 0, 1, K, N, M, x, a->x_stride, dy, a->grad_out_stride, a->grad_w, 0,
                                              a->grad_w_stride, 0, stream)
                          : QK_E_UNSUPPORTED;
         if (st == QK_E_UNSUPPORTED)
@@ -715,7 +716,7 @@ int lb_swiglu(const qk_linear_args *a, cudaStream_t stream) {
             st = lb_finish_run<T>(nullptr, 0, N, K, (T *)a->grad_gate, a->grad_gate_stride, 1, stream);
         return st;
     }
-    const bool lt = lb_use_lt(a);
+    const bool lt = lb_use_lt(a, 2);
     lb_scratch gab(stream);  // ga, gb [M, N]
     QK_CUDA_TRY((cudaError_t)gab.alloc(2 * (size_t)M * N * sizeof(T)));
     T *ga = (T *)gab.p, *gb = ga + M * N;
