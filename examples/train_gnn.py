@@ -204,6 +204,8 @@ def main(argv=None):
     p.add_argument("--variants", default="qkernels:eager,qkernels:compile,qkernels:reduce-overhead,pytorch:eager,"
                    "pytorch:compile,pytorch:reduce-overhead", help="comma-separated impl:mode of the timed runs")
     p.add_argument("--check", action="store_true", help="tiny sizes on the CPU, the comparison run only")
+    p.add_argument("--profile", action="store_true", help="after the timed runs, where a training step's device "
+                   "time goes: the kernels of one step per variant (torch.profiler), largest first")
     a = p.parse_args(argv)
     if a.check:
         a.distance, a.batch, a.steps, a.device = 3, 4, 8, a.device or "cpu"
@@ -260,7 +262,27 @@ def main(argv=None):
         with torch.no_grad():
             t_fwd = timed(lambda: fwd(node_x, edge_x, labels), a.iters, device)
         print(f"  {variant:<28} {t_step * 1e3:>8.3f} ms {t_fwd * 1e3:>6.3f} ms")
+        if a.profile:
+            model.train()
+            profile(step, device)
     return 0 if ok else 1
+
+
+def profile(step, device):
+    """The device kernels of one training step, summed by name: count, total time, largest first."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"] if device.type == "cuda" else []
+    rows.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in rows)
+    print(f"    {len(rows)} distinct kernels, {sum(e.count for e in rows)} launches, {total / 1e3:.3f} ms device time")
+    for e in rows[:12]:
+        print(f"    {e.device_time_total / 1e3:7.3f} ms {e.count:4d}x  {e.key[:90]}")
 
 
 if __name__ == "__main__":
