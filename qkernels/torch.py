@@ -424,7 +424,10 @@ def route(op, args, kwargs, backend):
         # torch's generator, as a tensor op: torch.manual_seed reproduces it, CUDA-graph replays redraw it
         c["seed"] = torch.randint(-2**63, 2**63 - 1, (), dtype=torch.int64, device=x.device)
     extra = _dispatch.CALL_AXES[op]((), c) if op in _dispatch.CALL_AXES else ()
-    chosen = _trace_backend(op, x.device.type, _dtype_name(x.dtype), extra, backend)
+    if torch.compiler.is_compiling() or type(x) not in _PLAIN:  # traced: decide once, from constants
+        chosen = _trace_backend(op, x.device.type, _dtype_name(x.dtype), extra, backend)
+    else:  # eager: the dispatcher's cached decision
+        chosen = _dispatch.choose(op, x, backend, extra)[0]
     call = {}
     for name, value in c.items():
         if name in _UNIONS and isinstance(value, torch.Tensor):
