@@ -297,13 +297,14 @@ def _heads_first(q, k, v):
 
 def prefill_keep(B, Hq, Lq, Lkv, is_causal=False, mask=None):
     """attn_prefill's kept keys, bool [B, Hq, Lq, Lkv]: query i sits at key position i + Lkv - Lq and
-    causal keeps keys j <= that (bottom-right); mask [B, Lkv] or [B, 1|Hq, Lq, Lkv], True = keep."""
+    causal keeps keys j <= that (bottom-right); mask [B, Lkv], or [1|Hq, Lq|1, Lkv] or
+    [B|1, 1|Hq, Lq|1, Lkv] broadcast as scaled_dot_product_attention does, True = keep."""
     keep = np.ones((1, 1, Lq, Lkv), bool)
     if is_causal:
         keep = keep & (np.arange(Lkv)[None, :] <= np.arange(Lq)[:, None] + (Lkv - Lq))
     if mask is not None:
         m = np.asarray(mask, bool)
-        keep = keep & (m[:, None, None, :] if m.ndim == 2 else m)
+        keep = keep & (m[:, None, None, :] if m.ndim == 2 else m)  # 3-D: NumPy aligns it to [Hq, Lq, Lkv]
     return np.broadcast_to(keep, (B, Hq, Lq, Lkv))
 
 

@@ -122,6 +122,34 @@ def test_strided_masks(rng):
     assert rel_err(out, reference("attn_prefill", q, k, v, mask=shared)) < 1e-5
 
 
+@pytest.mark.parametrize("shape", ["B,1,1,Lkv", "1,1,Lq,Lkv", "B,1,Lq,Lkv", "1,Lq,Lkv", "Hq,Lq,Lkv", "Hq,1,Lkv",
+                                   "1,Hq,1,Lkv", "B,Hq,1,Lkv"])
+def test_masks_broadcast_as_sdpa_does(rng, shape):
+    """Every size-1 dimension of a per-query mask broadcasts, as in scaled_dot_product_attention: the
+    result equals the call with the mask expanded to [B, Hq, Lq, Lkv]."""
+    B, Lq, Lkv, Hkv, ratio = 3, 7, 20, 2, 2
+    Hq = Hkv * ratio
+    q, k, v = sample("attn_prefill", rng, b=B, lq=Lq, lkv=Lkv, hkv=Hkv, ratio=ratio, d=16)[0]
+    dims = {"B": B, "Hq": Hq, "Lq": Lq, "Lkv": Lkv, "1": 1}
+    mask = rng.random(tuple(dims[d] for d in shape.split(","))) < 0.6
+    full = np.ascontiguousarray(np.broadcast_to(mask, (B, Hq, Lq, Lkv)))
+    out = qkernels.attn_prefill(q, k, v, mask=mask)
+    np.testing.assert_array_equal(out, qkernels.attn_prefill(q, k, v, mask=full))
+    assert rel_err(out, reference("attn_prefill", q, k, v, mask=mask)) < 1e-5
+    if HAS_TORCH:  # the same mask through SDPA itself (its head-major layout, GQA expanded)
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).double().transpose(1, 2)  # noqa: E731
+        kk, vv = (t(a).repeat_interleave(ratio, dim=1) for a in (k, v))
+        want = torch.nn.functional.scaled_dot_product_attention(t(q), kk, vv, attn_mask=torch.from_numpy(mask))
+        assert rel_err(out, want.transpose(1, 2).nan_to_num(0.0).numpy()) < 1e-5
+
+
+def test_mask_shapes_that_do_not_broadcast(rng):
+    q, k, v = sample("attn_prefill", rng, b=2, lq=3, lkv=9, hkv=1, ratio=2, d=8)[0]
+    for shape in [(2, 2, 3, 8), (3, 1, 3, 9), (2, 3, 9, 1), (2, 5, 9), (3, 3, 9), (1, 3, 3, 3, 9)]:
+        with pytest.raises(ValueError, match="attn_prefill: mask"):
+            qkernels.attn_prefill(q, k, v, mask=np.ones(shape, bool))
+
+
 # ---- layouts, out=, empty inputs, threads ---------------------------------------------------
 
 def test_non_contiguous_views(rng):
@@ -363,10 +391,11 @@ def test_prefill_bad_argument(pos, value, exc, msg):
 @pytest.mark.parametrize("kw,exc,msg", [
     (dict(mask=np.ones((2, 5), np.float32)), TypeError, r"attn_prefill: mask must be bool \(True = keep\), got float32"),
     (dict(mask=np.ones((2, 4), bool)), ValueError, r"attn_prefill: mask must have shape \[B, Lkv\] = \[2, 5\] with size 5 in dimension 1"),
-    (dict(mask=np.ones((2, 1, 5), bool)), ValueError, r"attn_prefill: mask must be \[B, Lkv\] or \[B, 1\|Hq, Lq, Lkv\] \(2 or 4 dimensions\), got shape \[2, 1, 5\]"),
-    (dict(mask=np.ones((2, 2, 3, 5), bool)), ValueError, r"attn_prefill: mask must have shape \[B, 1\|Hq, Lq, Lkv\] = \[2, 1\|4, 3, 5\] with size 4 in dimension 1"),
+    (dict(mask=np.ones((2, 1, 5), bool)), ValueError, r"attn_prefill: mask must have shape \[1\|Hq, Lq\|1, Lkv\] = \[1\|4, 3\|1, 5\] with size 4 in dimension 0"),
+    (dict(mask=np.ones((2, 2, 3, 5), bool)), ValueError, r"attn_prefill: mask must have shape \[B\|1, 1\|Hq, Lq\|1, Lkv\] = \[2\|1, 1\|4, 3\|1, 5\] with size 4 in dimension 1"),
     (dict(mask=np.ones((2, 4, 2, 5), bool)), ValueError, r"attn_prefill: mask must have shape .* with size 3 in dimension 2"),
-    (dict(mask=np.ones((1, 1, 3, 5), bool)), ValueError, r"attn_prefill: mask must have shape .* with size 2 in dimension 0"),
+    (dict(mask=np.ones((3, 1, 3, 5), bool)), ValueError, r"attn_prefill: mask must have shape .* with size 2 in dimension 0"),
+    (dict(mask=np.ones((2, 3, 5), bool)), ValueError, r"attn_prefill: mask must have shape \[1\|Hq, Lq\|1, Lkv\] .* dimension 0"),
     (dict(is_causal=np.array([True, False])), TypeError, "attn_prefill: is_causal must be a bool, got numpy.ndarray"),
     (dict(scale="x"), TypeError, "attn_prefill: scale must be a float or None, got str"),
     (dict(scale=float("inf")), ValueError, "attn_prefill: scale must be finite"),

@@ -12,8 +12,9 @@ QK_DOCS(attn_prefill, "q, k, v, *, is_causal=False, mask=None, scale=None, out=N
     "q [B, Lq, Hq, D], k and v [B, Lkv, Hkv, D] -> [B, Lq, Hq, D], out[b,i,h] = softmax(scale * q.k_j) v_j\n"
     "over the kept keys j, with kv head h // (Hq / Hkv) (GQA).  The queries are the last Lq of the Lkv\n"
     "positions: is_causal keeps j <= i + Lkv - Lq (bottom-right aligned; with Lq > Lkv the first\n"
-    "Lq - Lkv queries keep nothing and give 0).  mask bool [B, Lkv] (per key) or [B, 1|Hq, Lq, Lkv]\n"
-    "(per query, shared by the heads or per head), True = keep; with is_causal both apply.\n"
+    "Lq - Lkv queries keep nothing and give 0).  mask bool [B, Lkv] (per key), or per query as\n"
+    "scaled_dot_product_attention broadcasts it: [B|1, 1|Hq, Lq|1, Lkv] or [1|Hq, Lq|1, Lkv]; True = keep;\n"
+    "with is_causal both apply.\n"
     QK_ATTN_DOC)
 
 QK_DOCS(attn_paged_prefill, "q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, qo_indptr, *, "
@@ -37,8 +38,9 @@ static int ap_causal(const char *op, PyObject *obj, int *causal) {
     return -1;
 }
 
-/* attn_prefill's mask: [B, Lkv] (mask_kind 1, one row of keys per sequence) or [B, 1|Hq, Lq, Lkv]
- * (mask_kind 2, per query, shared by the heads or per head). */
+/* attn_prefill's mask: [B, Lkv] (mask_kind 1, one row of keys per sequence), or per query (mask_kind
+ * 2) as scaled_dot_product_attention broadcasts it against [B, Hq, Lq, Lkv] (trailing dimensions
+ * aligned): [B|1, 1|Hq, Lq|1, Lkv] or [1|Hq, Lq|1, Lkv]; a dimension of size 1 is read with stride 0. */
 static int ap_dense_mask(const char *op, const qk_view *m, int64_t B, int64_t Hq, int64_t Lq, int64_t Lkv,
                          qk_attn_prefill_args *pa) {
     if (qk_attn_check_bool(op, m) < 0) return -1;
@@ -47,21 +49,31 @@ static int ap_dense_mask(const char *op, const qk_view *m, int64_t B, int64_t Hq
         pa->mask_kind = 1;
         pa->mask_stride[0] = qk_attn_stride(m, 0);
         pa->mask_stride[3] = qk_attn_stride(m, 1);
-    } else if (m->ndim == 4) {
-        char layout[128];
-        snprintf(layout, sizeof layout, "[B, 1|Hq, Lq, Lkv] = [%lld, 1|%lld, %lld, %lld]", (long long)B, (long long)Hq,
-                 (long long)Lq, (long long)Lkv);
-        if (qk_check_dim(op, "mask", m, 0, B, layout) < 0 ||
-            (m->shape[1] != 1 && qk_check_dim(op, "mask", m, 1, Hq, layout) < 0) ||
-            qk_check_dim(op, "mask", m, 2, Lq, layout) < 0 || qk_check_dim(op, "mask", m, 3, Lkv, layout) < 0)
+    } else if (m->ndim == 4 || m->ndim == 3) {
+        /* the mask's dims aligned to the trailing dims of [B, Hq, Lq, Lkv]; a 3-D mask has no batch dim */
+        const int four = m->ndim == 4, ib = four ? 0 : -1, ih = four ? 1 : 0, ii = ih + 1, ij = ih + 2;
+        char layout[160];
+        if (four)
+            snprintf(layout, sizeof layout, "[B|1, 1|Hq, Lq|1, Lkv] = [%lld|1, 1|%lld, %lld|1, %lld]", (long long)B,
+                     (long long)Hq, (long long)Lq, (long long)Lkv);
+        else
+            snprintf(layout, sizeof layout, "[1|Hq, Lq|1, Lkv] = [1|%lld, %lld|1, %lld]", (long long)Hq, (long long)Lq,
+                     (long long)Lkv);
+        if ((four && m->shape[ib] != 1 && qk_check_dim(op, "mask", m, ib, B, layout) < 0) ||
+            (m->shape[ih] != 1 && qk_check_dim(op, "mask", m, ih, Hq, layout) < 0) ||
+            (m->shape[ii] != 1 && qk_check_dim(op, "mask", m, ii, Lq, layout) < 0) ||
+            qk_check_dim(op, "mask", m, ij, Lkv, layout) < 0)
             return -1;
         pa->mask_kind = 2;
-        for (int d = 0; d < 4; d++) pa->mask_stride[d] = qk_attn_stride(m, d);
+        pa->mask_stride[0] = four ? qk_attn_stride(m, ib) : 0;
+        pa->mask_stride[1] = qk_attn_stride(m, ih);
+        pa->mask_stride[2] = qk_attn_stride(m, ii);
+        pa->mask_stride[3] = qk_attn_stride(m, ij);
     } else {
         char got[160];
         qk_shape_str(got, sizeof got, m->shape, m->ndim);
-        PyErr_Format(PyExc_ValueError, "%s: mask must be [B, Lkv] or [B, 1|Hq, Lq, Lkv] (2 or 4 dimensions), got shape "
-                     "%s", op, got);
+        PyErr_Format(PyExc_ValueError, "%s: mask must be [B, Lkv], [1|Hq, Lq|1, Lkv] or [B|1, 1|Hq, Lq|1, Lkv] (2, 3 "
+                     "or 4 dimensions), got shape %s", op, got);
         return -1;
     }
     pa->mask = m->data;
