@@ -319,13 +319,15 @@ def _ref_attn_prefill(q, k, v, *, mask=None, is_causal=False, scale=None):
 
 def _ref_attn_decode(q, k, v, *, kv_lens=None, mask=None, scale=None):
     """One query per sequence: q [B, 1, Hq, D], k/v [B, L, Hkv, D] -> [B, 1, Hq, D]; the kept keys are
-    j < kv_lens[b] (negative: none) and mask[b, j] (mask [B, L] or [B, 1, L])."""
+    j < kv_lens[b] (negative: none) and mask[b, j] (mask [B|1, L], [B|1, 1, L] or [B|1, 1, 1, L],
+    broadcast over B)."""
     B, L = np.shape(k)[:2]
     keep = np.ones((B, L), bool)
     if kv_lens is not None:
         keep &= np.arange(L)[None, :] < _idx(kv_lens)[:, None]
     if mask is not None:
-        keep &= np.asarray(mask, bool).reshape(B, L)
+        m = np.asarray(mask, bool)
+        keep &= m.reshape(m.shape[0], L)  # [B|1, L] after the size-1 middle dimensions
     return _ref_attn_prefill(q, k, v, mask=keep, scale=scale)
 
 

@@ -69,6 +69,20 @@ def test_kv_lens(rng, index_dtype):
     assert np.all(neg == 0)  # a negative length counts as 0
 
 
+@pytest.mark.parametrize("shape", ["1,1,1,L", "1,L", "B,1,1,L"])
+def test_masks_broadcast_as_sdpa_does(rng, shape):
+    """SDPA's decode masks: [B|1, 1, 1, L] (and [1, L]: one mask for every sequence) equal the same mask
+    expanded to [B, L]."""
+    B, L = 4, 33
+    q, k, v = sample("attn_decode", rng, b=B, l=L, hkv=2, ratio=2, d=32)[0]
+    dims = {"B": B, "L": L, "1": 1}
+    mask = rng.random(tuple(dims[d] for d in shape.split(","))) < 0.6
+    full = np.ascontiguousarray(np.broadcast_to(mask.reshape(mask.shape[0], L), (B, L)))
+    out = qkernels.attn_decode(q, k, v, mask=mask)
+    np.testing.assert_array_equal(out, qkernels.attn_decode(q, k, v, mask=full))
+    assert rel_err(out, reference("attn_decode", q, k, v, mask=mask)) < 1e-5
+
+
 @pytest.mark.parametrize("shape", ["2d", "3d"])
 def test_mask(rng, shape):
     B, L = 5, 70

@@ -141,17 +141,21 @@ int qk_attn_check_bool(const char *op, const qk_view *m) {
 int qk_attn_check_mask(const char *op, const qk_view *m, int64_t B, int64_t L, const char *L_name, int allow_3d) {
     if (qk_attn_check_bool(op, m) < 0) return -1;
     char layout[96];
-    if (allow_3d && m->ndim == 3) {
-        snprintf(layout, sizeof layout, "[B, 1, %s] = [%lld, 1, %lld]", L_name, (long long)B, (long long)L);
-        return qk_check_dim(op, "mask", m, 0, B, layout) < 0 || qk_check_dim(op, "mask", m, 1, 1, layout) < 0 ||
-                       qk_check_dim(op, "mask", m, 2, L, layout) < 0
-                   ? -1
-                   : 0;
+    if (allow_3d && (m->ndim == 3 || m->ndim == 4)) { /* SDPA's decode masks: [B|1, 1, L], [B|1, 1, 1, L] */
+        snprintf(layout, sizeof layout, m->ndim == 3 ? "[B|1, 1, %s] = [%lld|1, 1, %lld]" : "[B|1, 1, 1, %s] = "
+                 "[%lld|1, 1, 1, %lld]", L_name, (long long)B, (long long)L);
+        if (m->shape[0] != 1 && qk_check_dim(op, "mask", m, 0, B, layout) < 0) return -1;
+        for (int d = 1; d < m->ndim - 1; d++)
+            if (qk_check_dim(op, "mask", m, d, 1, layout) < 0) return -1;
+        return qk_check_dim(op, "mask", m, m->ndim - 1, L, layout);
     }
     snprintf(layout, sizeof layout, allow_3d ? "[B, %s] or [B, 1, %s]" : "[B, %s]", L_name, L_name);
     if (qk_check_ndim(op, "mask", m, 2, layout) < 0) return -1;
     snprintf(layout, sizeof layout, "[B, %s] = [%lld, %lld]", L_name, (long long)B, (long long)L);
-    return qk_check_dim(op, "mask", m, 0, B, layout) < 0 || qk_check_dim(op, "mask", m, 1, L, layout) < 0 ? -1 : 0;
+    return (!(allow_3d && m->shape[0] == 1) && qk_check_dim(op, "mask", m, 0, B, layout) < 0) ||
+                   qk_check_dim(op, "mask", m, 1, L, layout) < 0
+               ? -1
+               : 0;
 }
 
 void qk_attn_raise_pool_index(const char *op, int bad_arg, int64_t bad_pos, int64_t bad_value, int64_t num_requests,

@@ -32,7 +32,8 @@ int qk_attn_check_dense_kv(const char *op, const qk_view *q, const qk_view *k, c
 int qk_attn_check_pool(const char *op, const qk_view *q, const qk_view *p, int64_t B);
 /* The mask is bool (TypeError otherwise). */
 int qk_attn_check_bool(const char *op, const qk_view *m);
-/* A bool mask [B, L] (or, with allow_3d, [B, 1, L]); L_name names L in the message. */
+/* A bool mask [B, L]; with allow_3d (dense decode) [B|1, L], [B|1, 1, L] and [B|1, 1, 1, L], broadcast
+ * over B when its size is 1 (SDPA's decode masks).  L_name names L in the message. */
 int qk_attn_check_mask(const char *op, const qk_view *m, int64_t B, int64_t L, const char *L_name, int allow_3d);
 /* ValueError for a token-pool index the CPU launcher rejected: bad_arg 0 req_pool_indices, 1 a
  * kv_indptr length, 2 a req_to_token slot (bad_pos = row * max_ctx + position). */

@@ -11,7 +11,7 @@ static const char *const ad_variants[] = {[QK_DECODE_AUTO] = "auto", [QK_DECODE_
 
 static void ad_set_mask(qk_attn_decode_args *a, const qk_view *m) {
     a->mask = m->data;
-    a->mask_stride[0] = m->strides[0];
+    a->mask_stride[0] = qk_attn_stride(m, 0); /* 0 for a mask broadcast over the batch */
     a->mask_stride[1] = m->strides[m->ndim - 1];
 }
 
@@ -22,7 +22,8 @@ QK_DOCS(attn_decode, "q, k, v, *, kv_lens=None, mask=None, scale=None, out=None"
     "Decode attention: one query token per sequence against its KV cache.\n\n"
     "q [B, 1, Hq, D], k and v [B, Lkv, Hkv, D] -> [B, 1, Hq, D], out[b,0,h] = softmax(scale * q.k_j) v_j\n"
     "over the kept keys j of sequence b, with kv head h // (Hq / Hkv) (GQA).  kv_lens [B] (int32 or\n"
-    "int64) keeps keys j < min(kv_lens[b], Lkv); mask bool [B, Lkv] or [B, 1, Lkv], True = keep.\n"
+    "int64) keeps keys j < min(kv_lens[b], Lkv); mask bool [B, Lkv], [B, 1, Lkv] or [B, 1, 1, Lkv] (B may be 1:\n"
+    "one mask for every sequence), True = keep.\n"
     QK_ATTN_DOC)
 
 QK_DOCS(attn_paged_decode, "q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, *, new_k=None, "
