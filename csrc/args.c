@@ -163,3 +163,22 @@ int qk_check_inner_unit(const char *op, const char *arg, const qk_view *v) {
                  "contiguous copy", op, arg, (long long)v->strides[d]);
     return -1;
 }
+
+long long qk_num_graphs_arg(const char *fname, PyObject *obj, int64_t scratch_bytes) {
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: num_graphs must be an int, got %.200s", fname, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    const long long G = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (G == -1 && PyErr_Occurred()) return -1;
+    if (overflow || G < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: num_graphs must be between 1 and 2^63 - 1, got %R", fname, obj);
+        return -1;
+    }
+    if (G > INT64_MAX / scratch_bytes) { /* the kernels keep a few words per graph */
+        PyErr_Format(PyExc_MemoryError, "%s: num_graphs = %lld needs more than 2^63 bytes of scratch", fname, G);
+        return -1;
+    }
+    return G;
+}

@@ -109,6 +109,9 @@ int qk_stream_arg(const char *fname, PyObject *obj, void **stream, int *given);
  * automatic choice).  A variant by name: names[i] (NULL: none) gives i; anything else raises
  * ValueError (a non-str TypeError) naming fname and arg. */
 int qk_variant_arg(const char *fname, const char *arg, PyObject *obj, const char *const *names, int n, int *value);
+/* num_graphs=: an int in [1, 2^63 - 1] whose scratch of scratch_bytes per graph fits in 2^63 bytes (else
+ * TypeError, ValueError or MemoryError naming fname); -1 with an exception. */
+long long qk_num_graphs_arg(const char *fname, PyObject *obj, int64_t scratch_bytes);
 /* An int in [0, max], with pow2 a power of two (or 0); else ValueError (a non-int TypeError). */
 int qk_tuning_int_arg(const char *fname, const char *arg, PyObject *obj, int max, int pow2, int *value);
 #define QK_COUNT(array) ((int)(sizeof(array) / sizeof *(array)))

@@ -113,26 +113,6 @@ static int nr_seed_check(const char *op, const qk_view *sv) {
     return 0;
 }
 
-/* num_graphs=: an int in [1, 2^63 - 1] whose per-graph scratch fits in 2^63 bytes; -1 with an exception */
-static long long nr_num_graphs(const char *op, PyObject *obj) {
-    if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s: num_graphs must be an int, got %.200s", op, Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    int overflow = 0;
-    const long long G = PyLong_AsLongLongAndOverflow(obj, &overflow);
-    if (G == -1 && PyErr_Occurred()) return -1;
-    if (overflow || G < 1) {
-        PyErr_Format(PyExc_ValueError, "%s: num_graphs must be between 1 and 2^63 - 1, got %R", op, obj);
-        return -1;
-    }
-    if (G > INT64_MAX / 64) { /* the kernels keep a few words per graph */
-        PyErr_Format(PyExc_MemoryError, "%s: num_graphs = %lld needs more than 2^63 bytes of scratch", op, G);
-        return -1;
-    }
-    return G;
-}
-
 /* batch= and num_graphs=: neither (0), or batch imported into *bv with *G set (1); -1 with an exception. */
 static int nr_batch_arg(qk_state *st, const char *op, PyObject *batch_obj, PyObject *ng_obj, void *stream,
                         qk_view *bv, int64_t *G) {
@@ -148,7 +128,7 @@ static int nr_batch_arg(qk_state *st, const char *op, PyObject *batch_obj, PyObj
         PyErr_Format(PyExc_ValueError, "%s: batch needs num_graphs (the number of graphs, an int >= 1)", op);
         return -1;
     }
-    const long long g = nr_num_graphs(op, ng_obj);
+    const long long g = qk_num_graphs_arg(op, ng_obj, 64);
     if (g < 0) return -1;
     *G = g;
     return qk_import(st, batch_obj, op, "batch", stream, bv) < 0 ? -1 : 1;

@@ -24,26 +24,6 @@ QK_DOCS(graph_norm_bce_backward, "grad, logits, target, edge_graph, num_graphs, 
     "over edge_graph (integer counts: deterministic); sorted or not, the result is the same.  On\n"
     "cuda an edge whose graph id is out of range gets 0.\n" QK_GRAPH_DOC)
 
-/* num_graphs: an int in [1, 2^63 - 1] whose scratch fits in 2^63 bytes; -1 with an exception */
-static long long gb_num_graphs(const char *op, PyObject *obj) {
-    if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s: num_graphs must be an int, got %.200s", op, Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    int overflow = 0;
-    const long long G = PyLong_AsLongLongAndOverflow(obj, &overflow);
-    if (G == -1 && PyErr_Occurred()) return -1;
-    if (overflow || G < 1) {
-        PyErr_Format(PyExc_ValueError, "%s: num_graphs must be between 1 and 2^63 - 1, got %R", op, obj);
-        return -1;
-    }
-    if (G > INT64_MAX / 32) { /* the kernels keep a few words per graph */
-        PyErr_Format(PyExc_MemoryError, "%s: num_graphs = %lld needs more than 2^63 bytes of scratch", op, G);
-        return -1;
-    }
-    return G;
-}
-
 /* pos_weight=: None (0), a float (1, in *value), or a tensor (2, imported into *v and checked
  * against logits once the others are: gb_pos_weight_check). */
 static int gb_pos_weight_arg(qk_state *st, const char *op, PyObject *obj, void *stream, double *value, qk_view *v) {
@@ -155,7 +135,7 @@ PyObject *qk_op_graph_norm_bce(PyObject *module, PyObject *const *args, Py_ssize
     void *stream;
     int stream_given;
     if (qk_stream_arg(OP, a[5], &stream, &stream_given) < 0) return NULL;
-    const long long G = gb_num_graphs(OP, a[3]);
+    const long long G = qk_num_graphs_arg(OP, a[3], 32);
     if (G < 0) return NULL;
     qk_view in[4] = {{0}}, ov = {0};
     qk_output o = {0};
@@ -185,7 +165,7 @@ PyObject *qk_op_graph_norm_bce_backward(PyObject *module, PyObject *const *args,
     void *stream;
     int stream_given;
     if (qk_stream_arg(OP, a[6], &stream, &stream_given) < 0) return NULL;
-    const long long G = gb_num_graphs(OP, a[4]);
+    const long long G = qk_num_graphs_arg(OP, a[4], 32);
     if (G < 0) return NULL;
     qk_view in[5] = {{0}}, ov = {0};
     qk_output o = {0};
