@@ -540,8 +540,10 @@ __global__ void __launch_bounds__(kBwdThreads) bce_grad(qk_graph_norm_bce_args a
     for (int i = 0; i < kRun; i++) {
         const unsigned long long c = g[i] >= 0 ? __ldg(count + g[i]) : 1ull;
         const float w = a.has_pos_weight ? 1.f + (pw[i] - 1.f) * t[i] : 1.f;
-        const float e = expf(-fabsf(l[i])), sig = (l[i] >= 0.f ? 1.f : e) / (1.f + e);
-        const float d = g[i] >= 0 ? grad * w * (sig - t[i]) / ((float)(c > 1 ? c : 1) * num_graphs) : 0.f;
+        // sigmoid(l) - t without cancelling 1 - e/(1+e) against t = 1 for large l (or e/(1+e) for small)
+        const float e = expf(-fabsf(l[i])), q = e / (1.f + e);
+        const float diff = l[i] >= 0.f ? (1.f - t[i]) - q : q - t[i];
+        const float d = g[i] >= 0 ? grad * w * diff / ((float)(c > 1 ? c : 1) * num_graphs) : 0.f;
         out[i] = qk_from_float<T>(d);
     }
     T *gl = static_cast<T *>(a.grad_logits);

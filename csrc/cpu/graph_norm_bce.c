@@ -224,8 +224,9 @@ static void gbb_grads(void *p, int tid, int nthreads) {
             for (int i = 0; i < n; i++) pwm1[i] = pw_scalar;
         for (int i = 0; i < n; i++) {
             const float l = lg[i * ls], t = tg[i * ts];
-            const float e = gb_exp_neg(fabsf(l)), sig = (l >= 0.f ? 1.f : e) / (1.f + e);
-            term[i] = (1.f + pwm1[i] * t) * (sig - t);
+            /* sigmoid(l) - t without cancelling 1 - e/(1+e) against t = 1 for large l (or e/(1+e) for small) */
+            const float e = gb_exp_neg(fabsf(l)), q = e / (1.f + e);
+            term[i] = (1.f + pwm1[i] * t) * (l >= 0.f ? (1.f - t) - q : q - t);
         }
         float *out = (float *)a->grad_logits + e0 * a->grad_stride;
         for (int i = 0; i < n; i++)
