@@ -88,20 +88,30 @@ QK_MULTIVERSION static void sa_worker(void *p, int tid, int nthreads) {
     free(acc);
 }
 
+/* Whether row_ptr [n + 1] is not a valid CSR prefix 0 <= row_ptr[0] <= ... <= row_ptr[n] <= E; the
+ * first offending position and value in *pos, *value. */
+static int sa_bad_row_ptr(const void *row_ptr, int index_dtype, int64_t stride, int64_t n, int64_t E, int64_t *pos,
+                          int64_t *value) {
+    int64_t prev = 0;
+    for (int64_t i = 0; i <= n; i++) {
+        const int64_t v = qk_index(row_ptr, index_dtype, i, stride);
+        if (v < prev || v > E) {
+            *pos = i;
+            *value = v;
+            return 1;
+        }
+        prev = v;
+    }
+    return 0;
+}
+
 int qk_sparse_aggregate_cpu(qk_sparse_aggregate_args *a, void *stream) {
     (void)stream;
     if (a->dtype != QK_F32 || (a->index_dtype != QK_I32 && a->index_dtype != QK_I64)) return QK_E_UNSUPPORTED;
-    /* row_ptr must be a valid CSR prefix: 0 <= row_ptr[0] <= ... <= row_ptr[N] <= E. */
-    int64_t prev = 0;
-    for (int64_t i = 0; i <= a->num_dst; i++) {
-        const int64_t v = qk_index(a->row_ptr, a->index_dtype, i, a->row_ptr_stride);
-        if (v < prev || v > a->num_edges) {
-            a->bad_arg = 0;
-            a->bad_pos = i;
-            a->bad_value = v;
-            return QK_E_INDEX;
-        }
-        prev = v;
+    if (sa_bad_row_ptr(a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst, a->num_edges, &a->bad_pos,
+                       &a->bad_value)) {
+        a->bad_arg = 0;
+        return QK_E_INDEX;
     }
     if (a->num_dst == 0) return QK_OK;
     sa_job j = {0};
@@ -290,22 +300,16 @@ static int sab_run(sab_job *j, int phase, int64_t work) {
 int qk_sparse_aggregate_backward_cpu(qk_sparse_aggregate_backward_args *a, void *stream) {
     (void)stream;
     if (a->dtype != QK_F32 || (a->index_dtype != QK_I32 && a->index_dtype != QK_I64)) return QK_E_UNSUPPORTED;
-    int64_t prev = 0;
-    for (int64_t i = 0; i <= a->num_dst; i++) {
-        const int64_t v = qk_index(a->row_ptr, a->index_dtype, i, a->row_ptr_stride);
-        if (v < prev || v > a->num_edges) {
-            a->bad_arg = 0;
-            a->bad_pos = i;
-            a->bad_value = v;
-            return QK_E_INDEX;
-        }
-        prev = v;
+    if (sa_bad_row_ptr(a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst, a->num_edges, &a->bad_pos,
+                       &a->bad_value)) {
+        a->bad_arg = 0;
+        return QK_E_INDEX;
     }
     const int64_t H = a->num_heads, D = a->head_dim;
     sab_job j = {0};
     j.a = a;
     j.lo = qk_index(a->row_ptr, a->index_dtype, 0, a->row_ptr_stride);
-    j.hi = prev;
+    j.hi = qk_index(a->row_ptr, a->index_dtype, a->num_dst, a->row_ptr_stride);
     const int64_t m = j.hi - j.lo;
     float *gew = a->grad_edge_weight;
     if (gew) { /* edges outside the rows */
