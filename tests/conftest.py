@@ -73,6 +73,23 @@ def results(r):
     return [t for t in outputs(r) if t is not None]
 
 
+def strided_all(a, step=2):
+    """a's values in a view whose every dimension has stride `step` elements."""
+    big = np.zeros(tuple(step * n for n in a.shape), a.dtype)
+    sl = tuple(slice(None, None, step) for _ in a.shape)
+    big[sl] = a
+    return big[sl]
+
+
+def check_norm_grads(got, ref, tol=1e-5):
+    """fused_norm_residual_backward's (grad_x, grad_gamma, grad_beta): float32, shaped and close to ref."""
+    assert type(got) is tuple and len(got) == 3
+    for g, r in zip(got, ref):
+        g = np.asarray(g)
+        assert g.shape == r.shape and g.dtype == np.float32
+        assert rel_err(g, r) < tol
+
+
 def rel_err(out, ref):
     out = np.asarray(out, dtype=np.float64)
     assert not np.isnan(out).any(), "output holds NaN (an element was not written)"

@@ -8,27 +8,11 @@ import numpy as np
 import pytest
 
 import qkernels
-from conftest import rel_err, requires_torch
+from conftest import check_norm_grads, rel_err, requires_torch, strided_all
 from qkernels import _dispatch
 from qkernels.testing import dropout_keep, reference, sample
 
 FP32_TOL = 1e-5
-
-
-def strided(a, step=2):
-    """a's values in a view whose every dimension has stride `step` elements."""
-    big = np.zeros(tuple(step * n for n in a.shape), a.dtype)
-    sl = tuple(slice(None, None, step) for _ in a.shape)
-    big[sl] = a
-    return big[sl]
-
-
-def check_norm_grads(got, ref, tol=FP32_TOL):
-    assert type(got) is tuple and len(got) == 3
-    for g, r in zip(got, ref):
-        g = np.asarray(g)
-        assert g.shape == r.shape and g.dtype == np.float32
-        assert rel_err(g, r) < tol
 
 
 # ---- fused_norm_residual_backward ----------------------------------------------------------
@@ -76,8 +60,8 @@ def test_norm_backward_strided_views(rng):
     args, kw = sample("fused_norm_residual_backward", rng, rows=37, h=20, p=0.2)
     ref = reference("fused_norm_residual_backward", *args, **kw)
     go, x, g = args
-    for views in [(np.asfortranarray(go), strided(x), strided(g)), (go[::-1].copy()[::-1], x, g[::-1].copy()[::-1]),
-                  (strided(go, 3), np.asfortranarray(x), g)]:
+    for views in [(np.asfortranarray(go), strided_all(x), strided_all(g)), (go[::-1].copy()[::-1], x, g[::-1].copy()[::-1]),
+                  (strided_all(go, 3), np.asfortranarray(x), g)]:
         check_norm_grads(qkernels.fused_norm_residual_backward(*views, **kw), ref)
 
 
@@ -212,8 +196,8 @@ def test_bce_backward_strided_and_graphs_without_edges(rng):
     eg = np.where(eg == 7, 8, eg)  # graph 7 has no edges: it still counts in the mean over graphs
     pw = (3 * rng.random(3000)).astype(np.float32)
     ref = reference("graph_norm_bce_backward", grad, lg, t, eg, 40, pos_weight=pw)
-    out = qkernels.graph_norm_bce_backward(strided(grad), strided(lg), lg.copy() * 0 + t, strided(eg, 3), 40,
-                                           pos_weight=strided(pw))
+    out = qkernels.graph_norm_bce_backward(strided_all(grad), strided_all(lg), lg.copy() * 0 + t, strided_all(eg, 3), 40,
+                                           pos_weight=strided_all(pw))
     assert rel_err(out, ref) < FP32_TOL
     wide = np.zeros((3000, 3), np.float32)
     wide[:, 2] = t

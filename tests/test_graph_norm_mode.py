@@ -11,28 +11,12 @@ import numpy as np
 import pytest
 
 import qkernels
-from conftest import rel_err, requires_torch
+from conftest import check_norm_grads, rel_err, requires_torch, strided_all
 from qkernels import _dispatch
 from qkernels.testing import dropout_keep, graph_batch, reference, sample
 
 FP32_TOL = 1e-5
 FWD, BWD = "fused_norm_residual", "fused_norm_residual_backward"
-
-
-def strided(a, step=2):
-    """a's values in a view whose every dimension has stride `step` elements."""
-    big = np.zeros(tuple(step * n for n in a.shape), a.dtype)
-    sl = tuple(slice(None, None, step) for _ in a.shape)
-    big[sl] = a
-    return big[sl]
-
-
-def check_grads(got, ref, tol=FP32_TOL):
-    assert type(got) is tuple and len(got) == 3
-    for g, r in zip(got, ref):
-        g = np.asarray(g)
-        assert g.shape == r.shape and g.dtype == np.float32
-        assert rel_err(g, r) < tol
 
 
 # (rows, channels, graphs): one row, one graph, graphs of one row, many empty graphs, sizes that are
@@ -61,7 +45,7 @@ def test_forward(rng, r, h, g, sort, idx, p):
 @pytest.mark.parametrize("p", [0.0, 0.3])
 def test_backward(rng, r, h, g, sort, idx, p):
     args, kw = sample(BWD, rng, rows=r, h=h, graphs=g, sort=sort, index_dtype=idx, p=p)
-    check_grads(qkernels.fused_norm_residual_backward(*args, **kw), reference(BWD, *args, **kw))
+    check_norm_grads(qkernels.fused_norm_residual_backward(*args, **kw), reference(BWD, *args, **kw))
 
 
 def test_reference_is_the_layer_norm_of_each_graph(rng):
@@ -124,7 +108,7 @@ def test_empty_graphs_and_trailing_graphs(rng, sort):
     np.testing.assert_allclose(out, dense, rtol=1e-6, atol=1e-6)
     assert rel_err(out, reference(FWD, x, res, g, b, batch=batch, num_graphs=40)) < FP32_TOL
     go = rng.standard_normal((500, 11)).astype(np.float32)
-    check_grads(qkernels.fused_norm_residual_backward(go, x, g, batch=batch, num_graphs=40),
+    check_norm_grads(qkernels.fused_norm_residual_backward(go, x, g, batch=batch, num_graphs=40),
                 reference(BWD, go, x, g, batch=batch, num_graphs=40))
 
 
@@ -134,7 +118,7 @@ def test_large_mean_and_eps(rng, sort):
     args, kw = sample(FWD, rng, rows=800, h=32, mean=1e4, graphs=6, sort=sort)
     assert rel_err(qkernels.fused_norm_residual(*args, **kw, eps=1e-3), reference(FWD, *args, **kw, eps=1e-3)) < 1e-5
     args, kw = sample(BWD, rng, rows=800, h=32, mean=1e4, graphs=6, sort=sort, p=0.1)
-    check_grads(qkernels.fused_norm_residual_backward(*args, **kw, eps=0.0), reference(BWD, *args, **kw, eps=0.0))
+    check_norm_grads(qkernels.fused_norm_residual_backward(*args, **kw, eps=0.0), reference(BWD, *args, **kw, eps=0.0))
 
 
 def test_strided_views(rng):
@@ -142,18 +126,18 @@ def test_strided_views(rng):
     kw.update(p=0.2, training=True, seed=9)
     ref = reference(FWD, x, res, g, b, **kw)
     batch = kw.pop("batch")
-    for views in [(np.asfortranarray(x), strided(res), strided(g), strided(b), strided(batch, 3)),
-                  (strided(x, 3), np.asfortranarray(res), g, b, batch[::-1].copy()[::-1])]:
+    for views in [(np.asfortranarray(x), strided_all(res), strided_all(g), strided_all(b), strided_all(batch, 3)),
+                  (strided_all(x, 3), np.asfortranarray(res), g, b, batch[::-1].copy()[::-1])]:
         assert rel_err(qkernels.fused_norm_residual(*views[:4], **kw, batch=views[4]), ref) < FP32_TOL
-    out = strided(np.zeros_like(x))
+    out = strided_all(np.zeros_like(x))
     qkernels.fused_norm_residual(x, res, g, b, **kw, batch=batch, out=out)
     assert rel_err(out, ref) < FP32_TOL
     (go, x, g), kw = sample(BWD, rng, rows=150, h=13, graphs=7, sort=False, p=0.2)
     ref = reference(BWD, go, x, g, **kw)
     batch = kw.pop("batch")
-    for views in [(np.asfortranarray(go), strided(x), strided(g), strided(batch)),
-                  (strided(go, 3), np.asfortranarray(x), g, batch[::-1].copy()[::-1])]:
-        check_grads(qkernels.fused_norm_residual_backward(*views[:3], **kw, batch=views[3]), ref)
+    for views in [(np.asfortranarray(go), strided_all(x), strided_all(g), strided_all(batch)),
+                  (strided_all(go, 3), np.asfortranarray(x), g, batch[::-1].copy()[::-1])]:
+        check_norm_grads(qkernels.fused_norm_residual_backward(*views[:3], **kw, batch=views[3]), ref)
 
 
 @pytest.mark.parametrize("which", [0, 1])
