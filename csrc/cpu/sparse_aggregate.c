@@ -19,6 +19,25 @@ typedef struct {
     int nomem;
 } sa_job;
 
+/* Gathered [H, D] float rows are prefetched this many edges ahead, whole when their H*D values are
+ * contiguous (stride1 == D, stride2 == 1), else their first cache line. */
+enum { SA_AHEAD = 4 };
+
+static inline int64_t sa_row_bytes(int64_t H, int64_t D, int64_t stride1, int64_t stride2) {
+    return stride2 == 1 && stride1 == D ? H * D * (int64_t)sizeof(float) : 64;
+}
+
+static inline void sa_prefetch(const float *row, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)row + off);
+}
+
+/* node_feat's row for edge e, when its column is in range (the gather checks and reports it). */
+static inline void sa_prefetch_source(const void *col_idx, int index_dtype, int64_t col_stride, int64_t num_src,
+                                      const float *nf, int64_t nf_stride0, int64_t e, int64_t bytes) {
+    const int64_t src = qk_index(col_idx, index_dtype, e, col_stride);
+    if (src >= 0 && src < num_src) sa_prefetch(nf + src * nf_stride0, bytes);
+}
+
 /* First row whose cost prefix (edges before it + the row index) reaches `target`. */
 static int64_t sa_row_at(const sa_job *j, int64_t target) {
     const qk_sparse_aggregate_args *a = j->a;
@@ -48,21 +67,15 @@ QK_MULTIVERSION static void sa_worker(void *p, int tid, int nthreads) {
     const float *ew = a->edge_weight, *nf = a->node_feat;
     float *out = a->out;
     const int nf_unit = a->nf_stride[2] == 1;
-    /* bytes of one gathered row when its H*D values are contiguous (else prefetch the first line) */
-    const int64_t row_bytes = nf_unit && a->nf_stride[1] == D ? H * D * (int64_t)sizeof(float) : 64;
-    enum { AHEAD = 4 };
+    const int64_t row_bytes = sa_row_bytes(H, D, a->nf_stride[1], a->nf_stride[2]);
     for (int64_t row = r0; row < r1; row++) {
         const int64_t begin = qk_index(a->row_ptr, a->index_dtype, row, a->row_ptr_stride);
         const int64_t end = qk_index(a->row_ptr, a->index_dtype, row + 1, a->row_ptr_stride);
         memset(acc, 0, sizeof(float) * (size_t)(H * D));
         for (int64_t e = begin; e < end; e++) {
-            if (e + AHEAD < end) {
-                const int64_t ahead = qk_index(a->col_idx, a->index_dtype, e + AHEAD, a->col_idx_stride);
-                if (ahead >= 0 && ahead < a->num_src) {
-                    const char *line = (const char *)(nf + ahead * a->nf_stride[0]);
-                    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(line + off);
-                }
-            }
+            if (e + SA_AHEAD < end)
+                sa_prefetch_source(a->col_idx, a->index_dtype, a->col_idx_stride, a->num_src, nf, a->nf_stride[0],
+                                   e + SA_AHEAD, row_bytes);
             const int64_t src = qk_index(a->col_idx, a->index_dtype, e, a->col_idx_stride);
             if (src < 0 || src >= a->num_src) {
                 j->bad_pos[tid] = e;
@@ -191,8 +204,7 @@ QK_MULTIVERSION static void sab_rows(sab_job *j, int tid, int64_t r0, int64_t r1
     const float *go = a->grad_out, *nf = a->node_feat;
     float *gew = a->grad_edge_weight;
     const int unit = a->go_stride[2] == 1 && a->nf_stride[2] == 1;
-    const int64_t row_bytes = a->nf_stride[2] == 1 && a->nf_stride[1] == D ? H * D * (int64_t)sizeof(float) : 64;
-    enum { AHEAD = 4 };
+    const int64_t row_bytes = sa_row_bytes(H, D, a->nf_stride[1], a->nf_stride[2]);
     for (int64_t row = r0; row < r1; row++) {
         const int64_t begin = qk_index(a->row_ptr, a->index_dtype, row, a->row_ptr_stride);
         const int64_t end = qk_index(a->row_ptr, a->index_dtype, row + 1, a->row_ptr_stride);
@@ -202,13 +214,9 @@ QK_MULTIVERSION static void sab_rows(sab_job *j, int tid, int64_t r0, int64_t r1
         }
         const float *g = go + row * a->go_stride[0];
         for (int64_t e = begin; e < end; e++) {
-            if (e + AHEAD < end) {
-                const int64_t ahead = qk_index(a->col_idx, a->index_dtype, e + AHEAD, a->col_idx_stride);
-                if (ahead >= 0 && ahead < a->num_src) {
-                    const char *line = (const char *)(nf + ahead * a->nf_stride[0]);
-                    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(line + off);
-                }
-            }
+            if (e + SA_AHEAD < end)
+                sa_prefetch_source(a->col_idx, a->index_dtype, a->col_idx_stride, a->num_src, nf, a->nf_stride[0],
+                                   e + SA_AHEAD, row_bytes);
             const int64_t src = qk_index(a->col_idx, a->index_dtype, e, a->col_idx_stride);
             if (src < 0 || src >= a->num_src) {
                 j->bad_pos[tid] = e;
@@ -231,17 +239,13 @@ QK_MULTIVERSION static void sab_sources(sab_job *j, float *acc, int64_t s0, int6
     const float *go = a->grad_out, *nf = a->node_feat, *ew = a->edge_weight;
     float *gew = a->grad_edge_weight, *gnf = a->grad_node_feat;
     const int unit = a->go_stride[2] == 1 && a->nf_stride[2] == 1;
-    const int64_t row_bytes = a->go_stride[2] == 1 && a->go_stride[1] == D ? H * D * (int64_t)sizeof(float) : 64;
-    enum { AHEAD = 4 };
+    const int64_t row_bytes = sa_row_bytes(H, D, a->go_stride[1], a->go_stride[2]);
     for (int64_t src = s0; src < s1; src++) {
         const int64_t begin = j->off[src], end = j->off[src + 1];
         const float *x = nf + src * a->nf_stride[0];
         memset(acc, 0, sizeof(float) * (size_t)(H * D));
         for (int64_t k = begin; k < end; k++) {
-            if (k + AHEAD < end) {
-                const char *line = (const char *)(go + j->row_of[j->order[k + AHEAD]] * a->go_stride[0]);
-                for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(line + off);
-            }
+            if (k + SA_AHEAD < end) sa_prefetch(go + j->row_of[j->order[k + SA_AHEAD]] * a->go_stride[0], row_bytes);
             const int64_t item = j->order[k], e = j->lo + item;
             const float *g = go + j->row_of[item] * a->go_stride[0];
             for (int64_t h = 0; h < H; h++) {
