@@ -251,7 +251,6 @@ class _Spec:
         self.deciding = _dispatch.OPS[op][2]
         self.has_out = "out" in public
         self.raw = getattr(_C, op + "_raw")
-        self.op_packet = None
 
 
 SPECS = {}
@@ -327,8 +326,7 @@ def _register():
         if op not in SCHEMAS:
             continue
         spec = SPECS[op] = _Spec(op)
-        overloads = {"": (), **{k: v for k, v in _MUTATED.get(op, {}).items()}}
-        for name, mutated in list(overloads.items()):
+        for name, mutated in {"": (), **_MUTATED.get(op, {})}.items():
             variants = [(name, False)] + ([(name + "_out" if name else "out", True)] if spec.has_out else [])
             for overload, out in variants:
                 returns = "()" if out else spec.returns
@@ -439,7 +437,7 @@ def route(op, args, kwargs, backend):
     for name, value in c.items():
         if name in _UNIONS and isinstance(value, torch.Tensor):
             call[_UNIONS[name]] = value
-        elif name in _UNIONS and isinstance(value, int) and not isinstance(value, bool) and name == "seed":
+        elif name == "seed" and isinstance(value, int) and not isinstance(value, bool):
             call[name] = (value + 2**63) % 2**64 - 2**63  # the low 64 bits, as torch's signed int
         else:
             call[name] = value
