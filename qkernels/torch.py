@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import _C, _dispatch, _flash
+from . import ops as _ops
 from ._frameworks import run
 
 NAMESPACE = "qkernels"
@@ -364,8 +365,8 @@ def execute(op, c, backend):
     if backend == "flash":
         return _flash.OPS[op](*args, **kwargs)
     staged = backend == "cpu" and x.device.type != "cpu"
-    written = ((1, "k_cache"), (2, "v_cache")) if staged and kwargs.get("new_k") is not None else ()
-    return run(op, spec.raw, args, kwargs, x, staged, written)
+    written = _ops._WRITTEN.get(op)  # the staged copy-back the Python path does
+    return run(op, spec.raw, args, kwargs, x, staged, written(kwargs) if written and staged else ())
 
 
 def _dtype_name(dtype):
