@@ -16,7 +16,7 @@ import pytest
 
 import qkernels
 from qkernels import _dispatch
-from qkernels.testing import FLOAT_ARGS
+from qkernels.testing import FLOAT_ARGS, sample
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_JAX = importlib.util.find_spec("jax") is not None
@@ -235,6 +235,16 @@ def host_tensors(op, args):
                 a = a.to(torch.bfloat16)
         out.append(a)
     return out
+
+
+def torch_sample(op, rng, device="cpu", **options):
+    """qkernels.testing.sample's call as torch tensors on device, dtypes as sampled (arguments and
+    keyword arguments alike)."""
+    import torch
+
+    args, kwargs = sample(op, rng, **options)
+    conv = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device) if isinstance(a, np.ndarray) else a  # noqa
+    return [conv(a) for a in args], {k: conv(v) for k, v in kwargs.items()}
 
 
 def to_device(op, args, device):

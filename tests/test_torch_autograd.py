@@ -3,10 +3,9 @@ autograd of a float64 torch formulation of the op, directional finite difference
 forward+backward without graph breaks, and no gradient ever dropped silently, on cpu and (where a
 GPU is present) cuda."""
 
-import numpy as np
 import pytest
 
-from conftest import requires_cuda, requires_torch
+from conftest import requires_cuda, requires_torch, torch_sample
 from qkernels import testing
 
 pytestmark = requires_torch
@@ -98,10 +97,7 @@ def _torch_call(op, rng, dtype=None, device="cpu", **sizes):
 
     if dtype is None:
         dtype = "bfloat16" if device == "cuda" and op in DENSE else "float32"
-    args, kwargs = testing.sample(op, rng, **sizes)
-    conv = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device) if isinstance(a, np.ndarray) else a  # noqa
-    args = [conv(a) for a in args]
-    kwargs = {k: conv(v) for k, v in kwargs.items()}
+    args, kwargs = torch_sample(op, rng, device, **sizes)
     for i in testing.FLOAT_ARGS[op]:  # every float input (graph_norm_bce's target has the logits' dtype)
         if i < len(args) and args[i] is not None and (op, i) != ("rotary_emb", 1):
             args[i] = args[i].to(getattr(torch, dtype))

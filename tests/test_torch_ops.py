@@ -8,23 +8,15 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import DEVICE_SIZES, capture_graph, requires_cuda, requires_torch, to_device
+from conftest import DEVICE_SIZES, capture_graph, requires_cuda, requires_torch, to_device, torch_sample
 from qkernels import testing
 from qkernels.testing import FLOAT_ARGS
 
 pytestmark = requires_torch
 pytest.importorskip("qkernels.torch")  # registers the operators these tests call directly
+torch = pytest.importorskip("torch")
 
 FORWARD = [op for op in testing.OPS if not op.endswith("_backward")]
-
-
-def torch_sample(op, rng, **options):
-    """A sample call as CPU float32 torch tensors."""
-    import torch
-
-    args, kwargs = testing.sample(op, rng, **options)
-    conv = lambda a: torch.from_numpy(np.ascontiguousarray(a)) if isinstance(a, np.ndarray) else a  # noqa: E731
-    return [conv(a) for a in args], {k: conv(v) for k, v in kwargs.items()}
 
 
 def test_import_leaves_torch_unimported():
@@ -133,7 +125,7 @@ def test_backend_resolved_at_trace_time(rng):
         torch.export.export(_Call("linear", dict(kwargs, backend="cuda")), tuple(args))
 
 
-class _Call(__import__("torch").nn.Module if __import__("importlib").util.find_spec("torch") else object):
+class _Call(torch.nn.Module):
     def __init__(self, op, kwargs):
         super().__init__()
         self.op, self.kwargs = op, kwargs
