@@ -268,7 +268,7 @@ def main(argv=None):
     return 0 if ok else 1
 
 
-def profile(step, device):
+def profile(step, device, top=30):
     """The device kernels of one training step, summed by name: count, total time, largest first."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -277,12 +277,20 @@ def profile(step, device):
         step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"] if device.type == "cuda" else []
+    events = prof.key_averages()
+    rows = [e for e in events if e.device_type.name == "CUDA"] if device.type == "cuda" else []
     rows.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in rows)
     print(f"    {len(rows)} distinct kernels, {sum(e.count for e in rows)} launches, {total / 1e3:.3f} ms device time")
-    for e in rows[:12]:
+    for e in rows[:top]:
         print(f"    {e.device_time_total / 1e3:7.3f} ms {e.count:4d}x  {e.key[:90]}")
+    # the host side: runtime calls (graph replays vs single launches) and the costliest host ops
+    host = [e for e in events if e.device_type.name == "CPU"]
+    calls = {e.key: e.count for e in host if e.key.startswith(("cuda", "cu"))}
+    print("    host calls: " + ", ".join(f"{k} {v}" for k, v in sorted(calls.items(), key=lambda kv: -kv[1])[:8]))
+    host.sort(key=lambda e: -e.self_cpu_time_total)
+    for e in host[:top // 2]:
+        print(f"    host {e.self_cpu_time_total / 1e3:7.3f} ms self {e.count:4d}x  {e.key[:80]}")
 
 
 if __name__ == "__main__":

@@ -94,14 +94,15 @@ extern "C" int qk_fused_edge_features_cuda(const qk_fused_edge_features_args *a,
 // grad_x, deterministically: the 2E incidences (item 2e + side: side 0 at src, 1 at dst) are
 // grouped by node (group_sort.cuh), so each node sees its incidences in (edge, side) order.
 // Groups of G lanes (G = 8, 16 or 32 by H, so small H does not idle most of a warp) then walk
-// kEfbChunk consecutive sorted incidences each: the node's fp32 accumulator stays in registers,
+// `chunk` consecutive sorted incidences each (16 to 256, so that small graphs still fill
+// the GPU; group_sort.cuh): the node's fp32 accumulator stays in registers,
 // and each incidence gathers the grad_out row's g_sum and g_abs and both ends' x rows (several in
 // flight; the node's own row comes from L1 after its first incidence) and adds
 // g_sum + sign(x[n] - x[other]) * g_abs, which is
 // g_sum + s * g_abs at the source and g_sum - s * g_abs at the destination.  A node whose
 // incidences cross a chunk boundary leaves fp32 partials in workspace slots that a second kernel
 // adds in chunk order (as sparse_aggregate_backward does); nodes without incidences are zeroed from
-// the grouping's marks.  grad_edge_attr is grad_out's last H columns, copied by cudaMemcpy2DAsync.
+// the grouping's marks.  grad_edge_attr is grad_out's last H columns, copied 16 bytes a thread.
 // Layouts the vector kernels cannot take, H beyond 128 vectors or 2^32 incidences take a scalar
 // kernel (a thread per element of grad_x, binary searches in the sorted keys).
 // Bytes: the grouping reads edge_index once and sorts 2E 8-byte pairs; the walk reads per
@@ -111,8 +112,6 @@ extern "C" int qk_fused_edge_features_cuda(const qk_fused_edge_features_args *a,
 #include "group_sort.cuh"
 
 namespace {
-
-constexpr int kEfbChunk = 256;  // sorted incidences per lane group
 
 using EfbArgs = qk_fused_edge_features_backward_args;
 
@@ -136,22 +135,22 @@ __global__ void __launch_bounds__(256) efb_prepare(EfbArgs a, U *keys, U *items,
     }
 }
 
-// Groups of G lanes (K 16-byte chunks per lane when G = 32) walk kEfbChunk sorted incidences each.
+// Groups of G lanes (K 16-byte chunks per lane when G = 32) walk `chunk` sorted incidences each.
 // A node's piece that does not both start and end in the chunk goes to slot 2 * chunk (it
 // continues from earlier chunks) or 2 * chunk + 1 (it starts here and goes on).
 template <typename T, typename I, int G, int K>
-__global__ void __launch_bounds__(256) efb_walk(EfbArgs a, const uint32_t *keys, const uint32_t *items, float *slots) {
+__global__ void __launch_bounds__(256) efb_walk(EfbArgs a, const uint32_t *keys, const uint32_t *items, float *slots, int chunk) {
     constexpr int V = qk_vec<T>::N;
     constexpr int U = 4 / K;  // incidences in flight: 3U K 16-byte gathers per lane
     const int lane = threadIdx.x % G;
     const int H = (int)a.H, nvec = H / V;
-    const int64_t M = 2 * a.num_edges, nchunks = (M + kEfbChunk - 1) / kEfbChunk;
+    const int64_t M = 2 * a.num_edges, nchunks = (M + chunk - 1) / chunk;
     const int64_t groups = (int64_t)gridDim.x * (blockDim.x / G);
     const uint32_t N = (uint32_t)a.num_nodes;
     const T *x = static_cast<const T *>(a.x), *go = static_cast<const T *>(a.grad_out);
     T *gx = static_cast<T *>(a.grad_x);
     for (int64_t ch = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / G; ch < nchunks; ch += groups) {
-        const int64_t k0 = ch * kEfbChunk, k1 = min(k0 + kEfbChunk, M);
+        const int64_t k0 = ch * chunk, k1 = min(k0 + chunk, M);
         uint32_t cur = keys[k0];
         if (cur >= N) continue;  // only left-out incidences from here on
         bool before = k0 > 0 && keys[k0 - 1] == cur;
@@ -246,49 +245,6 @@ __global__ void __launch_bounds__(256) efb_walk(EfbArgs a, const uint32_t *keys,
     }
 }
 
-// The nodes whose incidences cross chunk boundaries: the chunk where one starts adds its slot 1 and
-// the following chunks' slot 0, in chunk order, and writes the row.
-template <typename T, int G, int K>
-__global__ void __launch_bounds__(256) efb_fixup(EfbArgs a, const uint32_t *keys, const float *slots) {
-    constexpr int V = qk_vec<T>::N;
-    const int lane = threadIdx.x % G;
-    const int H = (int)a.H, nvec = H / V;
-    const int64_t M = 2 * a.num_edges, nchunks = (M + kEfbChunk - 1) / kEfbChunk;
-    const int64_t groups = (int64_t)gridDim.x * (blockDim.x / G);
-    const uint32_t N = (uint32_t)a.num_nodes;
-    T *gx = static_cast<T *>(a.grad_x);
-    for (int64_t ch = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / G; ch < nchunks; ch += groups) {
-        const int64_t k0 = ch * kEfbChunk, k1 = k0 + kEfbChunk;
-        if (k1 >= M) continue;
-        const uint32_t j = keys[k1 - 1];
-        if (j >= N || keys[k1] != j || (k0 > 0 && keys[k0] == j && keys[k0 - 1] == j)) continue;
-        float acc[K][V];
-#pragma unroll
-        for (int k = 0; k < K; k++)
-#pragma unroll
-            for (int v = 0; v < V; v++) acc[k][v] = 0.f;
-        for (int64_t c = ch; c < nchunks && (c == ch || keys[c * kEfbChunk] == j); c++) {
-            const float *slot = slots + (2 * c + (c == ch ? 1 : 0)) * H;
-#pragma unroll
-            for (int k = 0; k < K; k++) {
-                const int cc = lane + G * k;
-                if (cc < nvec)
-#pragma unroll
-                    for (int v = 0; v < V; v++) acc[k][v] += slot[cc * V + v];
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-            const int cc = lane + G * k;
-            if (cc >= nvec) continue;
-            qk_vec<T> o;
-#pragma unroll
-            for (int v = 0; v < V; v++) o.v[v] = qk_from_float<T>(acc[k][v]);
-            qk_store_vec(gx + (int64_t)j * H + cc * V, o);
-        }
-    }
-}
-
 // Scalar grad_x: a thread per element, its node's incidences found by binary search, in order.
 template <typename T, typename I, typename U>
 __global__ void __launch_bounds__(256) efb_scalar(EfbArgs a, const U *keys, const U *items) {
@@ -310,7 +266,21 @@ __global__ void __launch_bounds__(256) efb_scalar(EfbArgs a, const U *keys, cons
     }
 }
 
-// grad_edge_attr = grad_out[:, 2H:] where a 2-D copy cannot take grad_out's strides.
+// grad_edge_attr = grad_out[:, 2H:], 16 bytes a thread (rows of a few hundred bytes: a pitched
+// cudaMemcpy2DAsync moves them several times slower).
+template <typename T>
+__global__ void __launch_bounds__(256) efb_copy_attr_vec(EfbArgs a) {
+    constexpr int V = qk_vec<T>::N;
+    const T *go = static_cast<const T *>(a.grad_out);
+    T *gea = static_cast<T *>(a.grad_edge_attr);
+    const int64_t nvec = a.H / V, total = a.num_edges * nvec;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t e = i / nvec, c = i - e * nvec;
+        qk_store_vec(gea + e * a.H + c * V, qk_load_vec(go + e * a.go_stride[0] + 2 * a.H + c * V));
+    }
+}
+
+// grad_edge_attr = grad_out[:, 2H:] for any strides.
 template <typename T>
 __global__ void __launch_bounds__(256) efb_copy_attr(EfbArgs a) {
     const T *go = static_cast<const T *>(a.grad_out);
@@ -339,8 +309,10 @@ void efb_shape(const EfbArgs *a, int &G, int &K) {
 
 template <typename T, typename I, typename U>
 int efb_grouped(const EfbArgs *a, int G, int K, cudaStream_t s) {
-    const int64_t m = 2 * a->num_edges, nchunks = (m + kEfbChunk - 1) / kEfbChunk;
     const bool vector = G > 0 && sizeof(U) == 4;
+    const int64_t m = 2 * a->num_edges;
+    const int chunk = vector ? qk_walk_chunk(m, 132 * (2048 / G)) : 256;  // a wave of lane groups
+    const int64_t nchunks = (m + chunk - 1) / chunk;
     const int end_bit = qk_bit_width((uint64_t)a->num_nodes);
     size_t temp_bytes = 0;
     cub::DoubleBuffer<U> keys(nullptr, nullptr), items(nullptr, nullptr);
@@ -369,33 +341,36 @@ int efb_grouped(const EfbArgs *a, int G, int K, cudaStream_t s) {
         const uint32_t *k32 = (const uint32_t *)sk, *i32 = (const uint32_t *)si;
         float *slots = (float *)(base + o_slots);
         const float *cslots = slots;
-        void *walk[] = {&p, &k32, &i32, &slots};
-        void *fix[] = {&p, &k32, &cslots};
+        T *gx = static_cast<T *>(a->grad_x);
+        int64_t M = m;
+        uint32_t N = (uint32_t)a->num_nodes;
+        int H = (int)a->H, ck = chunk;
+        void *walk[] = {&p, &k32, &i32, &slots, &ck};
+        void *fix[] = {&gx, &k32, &cslots, &M, &ck, &N, &H};
         const void *walker = nullptr, *fixer = nullptr;
         if (G == 8) {
             walker = (const void *)efb_walk<T, I, 8, 1>;
-            fixer = (const void *)efb_fixup<T, 8, 1>;
+            fixer = (const void *)qk_walk_fixup<T, 8, 1>;
         } else if (G == 16) {
             walker = (const void *)efb_walk<T, I, 16, 1>;
-            fixer = (const void *)efb_fixup<T, 16, 1>;
+            fixer = (const void *)qk_walk_fixup<T, 16, 1>;
         } else if (K == 1) {
             walker = (const void *)efb_walk<T, I, 32, 1>;
-            fixer = (const void *)efb_fixup<T, 32, 1>;
+            fixer = (const void *)qk_walk_fixup<T, 32, 1>;
         } else if (K == 2) {
             walker = (const void *)efb_walk<T, I, 32, 2>;
-            fixer = (const void *)efb_fixup<T, 32, 2>;
+            fixer = (const void *)qk_walk_fixup<T, 32, 2>;
         } else {
             walker = (const void *)efb_walk<T, I, 32, 4>;
-            fixer = (const void *)efb_fixup<T, 32, 4>;
+            fixer = (const void *)qk_walk_fixup<T, 32, 4>;
         }
         const dim3 grid(qk_grid_for(nchunks, 256 / G)), block(256);
         status = qk_launch(walker, grid, block, 0, s, walk);
         if (!status) status = qk_launch(fixer, grid, block, 0, s, fix);
         if (!status) {
-            T *out = static_cast<T *>(a->grad_x);
             const uint8_t *cmarked = marked;
             int64_t rows = a->num_nodes, elems = a->H;
-            void *zero[] = {&out, &cmarked, &rows, &elems};
+            void *zero[] = {&gx, &cmarked, &rows, &elems};
             status = qk_launch((const void *)qk_zero_unmarked<T>, dim3(qk_grid_for(rows, 8, 132 * 16)), dim3(256), 0,
                                s, zero);
         }
@@ -417,20 +392,19 @@ extern "C" int qk_fused_edge_features_backward_cuda(const qk_fused_edge_features
     const size_t esize = a->dtype == QK_F32 ? 4 : 2;
     if (a->H == 0) return QK_OK;
     if (a->grad_edge_attr && a->num_edges > 0) {
-        const int64_t s0 = a->go_stride[0];
-        if (a->go_stride[1] == 1 && s0 >= a->H) {
-            QK_CUDA_TRY(cudaMemcpy2DAsync(a->grad_edge_attr, (size_t)a->H * esize,
-                                          (const char *)a->grad_out + (size_t)(2 * a->H) * esize, (size_t)s0 * esize,
-                                          (size_t)a->H * esize, (size_t)a->num_edges, cudaMemcpyDeviceToDevice, s));
-        } else {
-            qk_fused_edge_features_backward_args p = *a;
-            void *args[] = {&p};
-            QK_DISPATCH_FLOAT(a->dtype, T, {
-                const int status = qk_launch((const void *)efb_copy_attr<T>,
-                                             dim3(qk_grid_for(a->num_edges * a->H, 256, 132 * 16)), dim3(256), 0, s, args);
-                if (status) return status;
-            })
-        }
+        qk_fused_edge_features_backward_args p = *a;
+        void *args[] = {&p};
+        QK_DISPATCH_FLOAT(a->dtype, T, {
+            constexpr int V = qk_vec<T>::N;
+            const bool vec = a->H % V == 0 && a->go_stride[1] == 1 && a->go_stride[0] % V == 0 &&
+                             qk_aligned16(a->grad_out) && qk_aligned16(a->grad_edge_attr);
+            const int status =
+                vec ? qk_launch((const void *)efb_copy_attr_vec<T>,
+                                dim3(qk_grid_for(a->num_edges * (a->H / V), 256, 132 * 16)), dim3(256), 0, s, args)
+                    : qk_launch((const void *)efb_copy_attr<T>, dim3(qk_grid_for(a->num_edges * a->H, 256, 132 * 16)),
+                                dim3(256), 0, s, args);
+            if (status) return status;
+        })
     }
     if (a->num_nodes == 0) return QK_OK;
     if (a->num_edges == 0) return (int)cudaMemsetAsync(a->grad_x, 0, (size_t)(a->num_nodes * a->H) * esize, s);

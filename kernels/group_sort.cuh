@@ -46,6 +46,56 @@ __global__ void __launch_bounds__(256) qk_zero_unmarked(T *out, const uint8_t *m
             for (int64_t i = lane; i < row_elems; i += 32) out[r * row_elems + i] = qk_from_float<T>(0.f);
 }
 
+// Items per walker (a lane group walking consecutive sorted items): a power of two in [16, 256],
+// so that small inputs still spread over every SM (one wave of `walkers` groups) while large ones
+// keep 256-item walks and few boundary partials.
+inline int qk_walk_chunk(int64_t items, int64_t walkers) {
+    int chunk = 16;
+    while (chunk < 256 && (items + chunk - 1) / chunk > walkers) chunk *= 2;
+    return chunk;
+}
+
+// The nodes whose items cross chunk boundaries: the chunk where one starts adds its slot 1 and the
+// following chunks' slot 0 (row_elems fp32 partials each), in chunk order, and writes the row.
+// Groups of G lanes hold K 16-byte vectors each; launch with 256 threads.
+template <typename T, int G, int K>
+__global__ void __launch_bounds__(256) qk_walk_fixup(T *out, const uint32_t *keys, const float *slots, int64_t M,
+                                                     int chunk, uint32_t N, int row_elems) {
+    constexpr int V = qk_vec<T>::N;
+    const int lane = threadIdx.x % G, nvec = row_elems / V;
+    const int64_t nchunks = (M + chunk - 1) / chunk, groups = (int64_t)gridDim.x * (blockDim.x / G);
+    for (int64_t ch = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / G; ch < nchunks; ch += groups) {
+        const int64_t k0 = ch * chunk, k1 = k0 + chunk;
+        if (k1 >= M) continue;
+        const uint32_t j = keys[k1 - 1];
+        if (j >= N || keys[k1] != j || (k0 > 0 && keys[k0] == j && keys[k0 - 1] == j)) continue;
+        float acc[K][V];
+#pragma unroll
+        for (int k = 0; k < K; k++)
+#pragma unroll
+            for (int v = 0; v < V; v++) acc[k][v] = 0.f;
+        for (int64_t c = ch; c < nchunks && (c == ch || keys[c * chunk] == j); c++) {
+            const float *slot = slots + (2 * c + (c == ch ? 1 : 0)) * row_elems;
+#pragma unroll
+            for (int k = 0; k < K; k++) {
+                const int cc = lane + G * k;
+                if (cc < nvec)
+#pragma unroll
+                    for (int v = 0; v < V; v++) acc[k][v] += slot[cc * V + v];
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            const int cc = lane + G * k;
+            if (cc >= nvec) continue;
+            qk_vec<T> o;
+#pragma unroll
+            for (int v = 0; v < V; v++) o.v[v] = qk_from_float<T>(acc[k][v]);
+            qk_store_vec(out + (int64_t)j * row_elems + cc * V, o);
+        }
+    }
+}
+
 // First position in sorted keys[0, n) whose key is >= key.
 template <typename U>
 __device__ __forceinline__ int64_t qk_lower_bound(const U *keys, int64_t n, uint64_t key) {

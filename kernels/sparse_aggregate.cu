@@ -29,8 +29,9 @@ __device__ __forceinline__ void row_range(const qk_sparse_aggregate_args &a, int
     end = min(max(end, begin), a.num_edges);
 }
 
-// acc[k][:] += sum over edges [begin, end) of w[e, head of chunk k] * x[col[e], chunk k]
-template <typename T, typename I, int K>
+// acc[k][:] += sum over edges [begin, end) of w[e, head of chunk k] * x[col[e], chunk k], for lane
+// `lane` of a group of G lanes holding chunks lane + G*k.
+template <typename T, typename I, int K, int G = 32>
 __device__ __forceinline__ void accumulate(const qk_sparse_aggregate_args &a, int64_t begin, int64_t end, int lane,
                                            float (&acc)[K][qk_vec<T>::N]) {
     constexpr int V = qk_vec<T>::N;
@@ -38,7 +39,7 @@ __device__ __forceinline__ void accumulate(const qk_sparse_aggregate_args &a, in
     const T *nf = static_cast<const T *>(a.node_feat), *ew = static_cast<const T *>(a.edge_weight);
     int head[K];
 #pragma unroll
-    for (int k = 0; k < K; k++) head[k] = (int)(((lane + 32 * k) * V) / a.head_dim);
+    for (int k = 0; k < K; k++) head[k] = (int)(((lane + G * k) * V) / a.head_dim);
     constexpr int U = K >= 8 ? 1 : 8 / K;  // edges in flight: U*K gathers per lane, within the register budget
     for (int64_t e0 = begin; e0 < end; e0 += U) {
         int64_t src[U];
@@ -53,7 +54,7 @@ __device__ __forceinline__ void accumulate(const qk_sparse_aggregate_args &a, in
         for (int u = 0; u < U; u++)
 #pragma unroll
             for (int k = 0; k < K; k++) {
-                const int c = lane + 32 * k;
+                const int c = lane + G * k;
                 if (src[u] >= 0 && c < nvec) {
                     xv[u][k] = qk_load_vec(nf + src[u] * a.nf_stride[0] + c * V);
                     w[u][k] = qk_to_float(__ldg(ew + (e0 + u) * a.ew_stride[0] + head[k] * a.ew_stride[1]));
@@ -113,33 +114,35 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) sa_long_rows(qk_sparse_ag
     }
 }
 
-template <typename T, typename I, int K>
+// A group of G lanes per row (G < 32 when H*D is short, so a warp serves 32 / G rows).
+template <typename T, typename I, int K, int G>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) sa_rows(qk_sparse_aggregate_args a, const float *partial) {
     constexpr int V = qk_vec<T>::N;
-    const int lane = threadIdx.x & 31;
+    constexpr int kRowsPerBlock = kWarpsPerBlock * 32 / G;
+    const int lane = threadIdx.x % G;
     const int64_t hd = a.num_heads * a.head_dim;
     const int nvec = (int)(hd / V);
     T *out = static_cast<T *>(a.out);
-    for (int64_t row = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5); row < a.num_dst;
-         row += (int64_t)gridDim.x * kWarpsPerBlock) {
+    for (int64_t row = (int64_t)blockIdx.x * kRowsPerBlock + threadIdx.x / G; row < a.num_dst;
+         row += (int64_t)gridDim.x * kRowsPerBlock) {
         int64_t begin, end;
         row_range<I>(a, row, begin, end);
         float acc[K][V] = {};
         if (end - begin <= kSplit) {
-            accumulate<T, I, K>(a, begin, end, lane, acc);
+            accumulate<T, I, K, G>(a, begin, end, lane, acc);
         } else {  // the chunk slots written by sa_long_rows, in chunk order
             for (int64_t c = begin / kSplit; c * kSplit < end; c++) {
                 const float *src = partial + (2 * c + (begin <= c * kSplit ? 0 : 1)) * hd;
 #pragma unroll
                 for (int k = 0; k < K; k++)
-                    if (lane + 32 * k < nvec)
+                    if (lane + G * k < nvec)
 #pragma unroll
-                        for (int j = 0; j < V; j++) acc[k][j] += src[(lane + 32 * k) * V + j];
+                        for (int j = 0; j < V; j++) acc[k][j] += src[(lane + G * k) * V + j];
             }
         }
 #pragma unroll
         for (int k = 0; k < K; k++) {
-            const int c = lane + 32 * k;
+            const int c = lane + G * k;
             if (c >= nvec) continue;
             qk_vec<T> o;
 #pragma unroll
@@ -234,7 +237,12 @@ int sa_launch_fast(const qk_sparse_aggregate_args *a, cudaStream_t s) {
     }
     const float *cpartial = partial;
     void *args[] = {&p, &cpartial};
-    int status = qk_launch((const void *)sa_rows<T, I, K>, dim3(qk_grid_for(a->num_dst, kWarpsPerBlock, 132 * 64)),
+    // 8 or 16 vectors a row: narrower lane groups, more rows per warp
+    const int nvec = (int)(hd / qk_vec<T>::N), lanes = K > 1 || nvec > 16 ? 32 : nvec > 8 ? 16 : 8;
+    const void *rows = (const void *)sa_rows<T, I, K, 32>;
+    if (lanes == 16) rows = (const void *)sa_rows<T, I, 1, 16>;
+    if (lanes == 8) rows = (const void *)sa_rows<T, I, 1, 8>;
+    int status = qk_launch(rows, dim3(qk_grid_for(a->num_dst, kWarpsPerBlock * 32 / lanes, 132 * 64)),
                            dim3(kWarpsPerBlock * 32), 0, s, args);
     if (partial) {
         const int freed = (int)cudaFreeAsync(partial, s);
@@ -292,12 +300,12 @@ extern "C" int qk_sparse_aggregate_check_cuda(qk_sparse_aggregate_args *a, void 
 //
 // grad_node_feat (deterministic): the edges are grouped by column (group_sort.cuh: keys col_idx,
 // or num_src for an edge outside the rows or with a bad column; values the edge ids), so each
-// source's edges come in ascending order.  Each warp then walks kBwdChunk consecutive sorted
-// edges: it keeps the current source's [H*D] accumulator in registers as the forward keeps a
+// source's edges come in ascending order.  Each warp then walks `chunk` consecutive sorted
+// edges (16 to 256, so that small graphs still fill the GPU; group_sort.cuh): it keeps the current source's [H*D] accumulator in registers as the forward keeps a
 // row's, gathers grad_out[row(e)] (several edges in flight), adds edge_weight * grad_out, and
 // writes the source's row when its edges end inside the chunk.  A source whose edges cross a
 // chunk boundary leaves one fp32 partial per chunk in a workspace slot, and a second kernel adds
-// them in chunk order: deterministic, no atomics, every warp's work bounded by kBwdChunk edges
+// them in chunk order: deterministic, no atomics, every warp's work bounded by `chunk` edges
 // however skewed the in-degrees.  grad_edge_weight comes out of the same walk: each gathered
 // grad_out row is dotted per head with the source's own node_feat row (loaded beside it, from L1
 // after the source's first edge; lane partials, then a fixed shuffle tree), so grad_out is
@@ -318,8 +326,6 @@ extern "C" int qk_sparse_aggregate_check_cuda(qk_sparse_aggregate_args *a, void 
 #include "group_sort.cuh"
 
 namespace {
-
-constexpr int kBwdChunk = 256;  // edges per warp in both walks
 
 using SabArgs = qk_sparse_aggregate_backward_args;
 
@@ -380,16 +386,16 @@ __device__ __forceinline__ void sab_zero_vec(qk_vec<T> &v) {
     for (int j = 0; j < qk_vec<T>::N; j++) v.v[j] = qk_from_float<T>(0.f);
 }
 
-// CSR walk: warp per kBwdChunk edges.  kEW: grad_edge_weight of each edge (0 outside the rows or for
+// CSR walk: warp per `chunk` edges.  kEW: grad_edge_weight of each edge (0 outside the rows or for
 // a bad column).  kScatter (fp32 only): atomically adds edge_weight * grad_out[row] into
 // grad_node_feat[col] (zeroed beforehand).
 template <typename T, typename I, int K, bool kEW, bool kScatter>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) sab_csr(SabArgs a) {
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) sab_csr(SabArgs a, int chunk) {
     constexpr int V = qk_vec<T>::N;
     constexpr int U = K >= 8 ? 1 : 8 / K;
     const int lane = threadIdx.x & 31;
     const int H = (int)a.num_heads, hd = (int)(a.num_heads * a.head_dim), nvec = hd / V, gd = (int)(a.head_dim / V);
-    const int64_t E = a.num_edges, nchunks = (E + kBwdChunk - 1) / kBwdChunk;
+    const int64_t E = a.num_edges, nchunks = (E + chunk - 1) / chunk;
     const T *go = static_cast<const T *>(a.grad_out), *nf = static_cast<const T *>(a.node_feat);
     const T *ew = static_cast<const T *>(a.edge_weight);
     T *gew = static_cast<T *>(a.grad_edge_weight);
@@ -401,7 +407,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) sab_csr(SabArgs a) {
     sab_bounds<I>(a, lo, hi);
     for (int64_t ch = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5); ch < nchunks;
          ch += (int64_t)gridDim.x * kWarpsPerBlock) {
-        const int64_t e0 = ch * kBwdChunk, e1 = min(e0 + kBwdChunk, E);
+        const int64_t e0 = ch * chunk, e1 = min(e0 + chunk, E);
         if (kEW && (e0 < lo || e1 > hi))  // edges outside the rows
             for (int64_t i = lane; i < (e1 - e0) * H; i += 32) {
                 const int64_t e = e0 + i / H;
@@ -484,24 +490,24 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) sab_csr(SabArgs a) {
 }
 
 // Grouping: key col_idx[e] (num_src for an edge outside the rows or with a bad column), value e,
-// the row of e, and a mark on each source with an edge.  A warp takes kPrepare consecutive edges:
-// the rows of its first and last edge bound each lane's search for the row of its own.
-constexpr int kPrepare = 256;
-
+// the row of e, and a mark on each source with an edge.  A warp takes `per_warp` consecutive edges
+// (32 to 256: a wave of warps, as the walks): the rows of its first and last edge bound each
+// lane's search for the row of its own.
 template <typename I, typename U>
-__global__ void __launch_bounds__(256) sab_prepare(SabArgs a, U *keys, U *edges, U *row_of, uint8_t *marked) {
+__global__ void __launch_bounds__(256)
+    sab_prepare(SabArgs a, U *keys, U *edges, U *row_of, uint8_t *marked, int per_warp) {
     const int lane = threadIdx.x & 31;
     int64_t lo, hi;
     sab_bounds<I>(a, lo, hi);
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
-    for (int64_t base = ((int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kPrepare; base < a.num_edges;
-         base += warps * kPrepare) {
+    for (int64_t base = ((int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * per_warp; base < a.num_edges;
+         base += warps * per_warp) {
         int64_t ra = 0, rb = 0;
         if (lo < hi) {
             ra = sab_row_search<I>(a, min(max(base, lo), hi - 1), 0, a.num_dst - 1);
-            rb = sab_row_search<I>(a, min(max(base + kPrepare - 1, lo), hi - 1), ra, a.num_dst - 1);
+            rb = sab_row_search<I>(a, min(max(base + per_warp - 1, lo), hi - 1), ra, a.num_dst - 1);
         }
-        for (int64_t e = base + lane; e < min(base + kPrepare, a.num_edges); e += 32) {
+        for (int64_t e = base + lane; e < min(base + per_warp, a.num_edges); e += 32) {
             uint64_t key = (uint64_t)a.num_src, row = 0;
             if (e >= lo && e < hi) {
                 const int64_t col = qk_load_index<I>(a.col_idx, e, a.col_idx_stride);
@@ -518,17 +524,17 @@ __global__ void __launch_bounds__(256) sab_prepare(SabArgs a, U *keys, U *edges,
     }
 }
 
-// CSC walk over the sorted edges: warp per kBwdChunk of them.  A source's piece that does not
+// CSC walk over the sorted edges: warp per `chunk` of them.  A source's piece that does not
 // both start and end inside the chunk goes to slot 2 * chunk (it continues one from earlier
 // chunks) or 2 * chunk + 1 (it starts here and goes on); sab_fixup adds them up.
 template <typename T, int K, bool kEW>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    sab_csc(SabArgs a, const uint32_t *keys, const uint32_t *edges, const uint32_t *row_of, float *slots) {
+    sab_csc(SabArgs a, const uint32_t *keys, const uint32_t *edges, const uint32_t *row_of, float *slots, int chunk) {
     constexpr int V = qk_vec<T>::N;
     constexpr int U = kEW ? (K >= 4 ? 1 : 4 / K) : (K >= 8 ? 1 : 8 / K);  // edges in flight, in the register budget
     const int lane = threadIdx.x & 31;
     const int H = (int)a.num_heads, hd = (int)(a.num_heads * a.head_dim), nvec = hd / V, gd = (int)(a.head_dim / V);
-    const int64_t M = a.num_edges, nchunks = (M + kBwdChunk - 1) / kBwdChunk;
+    const int64_t M = a.num_edges, nchunks = (M + chunk - 1) / chunk;
     const uint32_t N = (uint32_t)a.num_src;
     const T *go = static_cast<const T *>(a.grad_out), *nf = static_cast<const T *>(a.node_feat);
     const T *ew = static_cast<const T *>(a.edge_weight);
@@ -538,7 +544,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     for (int k = 0; k < K; k++) head[k] = (lane + 32 * k) / gd;
     for (int64_t ch = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5); ch < nchunks;
          ch += (int64_t)gridDim.x * kWarpsPerBlock) {
-        const int64_t k0 = ch * kBwdChunk, k1 = min(k0 + kBwdChunk, M);
+        const int64_t k0 = ch * chunk, k1 = min(k0 + chunk, M);
         uint32_t cur = keys[k0];
         if (!kEW && cur >= N) continue;  // only left-out edges from here on
         bool before = k0 > 0 && keys[k0 - 1] == cur;
@@ -627,49 +633,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     }
 }
 
-// The sources whose edges cross chunk boundaries: the chunk where one starts adds its slot 1 and
-// the following chunks' slot 0, in chunk order, and writes the row.
-template <typename T, int K>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) sab_fixup(SabArgs a, const uint32_t *keys, const float *slots) {
-    constexpr int V = qk_vec<T>::N;
-    const int lane = threadIdx.x & 31;
-    const int hd = (int)(a.num_heads * a.head_dim), nvec = hd / V;
-    const int64_t M = a.num_edges, nchunks = (M + kBwdChunk - 1) / kBwdChunk;
-    const uint32_t N = (uint32_t)a.num_src;
-    T *gnf = static_cast<T *>(a.grad_node_feat);
-    for (int64_t ch = (int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5); ch < nchunks;
-         ch += (int64_t)gridDim.x * kWarpsPerBlock) {
-        const int64_t k0 = ch * kBwdChunk, k1 = k0 + kBwdChunk;
-        if (k1 >= M) continue;
-        const uint32_t j = keys[k1 - 1];
-        if (j >= N || keys[k1] != j || (k0 > 0 && keys[k0] == j && keys[k0 - 1] == j)) continue;
-        float acc[K][V];
-#pragma unroll
-        for (int k = 0; k < K; k++)
-#pragma unroll
-            for (int v = 0; v < V; v++) acc[k][v] = 0.f;
-        for (int64_t c = ch; c < nchunks && (c == ch || keys[c * kBwdChunk] == j); c++) {
-            const float *slot = slots + (2 * c + (c == ch ? 1 : 0)) * hd;
-#pragma unroll
-            for (int k = 0; k < K; k++) {
-                const int cc = lane + 32 * k;
-                if (cc < nvec)
-#pragma unroll
-                    for (int v = 0; v < V; v++) acc[k][v] += slot[cc * V + v];
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-            const int cc = lane + 32 * k;
-            if (cc >= nvec) continue;
-            qk_vec<T> o;
-#pragma unroll
-            for (int v = 0; v < V; v++) o.v[v] = qk_from_float<T>(acc[k][v]);
-            qk_store_vec(gnf + (int64_t)j * hd + cc * V, o);
-        }
-    }
-}
-
 // Scalar grad_edge_weight: a thread per (edge, head), any strides.
 template <typename T, typename I>
 __global__ void __launch_bounds__(256) sab_gew_scalar(SabArgs a) {
@@ -737,8 +700,9 @@ int sab_chunks_per_lane(const SabArgs *a) {
 template <typename T, typename I, int K, bool kEW, bool kScatter>
 int sab_launch_csr(const SabArgs *a, cudaStream_t s) {
     SabArgs p = *a;
-    void *args[] = {&p};
-    const int64_t nchunks = (a->num_edges + kBwdChunk - 1) / kBwdChunk;
+    int chunk = qk_walk_chunk(a->num_edges, 132 * 64);  // a wave of warps
+    void *args[] = {&p, &chunk};
+    const int64_t nchunks = (a->num_edges + chunk - 1) / chunk;
     return qk_launch((const void *)sab_csr<T, I, K, kEW, kScatter>, dim3(qk_grid_for(nchunks, kWarpsPerBlock)),
                      dim3(kWarpsPerBlock * 32), 0, s, args);
 }
@@ -747,8 +711,10 @@ int sab_launch_csr(const SabArgs *a, cudaStream_t s) {
 // (k > 0) or the scalar kernels.
 template <typename T, typename I, typename U>
 int sab_grouped(const SabArgs *a, int k, cudaStream_t s) {
-    const int64_t E = a->num_edges, hd = a->num_heads * a->head_dim, nchunks = (E + kBwdChunk - 1) / kBwdChunk;
+    const int64_t E = a->num_edges, hd = a->num_heads * a->head_dim;
     const bool vector = k > 0 && sizeof(U) == 4;
+    const int chunk = qk_walk_chunk(E, 132 * 64);  // a wave of warps
+    const int64_t nchunks = (E + chunk - 1) / chunk;
     const int end_bit = qk_bit_width((uint64_t)a->num_src);
     size_t temp_bytes = 0;
     cub::DoubleBuffer<U> keys(nullptr, nullptr), edges(nullptr, nullptr);
@@ -769,8 +735,9 @@ int sab_grouped(const SabArgs *a, int k, cudaStream_t s) {
     int status = (int)cudaMemsetAsync(marked, 0, (size_t)a->num_src, s);
     if (!status) {
         U *k0 = keys.Current(), *e0 = edges.Current();
-        void *args[] = {&p, &k0, &e0, &row_of, &marked};
-        status = qk_launch((const void *)sab_prepare<I, U>, dim3(qk_grid_for(E, 8 * kPrepare)), dim3(256), 0, s, args);
+        int per_warp = chunk < 32 ? 32 : chunk;
+        void *args[] = {&p, &k0, &e0, &row_of, &marked, &per_warp};
+        status = qk_launch((const void *)sab_prepare<I, U>, dim3(qk_grid_for(E, 8 * per_warp)), dim3(256), 0, s, args);
     }
     if (!status) status = (int)qk_sort_pairs<U>(base + o_temp, temp_bytes, keys, edges, (U)E, end_bit, s);
     const U *sk = keys.Current(), *se = edges.Current(), *sr = row_of;
@@ -778,15 +745,19 @@ int sab_grouped(const SabArgs *a, int k, cudaStream_t s) {
         const uint32_t *k32 = (const uint32_t *)sk, *e32 = (const uint32_t *)se, *r32 = (const uint32_t *)sr;
         float *slots = (float *)(base + o_slots);
         const float *cslots = slots;
-        void *walk[] = {&p, &k32, &e32, &r32, &slots};
-        void *fix[] = {&p, &k32, &cslots};
+        T *gnf = static_cast<T *>(a->grad_node_feat);
+        int64_t M = E;
+        uint32_t N = (uint32_t)a->num_src;
+        int row_elems = (int)hd, ck = chunk;
+        void *walk[] = {&p, &k32, &e32, &r32, &slots, &ck};
+        void *fix[] = {&gnf, &k32, &cslots, &M, &ck, &N, &row_elems};
         const dim3 grid(qk_grid_for(nchunks, kWarpsPerBlock)), block(kWarpsPerBlock * 32);
         const void *walker = nullptr, *fixer = nullptr;
         switch (k) {
 #define SAB_CASE(KK)                                                                                          \
     case KK:                                                                                                  \
         walker = a->grad_edge_weight ? (const void *)sab_csc<T, KK, true> : (const void *)sab_csc<T, KK, false>; \
-        fixer = (const void *)sab_fixup<T, KK>;                                                               \
+        fixer = (const void *)qk_walk_fixup<T, 32, KK>;                                                               \
         break;
             SAB_CASE(1)
             SAB_CASE(2)
@@ -797,10 +768,9 @@ int sab_grouped(const SabArgs *a, int k, cudaStream_t s) {
         status = qk_launch(walker, grid, block, 0, s, walk);
         if (!status) status = qk_launch(fixer, grid, block, 0, s, fix);
         if (!status) {
-            T *out = static_cast<T *>(a->grad_node_feat);
             const uint8_t *cmarked = marked;
             int64_t rows = a->num_src, elems = hd;
-            void *zero[] = {&out, &cmarked, &rows, &elems};
+            void *zero[] = {&gnf, &cmarked, &rows, &elems};
             status = qk_launch((const void *)qk_zero_unmarked<T>, dim3(qk_grid_for(rows, 8, 132 * 16)), dim3(256), 0,
                                s, zero);
         }
