@@ -670,7 +670,9 @@ def test_flash_predicate_reasons(env, fake_flash):
     d = qkernels.resolve("attn_prefill", *fake_prefill(), is_causal=True)
     assert statuses(d)["flash"] == ("MATCH", "")
     d = qkernels.resolve("attn_prefill", *fake_prefill(), mask=FakeCudaTensor((2, 16), "bool"))
-    assert statuses(d)["flash"] == ("reject", "a bool mask is not supported by flash_attn_func (is_causal is)")
+    assert statuses(d)["flash"] == ("reject", "a mask (bool or float) is not supported by flash_attn_func (is_causal is)")
+    d = qkernels.resolve("attn_prefill", *fake_prefill(), mask=FakeCudaTensor((2, 1, 16, 16), "float32"))
+    assert statuses(d)["flash"][0] == "reject"
     d = qkernels.resolve("attn_prefill", *fake_prefill(D=36))
     assert statuses(d)["flash"][1].startswith("requires head_dim <= 256 and a multiple of 8; got torch cuda bfloat16 "
                                               "head_dim=36")
@@ -711,6 +713,8 @@ def test_flash_strict_selection_names_the_reason(env, fake_flash):
                              r"'attention' for this call: token-pool paging \(req_to_token\) is not supported by "
                              r"flash_attn_func"):
         qkernels.attn_paged_prefill(FakeCudaTensor((32, 8, 128)), k, v, None, None, None, None)
-    with pytest.raises(qkernels.ExplicitSelectionError, match="a bool mask is not supported by flash_attn_func"):
-        qkernels.attn_prefill(q, k, v, mask=FakeCudaTensor((2, 16), "bool"))
+    for mask in (FakeCudaTensor((2, 16), "bool"), FakeCudaTensor((2, 1, 16, 16), "bfloat16")):
+        with pytest.raises(qkernels.ExplicitSelectionError,
+                           match=r"a mask \(bool or float\) is not supported by flash_attn_func"):
+            qkernels.attn_prefill(q, k, v, mask=mask)
     assert not fake_flash  # nothing reached flash_attn
