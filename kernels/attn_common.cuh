@@ -3,6 +3,8 @@
 #pragma once
 #include "common.cuh"
 
+#include <math.h>
+
 namespace qk_attn {
 
 // Shared tiles are [rows][D] with 16-byte chunk c of row r at chunk index at(r, c): the XOR
@@ -17,6 +19,23 @@ __device__ __forceinline__ int64_t clamp_len(int64_t v, int64_t hi) { return v <
 __device__ __forceinline__ int64_t load_index(const void *p, int dtype, int64_t pos) {
     return dtype == QK_I64 ? (int64_t)__ldg(static_cast<const int64_t *>(p) + pos)
                            : (int64_t)__ldg(static_cast<const int32_t *>(p) + pos);
+}
+
+// Entry pos of an additive mask (float32, float16 or bfloat16) as a bias in the kernels' log2 units:
+// mask * log2(e), added to score * scale * log2(e).  -inf stays -inf (the key is dropped); finite
+// entries below kMaskMin are raised to it, as times log2(e) they would overflow to -inf and drop a
+// key the natural-log softmax keeps.  NaN stays NaN (compared, not fmaxf).
+constexpr float kMaskMin = -2.35e38f;
+__device__ __forceinline__ float mask_bias_log2(const void *m, int dtype, int64_t pos) {
+    float v;
+    if (dtype == QK_F32) {
+        v = __ldg(static_cast<const float *>(m) + pos);
+    } else {
+        const unsigned short h = __ldg(static_cast<const unsigned short *>(m) + pos);
+        v = dtype == QK_BF16 ? __uint_as_float((uint32_t)h << 16) : __half2float(__ushort_as_half(h));
+    }
+    if (v == -INFINITY) return v;
+    return (v < kMaskMin ? kMaskMin : v) * 1.4426950408889634f;
 }
 
 // 16 bytes global -> shared without waiting, L2 only, with a kL2-byte L2 fetch (256: a K or V row

@@ -19,7 +19,9 @@
 // otherwise fp32 partials (max, sum, unnormalised output) go to a workspace and a second kernel,
 // launched as a programmatic dependent, combines the splits in a fixed order.  Keys that are
 // masked, past the length or at an out-of-range slot are not loaded (zero-filled) and get
-// probability 0; a sequence with no kept key gives 0.
+// probability 0; a sequence with no kept key gives 0.  An additive (float) mask: the lane that looks
+// up a key's source also reads its mask value (-inf: skipped), which goes to shared memory next to
+// the keep flags and is added to the scores in log2 units; a uniform branch per tile.
 //
 // On sm_90, when each split is short (at most 512 keys once the splits are capped at 16), the
 // splits of a (sequence, head group) are launched as one thread-block cluster and merge their
@@ -157,6 +159,8 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
 
     unsigned char *wsmem = pipe + warp * kStages * kStageBytes;
     uint8_t *wkeep = pipe + kWarps * kStages * kStageBytes + warp * kStages * kTile;  // [stage][key]
+    // an additive mask's values of the stages' keys in log2 units [stage][key], after the flags
+    float *wbias = reinterpret_cast<float *>(pipe + kWarps * kStages * (kStageBytes + kTile)) + warp * kStages * kTile;
     const int64_t span = ks1 > ks0 ? ks1 - ks0 : 0;
     const int64_t tiles_total = (span + kTile - 1) / kTile;
     const int ntiles = tiles_total > warp ? (int)((tiles_total - warp + kWarps - 1) / kWarps) : 0;
@@ -164,16 +168,27 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
     const int64_t kh = kPaged ? hk * a.k_stride[2] : b * a.k_stride[0] + hk * a.k_stride[2];
     const int64_t vh = kPaged ? hk * a.v_stride[2] : b * a.v_stride[0] + hk * a.v_stride[2];
     const uint8_t *mask = static_cast<const uint8_t *>(a.mask);
+    const bool fmask = mask != nullptr && a.mask_float;  // uniform
     const T *fresh_k = has_fresh ? static_cast<const T *>(a.new_k) + b * a.new_k_stride[0] + hk * a.new_k_stride[1] : nullptr;
     const T *fresh_v = has_fresh ? static_cast<const T *>(a.new_v) + b * a.new_v_stride[0] + hk * a.new_v_stride[1] : nullptr;
 
     // Where key (lane % 16) of this warp's tile t comes from: its row (contiguous) or pool slot
     // (paged), kFresh for new_k/new_v, kSkip when it is outside the split, masked or at an
     // out-of-range slot.  One index load per key; the copies get it by shuffle.
-    auto key_src = [&](int t) -> int64_t {
+    // An additive mask's value of the key goes to bias.
+    auto key_src = [&](int t, float &bias) -> int64_t {
         const int64_t j = ks0 + ((int64_t)t * kWarps + warp) * kTile + (lane & (kTile - 1));
         if (j >= ks1) return kSkip;
-        if (mask && !mask[b * a.mask_stride[0] + j * a.mask_stride[1]]) return kSkip;
+        if (mask) {
+            if (a.mask_cols > 0 && j >= a.mask_cols) return kSkip;  // past a narrower paged mask
+            const int64_t mi = b * a.mask_stride[0] + j * a.mask_stride[1];
+            if (fmask) {
+                bias = mask_bias_log2(mask, a.mask_dtype, mi);
+                if (bias == -INFINITY) return kSkip;
+            } else if (!mask[mi]) {
+                return kSkip;
+            }
+        }
         if (!kPaged) return j;
         if (!row_ok) return kSkip;
         if (has_fresh && j == len - 1) return kFresh;
@@ -185,7 +200,7 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
     // by shuffle from the lane that looked it up, which costs many more instructions per copy
     // (64-bit shuffles, multiplies, selects).
     const bool direct = !kPaged && mask == nullptr;
-    auto issue = [&](int t, int64_t src) {
+    auto issue = [&](int t, int64_t src, float bias) {
         unsigned char *st = wsmem + (t % kStages) * kStageBytes;
         T *sk = reinterpret_cast<T *>(st), *sv = reinterpret_cast<T *>(st + kTileBytes);
         if (direct) {
@@ -215,25 +230,31 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
             }
         }
         if (lane < kTile) wkeep[(t % kStages) * kTile + lane] = src != kSkip;
+        if (fmask && lane < kTile) wbias[(t % kStages) * kTile + lane] = bias;
     };
 
     // Prologue: tiles 0 .. kStages-2 in flight; the sources of tile kStages-1 loaded.
+    float next_bias = 0.f;
 #pragma unroll
     for (int t = 0; t < kStages - 1; t++) {
-        if (t < ntiles) issue(t, key_src(t));
+        if (t < ntiles) {
+            const int64_t src = key_src(t, next_bias);
+            issue(t, src, next_bias);
+        }
         cp_async_commit();
     }
-    int64_t next = key_src(kStages - 1);
+    int64_t next = key_src(kStages - 1, next_bias);
 
     for (int t = 0; t < ntiles; t++) {
-        if (t + kStages - 1 < ntiles) issue(t + kStages - 1, next);
+        if (t + kStages - 1 < ntiles) issue(t + kStages - 1, next, next_bias);
         cp_async_commit();
-        if (t + kStages < ntiles) next = key_src(t + kStages);
+        if (t + kStages < ntiles) next = key_src(t + kStages, next_bias);
         cp_async_wait<kStages - 1>();
         __syncwarp();
         const unsigned char *st = wsmem + (t % kStages) * kStageBytes;
         const T *sk = reinterpret_cast<const T *>(st), *sv = reinterpret_cast<const T *>(st + kTileBytes);
         const uint8_t *keep = wkeep + (t % kStages) * kTile;
+        const float *tbias = wbias + (t % kStages) * kTile;
 
         // S = q K^T for the 16 keys: s[n] holds rows g, g+8 x keys 8n + 2t, +1.
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -253,16 +274,32 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
         }
         // Online softmax over the tile, in log2 units; skipped keys get probability 0.
         float mx[2] = {m[0], m[1]};
+        if (fmask) {  // uniform; the plain path below stays as it is without the mask
 #pragma unroll
-        for (int n = 0; n < 2; n++) {
-            const uint16_t kp = *reinterpret_cast<const uint16_t *>(keep + 8 * n + 2 * t4);
+            for (int n = 0; n < 2; n++) {
+                const uint16_t kp = *reinterpret_cast<const uint16_t *>(keep + 8 * n + 2 * t4);
+                const float2 bias = *reinterpret_cast<const float2 *>(tbias + 8 * n + 2 * t4);  // keys 8n + 2t4, +1
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const bool kept = (kp >> (8 * (e & 1))) & 0xff;
-                s[n][e] = kept ? s[n][e] * qscale : -INFINITY;
-                mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+                for (int e = 0; e < 4; e++) {
+                    const bool kept = (kp >> (8 * (e & 1))) & 0xff;
+                    s[n][e] = kept ? fmaf(s[n][e], qscale, (e & 1) ? bias.y : bias.x) : -INFINITY;
+                }
+            }
+        } else {
+#pragma unroll
+            for (int n = 0; n < 2; n++) {
+                const uint16_t kp = *reinterpret_cast<const uint16_t *>(keep + 8 * n + 2 * t4);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const bool kept = (kp >> (8 * (e & 1))) & 0xff;
+                    s[n][e] = kept ? s[n][e] * qscale : -INFINITY;
+                }
             }
         }
+#pragma unroll
+        for (int n = 0; n < 2; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
         float alpha[2];
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -500,8 +537,10 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     const int64_t lcap = a->paged ? a->max_ctx : a->Lkv;
     constexpr size_t row = D * 2;
     // q, then per warp and stage K and V (and the paged kernel's 16-byte offset), then per warp
-    // and stage the keep flags
-    constexpr size_t smem = kM * row + (size_t)kWarps * stages<D>() * (2 * kTile * row + kTile + (kPaged ? 16 : 0));
+    // and stage the keep flags and an additive mask's values (with or without one: the size of a
+    // kernel's shared memory is fixed, and these few bytes change no residency)
+    constexpr size_t smem = kM * row + (size_t)kWarps * stages<D>() * (2 * kTile * row + kTile + (kPaged ? 16 : 0)) +
+                            (size_t)kWarps * stages<D>() * kTile * sizeof(float);
     static_assert((size_t)(kWarps + 1) * kM * (D + 2) * 4 <= smem, "merge and cluster partial fit");
     int resident;
     const int opt = qk_kernel_residency((const void *)decode_split<T, D, kM, kPaged, false>, kThreads, smem, &resident);

@@ -7,7 +7,8 @@
 // (one barrier per tile: the next tile's copies are issued right after it, so they overlap this
 // tile's math).  Per tile and warp: S = q K^T (q fragments in registers for D <= 128, else
 // re-read from shared memory), mask, online softmax in exp2 units (one rescale of the output per
-// tile), then O += P V with P taken straight from the score fragments.
+// tile), then O += P V with P taken straight from the score fragments.  An additive (float) mask is
+// read per score like a per-query bool mask and added in log2 units (mask_bias_log2).
 //
 // Causal (bottom-right): query i of a sequence with q_len queries and kv_len keys keeps keys
 // j <= i + kv_len - q_len.  Key tiles entirely above the CTA's diagonal are never loaded; tiles
@@ -172,8 +173,13 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_fwd(qk_attn_prefill_args 
                         const int64_t j = j0 + jj, i = qi[mt][e >> 1];
                         bool keep = kvalid[buf * kBN + jj] && i < s.q_len;
                         if (a.causal) keep = keep && j <= i + offset;
-                        if (keep && a.mask_kind == 2)
-                            keep = mask[b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2] + j * a.mask_stride[3]] != 0;
+                        if (keep && a.mask_kind == 2) {
+                            // paged: past the mask's width or rows nothing is kept
+                            keep = (a.mask_cols == 0 || j < a.mask_cols) && (a.mask_rows == 0 || i < a.mask_rows);
+                            const int64_t mi = b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2] + j * a.mask_stride[3];
+                            if (keep && a.mask_float) v += mask_bias_log2(a.mask, a.mask_dtype, mi);
+                            else if (keep) keep = mask[mi] != 0;
+                        }
                         if (!keep) v = -INFINITY;
                     }
                     sc[mt][n][e] = v;

@@ -109,12 +109,14 @@ template <int kBM> __device__ __forceinline__ int64_t cta_key_end(const qk_attn_
 }
 
 // key_row below before its pool-range check: the key position (dense) or the req_to_token entry
-// as loaded (paged), -1 when the key is past key_end or dropped by a key mask.  Split so a
+// as loaded (paged), -1 when the key is past key_end or dropped by a key mask (or past its width).  Split so a
 // caller can issue the index load early and check it once it has landed.
 template <bool kPaged>
 __device__ __forceinline__ int64_t key_entry(const qk_attn_prefill_args &a, const Seq &s, int64_t key_end, int64_t j) {
     if (j >= key_end) return -1;
-    if (a.mask_kind == 1 && !static_cast<const uint8_t *>(a.mask)[s.b * a.mask_stride[0] + j * a.mask_stride[3]]) return -1;
+    if (a.mask_kind == 1 && ((a.mask_cols > 0 && j >= a.mask_cols) ||
+                             !static_cast<const uint8_t *>(a.mask)[s.b * a.mask_stride[0] + j * a.mask_stride[3]]))
+        return -1;
     if (!kPaged) return j;
     return load_index(a.req_to_token, a.r2t_dtype, s.pool_row * a.r2t_stride[0] + j * a.r2t_stride[1]);
 }

@@ -829,8 +829,9 @@ extern "C" int qk_attn_prefill_sm90(const qk_attn_prefill_args *a, cudaStream_t 
     int cc;
     const int st = qk_device_cc(&cc);
     if (st) return st;
-    // Full [B, H, Lq, Lkv] bool masks stay on the mma.sync kernel: a load per score would
-    // double this kernel's code and its masked path is sized for 32-bit compares.
+    // Per-query masks (mask_kind 2: bool [B, H, Lq, Lkv], and every additive float mask) stay on
+    // the mma.sync kernel: a load per score would double this kernel's code and its masked path is
+    // sized for 32-bit compares.
     if (cc != 90 || a->mask_kind == 2 || !(a->scale > 0.f)) return QK_E_UNSUPPORTED;
     // The warp-specialised kernel (a->variant QK_PREFILL_WGMMA keeps the cp.async one): dense calls
     // without a mask, paged calls with at most a key mask; it declines layouts the copy engine cannot

@@ -124,7 +124,8 @@ _PREDICATES = {
     },
     "flash": {
         # flash_attn_with_kvcache (decode: contiguous [B, Lkv, Hkv, D] caches with cache_seqlens) and
-        # flash_attn_func (prefill: dense [B, L, H, D]); neither takes a token pool or a bool mask
+        # flash_attn_func (prefill: dense [B, L, H, D]); neither takes a token pool or a mask (bool or
+        # additive float)
         "attention": [
             _req("no token-pool paging", lambda a: not a.get("paged"),
                  lambda op: f"token-pool paging (req_to_token) is not supported by {_FLASH_CALLS[op][0]}"),
@@ -134,7 +135,7 @@ _PREDICATES = {
             _req("head_dim <= 256 and a multiple of 8",
                  lambda a: isinstance(a.get("head_dim"), int) and a["head_dim"] <= 256 and a["head_dim"] % 8 == 0),
             _req("no mask", lambda a: not a.get("has_mask"),
-                 lambda op: "a bool mask is not supported by {} ({})".format(*_FLASH_CALLS[op])),
+                 lambda op: "a mask (bool or float) is not supported by {} ({})".format(*_FLASH_CALLS[op])),
         ],
     },
     "cpu": {family: [_FLOAT32] for family in GRAPH_FAMILIES},

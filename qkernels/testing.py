@@ -278,10 +278,10 @@ def _ref_swiglu_backward(grad_out, x, up_weight, gate_weight, *, x_grad=True, we
 
 # ---- references: attention ------------------------------------------------------------------
 
-def _softmax_attend(q, k, v, keep, scale):
-    """q [B, H, Lq, D], k/v [B, H, Lkv, D], keep broadcastable to [B, H, Lq, Lkv] -> [B, H, Lq, D];
-    a query that keeps no key gives 0."""
-    s = np.where(keep, (q @ k.transpose(0, 1, 3, 2)) * scale, -np.inf)
+def _softmax_attend(q, k, v, keep, scale, bias=0.0):
+    """q [B, H, Lq, D], k/v [B, H, Lkv, D], keep and bias (added to the scaled scores) broadcastable to
+    [B, H, Lq, Lkv] -> [B, H, Lq, D]; a query that keeps no key gives 0."""
+    s = np.where(keep, (q @ k.transpose(0, 1, 3, 2)) * scale + np.where(keep, bias, 0.0), -np.inf)
     m = s.max(-1, keepdims=True, initial=-np.inf)
     p = np.where(keep, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
     den = p.sum(-1, keepdims=True)
@@ -295,45 +295,73 @@ def _heads_first(q, k, v):
             np.repeat(_f64(v), group, axis=2).transpose(0, 2, 1, 3))
 
 
+def _mask_parts(mask):
+    """A bool mask (True = keep) or an additive float one (-inf = drop) -> (keep bool, bias float64)."""
+    m = np.asarray(mask)
+    if m.dtype == bool:
+        return m, np.zeros(m.shape)
+    bias = np.asarray(m, np.float64)
+    return bias != -np.inf, bias
+
+
 def prefill_keep(B, Hq, Lq, Lkv, is_causal=False, mask=None):
     """attn_prefill's kept keys, bool [B, Hq, Lq, Lkv]: query i sits at key position i + Lkv - Lq and
     causal keeps keys j <= that (bottom-right); mask [B, Lkv], or [1|Hq, Lq|1, Lkv] or
-    [B|1, 1|Hq, Lq|1, Lkv] broadcast as scaled_dot_product_attention does, True = keep."""
+    [B|1, 1|Hq, Lq|1, Lkv] broadcast as scaled_dot_product_attention does, True = keep (a float
+    mask: its entries other than -inf)."""
     keep = np.ones((1, 1, Lq, Lkv), bool)
     if is_causal:
         keep = keep & (np.arange(Lkv)[None, :] <= np.arange(Lq)[:, None] + (Lkv - Lq))
     if mask is not None:
-        m = np.asarray(mask, bool)
+        m = _mask_parts(mask)[0]
         keep = keep & (m[:, None, None, :] if m.ndim == 2 else m)  # 3-D: NumPy aligns it to [Hq, Lq, Lkv]
     return np.broadcast_to(keep, (B, Hq, Lq, Lkv))
 
 
 def _ref_attn_prefill(q, k, v, *, mask=None, is_causal=False, scale=None):
-    """softmax(q k^T * scale) v over the prefill_keep keys: q [B, Lq, Hq, D], k/v [B, Lkv, Hkv, D]
-    -> [B, Lq, Hq, D]; scale defaults to 1/sqrt(D)."""
+    """softmax(q k^T * scale + mask) v over the prefill_keep keys: q [B, Lq, Hq, D], k/v [B, Lkv, Hkv, D]
+    -> [B, Lq, Hq, D]; scale defaults to 1/sqrt(D); a float mask is added (as SDPA's attn_mask)."""
     B, Lq, Hq, D = np.shape(q)
     scale = D ** -0.5 if scale is None else scale
     keep = prefill_keep(B, Hq, Lq, np.shape(k)[1], is_causal, mask)
-    return _softmax_attend(*_heads_first(q, k, v), keep, scale).transpose(0, 2, 1, 3)
+    bias = 0.0 if mask is None else _mask_parts(mask)[1]
+    bias = bias[:, None, None, :] if np.ndim(bias) == 2 else bias
+    return _softmax_attend(*_heads_first(q, k, v), keep, scale, bias).transpose(0, 2, 1, 3)
 
 
 def _ref_attn_decode(q, k, v, *, kv_lens=None, mask=None, scale=None):
     """One query per sequence: q [B, 1, Hq, D], k/v [B, L, Hkv, D] -> [B, 1, Hq, D]; the kept keys are
     j < kv_lens[b] (negative: none) and mask[b, j] (mask [B|1, L], [B|1, 1, L] or [B|1, 1, 1, L],
-    broadcast over B)."""
+    broadcast over B; bool, or float added to the scores)."""
     B, L = np.shape(k)[:2]
-    keep = np.ones((B, L), bool)
+    keep, bias = np.ones((B, L), bool), np.zeros((B, L))
     if kv_lens is not None:
         keep &= np.arange(L)[None, :] < _idx(kv_lens)[:, None]
     if mask is not None:
-        m = np.asarray(mask, bool)
+        m, b = _mask_parts(mask)
         keep &= m.reshape(m.shape[0], L)  # [B|1, L] after the size-1 middle dimensions
-    return _ref_attn_prefill(q, k, v, mask=keep, scale=scale)
+        bias = bias + b.reshape(b.shape[0], L)
+    return _ref_attn_prefill(q, k, v, mask=np.where(keep, bias, -np.inf), scale=scale)
 
 
 def _gather(cache, req_to_token, req_pool_indices, b, n):
     """The n tokens of sequence b from a [S, Hkv, D] pool, as float64 [n, Hkv, D]."""
     return _f64(np.asarray(cache)[req_to_token[req_pool_indices[b], :n]])
+
+
+def _request_mask(mask, b, n, q_len=None):
+    """A paged op's mask for request b over its n positions, for the dense reference: [1, n] from a
+    key mask [B, W] ([B|1, 1, W], [B|1, 1, 1, W] with q_len None: decode), or [1, 1|Hq, q_len|1, n] from
+    a per-query [B|1, 1|Hq, Mq, W] / [1|Hq, Mq, W]; positions from W on are dropped."""
+    m = np.asarray(mask)
+    if q_len is None or m.ndim == 2:
+        m = m.reshape(m.shape[0], -1)
+        m = m[b if m.shape[0] > 1 else 0][None]
+    else:
+        m = m[b if m.shape[0] > 1 else 0] if m.ndim == 4 else m
+        m = m[None, :, :q_len] if m.shape[1] > 1 else m[None]
+    pad = np.full(m.shape[:-1] + (max(n - m.shape[-1], 0),), False if m.dtype == bool else -np.inf, m.dtype)
+    return np.concatenate([m[..., :n], pad], axis=-1)
 
 
 def appended(cache, new, req_to_token, req_pool_indices, kv_indptr):
@@ -350,7 +378,8 @@ def _ref_attn_paged_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, 
                            new_v=None, mask=None, scale=None):
     """attn_decode per sequence b over its len_b = kv_indptr[b + 1] - kv_indptr[b] tokens at slots
     req_to_token[req_pool_indices[b], :len_b] of the pools [S, Hkv, D], with new_k[b] / new_v[b] as its
-    last token (the op writes them there: see appended) and mask [B, max_ctx]: q [B, Hq, D] -> [B, Hq, D]."""
+    last token (the op writes them there: see appended) and mask [B, W <= max_ctx] (or [B, 1, W],
+    [B, 1, 1, W]; bool or float, as attn_decode's): q [B, Hq, D] -> [B, Hq, D]."""
     r2t, rpi, lens = _idx(req_to_token), _idx(req_pool_indices), np.diff(_idx(kv_indptr))
     out = np.zeros(np.shape(q))
     for b, n in enumerate(lens):
@@ -359,7 +388,7 @@ def _ref_attn_paged_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, 
         k, v = _gather(k_cache, r2t, rpi, b, n), _gather(v_cache, r2t, rpi, b, n)
         if new_k is not None:
             k[-1], v[-1] = _f64(new_k[b]), _f64(new_v[b])
-        m = None if mask is None else np.asarray(mask, bool)[b:b + 1, :n]
+        m = None if mask is None else _request_mask(mask, b, n)
         out[b] = _ref_attn_decode(np.asarray(q)[b:b + 1, None], k[None], v[None], mask=m, scale=scale)[0, 0]
     return out
 
@@ -368,12 +397,13 @@ def _ref_attn_paged_prefill(q, k_cache, v_cache, req_to_token, req_pool_indices,
                             mask=None, is_causal=False, scale=None):
     """attn_prefill per request b: query rows qo_indptr[b] .. qo_indptr[b + 1] - 1 of q [total_q, Hq, D]
     against the request's kv_indptr[b + 1] - kv_indptr[b] tokens in the pools (as attn_paged_decode),
-    mask [B, max_ctx]; rows of no request are 0."""
+    mask [B, W] or per query [B|1, 1|Hq, Mq, W] / [1|Hq, Mq, W] (row i: query i of the request), W <=
+    max_ctx, bool or float; rows of no request are 0."""
     r2t, rpi, kv, qo = _idx(req_to_token), _idx(req_pool_indices), _idx(kv_indptr), _idx(qo_indptr)
     out = np.zeros(np.shape(q))
     for b in range(len(rpi)):
         n = kv[b + 1] - kv[b]
-        m = None if mask is None else np.asarray(mask, bool)[b:b + 1, :n]
+        m = None if mask is None else _request_mask(mask, b, n, qo[b + 1] - qo[b])
         out[qo[b]:qo[b + 1]] = _ref_attn_prefill(np.asarray(q)[None, qo[b]:qo[b + 1]],
                                                  _gather(k_cache, r2t, rpi, b, n)[None],
                                                  _gather(v_cache, r2t, rpi, b, n)[None],

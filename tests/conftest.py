@@ -156,30 +156,63 @@ def close_to_naive(ours, naive, ref, slack=1e-6):
 
 # ---- naive same-precision yardsticks (torch tensors, computed in their own dtype) -------------
 
-def naive_decode(q, k, v, keep, scale):
-    """Decode attention: q [B,1,Hq,D], k/v [B,L,Hkv,D], keep bool [B,L]."""
+def naive_decode(q, k, v, keep, scale, bias=None):
+    """Decode attention: q [B,1,Hq,D], k/v [B,L,Hkv,D], keep bool [B,L], bias (an additive mask) [B|1,L]."""
     import torch
 
     G = q.shape[2] // k.shape[2]
     kk, vv = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
     s = torch.einsum("bhd,blhd->bhl", q[:, 0], kk) * scale
+    if bias is not None:
+        s = s + bias.reshape(bias.shape[0], 1, -1).to(s.dtype)
     s = s.masked_fill(~keep[:, None, :], float("-inf"))
     p = torch.softmax(s, -1).nan_to_num(0.0)
     return torch.einsum("bhl,blhd->bhd", p, vv)[:, None]
 
 
-def naive_prefill(q, k, v, keep, scale):
+def naive_prefill(q, k, v, keep, scale, bias=None):
     """Prefill attention: q [B, Lq, Hq, D], k/v [B, Lkv, Hkv, D], keep bool broadcastable to
-    [B, Hq, Lq, Lkv] (a torch tensor on q's device, or NumPy)."""
+    [B, Hq, Lq, Lkv] (a torch tensor on q's device, or NumPy), bias (an additive mask, a torch tensor)
+    broadcastable to it too."""
     import torch
 
     G = q.shape[2] // k.shape[2]
     kk, vv = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
     s = torch.einsum("bihd,bjhd->bhij", q, kk) * scale
+    if bias is not None:
+        s = s + bias.to(s.dtype)
     s = s.masked_fill(~torch.as_tensor(np.array(keep) if isinstance(keep, np.ndarray) else keep,
                                        device=q.device), float("-inf"))
     p = torch.softmax(s, -1).nan_to_num(0.0)
     return torch.einsum("bhij,bjhd->bihd", p, vv)
+
+
+def sdpa64(q, k, v, mask=None, scale=None):
+    """torch's scaled_dot_product_attention in float64 on q [B, Lq, Hq, D], k/v [B, Lkv, Hkv, D]
+    (NumPy, any float dtype; GQA expanded) with attn_mask=mask (NumPy, SDPA's layout: broadcastable to
+    [B, Hq, Lq, Lkv]; bool, or float as float64) -> NumPy [B, Lq, Hq, D]."""
+    import torch
+
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(f64(a))).transpose(1, 2)  # noqa: E731
+    G = q.shape[2] // k.shape[2]
+    kk, vv = (t(a).repeat_interleave(G, dim=1) for a in (k, v))
+    m = None
+    if mask is not None:
+        m = np.asarray(mask)
+        m = torch.from_numpy(np.ascontiguousarray(m if m.dtype == bool else m.astype(np.float64)))
+    out = torch.nn.functional.scaled_dot_product_attention(t(q), kk, vv, attn_mask=m, scale=scale)
+    return out.transpose(1, 2).numpy()
+
+
+def request_mask(mask, b, q_len, n):
+    """Request b's part of a paged mask as a dense attn_prefill mask over its n keys (SDPA's layout,
+    [1, 1|Hq, q_len|1, n]): its row (a per-query mask: its first q_len query rows), positions from the
+    mask's width W on dropped."""
+    m = mask[:, None, None, :] if mask.ndim == 2 else (mask[None] if mask.ndim == 3 else mask)
+    m = m[b:b + 1] if m.shape[0] > 1 else m
+    m = m[:, :, :q_len] if m.shape[2] > 1 else m
+    pad = np.full(m.shape[:3] + (max(n - m.shape[3], 0),), False if m.dtype == bool else -np.inf, m.dtype)
+    return np.concatenate([m[..., :n], pad], axis=-1)
 
 
 def naive_rotary(x, f, interleaved=True):

@@ -10,7 +10,7 @@ import pytest
 import qkernels
 from qkernels import _dispatch
 from qkernels.testing import appended, reference, sample
-from conftest import close_to_naive, f64, fp32_sum_tol, naive_decode, rel_err
+from conftest import close_to_naive, f64, fp32_sum_tol, naive_decode, rel_err, sdpa64
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 requires_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (bfloat16 on the CPU)")
@@ -118,6 +118,110 @@ def test_strided_mask(rng):
     assert rel_err(out, reference("attn_decode", q, k, v, mask=mask)) < 1e-5
 
 
+# ---- additive float masks, and every mask against SDPA ------------------------------------------
+
+def random_mask(rng, shape, kind, dtype=np.float32, drop=0.4):
+    """A bool mask (True = keep) or an additive float one (normal values, -inf = drop) of shape [B|1, .., L];
+    with B > 1 sequence 0's row is dropped whole."""
+    keep = rng.random(shape) >= drop
+    if shape[0] > 1:
+        keep[0] = False
+    if kind == "bool":
+        return keep
+    return np.where(keep, 2 * rng.standard_normal(shape), -np.inf).astype(dtype)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("shape", ["B,L", "1,L", "B,1,L", "1,1,L", "B,1,1,L", "1,1,1,L"])
+def test_masks_against_sdpa(rng, shape, kind):
+    """Bool and float decode masks in every form against torch's SDPA in float64 with the same mask
+    ([B|1, 1, 1, L] there) and the float64 reference; -inf entries; a fully masked sequence gives 0."""
+    B, L = 4, 77
+    q, k, v = sample("attn_decode", rng, b=B, l=L, hkv=2, ratio=3, d=32)[0]
+    dims = {"B": B, "L": L, "1": 1}
+    mask = random_mask(rng, tuple(dims[d] for d in shape.split(",")), kind)
+    out = qkernels.attn_decode(q, k, v, mask=mask)
+    assert rel_err(out, reference("attn_decode", q, k, v, mask=mask)) < 1e-5
+    if HAS_TORCH:
+        want = sdpa64(q, k, v, mask.reshape(mask.shape[0], 1, 1, L))
+        assert rel_err(out, want) < 1e-5
+    assert mask.shape[0] == 1 or np.all(out[0] == 0)
+
+
+def test_float_mask_of_zeros_and_minus_inf_is_the_bool_mask(rng):
+    B, L = 3, 150
+    q, k, v = sample("attn_decode", rng, b=B, l=L, hkv=2, ratio=4, d=64)[0]
+    keep = rng.random((B, L)) < 0.5
+    np.testing.assert_array_equal(qkernels.attn_decode(q, k, v, mask=np.where(keep, 0.0, -np.inf).astype(np.float32)),
+                                  qkernels.attn_decode(q, k, v, mask=keep))
+
+
+def test_float_mask_with_kv_lens_and_large_values(rng):
+    B, L = 4, 50
+    q, k, v = sample("attn_decode", rng, b=B, l=L, hkv=1, ratio=8, d=64)[0]
+    mask = random_mask(rng, (B, L), "float")
+    mask[1] = -1e30  # every key equally far down: the average of its values, as SDPA
+    kv_lens = np.array([50, 20, 35, 10], np.int64)
+    out = qkernels.attn_decode(q, k, v, kv_lens=kv_lens, mask=mask)
+    assert rel_err(out, reference("attn_decode", q, k, v, kv_lens=kv_lens, mask=mask)) < 1e-5
+    np.testing.assert_allclose(out[1, 0], np.repeat(v[1, :20].mean(0), 8, axis=0), rtol=1e-5, atol=1e-6)
+    if HAS_TORCH:
+        cut = np.where(np.arange(L)[None, :] < kv_lens[:, None], mask.astype(np.float64), -np.inf)
+        assert rel_err(out, sdpa64(q, k, v, cut[:, None, None, :])) < 1e-4
+
+
+def test_strided_float_masks(rng):
+    B, L = 3, 40
+    q, k, v = sample("attn_decode", rng, b=B, l=L, hkv=2, ratio=1, d=32)[0]
+    for mask in (random_mask(rng, (L, 2 * B), "float")[:, ::2].T,  # strides (2, 2B) in elements
+                 np.broadcast_to(random_mask(rng, (1, 1, L), "float"), (B, 1, L))):  # stride 0 over B
+        out = qkernels.attn_decode(q, k, v, mask=mask)
+        assert rel_err(out, reference("attn_decode", q, k, v, mask=mask)) < 1e-5
+        if HAS_TORCH:
+            assert rel_err(out, sdpa64(q, k, v, mask.reshape(B, 1, 1, L))) < 1e-5
+
+
+@requires_torch
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("mask_dtype", ["float32", "own"])
+def test_float_mask_half(rng, dtype, mask_dtype):
+    B, L, ratio = 3, 90, 4
+    tdt = getattr(torch, dtype)
+    q, k, v = (torch.from_numpy(a).to(tdt) for a in sample("attn_decode", rng, b=B, l=L, hkv=2, ratio=ratio, d=64)[0])
+    mask = torch.from_numpy(random_mask(rng, (B, 1, 1, L), "float"))
+    mask = mask if mask_dtype == "float32" else mask.to(tdt)
+    out = qkernels.attn_decode(q, k, v, mask=mask)
+    assert out.dtype == tdt
+    m64 = mask.double().reshape(B, L)
+    ref = reference("attn_decode", f64(q), f64(k), f64(v), mask=m64.numpy())
+    keep = m64 != float("-inf")
+    naive = naive_decode(q.float(), k.float(), v.float(), keep, 64 ** -0.5, torch.where(keep, m64, 0.0).float())
+    close_to_naive(out, naive.to(tdt), ref, slack=1e-2)
+
+
+@pytest.mark.parametrize("q_dtype,mask_dtype", [("float32", "float64"), ("float32", "float16"), ("float32", "int64"),
+                                                ("bfloat16", "float16"), ("float16", "bfloat16"), ("float16", "float64")])
+def test_bad_mask_dtypes(rng, q_dtype, mask_dtype):
+    if "bfloat16" in (q_dtype, mask_dtype) and not HAS_TORCH:
+        pytest.skip("bfloat16 needs torch")
+    conv = (lambda a, d: torch.from_numpy(a).to(getattr(torch, d))) if HAS_TORCH else (lambda a, d: a.astype(d))
+    q, k, v = (conv(a, q_dtype) for a in sample("attn_decode", rng, b=2, l=5, hkv=1, ratio=2, d=8)[0])
+    paged = [conv(a, q_dtype) if i < 3 else conv(a, str(a.dtype)) for i, a in enumerate(sample("attn_paged_decode", rng, lens=(3, 4),
+                                                                           hkv=1, ratio=2, d=8)[0])]
+    max_ctx = paged[3].shape[1]
+    for op, args, shape in [("attn_decode", (q, k, v), (2, 5)), ("attn_decode", (q, k, v), (2, 1, 1, 5)),
+                            ("attn_paged_decode", paged, (2, max_ctx))]:
+        with pytest.raises(TypeError, match=rf"{op}: mask must be bool \(True = keep\).*got {mask_dtype}"):
+            getattr(qkernels, op)(*args, mask=conv(np.zeros(shape, np.float32), mask_dtype))
+
+
+def test_bad_float_mask_shapes(rng):
+    q, k, v = sample("attn_decode", rng, b=2, l=9, hkv=1, ratio=2, d=8)[0]
+    for shape in [(2, 8), (3, 9), (2, 2, 9), (3, 1, 1, 9), (2, 1, 2, 9), (9,), (1, 2, 1, 1, 9)]:
+        with pytest.raises(ValueError, match="attn_decode: mask"):
+            qkernels.attn_decode(q, k, v, mask=np.zeros(shape, np.float32))
+
+
 # ---- layouts, out=, empty inputs ------------------------------------------------------------
 
 def test_non_contiguous_views(rng):
@@ -212,6 +316,35 @@ def test_paged_mask(rng):
     ref = reference("attn_paged_decode", *args, mask=mask)
     assert rel_err(out, ref) < 1e-5
     assert np.all(out[3] == 0)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("form", ["B,max_ctx", "B,W", "B,1,W", "B,1,1,W", "1,W"])
+def test_paged_masks_float_and_narrow(rng, kind, form):
+    """Bool and float masks, full width or narrower than max_ctx (positions from W = 40 on dropped:
+    sequence 1 has 64 keys), in the decode forms; with new_k/new_v the appended key is masked as
+    any other."""
+    lens = [5, 64, 0, 17]
+    args = sample("attn_paged_decode", rng, lens=lens, hkv=2, ratio=4, d=32)[0]
+    max_ctx = args[3].shape[1]
+    dims = {"B": len(lens), "W": 40, "max_ctx": max_ctx, "1": 1}
+    mask = random_mask(rng, tuple(dims[d] for d in form.split(",")), kind)
+    out = qkernels.attn_paged_decode(*args, mask=mask)
+    assert rel_err(out, reference("attn_paged_decode", *args, mask=mask)) < 1e-5
+    flat = mask.reshape(mask.shape[0], -1)
+    for b, n in enumerate(lens):  # each sequence as a dense decode over its gathered keys
+        if n == 0:
+            continue
+        slots = args[3][args[4][b], :n]
+        m = flat[b if flat.shape[0] > 1 else 0, :n]
+        m = np.concatenate([m, np.full(n - len(m), False if m.dtype == bool else -np.inf, m.dtype)])
+        dense = qkernels.attn_decode(args[0][b, None, None], args[1][None, slots], args[2][None, slots], mask=m[None])
+        assert rel_err(out[b], f64(dense[0, 0])) < 1e-6
+    new_k, new_v = (rng.standard_normal((len(lens), 2, 32)).astype(np.float32) for _ in range(2))
+    pools = [a.copy() for a in args[1:3]]
+    got = qkernels.attn_paged_decode(args[0], *pools, *args[3:], new_k=new_k, new_v=new_v, mask=mask)
+    want = reference("attn_paged_decode", *args, new_k=new_k, new_v=new_v, mask=mask)
+    assert rel_err(got, want) < 1e-5
 
 
 def test_paged_new_kv_is_appended_and_used(rng):

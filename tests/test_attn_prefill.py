@@ -13,7 +13,8 @@ import pytest
 import qkernels
 from qkernels import _dispatch
 from qkernels.testing import prefill_keep, reference, sample
-from conftest import FakeCudaTensor, RecordingOut, close_to_naive, f64, fp32_sum_tol, naive_prefill, rel_err, replaced
+from conftest import (FakeCudaTensor, RecordingOut, close_to_naive, f64, fp32_sum_tol, naive_prefill, rel_err, replaced,
+                      request_mask, sdpa64)
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 requires_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (bfloat16 on the CPU)")
@@ -148,6 +149,149 @@ def test_mask_shapes_that_do_not_broadcast(rng):
     for shape in [(2, 2, 3, 8), (3, 1, 3, 9), (2, 3, 9, 1), (2, 5, 9), (3, 3, 9), (1, 3, 3, 3, 9)]:
         with pytest.raises(ValueError, match="attn_prefill: mask"):
             qkernels.attn_prefill(q, k, v, mask=np.ones(shape, bool))
+
+
+# ---- additive float masks, and every mask against SDPA ------------------------------------------
+
+MASK_FORMS = ["B,Lkv", "B,1,1,Lkv", "1,1,Lq,Lkv", "B,1,Lq,Lkv", "B,Hq,Lq,Lkv", "1,Lq,Lkv", "Hq,Lq,Lkv", "Hq,1,Lkv",
+              "1,Hq,1,Lkv", "B,Hq,1,Lkv"]
+
+
+def random_mask(rng, shape, kind, dtype=np.float32, drop=0.3):
+    """A bool mask (True = keep) or an additive float one (normal values, -inf = drop) of shape, whose
+    first row (last dim) is dropped whole, so some query keeps nothing."""
+    keep = rng.random(shape) >= drop
+    keep[(0,) * (len(shape) - 1)] = False
+    if kind == "bool":
+        return keep
+    return np.where(keep, 2 * rng.standard_normal(shape), -np.inf).astype(dtype)
+
+
+def sdpa_form(mask, B):
+    """Our [B, Lkv] key mask in SDPA's layout ([B, 1, 1, Lkv]); the other forms are SDPA's already."""
+    return mask[:, None, None, :] if mask.ndim == 2 else mask
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("shape", MASK_FORMS)
+def test_masks_against_sdpa(rng, shape, kind):
+    """Bool and float masks in every form against torch's SDPA in float64 with the same mask, and
+    against the float64 reference; -inf entries and fully masked query rows (0, as SDPA gives)."""
+    B, Lq, Lkv, Hkv, ratio = 3, 7, 45, 2, 3
+    Hq = Hkv * ratio
+    q, k, v = sample("attn_prefill", rng, b=B, lq=Lq, lkv=Lkv, hkv=Hkv, ratio=ratio, d=24)[0]
+    dims = {"B": B, "Hq": Hq, "Lq": Lq, "Lkv": Lkv, "1": 1}
+    mask = random_mask(rng, tuple(dims[d] for d in shape.split(",")), kind)
+    out = qkernels.attn_prefill(q, k, v, mask=mask)
+    assert rel_err(out, reference("attn_prefill", q, k, v, mask=mask)) < 1e-5
+    if HAS_TORCH:
+        want = sdpa64(q, k, v, sdpa_form(mask, B))
+        assert rel_err(out, want) < 1e-5
+        dropped = np.broadcast_to(~prefill_keep(B, Hq, Lq, Lkv, False, mask).any(-1).transpose(0, 2, 1)[..., None],
+                                  out.shape)
+        assert dropped.any() and np.all(out[dropped] == 0) and np.all(want[dropped] == 0)
+
+
+@pytest.mark.parametrize("shape", ["B,Lkv", "B,Hq,Lq,Lkv", "1,Lq,Lkv"])
+def test_float_mask_of_zeros_and_minus_inf_is_the_bool_mask(rng, shape):
+    B, Lq, Lkv, Hkv, ratio = 2, 40, 77, 2, 2
+    q, k, v = sample("attn_prefill", rng, b=B, lq=Lq, lkv=Lkv, hkv=Hkv, ratio=ratio, d=32)[0]
+    dims = {"B": B, "Hq": Hkv * ratio, "Lq": Lq, "Lkv": Lkv, "1": 1}
+    keep = rng.random(tuple(dims[d] for d in shape.split(","))) < 0.5
+    additive = np.where(keep, 0.0, -np.inf).astype(np.float32)
+    for causal in (False, True):
+        want = qkernels.attn_prefill(q, k, v, mask=keep, is_causal=causal)
+        got = qkernels.attn_prefill(q, k, v, mask=additive, is_causal=causal)
+        if keep.ndim == 2:  # a bool key mask skips its keys, a float one masks them per score: same within rounding
+            assert rel_err(got, f64(want)) < 1e-6
+        else:  # the same scores, -inf where dropped
+            np.testing.assert_array_equal(got, want)
+
+
+def test_float_mask_with_causal(rng):
+    B, Lq, Lkv = 2, 33, 70
+    q, k, v = sample("attn_prefill", rng, b=B, lq=Lq, lkv=Lkv, hkv=2, ratio=4, d=32)[0]
+    for shape in [(B, Lkv), (B, 8, Lq, Lkv), (1, Lq, Lkv)]:
+        mask = random_mask(rng, shape, "float")
+        out = qkernels.attn_prefill(q, k, v, is_causal=True, mask=mask)
+        assert rel_err(out, reference("attn_prefill", q, k, v, is_causal=True, mask=mask)) < 1e-5
+    if HAS_TORCH:  # SDPA takes no mask with is_causal: causal as a mask (bottom-right) added to ours
+        mask = random_mask(rng, (B, 8, Lq, Lkv), "float")
+        causal = np.arange(Lkv)[None, :] <= np.arange(Lq)[:, None] + Lkv - Lq
+        out = qkernels.attn_prefill(q, k, v, is_causal=True, mask=mask)
+        assert rel_err(out, sdpa64(q, k, v, np.where(causal, mask.astype(np.float64), -np.inf))) < 1e-5
+
+
+def test_float_mask_large_values(rng):
+    """Big finite entries shift a row's scores together (the softmax is invariant); a row whose every
+    entry is -1e30 averages its values, as SDPA does, rather than dropping them."""
+    B, Lq, Lkv = 2, 5, 50
+    q, k, v = sample("attn_prefill", rng, b=B, lq=Lq, lkv=Lkv, hkv=1, ratio=2, d=16)[0]
+    mask = np.zeros((B, 1, Lq, Lkv), np.float32)
+    mask[0, 0, 1] = -1e30
+    mask[0, 0, 2] = 1e30 * (rng.random(Lkv) < 0.5) - 1e30  # -1e30 and 0: only the zeros count
+    mask[1, 0, 3] = -3e38
+    out = qkernels.attn_prefill(q, k, v, mask=mask)
+    np.testing.assert_allclose(out[0, 1], np.repeat(v[0].mean(0), 2, axis=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out[1, 3], np.repeat(v[1].mean(0), 2, axis=0), rtol=1e-5, atol=1e-6)
+    if HAS_TORCH:
+        assert rel_err(out, sdpa64(q, k, v, mask)) < 1e-5
+
+
+def test_strided_float_masks(rng):
+    B, Lq, Lkv, Hq = 2, 9, 40, 4
+    q, k, v = sample("attn_prefill", rng, b=B, lq=Lq, lkv=Lkv, hkv=1, ratio=Hq, d=32)[0]
+    key_mask = random_mask(rng, (Lkv, 2 * B), "float")[:, ::2].T  # strides (2, 2B)
+    query_mask = random_mask(rng, (B, Lkv, Hq, Lq), "float").transpose(0, 2, 3, 1)  # keys the outer stride
+    shared = np.broadcast_to(random_mask(rng, (1, 1, Lq, Lkv), "float"), (B, Hq, Lq, Lkv))  # stride 0 over B, H
+    for mask in (key_mask, query_mask, shared):
+        assert not mask.flags.c_contiguous
+        out = qkernels.attn_prefill(q, k, v, mask=mask)
+        assert rel_err(out, reference("attn_prefill", q, k, v, mask=mask)) < 1e-5
+        if HAS_TORCH:
+            assert rel_err(out, sdpa64(q, k, v, sdpa_form(mask, B))) < 1e-5
+
+
+@requires_torch
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("mask_dtype", ["float32", "own"])
+def test_float_mask_half(rng, dtype, mask_dtype):
+    """16-bit queries take float32 masks or masks of their own dtype (as SDPA); the mask is added in fp32."""
+    B, Lq, Lkv = 2, 19, 70
+    tdt = getattr(torch, dtype)
+    q, k, v = (torch.from_numpy(a).to(tdt) for a in sample("attn_prefill", rng, b=B, lq=Lq, lkv=Lkv, hkv=2, ratio=2,
+                                                               d=32)[0])
+    for shape in [(B, Lkv), (B, 1, Lq, Lkv)]:
+        mask = torch.from_numpy(random_mask(rng, shape, "float"))
+        mask = mask if mask_dtype == "float32" else mask.to(tdt)
+        out = qkernels.attn_prefill(q, k, v, is_causal=True, mask=mask)
+        assert out.dtype == tdt
+        m64 = mask.double().numpy()
+        ref = reference("attn_prefill", f64(q), f64(k), f64(v), is_causal=True, mask=m64)
+        keep = prefill_keep(B, 4, Lq, Lkv, True, m64)
+        bias = torch.from_numpy(np.where(keep, sdpa_form(m64, B), 0.0)).float()
+        close_to_naive(out, naive_prefill(q.float(), k.float(), v.float(), keep, 32 ** -0.5, bias).to(tdt), ref,
+                       slack=1e-2)
+
+
+@pytest.mark.parametrize("q_dtype,mask_dtype", [("float32", "float64"), ("float32", "float16"), ("float32", "int32"),
+                                                ("bfloat16", "float16"), ("float16", "bfloat16"),
+                                                ("float16", "float64")])
+def test_bad_mask_dtypes(rng, q_dtype, mask_dtype):
+    if "bfloat16" in (q_dtype, mask_dtype) and not HAS_TORCH:
+        pytest.skip("bfloat16 needs torch")
+    conv = (lambda a, d: torch.from_numpy(a).to(getattr(torch, d))) if HAS_TORCH else (lambda a, d: a.astype(d))
+    q, k, v = (conv(a, q_dtype) for a in sample("attn_prefill", rng, b=2, lq=3, lkv=5, hkv=1, ratio=2, d=8)[0])
+    for op, args, shape in [("attn_prefill", (q, k, v), (2, 5)), ("attn_prefill", (q, k, v), (2, 1, 3, 5))]:
+        with pytest.raises(TypeError, match=rf"{op}: mask must be bool \(True = keep\).*got {mask_dtype}"):
+            getattr(qkernels, op)(*args, mask=conv(np.zeros(shape, np.float32), mask_dtype))
+
+
+def test_bad_float_mask_shapes(rng):
+    q, k, v = sample("attn_prefill", rng, b=2, lq=3, lkv=9, hkv=1, ratio=2, d=8)[0]
+    for shape in [(2, 8), (3, 9), (2, 2, 3, 8), (3, 1, 3, 9), (2, 3, 9, 1), (2, 5, 9), (9,), (1, 3, 3, 3, 9)]:
+        with pytest.raises(ValueError, match="attn_prefill: mask"):
+            qkernels.attn_prefill(q, k, v, mask=np.zeros(shape, np.float32))
 
 
 # ---- layouts, out=, empty inputs, threads ---------------------------------------------------
@@ -290,6 +434,52 @@ def test_paged_mask(rng):
         assert np.all(out[qo[2]:qo[3]] == 0)
 
 
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("form", ["B,1,Mq,W", "B,Hq,Mq,W", "1,1,Mq,W", "B,1,1,W", "Hq,Mq,W", "B,W", "B,max_ctx",
+                                  "B,1,Mq,max_ctx"])
+def test_paged_per_query_and_narrow_masks(rng, form, kind):
+    """Per-query masks [B|1, 1|Hq, Mq, W] (row i for query i of a request), key masks [B, W], and masks
+    narrower than max_ctx (positions from W on dropped: request 0 has 64 keys, W = 50), against the
+    reference, and per request against SDPA in float64 and the dense op with the request's slice."""
+    q_lens, kv_lens = [5, 16, 3, 1, 0], [64, 16, 10, 1, 4]
+    Hkv, ratio = 2, 2
+    args = sample("attn_paged_prefill", rng, q_lens=q_lens, kv_lens=kv_lens, hkv=Hkv, ratio=ratio, d=32)[0]
+    max_ctx = args[3].shape[1]
+    dims = {"B": len(q_lens), "Hq": Hkv * ratio, "Mq": max(q_lens) + 2, "W": 50, "max_ctx": max_ctx, "1": 1}
+    mask = random_mask(rng, tuple(dims[d] for d in form.split(",")), kind)
+    qo = args[6]
+    for causal in (False, True):
+        out = qkernels.attn_paged_prefill(*args, mask=mask, is_causal=causal)
+        assert rel_err(out, reference("attn_paged_prefill", *args, is_causal=causal, mask=mask)) < 1e-5
+        for b, (q_len, n) in enumerate(zip(q_lens, kv_lens)):
+            if q_len == 0:
+                continue
+            slots = args[3][args[4][b], :n]
+            qb, kb, vb = args[0][None, qo[b]:qo[b + 1]], args[1][None, slots], args[2][None, slots]
+            mb = request_mask(mask, b, q_len, n)
+            dense = qkernels.attn_prefill(qb, kb, vb, mask=mb, is_causal=causal)
+            assert rel_err(out[None, qo[b]:qo[b + 1]], f64(dense)) < 1e-6
+            if HAS_TORCH and not causal:
+                assert rel_err(out[None, qo[b]:qo[b + 1]], sdpa64(qb, kb, vb, mb)) < 1e-5
+
+
+def test_paged_decode_style_masks_and_bad_paged_masks(rng):
+    q_lens, kv_lens = [5, 16, 3], [64, 16, 10]
+    args = sample("attn_paged_prefill", rng, q_lens=q_lens, kv_lens=kv_lens, hkv=2, ratio=2, d=16)[0]
+    max_ctx = args[3].shape[1]
+    # a mask of fewer query rows than a request's queries: ValueError naming the request
+    with pytest.raises(ValueError, match=r"attn_paged_prefill: mask has Mq = 4 query rows, but sequence 0 has "
+                                         r"q_len = 5 queries"):
+        qkernels.attn_paged_prefill(*args, mask=np.ones((3, 1, 4, max_ctx), bool))
+    for shape in [(3, max_ctx + 1), (3, 0), (2, max_ctx), (3, 1, 16, max_ctx + 1), (3, 1, 0, 9), (3, 3, 16, 9),
+                  (2, 1, 16, 9), (3, 9, 1, 1, 1), (9,)]:
+        for dtype in (bool, np.float32):
+            with pytest.raises(ValueError, match="attn_paged_prefill: mask"):
+                qkernels.attn_paged_prefill(*args, mask=np.zeros(shape, dtype))
+    with pytest.raises(TypeError, match=r"attn_paged_prefill: mask must be bool \(True = keep\) or float32"):
+        qkernels.attn_paged_prefill(*args, mask=np.zeros((3, 1, 16, 9), np.float64))
+
+
 def test_paged_strided_indices_and_pools(rng):
     (q, kc, vc, r2t, rpi, kv_indptr, qo), _ = sample("attn_paged_prefill", rng, q_lens=[4, 11, 0], kv_lens=[7, 11, 3],
                                                      hkv=2, ratio=4, d=64)
@@ -389,7 +579,8 @@ def test_prefill_bad_argument(pos, value, exc, msg):
 
 
 @pytest.mark.parametrize("kw,exc,msg", [
-    (dict(mask=np.ones((2, 5), np.float32)), TypeError, r"attn_prefill: mask must be bool \(True = keep\), got float32"),
+    (dict(mask=np.ones((2, 5), np.float64)), TypeError, r"attn_prefill: mask must be bool \(True = keep\) or float32 \(added "
+                                                         r"to the scores\), got float64"),
     (dict(mask=np.ones((2, 4), bool)), ValueError, r"attn_prefill: mask must have shape \[B, Lkv\] = \[2, 5\] with size 5 in dimension 1"),
     (dict(mask=np.ones((2, 1, 5), bool)), ValueError, r"attn_prefill: mask must have shape \[1\|Hq, Lq\|1, Lkv\] = \[1\|4, 3\|1, 5\] with size 4 in dimension 0"),
     (dict(mask=np.ones((2, 2, 3, 5), bool)), ValueError, r"attn_prefill: mask must have shape \[B\|1, 1\|Hq, Lq\|1, Lkv\] = \[2\|1, 1\|4, 3\|1, 5\] with size 4 in dimension 1"),
@@ -436,7 +627,8 @@ def test_paged_bad_argument(pos, value, exc, msg):
 def test_paged_bad_keywords():
     args = paged_args()
     max_ctx = args[3].shape[1]
-    with pytest.raises(ValueError, match=rf"attn_paged_prefill: mask must have shape \[B, max_ctx\] = \[2, {max_ctx}\]"):
+    with pytest.raises(ValueError, match=rf"attn_paged_prefill: mask must have shape \[B, W\] = \[2, {max_ctx}\] with "
+                                         rf"1 <= W <= max_ctx = {max_ctx} in dimension 1"):
         qkernels.attn_paged_prefill(*args, mask=np.ones((2, max_ctx + 1), bool))
     with pytest.raises(TypeError, match=r"attn_paged_prefill: mask must be bool"):
         qkernels.attn_paged_prefill(*args, mask=np.ones((2, max_ctx), np.int32))
@@ -478,7 +670,9 @@ def test_flash_predicate_reasons(env, fake_flash):
     d = qkernels.resolve("attn_prefill", *fake_prefill(), is_causal=True)
     assert statuses(d)["flash"] == ("MATCH", "")
     d = qkernels.resolve("attn_prefill", *fake_prefill(), mask=FakeCudaTensor((2, 16), "bool"))
-    assert statuses(d)["flash"] == ("reject", "a bool mask is not supported by flash_attn_func (is_causal is)")
+    assert statuses(d)["flash"] == ("reject", "a mask (bool or float) is not supported by flash_attn_func (is_causal is)")
+    d = qkernels.resolve("attn_prefill", *fake_prefill(), mask=FakeCudaTensor((2, 1, 16, 16), "float32"))
+    assert statuses(d)["flash"][0] == "reject"
     d = qkernels.resolve("attn_prefill", *fake_prefill(D=36))
     assert statuses(d)["flash"][1].startswith("requires head_dim <= 256 and a multiple of 8; got torch cuda bfloat16 "
                                               "head_dim=36")
@@ -519,6 +713,8 @@ def test_flash_strict_selection_names_the_reason(env, fake_flash):
                              r"'attention' for this call: token-pool paging \(req_to_token\) is not supported by "
                              r"flash_attn_func"):
         qkernels.attn_paged_prefill(FakeCudaTensor((32, 8, 128)), k, v, None, None, None, None)
-    with pytest.raises(qkernels.ExplicitSelectionError, match="a bool mask is not supported by flash_attn_func"):
-        qkernels.attn_prefill(q, k, v, mask=FakeCudaTensor((2, 16), "bool"))
+    for mask in (FakeCudaTensor((2, 16), "bool"), FakeCudaTensor((2, 1, 16, 16), "bfloat16")):
+        with pytest.raises(qkernels.ExplicitSelectionError,
+                           match=r"a mask \(bool or float\) is not supported by flash_attn_func"):
+            qkernels.attn_prefill(q, k, v, mask=mask)
     assert not fake_flash  # nothing reached flash_attn

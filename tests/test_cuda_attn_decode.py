@@ -112,6 +112,57 @@ def test_decode_kv_lens_and_mask(rng, ops, dtype, mask_shape):
     assert torch.equal(out, out64)
 
 
+def float_mask(rng, shape, dtype, drop=0.3):
+    """An additive mask (normal values, -inf = drop) on the GPU, in float32 or the torch dtype named
+    dtype."""
+    m = np.where(rng.random(shape) >= drop, 2 * rng.standard_normal(shape), -np.inf).astype(np.float32)
+    return cuda(m, None if dtype == "float32" else dtype)
+
+
+def bias_keep(mask, B, L):
+    """An additive mask [B|1, .., L] as (keep [B, L], bias [B, L] with 0 where dropped) on the GPU."""
+    m = mask.double().reshape(mask.shape[0], L).expand(B, L)
+    keep = m != float("-inf")
+    return keep, torch.where(keep, m, 0.0).float()
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("mask_dtype", ["float32", "own"])
+@pytest.mark.parametrize("form", ["B,L", "B,1,1,L", "1,L"])
+@pytest.mark.parametrize("L", [300, 4097])
+def test_decode_float_masks(rng, ops, dtype, mask_dtype, form, L):
+    """Additive masks with kv_lens: -inf entries, a fully masked sequence (0), one split and many
+    (4097 keys: the cluster or workspace merge)."""
+    B, D = 6, 128
+    q, k, v = (cuda(a, dtype) for a in sample("attn_decode", rng, b=B, l=L, hkv=8, ratio=4, d=D)[0])
+    kv_lens = cuda(np.array([0, 1, 150, L - 1, L, 5000], np.int32))
+    dims = {"B": B, "L": L, "1": 1}
+    mask = float_mask(rng, tuple(dims[d] for d in form.split(",")), dtype if mask_dtype == "own" else "float32")
+    if mask.shape[0] > 1:
+        mask[4] = float("-inf")
+    out = ops.attn_decode(q, k, v, kv_lens=kv_lens, mask=mask)
+    ref = reference("attn_decode", f64(q), f64(k), f64(v), kv_lens=kv_lens.cpu().numpy(), mask=f64(mask))
+    keep, bias = bias_keep(mask, B, L)
+    close_to_naive(out, naive_decode(q, k, v, keep_of(B, L, kv_lens, keep), D ** -0.5, bias), ref)
+    assert torch.all(out[0] == 0) and (mask.shape[0] == 1 or torch.all(out[4] == 0))
+
+
+def test_decode_float_mask_equals_bool_and_large_values(rng, ops):
+    B, L, D = 3, 1000, 64
+    q, k, v = (cuda(a, "bfloat16") for a in sample("attn_decode", rng, b=B, l=L, hkv=2, ratio=8, d=D)[0])
+    keep = rng.random((B, L)) < 0.5
+    a = ops.attn_decode(q, k, v, mask=cuda(keep))
+    b = ops.attn_decode(q, k, v, mask=cuda(np.where(keep, 0.0, -np.inf).astype(np.float32)))
+    assert (a.float() - b.float()).abs().max().item() < 1e-2
+    mask = np.zeros((B, L), np.float32)
+    mask[0] = -1e30  # every key equally far down: the average of the values, as SDPA
+    mask[1] = -3e38  # clamped to -2.35e38 on cuda, still the average
+    out = ops.attn_decode(q, k, v, mask=cuda(mask))
+    for s in (0, 1):
+        avg = v[s].float().mean(0).repeat_interleave(8, dim=0)
+        assert (out[s, 0].float() - avg).abs().max().item() < 1e-2
+
+
 def test_decode_strided_and_poisoned_out(rng, ops):
     B, L, Hkv, ratio, D = 3, 200, 2, 4, 128
     q = cuda(rng.standard_normal((B, 1, Hkv * ratio, 2 * D)).astype(np.float32), "bfloat16")[..., D:]
@@ -194,6 +245,38 @@ def test_paged_mask_and_int64_indices(rng, ops):
     ref = reference("attn_paged_decode", *host64(args), mask=mask)
     assert torch.all(out[3] == 0)
     assert np.abs(f64(out) - ref).max() < 2e-2
+
+
+@pytest.mark.parametrize("kind", ["bool", "float32", "own"])
+@pytest.mark.parametrize("W", ["max_ctx", 40, 3000])
+def test_paged_masks_float_and_narrow(rng, ops, kind, W):
+    """Bool and additive masks [B, W], W <= max_ctx (positions from W on dropped), with new_k/new_v
+    appended (the new key is masked as any other)."""
+    lens, D = [5, 64, 0, 17, 4097], 128
+    host = sample("attn_paged_decode", rng, lens=lens, hkv=2, ratio=4, d=D, index_dtype=np.int32)[0]
+    args = paged_cuda(host, "bfloat16")
+    width = host[3].shape[1] if W == "max_ctx" else W
+    if kind == "bool":
+        mask = cuda(rng.random((len(lens), width)) < 0.7)
+    else:
+        mask = float_mask(rng, (len(lens), width), "bfloat16" if kind == "own" else "float32")
+    new_k, new_v = (cuda(rng.standard_normal((len(lens), 2, D)).astype(np.float32), "bfloat16") for _ in range(2))
+    hm = mask.cpu().numpy() if kind == "bool" else f64(mask)
+    ref = reference("attn_paged_decode", *host64(args), new_k=f64(new_k), new_v=f64(new_v), mask=hm)
+    out = ops.attn_paged_decode(*args, new_k=new_k, new_v=new_v, mask=mask)
+    r2t, rpi = args[3].long(), args[4].long()
+    naive = torch.zeros_like(args[0])
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        slots = r2t[rpi[b], :n]
+        m = torch.full((1, n), float("-inf"), device="cuda")
+        w = min(n, width)
+        m[0, :w] = (torch.where(mask[b, :w], 0.0, float("-inf")) if kind == "bool" else mask[b, :w].float())
+        keep = m != float("-inf")
+        naive[b] = naive_decode(args[0][b:b + 1, None], args[1][slots][None], args[2][slots][None], keep, D ** -0.5,
+                                torch.where(keep, m, 0.0))[0, 0]
+    close_to_naive(out, naive, ref)
 
 
 def test_paged_bad_indices_are_contained(rng, ops):

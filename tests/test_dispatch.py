@@ -211,13 +211,17 @@ def test_flash_predicate_reasons(env, fake_flash):
     assert d.winner == ("cuda" if cuda_ok else "flash")  # chain order: cuda, flash, cpu
     reasons = {
         "mask": ({"mask": FakeCudaTensor((2, 16), "bool")},
-                 "a bool mask is not supported by flash_attn_with_kvcache (kv_lens is)"),
+                 "a mask (bool or float) is not supported by flash_attn_with_kvcache (kv_lens is)"),
+        "float mask": ({"mask": FakeCudaTensor((2, 1, 1, 16), "float32")},
+                       "a mask (bool or float) is not supported by flash_attn_with_kvcache (kv_lens is)"),
         "head_dim": ({}, "requires head_dim <= 256 and a multiple of 8; got torch cuda bfloat16 head_dim=36 "
                          "has_mask=False paged=False"),
         "dtype": ({}, "requires dtype float16 or bfloat16; got torch cuda float32"),
     }
     d = qkernels.resolve("attn_decode", *fake_decode(), **reasons["mask"][0])
     assert statuses(d)["flash"] == ("reject", reasons["mask"][1])
+    d = qkernels.resolve("attn_decode", *fake_decode(), **reasons["float mask"][0])
+    assert statuses(d)["flash"] == ("reject", reasons["float mask"][1])
     d = qkernels.resolve("attn_decode", *fake_decode(D=36))
     assert statuses(d)["flash"] == ("reject", reasons["head_dim"][1])
     assert statuses(d)["cuda"][0] in ("unavailable", "reject")
@@ -268,7 +272,7 @@ def test_flash_strict_selection_names_the_reason(env, fake_flash):
                                                      r"cannot run family 'attention' for this call: token-pool paging "
                                                      r"\(req_to_token\) is not supported by flash_attn_with_kvcache"):
         qkernels.attn_paged_decode(FakeCudaTensor((2, 8, 128)), k, v, None, None, None)
-    with pytest.raises(ExplicitSelectionError, match="a bool mask is not supported by flash_attn_with_kvcache"):
+    with pytest.raises(ExplicitSelectionError, match=r"a mask \(bool or float\) is not supported by flash_attn_with_kvcache"):
         qkernels.attn_decode(q, k, v, mask=FakeCudaTensor((2, 16), "bool"))
     with pytest.raises(ExplicitSelectionError, match="'flash' selected by explicit .*requires torch tensors"):
         qkernels.attn_decode(*(np.zeros((1, 1, 2, 64), np.float32),) * 3, backend="flash")
@@ -282,7 +286,7 @@ def test_flash_decisions_are_cached_per_axes(env, fake_flash):
     qkernels.attn_decode(q, k, v)
     assert len(_dispatch._cache) == 1 and len(fake_flash) == 1
     # the same tensors with a mask are another decision, not the cached one
-    with pytest.raises(ExplicitSelectionError, match="a bool mask is not supported"):
+    with pytest.raises(ExplicitSelectionError, match=r"a mask \(bool or float\) is not supported"):
         qkernels.attn_decode(q, k, v, mask=FakeCudaTensor((2, 16), "bool"), backend="flash")
     assert len(fake_flash) == 1
 

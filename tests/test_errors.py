@@ -216,7 +216,8 @@ def test_decode_bad_argument(pos, value, exc, msg):
     (dict(kv_lens=np.ones(2, np.float32)), TypeError, "attn_decode: kv_lens must be int32 or int64, got float32"),
     (dict(kv_lens=np.ones(3, np.int32)), ValueError, r"attn_decode: kv_lens must have shape \[B\] = \[2\]"),
     (dict(kv_lens=np.ones((2, 1), np.int32)), ValueError, r"attn_decode: kv_lens must have 1 dimensions \[B\]"),
-    (dict(mask=np.ones((2, 5), np.float32)), TypeError, r"attn_decode: mask must be bool \(True = keep\), got float32"),
+    (dict(mask=np.ones((2, 5), np.int32)), TypeError, r"attn_decode: mask must be bool \(True = keep\) or float32 \(added to the "
+                                                      r"scores\), got int32"),
     (dict(mask=np.ones((2, 5), np.uint8)), TypeError, "attn_decode: mask has an unsupported dtype"),
     (dict(mask=np.ones((2, 4), bool)), ValueError, r"attn_decode: mask must have shape \[B, Lkv\] = \[2, 5\] with size 5 in dimension 1"),
     (dict(mask=np.ones((2, 2, 5), bool)), ValueError, r"attn_decode: mask must have shape \[B\|1, 1, Lkv\] = \[2\|1, 1, 5\] with size 1 in dimension 1"),
@@ -300,8 +301,9 @@ def test_paged_new_kv_checks():
         qkernels.attn_paged_decode(*args, new_k=new, new_v=np.ones((2, 1, 8), np.float32))
     with pytest.raises(TypeError, match=r"attn_paged_decode: new_k must have q's dtype \(float32\), got float16"):
         qkernels.attn_paged_decode(*args, new_k=new.astype(np.float16), new_v=new)
-    with pytest.raises(ValueError, match=r"attn_paged_decode: mask must have shape \[B, max_ctx\] = \[2, 6\]"):
-        qkernels.attn_paged_decode(*args, mask=np.ones((2, 5), bool))
+    with pytest.raises(ValueError, match=r"attn_paged_decode: mask must have shape \[B, W\] = \[2, 6\] with 1 <= W <= "
+                                         r"max_ctx = 6 in dimension 1"):
+        qkernels.attn_paged_decode(*args, mask=np.ones((2, 7), bool))
     for i, name in ((1, "k_cache"), (2, "v_cache")):
         a = list(args)
         a[i] = a[i].copy()

@@ -100,6 +100,13 @@ static inline void at_store_row(void *op, int dtype, const float *restrict acc, 
     }
 }
 
+/* Element i of an additive mask as fp32 (exact: every float16 and bfloat16 value is a float). */
+static inline float at_mask_value(const void *m, int dtype, int64_t i) {
+    if (dtype == QK_F32) return ((const float *)m)[i];
+    const uint16_t h = ((const uint16_t *)m)[i];
+    return dtype == QK_BF16 ? qk_bf16_to_f32(h) : qk_f16_to_f32(h);
+}
+
 /* The token-pool indices of a paged call (both args structs hold them under their own names). */
 typedef struct {
     const void *r2t, *rpi, *kv_indptr;
@@ -231,6 +238,7 @@ QK_MULTIVERSION static void ad_worker(void *p, int tid, int nthreads) {
     if (i0 >= i1) return;
     /* q (scaled) and acc [G][D]; k and v rows converted [AD_BLOCK][D]; scores [G][AD_BLOCK]; m, l [G] */
     float *mem = malloc(sizeof(float) * (size_t)((2 * G + 2 * AD_BLOCK) * D + G * AD_BLOCK + 2 * G));
+    float bias[AD_BLOCK]; /* an additive mask's values of the block's keys */
     if (mem == NULL) {
         j->nomem = 1;
         return;
@@ -248,14 +256,20 @@ QK_MULTIVERSION static void ad_worker(void *p, int tid, int nthreads) {
         }
         memset(acc, 0, sizeof(float) * (size_t)(G * D));
         const char *r2t = NULL;
-        const int64_t n = ad_length(j, b, &r2t);
-        const uint8_t *mask = a->mask ? (const uint8_t *)a->mask + b * a->mask_stride[0] : NULL;
+        int64_t n = ad_length(j, b, &r2t);
+        if (a->mask && a->mask_cols > 0 && n > a->mask_cols) n = a->mask_cols; /* a narrower mask drops the rest */
+        const uint8_t *mask = a->mask && !a->mask_float ? (const uint8_t *)a->mask + b * a->mask_stride[0] : NULL;
+        const int fmask = a->mask && a->mask_float;
         const float *kr[AD_BLOCK], *vr[AD_BLOCK];
         int64_t pos = 0;
         while (pos < n) {
             int t = 0;
             for (; pos < n && t < AD_BLOCK; pos++) {
                 if (mask && !mask[pos * a->mask_stride[1]]) continue;
+                if (fmask) { /* -inf: dropped, as a False */
+                    bias[t] = at_mask_value(a->mask, a->mask_dtype, b * a->mask_stride[0] + pos * a->mask_stride[1]);
+                    if (bias[t] == -INFINITY) continue;
+                }
                 int64_t row; /* element offset of (key pos, head h) */
                 if (a->paged) {
                     const int64_t slot = at_pool_slot(&j->pool, r2t, pos);
@@ -274,6 +288,8 @@ QK_MULTIVERSION static void ad_worker(void *p, int tid, int nthreads) {
             for (int64_t g = 0; g < G; g++) {
                 float *sg = s + g * AD_BLOCK, mx = m[g];
                 ad_scores(qs + g * D, kr, t, D, sg);
+                if (fmask)
+                    for (int u = 0; u < t; u++) sg[u] += bias[u];
                 for (int u = 0; u < t; u++) mx = sg[u] > mx ? sg[u] : mx;
                 const float corr = expf(m[g] - mx); /* 0 on the first block (m = -inf) */
                 float sum = 0.f;
@@ -530,9 +546,11 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
         lo = blk->i0 + off;
         if (hi > blk->i1 + off) hi = blk->i1 + off;
     }
+    if (a->mask && a->mask_cols > 0 && hi > a->mask_cols) hi = a->mask_cols; /* a narrower mask drops the rest */
     const uint8_t *mask = a->mask ? (const uint8_t *)a->mask + blk->b * a->mask_stride[0] : NULL;
     const uint8_t *key_mask = a->mask_kind == 1 ? mask : NULL;
-    const uint8_t *row_mask = a->mask_kind == 2 ? mask : NULL;
+    const uint8_t *row_mask = a->mask_kind == 2 && !a->mask_float ? mask : NULL;
+    const int row_bias = a->mask_kind == 2 && a->mask_float; /* an additive per-query mask */
     const int64_t ms3 = a->mask_stride[3];
     /* float32 rows are read in place (V only when D fills whole vectors: the accumulation reads Dp) */
     const int k_in_place = a->dtype == QK_F32, v_in_place = a->dtype == QK_F32 && D == Dp;
@@ -560,7 +578,7 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
         if (t == 0) break;
         for (int u = t; u < AP_KT; u++) w->kr[u] = w->kzero; /* finite scores, masked below */
         ap_scores(w->st, w->qt, w->kr, D, Rp);
-        if (t < AP_KT || row_mask || w->pos[t - 1] > lo) {
+        if (t < AP_KT || row_mask || row_bias || w->pos[t - 1] > lo) {
             /* keep key u for row r iff u < t, pos[u] <= the row's causal limit and the row mask
              * keeps it; positions relative to the tile's first fit in 32 bits */
             const int64_t p0 = w->pos[0];
@@ -586,6 +604,14 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
                                         (blk->i0 + r / G) * a->mask_stride[2];
                     for (int u = 0; u < t; u++)
                         if (!mr[w->pos[u] * ms3]) w->st[u * Rp + r] = -INFINITY;
+                }
+            if (row_bias)
+                for (int64_t r = 0; r < R; r++) { /* added where causal kept the key (-inf + inf is NaN) */
+                    const int64_t mr = blk->b * a->mask_stride[0] + (h * G + r % G) * a->mask_stride[1] +
+                                       (blk->i0 + r / G) * a->mask_stride[2];
+                    for (int u = 0; u < t; u++)
+                        if (w->st[u * Rp + r] != -INFINITY)
+                            w->st[u * Rp + r] += at_mask_value(a->mask, a->mask_dtype, mr + w->pos[u] * ms3);
                 }
         }
         for (int64_t r = 0; r < Rp; r += 16) ap_softmax16(w->st, r, Rp, w->m, w->l, w->corr);
@@ -621,7 +647,7 @@ QK_MULTIVERSION static void ap_worker(void *p, int tid, int nthreads) {
 
 /* Paged: pool rows, kv lengths and slots (at_pool_check), then query rows qo_indptr[b] ..
  * qo_indptr[b+1] ascending within [0, total_q] and no more queries than keys (bad_arg 3, the
- * sequence and its q_len). */
+ * sequence and its q_len), and than a per-query mask's rows (bad_arg 4). */
 static int ap_validate(qk_attn_prefill_args *a, const at_pool *pool) {
     for (int64_t b = 0; b < a->B; b++) {
         if (at_pool_check(pool, b, &a->bad_arg, &a->bad_pos, &a->bad_value)) return QK_E_INDEX;
@@ -630,6 +656,10 @@ static int ap_validate(qk_attn_prefill_args *a, const at_pool *pool) {
         const char *row;
         if (q0 < 0 || q1 < q0 || q1 > a->total_q || q1 - q0 > at_pool_length(pool, b, &row)) {
             a->bad_arg = 3, a->bad_pos = b, a->bad_value = q1 - q0;
+            return QK_E_INDEX;
+        }
+        if (a->mask && a->mask_kind == 2 && a->mask_rows > 0 && q1 - q0 > a->mask_rows) {
+            a->bad_arg = 4, a->bad_pos = b, a->bad_value = q1 - q0;
             return QK_E_INDEX;
         }
     }
@@ -701,7 +731,7 @@ static void ap_zero_unowned_rows(const qk_attn_prefill_args *a) {
 int qk_attn_prefill_cpu(qk_attn_prefill_args *a, void *stream) {
     (void)stream;
     if ((a->dtype != QK_F32 && a->dtype != QK_F16 && a->dtype != QK_BF16) || a->Hkv < 1 || a->Hq % a->Hkv ||
-        a->D < 1 || a->mask_kind < 0 || a->mask_kind > (a->paged ? 1 : 2))
+        a->D < 1 || a->mask_kind < 0 || a->mask_kind > 2 || (a->mask_float && a->mask_kind != 2))
         return QK_E_UNSUPPORTED;
     at_pool pool = {0};
     if (a->paged) {

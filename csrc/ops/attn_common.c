@@ -132,28 +132,57 @@ int qk_attn_scale(const char *op, PyObject *obj, int64_t D, float *scale) {
     return 0;
 }
 
-int qk_attn_check_bool(const char *op, const qk_view *m) {
+int qk_attn_mask_dtype(const char *op, const qk_view *m, const qk_view *q, int *dtype) {
+    *dtype = m->dtype;
     if (m->dtype == QK_BOOL) return 0;
-    PyErr_Format(PyExc_TypeError, "%s: mask must be bool (True = keep), got %s", op, qk_dtype_name(m->dtype));
+    if (m->dtype == QK_F32 || (m->dtype == q->dtype && (q->dtype == QK_F16 || q->dtype == QK_BF16))) return 1;
+    if (q->dtype == QK_F32)
+        PyErr_Format(PyExc_TypeError, "%s: mask must be bool (True = keep) or float32 (added to the scores), got %s",
+                     op, qk_dtype_name(m->dtype));
+    else
+        PyErr_Format(PyExc_TypeError,
+                     "%s: mask must be bool (True = keep), or float32 or q's dtype %s (added to the scores), got %s", op,
+                     qk_dtype_name(q->dtype), qk_dtype_name(m->dtype));
     return -1;
 }
 
-int qk_attn_check_mask(const char *op, const qk_view *m, int64_t B, int64_t L, const char *L_name, int allow_3d) {
-    if (qk_attn_check_bool(op, m) < 0) return -1;
+const void *qk_attn_mask_data(const qk_view *m) {
+    static const unsigned char none;
+    return m->data ? m->data : (const void *)&none;
+}
+
+/* The last dim of a key mask: L, or with QK_ATTN_MASK_NARROW from 1 to L. */
+static int attn_mask_width(const char *op, const qk_view *m, int64_t L, const char *L_name, int flags,
+                           const char *layout) {
+    const int64_t W = m->shape[m->ndim - 1];
+    if (!(flags & QK_ATTN_MASK_NARROW) || W == L) return qk_check_dim(op, "mask", m, m->ndim - 1, L, layout);
+    if (W >= 1 && W <= L) return 0;
+    char got[160];
+    qk_shape_str(got, sizeof got, m->shape, m->ndim);
+    PyErr_Format(PyExc_ValueError,
+                 "%s: mask must have shape %s with 1 <= W <= %s = %lld in dimension %d (positions from W on are "
+                 "masked out), got %s",
+                 op, layout, L_name, (long long)L, m->ndim - 1, got);
+    return -1;
+}
+
+int qk_attn_check_mask(const char *op, const qk_view *m, int64_t B, int64_t L, const char *L_name, int flags) {
+    const int allow_3d = flags & QK_ATTN_MASK_3D;
+    const char *W = flags & QK_ATTN_MASK_NARROW ? "W" : L_name;
     char layout[96];
     if (allow_3d && (m->ndim == 3 || m->ndim == 4)) { /* SDPA's decode masks: [B|1, 1, L], [B|1, 1, 1, L] */
         snprintf(layout, sizeof layout, m->ndim == 3 ? "[B|1, 1, %s] = [%lld|1, 1, %lld]" : "[B|1, 1, 1, %s] = "
-                 "[%lld|1, 1, 1, %lld]", L_name, (long long)B, (long long)L);
+                 "[%lld|1, 1, 1, %lld]", W, (long long)B, (long long)L);
         if (m->shape[0] != 1 && qk_check_dim(op, "mask", m, 0, B, layout) < 0) return -1;
         for (int d = 1; d < m->ndim - 1; d++)
             if (qk_check_dim(op, "mask", m, d, 1, layout) < 0) return -1;
-        return qk_check_dim(op, "mask", m, m->ndim - 1, L, layout);
+        return attn_mask_width(op, m, L, L_name, flags, layout);
     }
-    snprintf(layout, sizeof layout, allow_3d ? "[B, %s] or [B, 1, %s]" : "[B, %s]", L_name, L_name);
+    snprintf(layout, sizeof layout, allow_3d ? "[B, %s] or [B, 1, %s]" : "[B, %s]", W, W);
     if (qk_check_ndim(op, "mask", m, 2, layout) < 0) return -1;
-    snprintf(layout, sizeof layout, "[B, %s] = [%lld, %lld]", L_name, (long long)B, (long long)L);
+    snprintf(layout, sizeof layout, "[B, %s] = [%lld, %lld]", W, (long long)B, (long long)L);
     return (!(allow_3d && m->shape[0] == 1) && qk_check_dim(op, "mask", m, 0, B, layout) < 0) ||
-                   qk_check_dim(op, "mask", m, 1, L, layout) < 0
+                   attn_mask_width(op, m, L, L_name, flags, layout) < 0
                ? -1
                : 0;
 }

@@ -30,11 +30,17 @@ int qk_attn_check_dense_kv(const char *op, const qk_view *q, const qk_view *k, c
  * [R, max_ctx], req_pool_indices [B] and kv_indptr [B + 1] (int32 or int64), for q [., Hq, D]
  * already checked for rank and dtype; then heads, unit-stride and 16-byte rows as above. */
 int qk_attn_check_pool(const char *op, const qk_view *q, const qk_view *p, int64_t B);
-/* The mask is bool (TypeError otherwise). */
-int qk_attn_check_bool(const char *op, const qk_view *m);
-/* A bool mask [B, L]; with allow_3d (dense decode) [B|1, L], [B|1, 1, L] and [B|1, 1, 1, L], broadcast
- * over B when its size is 1 (SDPA's decode masks).  L_name names L in the message. */
-int qk_attn_check_mask(const char *op, const qk_view *m, int64_t B, int64_t L, const char *L_name, int allow_3d);
+/* The mask's kind by dtype, as scaled_dot_product_attention takes it: 0 bool (True = keep), 1 additive
+ * float, float32 or q's dtype when that is float16 / bfloat16 (*dtype set); -1 (TypeError) otherwise. */
+int qk_attn_mask_dtype(const char *op, const qk_view *m, const qk_view *q, int *dtype);
+/* A key mask [B, L] (dtype checked by the caller); flags QK_ATTN_MASK_3D (decode) also take [B|1, L],
+ * [B|1, 1, L] and [B|1, 1, 1, L], broadcast over B when its size is 1 (SDPA's decode masks), and
+ * QK_ATTN_MASK_NARROW (paged) a last dim W <= L (at least 1 unless L is 0): positions from W on are
+ * masked out.  L_name names L in the message. */
+enum { QK_ATTN_MASK_3D = 1, QK_ATTN_MASK_NARROW = 2 };
+int qk_attn_check_mask(const char *op, const qk_view *m, int64_t B, int64_t L, const char *L_name, int flags);
+/* The mask's data: a non-NULL pointer even for an empty mask (NULL means no mask; it is never read). */
+const void *qk_attn_mask_data(const qk_view *m);
 /* ValueError for a token-pool index the CPU launcher rejected: bad_arg 0 req_pool_indices, 1 a
  * kv_indptr length, 2 a req_to_token slot (bad_pos = row * max_ctx + position). */
 void qk_attn_raise_pool_index(const char *op, int bad_arg, int64_t bad_pos, int64_t bad_value, int64_t num_requests,

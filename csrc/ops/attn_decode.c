@@ -9,10 +9,19 @@
 
 static const char *const ad_variants[] = {[QK_DECODE_AUTO] = "auto", [QK_DECODE_WORKSPACE] = "workspace"};
 
-static void ad_set_mask(qk_attn_decode_args *a, const qk_view *m) {
-    a->mask = m->data;
+/* The mask's dtype (bool or additive float) and shape; paged masks may be narrower than max_ctx. */
+static int ad_check_mask(const char *op, const qk_view *m, const qk_view *q, int64_t B, int64_t L, int paged,
+                         qk_attn_decode_args *a) {
+    const int kind = qk_attn_mask_dtype(op, m, q, &a->mask_dtype);
+    if (kind < 0 || qk_attn_check_mask(op, m, B, L, paged ? "max_ctx" : "Lkv",
+                                       QK_ATTN_MASK_3D | (paged ? QK_ATTN_MASK_NARROW : 0)) < 0)
+        return -1;
+    a->mask = qk_attn_mask_data(m);
+    a->mask_float = kind;
+    a->mask_cols = m->shape[m->ndim - 1];
     a->mask_stride[0] = qk_attn_stride(m, 0); /* 0 for a mask broadcast over the batch */
     a->mask_stride[1] = m->strides[m->ndim - 1];
+    return 0;
 }
 
 #undef OP
@@ -22,8 +31,9 @@ QK_DOCS(attn_decode, "q, k, v, *, kv_lens=None, mask=None, scale=None, out=None"
     "Decode attention: one query token per sequence against its KV cache.\n\n"
     "q [B, 1, Hq, D], k and v [B, Lkv, Hkv, D] -> [B, 1, Hq, D], out[b,0,h] = softmax(scale * q.k_j) v_j\n"
     "over the kept keys j of sequence b, with kv head h // (Hq / Hkv) (GQA).  kv_lens [B] (int32 or\n"
-    "int64) keeps keys j < min(kv_lens[b], Lkv); mask bool [B, Lkv], [B, 1, Lkv] or [B, 1, 1, Lkv] (B may be 1:\n"
-    "one mask for every sequence), True = keep.\n"
+    "int64) keeps keys j < min(kv_lens[b], Lkv); mask [B, Lkv], [B, 1, Lkv] or [B, 1, 1, Lkv] (B may be 1:\n"
+    "one mask for every sequence): bool, True = keep, or float (float32, or q's dtype for float16 and\n"
+    "bfloat16) added to the scaled scores, -inf = drop, as scaled_dot_product_attention takes it.\n"
     QK_ATTN_DOC)
 
 QK_DOCS(attn_paged_decode, "q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, *, new_k=None, "
@@ -32,7 +42,9 @@ QK_DOCS(attn_paged_decode, "q, k_cache, v_cache, req_to_token, req_pool_indices,
     "q [B, Hq, D]; k_cache, v_cache [S, Hkv, D] token pools; req_to_token [R, max_ctx] maps (request,\n"
     "position) to a pool slot; sequence b is request req_pool_indices[b] with kv_indptr[b+1] - kv_indptr[b]\n"
     "tokens (the new one included) -> [B, Hq, D].  new_k, new_v [B, Hkv, D] (both or neither) are first\n"
-    "written into the pools at position len_b - 1 and used there.  mask bool [B, max_ctx], True = keep.\n"
+    "written into the pools at position len_b - 1 and used there.  mask [B, W] (or [B, 1, W], [B, 1, 1, W]),\n"
+    "W <= max_ctx, over each sequence's positions (those from W on are dropped): bool, True = keep, or\n"
+    "float added to the scaled scores, as attn_decode's.\n"
     QK_ATTN_DOC)
 
 PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
@@ -68,7 +80,8 @@ PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t 
             qk_check_dim(OP, "kv_lens", &in[KV_LENS], 0, B, layout) < 0)
             goto done;
     }
-    if (QK_GIVEN(a[MASK]) && qk_attn_check_mask(OP, &in[MASK], B, Lkv, "Lkv", 1) < 0) goto done;
+    qk_attn_decode_args ad = {0};
+    if (QK_GIVEN(a[MASK]) && ad_check_mask(OP, &in[MASK], &in[Q], B, Lkv, 0, &ad) < 0) goto done;
     float scale;
     if (qk_attn_scale(OP, a[5], D, &scale) < 0) goto done;
     if (qk_launch_begin(st, OP, &in[Q], stream, stream_given, &l) < 0) goto done;
@@ -79,7 +92,6 @@ PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t 
         qk_attn_check_unit(OP, "out", &ov) < 0)
         goto done;
 
-    qk_attn_decode_args ad = {0};
     ad.q = in[Q].data;
     ad.out = ov.data;
     ad.k = in[K].data;
@@ -102,7 +114,6 @@ PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t 
         ad.kv_lens_stride = in[KV_LENS].strides[0];
         ad.kv_lens_dtype = in[KV_LENS].dtype;
     }
-    if (QK_GIVEN(a[MASK])) ad_set_mask(&ad, &in[MASK]);
     ad.scale = scale;
     ad.dtype = in[Q].dtype;
     ad.num_threads = st->num_threads;
@@ -170,7 +181,8 @@ PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ss
             }
         }
     }
-    if (QK_GIVEN(a[MASK]) && qk_attn_check_mask(OP, &in[MASK], B, max_ctx, "max_ctx", 0) < 0) goto done;
+    qk_attn_decode_args ad = {0};
+    if (QK_GIVEN(a[MASK]) && ad_check_mask(OP, &in[MASK], &in[Q], B, max_ctx, 1, &ad) < 0) goto done;
     if (has_new_k &&
         (qk_attn_check_rows16(OP, "new_k", &in[NEW_K]) < 0 || qk_attn_check_rows16(OP, "new_v", &in[NEW_V]) < 0))
         goto done;
@@ -184,7 +196,6 @@ PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ss
         qk_attn_check_unit(OP, "out", &ov) < 0)
         goto done;
 
-    qk_attn_decode_args ad = {0};
     ad.paged = 1;
     ad.q = in[Q].data;
     ad.out = ov.data;
@@ -223,7 +234,6 @@ PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ss
             ad.new_v_stride[i] = qk_attn_stride(&in[NEW_V], i);
         }
     }
-    if (QK_GIVEN(a[MASK])) ad_set_mask(&ad, &in[MASK]);
     ad.scale = scale;
     ad.dtype = in[Q].dtype;
     ad.num_threads = st->num_threads;

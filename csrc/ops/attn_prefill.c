@@ -12,9 +12,10 @@ QK_DOCS(attn_prefill, "q, k, v, *, is_causal=False, mask=None, scale=None, out=N
     "q [B, Lq, Hq, D], k and v [B, Lkv, Hkv, D] -> [B, Lq, Hq, D], out[b,i,h] = softmax(scale * q.k_j) v_j\n"
     "over the kept keys j, with kv head h // (Hq / Hkv) (GQA).  The queries are the last Lq of the Lkv\n"
     "positions: is_causal keeps j <= i + Lkv - Lq (bottom-right aligned; with Lq > Lkv the first\n"
-    "Lq - Lkv queries keep nothing and give 0).  mask bool [B, Lkv] (per key), or per query as\n"
-    "scaled_dot_product_attention broadcasts it: [B|1, 1|Hq, Lq|1, Lkv] or [1|Hq, Lq|1, Lkv]; True = keep;\n"
-    "with is_causal both apply.\n"
+    "Lq - Lkv queries keep nothing and give 0).  mask [B, Lkv] (per key), or per query as\n"
+    "scaled_dot_product_attention broadcasts it: [B|1, 1|Hq, Lq|1, Lkv] or [1|Hq, Lq|1, Lkv]; bool, True =\n"
+    "keep, or float (float32, or q's dtype for float16 and bfloat16) added to the scaled scores, -inf =\n"
+    "drop, as scaled_dot_product_attention takes it; with is_causal both apply.\n"
     QK_ATTN_DOC)
 
 QK_DOCS(attn_paged_prefill, "q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, qo_indptr, *, "
@@ -23,8 +24,11 @@ QK_DOCS(attn_paged_prefill, "q, k_cache, v_cache, req_to_token, req_pool_indices
     "q [total_q, Hq, D]: request b's queries are rows qo_indptr[b] .. qo_indptr[b+1] - 1 (q_len_b), the\n"
     "last q_len_b of its kv_len_b = kv_indptr[b+1] - kv_indptr[b] keys (q_len_b <= kv_len_b); key j is\n"
     "pool slot req_to_token[req_pool_indices[b], j] of k_cache, v_cache [S, Hkv, D] -> [total_q, Hq, D].\n"
-    "is_causal keeps j <= i + kv_len_b - q_len_b for query i of request b.  mask bool [B, max_ctx] over\n"
-    "each request's keys, True = keep.  Rows of q outside qo_indptr[0] .. qo_indptr[B] - 1 give 0.\n"
+    "is_causal keeps j <= i + kv_len_b - q_len_b for query i of request b.  mask [B, W] over each request's\n"
+    "keys, or per query [B|1, 1|Hq, Mq, W] (row i for query i of the request; Mq = 1 broadcasts, else\n"
+    "Mq >= every q_len_b), W <= max_ctx (positions from W on are dropped); bool, True = keep, or float\n"
+    "added to the scaled scores as attn_prefill's.  Rows of q outside qo_indptr[0] .. qo_indptr[B] - 1\n"
+    "give 0.\n"
     QK_ATTN_DOC)
 
 static const char *const ap_variants[] = {[QK_PREFILL_AUTO] = "auto", [QK_PREFILL_MMA] = "mma",
@@ -38,32 +42,60 @@ static int ap_causal(const char *op, PyObject *obj, int *causal) {
     return -1;
 }
 
-/* attn_prefill's mask: [B, Lkv] (mask_kind 1, one row of keys per sequence), or per query (mask_kind
- * 2) as scaled_dot_product_attention broadcasts it against [B, Hq, Lq, Lkv] (trailing dimensions
- * aligned): [B|1, 1|Hq, Lq|1, Lkv] or [1|Hq, Lq|1, Lkv]; a dimension of size 1 is read with stride 0. */
-static int ap_dense_mask(const char *op, const qk_view *m, int64_t B, int64_t Hq, int64_t Lq, int64_t Lkv,
-                         qk_attn_prefill_args *pa) {
-    if (qk_attn_check_bool(op, m) < 0) return -1;
+/* The prefill ops' mask against [B, Hq, Lq, L] (dense: L = Lkv; paged, Lq < 0: L = max_ctx, any
+ * query rows Mq, a key width W <= max_ctx).  2-D [B, L]: per key, bool as mask_kind 1 (masked keys
+ * are never loaded), float as mask_kind 2 with stride-0 head and query dims.  Per query (mask_kind
+ * 2) as scaled_dot_product_attention broadcasts it, trailing dimensions aligned: [B|1, 1|Hq, Lq|1, L]
+ * or [1|Hq, Lq|1, L]; a dimension of size 1 is read with stride 0. */
+static int ap_mask(const char *op, const qk_view *m, const qk_view *q, int64_t B, int64_t Hq, int64_t Lq, int64_t L,
+                   qk_attn_prefill_args *pa) {
+    const int paged = Lq < 0;
+    const int kind = qk_attn_mask_dtype(op, m, q, &pa->mask_dtype);
+    if (kind < 0) return -1;
+    pa->mask_float = kind;
     if (m->ndim == 2) {
-        if (qk_attn_check_mask(op, m, B, Lkv, "Lkv", 0) < 0) return -1;
-        pa->mask_kind = 1;
+        if (qk_attn_check_mask(op, m, B, L, paged ? "max_ctx" : "Lkv", paged ? QK_ATTN_MASK_NARROW : 0) < 0)
+            return -1;
+        pa->mask_kind = kind ? 2 : 1;
         pa->mask_stride[0] = qk_attn_stride(m, 0);
         pa->mask_stride[3] = qk_attn_stride(m, 1);
     } else if (m->ndim == 4 || m->ndim == 3) {
-        /* the mask's dims aligned to the trailing dims of [B, Hq, Lq, Lkv]; a 3-D mask has no batch dim */
+        /* the mask's dims aligned to the trailing dims of [B, Hq, Lq, L]; a 3-D mask has no batch dim */
         const int four = m->ndim == 4, ib = four ? 0 : -1, ih = four ? 1 : 0, ii = ih + 1, ij = ih + 2;
-        char layout[160];
+        char layout[160], rows[48], cols[48];
+        if (paged) {
+            snprintf(rows, sizeof rows, "Mq");
+            snprintf(cols, sizeof cols, "W");
+        } else {
+            snprintf(rows, sizeof rows, "%lld|1", (long long)Lq);
+            snprintf(cols, sizeof cols, "%lld", (long long)L);
+        }
         if (four)
-            snprintf(layout, sizeof layout, "[B|1, 1|Hq, Lq|1, Lkv] = [%lld|1, 1|%lld, %lld|1, %lld]", (long long)B,
-                     (long long)Hq, (long long)Lq, (long long)Lkv);
+            snprintf(layout, sizeof layout, "[B|1, 1|Hq, %s, %s] = [%lld|1, 1|%lld, %s, %s]", paged ? "Mq" : "Lq|1",
+                     paged ? "W" : "Lkv", (long long)B, (long long)Hq, rows, cols);
         else
-            snprintf(layout, sizeof layout, "[1|Hq, Lq|1, Lkv] = [1|%lld, %lld|1, %lld]", (long long)Hq, (long long)Lq,
-                     (long long)Lkv);
+            snprintf(layout, sizeof layout, "[1|Hq, %s, %s] = [1|%lld, %s, %s]", paged ? "Mq" : "Lq|1",
+                     paged ? "W" : "Lkv", (long long)Hq, rows, cols);
         if ((four && m->shape[ib] != 1 && qk_check_dim(op, "mask", m, ib, B, layout) < 0) ||
             (m->shape[ih] != 1 && qk_check_dim(op, "mask", m, ih, Hq, layout) < 0) ||
-            (m->shape[ii] != 1 && qk_check_dim(op, "mask", m, ii, Lq, layout) < 0) ||
-            qk_check_dim(op, "mask", m, ij, Lkv, layout) < 0)
+            (!paged && m->shape[ii] != 1 && qk_check_dim(op, "mask", m, ii, Lq, layout) < 0) ||
+            (paged && m->shape[ii] < 1 && qk_check_dim(op, "mask", m, ii, 1, layout) < 0))
             return -1;
+        if (paged) {
+            const int64_t W = m->shape[ij];
+            if (W != L && (W < 1 || W > L)) {
+                char got[160];
+                qk_shape_str(got, sizeof got, m->shape, m->ndim);
+                PyErr_Format(PyExc_ValueError,
+                             "%s: mask must have shape %s with 1 <= W <= max_ctx = %lld in dimension %d (positions "
+                             "from W on are masked out), got %s",
+                             op, layout, (long long)L, ij, got);
+                return -1;
+            }
+            pa->mask_rows = m->shape[ii] > 1 ? m->shape[ii] : 0; /* one row broadcasts to every query */
+        } else if (qk_check_dim(op, "mask", m, ij, L, layout) < 0) {
+            return -1;
+        }
         pa->mask_kind = 2;
         pa->mask_stride[0] = four ? qk_attn_stride(m, ib) : 0;
         pa->mask_stride[1] = qk_attn_stride(m, ih);
@@ -72,11 +104,16 @@ static int ap_dense_mask(const char *op, const qk_view *m, int64_t B, int64_t Hq
     } else {
         char got[160];
         qk_shape_str(got, sizeof got, m->shape, m->ndim);
-        PyErr_Format(PyExc_ValueError, "%s: mask must be [B, Lkv], [1|Hq, Lq|1, Lkv] or [B|1, 1|Hq, Lq|1, Lkv] (2, 3 "
-                     "or 4 dimensions), got shape %s", op, got);
+        if (paged)
+            PyErr_Format(PyExc_ValueError, "%s: mask must be [B, W], [1|Hq, Mq, W] or [B|1, 1|Hq, Mq, W] with W <= "
+                         "max_ctx (2, 3 or 4 dimensions), got shape %s", op, got);
+        else
+            PyErr_Format(PyExc_ValueError, "%s: mask must be [B, Lkv], [1|Hq, Lq|1, Lkv] or [B|1, 1|Hq, Lq|1, Lkv] "
+                         "(2, 3 or 4 dimensions), got shape %s", op, got);
         return -1;
     }
-    pa->mask = m->data;
+    pa->mask_cols = m->shape[m->ndim - 1];
+    pa->mask = qk_attn_mask_data(m);
     return 0;
 }
 
@@ -106,7 +143,7 @@ PyObject *qk_op_attn_prefill(PyObject *module, PyObject *const *args, Py_ssize_t
         goto done;
     const int64_t B = in[Q].shape[0], Lq = in[Q].shape[1], Hq = in[Q].shape[2], D = in[Q].shape[3];
     const int64_t Lkv = in[K].shape[1], Hkv = in[K].shape[2];
-    if (QK_GIVEN(a[MASK]) && ap_dense_mask(OP, &in[MASK], B, Hq, Lq, Lkv, &pa) < 0) goto done;
+    if (QK_GIVEN(a[MASK]) && ap_mask(OP, &in[MASK], &in[Q], B, Hq, Lq, Lkv, &pa) < 0) goto done;
     if (qk_attn_scale(OP, a[5], D, &pa.scale) < 0) goto done;
     if (qk_launch_begin(st, OP, &in[Q], stream, stream_given, &l) < 0) goto done;
     launched = 1;
@@ -198,13 +235,7 @@ PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_s
         qk_check_dtype_index(OP, "qo_indptr", &in[QO_INDPTR]) < 0 ||
         qk_check_dim(OP, "qo_indptr", &in[QO_INDPTR], 0, B + 1, layout) < 0)
         goto done;
-    if (QK_GIVEN(a[MASK])) {
-        if (qk_attn_check_mask(OP, &in[MASK], B, max_ctx, "max_ctx", 0) < 0) goto done;
-        pa.mask = in[MASK].data;
-        pa.mask_kind = 1;
-        pa.mask_stride[0] = qk_attn_stride(&in[MASK], 0);
-        pa.mask_stride[3] = qk_attn_stride(&in[MASK], 1);
-    }
+    if (QK_GIVEN(a[MASK]) && ap_mask(OP, &in[MASK], &in[Q], B, Hq, -1, max_ctx, &pa) < 0) goto done;
     if (qk_attn_scale(OP, a[9], D, &pa.scale) < 0) goto done;
     if (qk_launch_begin(st, OP, &in[Q], stream, stream_given, &l) < 0) goto done;
     launched = 1;
@@ -259,6 +290,9 @@ PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_s
     if ((B > 0 || total_q > 0) && Hq > 0 && status == QK_OK)
         QK_RUN(status, &l, attn_prefill, &pa);
     if (status == QK_E_INDEX && pa.bad_arg == 3) ap_raise_rows(&pa);
+    else if (status == QK_E_INDEX && pa.bad_arg == 4)
+        PyErr_Format(PyExc_ValueError, OP ": mask has Mq = %lld query rows, but sequence %lld has q_len = %lld queries",
+                     (long long)pa.mask_rows, (long long)pa.bad_pos, (long long)pa.bad_value);
     else if (status == QK_E_INDEX) qk_attn_raise_pool_index(OP, pa.bad_arg, pa.bad_pos, pa.bad_value, R, max_ctx, S);
     else if (status) qk_raise_status(OP, status);
     else ok = 1;

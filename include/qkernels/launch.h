@@ -231,11 +231,14 @@ typedef struct {
  * Contiguous (paged == 0): k, v [B, Lkv, Hkv, D] with strides {b, l, h}; sequence b keeps keys
  *   j < min(kv_lens[b], Lkv) (all Lkv when kv_lens is NULL; negative lengths count as 0) for which
  *   mask[b, j] != 0 (when mask is given).
+ * mask_float: the mask is additive, of mask_dtype (QK_F32, QK_F16 or QK_BF16): mask[b, j] is added
+ *   to the scaled score (fp32); -inf drops the key.  mask_cols > 0: positions j >= mask_cols are
+ *   not kept (a paged mask narrower than max_ctx); 0: the mask covers every position.
  * Paged (paged == 1): k, v are token pools [S, Hkv, D] with strides {0, s, h}; sequence b has
  *   len_b = kv_indptr[b+1] - kv_indptr[b] tokens, token j in slot
  *   req_to_token[req_pool_indices[b], j].  When new_k/new_v are given they are first written to
  *   the slot of position len_b - 1 (so the pools are written) and used as that position's K/V.
- *   mask, when given, is [B, max_ctx].
+ *   mask, when given, is [B, mask_cols or max_ctx].
  * Index checks: the CPU launcher returns QK_E_INDEX with bad_* filled for a pool row outside
  *   [0, num_requests), a length outside [0, max_ctx], or a slot outside [0, pool_size).  The CUDA
  *   launcher clamps lengths to [0, max_ctx] and skips out-of-range rows and slots (never reads or
@@ -246,7 +249,7 @@ typedef struct {
     const void *q;   /* [B, Hq, D]; strides {b, h} */
     void *out;       /* [B, Hq, D]; strides {b, h} */
     void *k, *v;     /* see above; written only when paged with new_k/new_v */
-    const void *mask; /* bool as uint8, or NULL; strides {b, j} */
+    const void *mask; /* bool as uint8 (or mask_float), or NULL; strides {b, j} */
     const void *kv_lens; /* contiguous: [B] or NULL, kv_lens_dtype */
     /* paged only */
     const void *req_to_token;     /* [num_requests, max_ctx], r2t_dtype */
@@ -258,8 +261,9 @@ typedef struct {
     int64_t num_requests, max_ctx, pool_size; /* paged */
     int64_t q_stride[2], out_stride[2], k_stride[3], v_stride[3], mask_stride[2];
     int64_t kv_lens_stride, r2t_stride[2], rpi_stride, indptr_stride, new_k_stride[2], new_v_stride[2];
+    int64_t mask_cols;
     float scale;
-    int paged;
+    int paged, mask_float, mask_dtype;
     int dtype;        /* QK_BF16, QK_F16; cpu also QK_F32 */
     int kv_lens_dtype, r2t_dtype, rpi_dtype, indptr_dtype; /* QK_I32 or QK_I64 */
     int num_threads;
@@ -285,7 +289,13 @@ typedef struct {
  * Paged (paged == 1): q, out [total_q, Hq, D] with strides {0, t, h} (q_stride[0] unused); request
  *   b's queries are rows qo_indptr[b] .. qo_indptr[b+1] - 1, its kv_len = kv_indptr[b+1] -
  *   kv_indptr[b], key j in pool slot req_to_token[req_pool_indices[b], j]; k, v are token pools
- *   [S, Hkv, D] with strides {0, s, h}.  mask_kind 1: mask [B, max_ctx] over each request's keys.
+ *   [S, Hkv, D] with strides {0, s, h}.  mask_kind 1: mask [B, max_ctx] over each request's keys;
+ *   2: mask [B, Hm, Mq, max_ctx], query i of a request (0-based within it) reading row i.
+ * mask_float (mask_kind 2 only): the mask is additive, of mask_dtype (QK_F32, QK_F16 or QK_BF16),
+ *   added to the scaled score (fp32); -inf drops the key.  mask_cols > 0: key positions j >=
+ *   mask_cols are not kept (paged masks narrower than max_ctx); mask_rows > 0 (paged, mask_kind 2):
+ *   the mask has that many query rows, a request with more queries is QK_E_INDEX (bad_arg 4) on the
+ *   cpu and keeps nothing in those rows on cuda; 0: no limit (dense, or a row broadcast).
  * Index checks: the CPU launcher returns QK_E_INDEX with bad_* filled for a pool row outside
  *   [0, num_requests), a kv length outside [0, max_ctx], query rows outside [0, total_q] or not
  *   ascending, q_len > kv_len, or a slot outside [0, pool_size).  The CUDA launcher never reads or
@@ -305,16 +315,16 @@ typedef struct {
     int64_t B, Lq, Lkv, Hq, Hkv, D; /* Lq, Lkv: dense only */
     int64_t total_q, num_requests, max_ctx, pool_size; /* paged only */
     int64_t q_stride[3], out_stride[3], k_stride[3], v_stride[3];
-    int64_t mask_stride[4];
+    int64_t mask_stride[4], mask_rows, mask_cols;
     int64_t r2t_stride[2], rpi_stride, kv_indptr_stride, qo_indptr_stride;
     float scale;
-    int causal, paged, mask_kind;
+    int causal, paged, mask_kind, mask_float, mask_dtype;
     int dtype;                    /* QK_BF16, QK_F16; cpu also QK_F32 */
     int r2t_dtype, rpi_dtype, kv_indptr_dtype, qo_indptr_dtype; /* QK_I32 or QK_I64 */
     int num_threads;
     int variant;                  /* 0 auto, QK_PREFILL_MMA, QK_PREFILL_WGMMA */
     /* Filled on QK_E_INDEX: bad_arg 0 req_pool_indices, 1 kv_indptr (a length), 2 req_to_token
-     * (a slot), 3 qo_indptr (a row range, or q_len > kv_len) */
+     * (a slot), 3 qo_indptr (a row range, or q_len > kv_len), 4 mask (q_len > mask_rows) */
     int bad_arg;
     int64_t bad_pos, bad_value;
 } qk_attn_prefill_args;
