@@ -1,6 +1,6 @@
 // fused_norm_residual: LayerNorm over the last dim, * gamma + beta, dropout, + residual.
 //
-// Work decomposition: one warp per row.  Rows of up to 1024 values whose rows are 16-byte
+// Work decomposition: one warp per row (8 or 16 lanes for rows of 8 or 16 vectors).  Rows of up to 1024 values whose rows are 16-byte
 // vectorisable stay in registers (K 16-byte chunks per lane), so x is read once: mean, then the
 // variance of the deviations from the registers (two-pass), then the output with streaming stores.
 // Both passes work on x - x[row, 0]: for a row with mean 1e4 and unit spread the shifted values
@@ -22,6 +22,14 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// The sum over each aligned group of L lanes (every lane of the warp takes part).
+template <int L>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+    for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 constexpr int kRowsPerBlock = 8;
 
 // The dropout seed: the int of the call, or the value of its seed tensor now (so a captured graph
@@ -30,47 +38,52 @@ __device__ __forceinline__ uint64_t nr_seed(const int64_t *p, uint64_t seed) {
     return p ? (uint64_t)__ldg(reinterpret_cast<const long long *>(p)) : seed;
 }
 
-template <typename T, int K, bool kTrain>
+// A row per group of G lanes (G < 32 when the row is 8 or 16 vectors: a warp serves 32 / G rows).
+template <typename T, int K, bool kTrain, int G>
 __global__ void __launch_bounds__(kRowsPerBlock * 32) nr_registers(qk_fused_norm_residual_args a) {
     constexpr int V = qk_vec<T>::N;
-    const int lane = threadIdx.x & 31;
+    constexpr int kRowsPerWarp = 32 / G;
+    const int lane = threadIdx.x % G, sub = (threadIdx.x & 31) / G;
     const int nvec = (int)(a.H / V);
     const T *x = static_cast<const T *>(a.x), *res = static_cast<const T *>(a.residual);
     const T *gamma = static_cast<const T *>(a.gamma), *beta = static_cast<const T *>(a.beta);
     T *out = static_cast<T *>(a.out);
     const float inv_h = 1.f / (float)a.H;
     const uint64_t seed = kTrain ? nr_seed(a.seed_ptr, a.seed) : 0;
-    for (int64_t r = (int64_t)blockIdx.x * kRowsPerBlock + (threadIdx.x >> 5); r < a.R;
-         r += (int64_t)gridDim.x * kRowsPerBlock) {
+    // the loop is uniform over the warp (its shuffles need every lane); a lane past R masks its row
+    for (int64_t r0 = ((int64_t)blockIdx.x * kRowsPerBlock + (threadIdx.x >> 5)) * kRowsPerWarp; r0 < a.R;
+         r0 += (int64_t)gridDim.x * kRowsPerBlock * kRowsPerWarp) {
+        const int64_t r = r0 + sub;
+        const int n = r < a.R ? nvec : 0;  // this lane group's vectors
         float v[K][V];
         qk_vec<T> rv[K];
         float sum = 0.f;
-        const float shift = qk_to_float(x[r * a.x_stride[0]]);
+        const float shift = n ? qk_to_float(x[r * a.x_stride[0]]) : 0.f;
         // The residual is loaded up front so its latency hides behind the two reductions.
 #pragma unroll
         for (int k = 0; k < K; k++)
-            if (lane + 32 * k < nvec) rv[k] = qk_load_vec(res + r * a.res_stride[0] + (lane + 32 * k) * V);
+            if (lane + G * k < n) rv[k] = qk_load_vec(res + r * a.res_stride[0] + (lane + G * k) * V);
 #pragma unroll
         for (int k = 0; k < K; k++) {
-            const int c = lane + 32 * k;
-            if (c < nvec) {
+            const int c = lane + G * k;
+            if (c < n) {
                 const qk_vec<T> xv = qk_load_vec(x + r * a.x_stride[0] + c * V);
 #pragma unroll
                 for (int j = 0; j < V; j++) sum += (v[k][j] = qk_to_float(xv.v[j]) - shift);
             }
         }
-        const float mean = warp_sum(sum) * inv_h;  // of the shifted values
+        const float mean = group_sum<G>(sum) * inv_h;  // of the shifted values
         float sq = 0.f;
 #pragma unroll
         for (int k = 0; k < K; k++)
-            if (lane + 32 * k < nvec)
+            if (lane + G * k < n)
 #pragma unroll
                 for (int j = 0; j < V; j++) sq += (v[k][j] - mean) * (v[k][j] - mean);
-        const float rstd = rsqrtf(warp_sum(sq) * inv_h + a.eps);
+        const float rstd = rsqrtf(group_sum<G>(sq) * inv_h + a.eps);
 #pragma unroll
         for (int k = 0; k < K; k++) {
-            const int c = lane + 32 * k;
-            if (c >= nvec) continue;
+            const int c = lane + G * k;
+            if (c >= n) continue;
             const qk_vec<T> g = qk_load_vec(gamma + c * V), b = qk_load_vec(beta + c * V);
             const uint64_t index = (uint64_t)(r * a.H + c * V);  // a multiple of 4: H % V == 0
             qk_vec<T> o;
@@ -137,9 +150,9 @@ int nr_chunks_per_lane(const qk_fused_norm_residual_args *a) {
     return 0;
 }
 
-template <typename T, int K>
+template <typename T, int K, int G = 32>
 const void *nr_pick(bool train) {
-    return train ? (const void *)nr_registers<T, K, true> : (const void *)nr_registers<T, K, false>;
+    return train ? (const void *)nr_registers<T, K, true, G> : (const void *)nr_registers<T, K, false, G>;
 }
 
 // ---- backward -------------------------------------------------------------------------------
@@ -159,14 +172,6 @@ const void *nr_pick(bool train) {
 
 constexpr int kBwdWarps = 8;
 constexpr int kColGroups = 32;  // row groups of the column kernels (x 32 columns per block)
-
-// The sum over each aligned group of L lanes (every lane of the warp takes part).
-template <int L>
-__device__ __forceinline__ float group_sum(float v) {
-#pragma unroll
-    for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 // Blocks per SM the register kernel is built for: 64 registers fit up to 8 values per lane
 // without spills (half-precision conversions and Philox included); 16 values need more.
@@ -989,13 +994,18 @@ extern "C" int qk_fused_norm_residual_cuda(const qk_fused_norm_residual_args *a,
     }
     qk_fused_norm_residual_args p = *a;
     void *args[] = {&p};
-    // One row per warp, no grid-stride loop: faster than a grid-stride grid of 64 blocks per SM
-    // (docs/graph-ops.md).
-    const int grid = qk_grid_for(a->R, kRowsPerBlock, 1 << 30);
+    // One row per warp (or lane group), no grid-stride loop: faster than a grid-stride grid of 64
+    // blocks per SM (docs/graph-ops.md).
     QK_DISPATCH_FLOAT(a->dtype, T, {
         const void *kernel;
-        switch (nr_chunks_per_lane<T>(a)) {
-        case 1: kernel = nr_pick<T, 1>(a->training); break;
+        const int K = nr_chunks_per_lane<T>(a), nvec = (int)(a->H / qk_vec<T>::N);
+        const int lanes = K == 1 && nvec <= 8 ? 8 : K == 1 && nvec <= 16 ? 16 : 32;
+        const int grid = qk_grid_for(a->R, kRowsPerBlock * (32 / lanes), 1 << 30);
+        switch (K) {
+        case 1:
+            kernel = lanes == 8 ? nr_pick<T, 1, 8>(a->training)
+                     : lanes == 16 ? nr_pick<T, 1, 16>(a->training) : nr_pick<T, 1>(a->training);
+            break;
         case 2: kernel = nr_pick<T, 2>(a->training); break;
         case 4: kernel = nr_pick<T, 4>(a->training); break;
         case 8: kernel = nr_pick<T, 8>(a->training); break;
