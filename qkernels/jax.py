@@ -99,10 +99,11 @@ def _platform(op, x, backend, args=(), kwargs=None):
     """The handler platform (cpu or cuda) the dispatcher picks for this call; raises where none can
     run it under XLA (a cpu selection for device data cannot stage through the host inside jit)."""
     axes = _axes(op, x, args, kwargs or {})
-    key = (op, tuple(axes.items()), backend, _dispatch._ctx.get()[1], id(_dispatch._env_cache))
+    env = _dispatch._env()  # the environment's selections: a new dict after reload_env()
+    key = (op, tuple(axes.items()), backend, _dispatch._ctx.get()[1])
     hit = _plan_cache.get(key)
-    if hit is not None:
-        return hit
+    if hit is not None and hit[0] is env:
+        return hit[1]
     d = _dispatch.decide_axes(op, axes, backend)
     if d.winner is None:
         raise _dispatch.ExplicitSelectionError(d.error)
@@ -118,7 +119,7 @@ def _platform(op, x, backend, args=(), kwargs=None):
                                                f"(qkernels.info()['cuda_reason'])")
     if len(_plan_cache) > 4096:
         _plan_cache.clear()
-    _plan_cache[key] = d.winner
+    _plan_cache[key] = (env, d.winner)
     return d.winner
 
 
