@@ -405,6 +405,7 @@ def test_mask_not_supported(rng):
 
 def test_registered_and_import_isolation():
     assert set(qj.registered()) == set(qkernels._C.OPS)
+    assert all(callable(getattr(qj, op, None)) for op in qkernels._C.OPS)
     assert all("cpu" in p for p in qj.registered().values())
     import subprocess
     import sys
