@@ -66,8 +66,10 @@ def _device(x):
     """cuda or cpu: where x lives, or for a tracer where jax will run the computation by default."""
     try:
         platform = next(iter(x.devices())).platform
-    except Exception:  # a tracer: no committed device
-        platform = jax.default_backend()
+    except Exception:  # a tracer: no committed device; jax places it on the default device
+        default = jax.config.jax_default_device
+        platform = getattr(default, "platform", None) or (default if isinstance(default, str) else None) \
+            or jax.default_backend()
     return "cuda" if platform in ("gpu", "cuda") else "cpu" if platform == "cpu" else platform
 
 
@@ -623,7 +625,7 @@ def graph_norm_bce_backward(grad, logits, target, edge_graph, num_graphs, *, pos
     _check(grad.dtype == np.float32, TypeError, op, f"grad must be float32 (the loss's dtype), got {_dt(grad)}")
     static = (("num_graphs", int(num_graphs)), ("pos_weight", pw_static))
     return _graph_norm_bce_backward(grad, logits, target, edge_graph, *pw, static=static,
-                                    platform=_platform(op, grad if False else logits, backend))
+                                    platform=_platform(op, grad, backend))
 
 
 # ---- rotary_emb ---------------------------------------------------------------------------------

@@ -19,11 +19,13 @@ if not hasattr(qkernels._C, "_jax_handlers"):
                 allow_module_level=True)
 import qkernels.jax as qj  # noqa: E402
 
-jax.config.update("jax_platforms", "cpu") if jax.default_backend() != "cpu" else None
 
 
-def _j(a):
-    return a if a is None or np.isscalar(a) else jnp.asarray(a)
+@pytest.fixture(autouse=True)
+def _on_cpu():
+    """The CPU handlers, also on a machine with a GPU (tests/test_cuda_jax.py covers that one)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 def _jargs(args):
