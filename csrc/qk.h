@@ -184,6 +184,9 @@ int qk_check_inner_unit(const char *op, const char *arg, const qk_view *v);
 PyObject *qk_install_dispatch(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *qk_direct_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 
+/* csrc/ffi/handlers.c (built where jaxlib's headers are found): the XLA FFI handlers for qkernels.jax */
+PyObject *qk_jax_handlers(PyObject *module, PyObject *cuda);
+
 /* csrc/ops/: each op's binding (its raw entry point, no dispatch) and docstrings; dispatch.c wraps
  * each as the public entry point. */
 typedef PyObject *(*qk_fastcall)(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);

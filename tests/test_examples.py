@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import qkernels
-from conftest import requires_cuda, requires_torch
+from conftest import requires_cuda, requires_jax, requires_torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--layers", "1", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
@@ -42,7 +42,7 @@ def test_decode_step_check():
 
 
 def test_examples_leave_sys_path_alone():
-    for name in ("decode_step.py", "eval_gnn.py", "tp_decode.py", "train_gnn.py"):
+    for name in ("decode_step.py", "eval_gnn.py", "tp_decode.py", "train_gnn.py", "train_gnn_jax.py"):
         with open(os.path.join(ROOT, "examples", name)) as f:
             assert not re.search(r"sys\.path\.(insert|append)|sys\.path\s*=", f.read()), name
 
@@ -66,6 +66,17 @@ def test_train_gnn_check(tmp_path):
     out = run([sys.executable, os.path.join(ROOT, "examples", "train_gnn.py"), "--check"], cwd=tmp_path)
     assert re.search(r"^comparison .*: PASS$", out, re.M), out
     assert re.search(r"^compiled \(fullgraph\).*: PASS$", out, re.M), out
+    assert "check passed" in out
+
+
+@requires_torch
+@requires_jax
+@pytest.mark.skipif(not hasattr(qkernels._C, "_jax_handlers"), reason="built without the XLA FFI handlers")
+def test_train_gnn_jax_check(tmp_path):
+    """The decoder trained in JAX (a jitted step, jax.grad through qkernels.jax) follows the PyTorch
+    model's loss curve on the same batches."""
+    out = run([sys.executable, os.path.join(ROOT, "examples", "train_gnn_jax.py"), "--check"], cwd=tmp_path)
+    assert re.search(r"^comparison .*: PASS$", out, re.M), out
     assert "check passed" in out
 
 

@@ -1,0 +1,717 @@
+/* XLA FFI handlers: every op of the op table as an XLA custom call, for qkernels.jax.
+ *
+ * Built into _C only where jaxlib's headers were found at build time (QK_JAX_FFI; see setup.py).
+ * Plain C against xla/ffi/api/c_api.h: a handler reads its buffers from the call frame and its
+ * static arguments from the attributes, fills the op's args struct for contiguous row-major
+ * buffers and runs the same launcher the DLPack binding runs (qk_<launcher>_cpu, or the
+ * qk_cuda_api entry on the stream of the execution context).  No Python, no GIL, no environment,
+ * nothing read back from the device.  Shapes, dtypes and attributes were validated at trace time
+ * by qkernels/jax.py; what a handler checks again (arity, ranks, dtypes) guards against a call
+ * frame built some other way, and errors name the op and the argument. */
+#include "../qk.h" /* Python.h first: only the registration function at the end uses it */
+#include "../cpu/cpu.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "xla/ffi/api/c_api.h"
+
+/* Set once by _jax_handlers() (with the GIL held, before any handler can run). */
+static int g_threads = 1;
+static const qk_cuda_api *g_cuda;
+
+typedef struct {
+    XLA_FFI_CallFrame *cf;
+    const char *op;
+    int cuda;
+    void *stream;
+    XLA_FFI_Error *err;
+} fc;
+
+static XLA_FFI_Error *fc_fail(fc *c, XLA_FFI_Error_Code code, const char *fmt, ...) {
+    char msg[512];
+    int n = snprintf(msg, sizeof msg, "%s: ", c->op);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg + n, sizeof msg - (size_t)n, fmt, ap);
+    va_end(ap);
+    XLA_FFI_Error_Create_Args a = {XLA_FFI_Error_Create_Args_STRUCT_SIZE, NULL, msg, code};
+    c->err = c->cf->api->XLA_FFI_Error_Create(&a); /* XLA copies the message */
+    return c->err;
+}
+
+static int qk_from_xla(XLA_FFI_DataType t) {
+    switch (t) {
+    case XLA_FFI_DataType_F32: return QK_F32;
+    case XLA_FFI_DataType_F16: return QK_F16;
+    case XLA_FFI_DataType_BF16: return QK_BF16;
+    case XLA_FFI_DataType_F64: return QK_F64;
+    case XLA_FFI_DataType_S32: return QK_I32;
+    case XLA_FFI_DataType_S64: return QK_I64;
+    case XLA_FFI_DataType_PRED: return QK_BOOL;
+    default: return -1;
+    }
+}
+
+/* Argument i (ret: result i) of rank `rank` (-1: any) and a dtype qkernels knows (unless raw);
+ * NULL with c->err set. */
+static XLA_FFI_Buffer *fc_buf(fc *c, int ret, int i, const char *name, int rank, int raw) {
+    const int64_t n = ret ? c->cf->rets.size : c->cf->args.size;
+    const int is_buffer = i < n && (ret ? c->cf->rets.types[i] == XLA_FFI_RetType_BUFFER
+                                        : c->cf->args.types[i] == XLA_FFI_ArgType_BUFFER);
+    if (!is_buffer) {
+        fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "%s (%s %d) is missing from the call", name,
+                ret ? "result" : "operand", i);
+        return NULL;
+    }
+    XLA_FFI_Buffer *b = (XLA_FFI_Buffer *)(ret ? c->cf->rets.rets[i] : c->cf->args.args[i]);
+    if (rank >= 0 && b->rank != rank) {
+        fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "%s must have %d dimensions, got %lld", name, rank,
+                (long long)b->rank);
+        return NULL;
+    }
+    if (!raw && qk_from_xla(b->dtype) < 0) {
+        fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "%s has an XLA dtype (%d) qkernels does not take", name,
+                (int)b->dtype);
+        return NULL;
+    }
+    return b;
+}
+#define ARG(i, name, rank) fc_buf(c, 0, (i), (name), (rank), 0)
+#define RET(i, name, rank) fc_buf(c, 1, (i), (name), (rank), 0)
+#define NARGS ((int)c->cf->args.size)
+
+static int dtype_of(const XLA_FFI_Buffer *b) { return qk_from_xla(b->dtype); }
+
+static int64_t numel(const XLA_FFI_Buffer *b) {
+    int64_t n = 1;
+    for (int64_t i = 0; i < b->rank; i++) n *= b->dims[i];
+    return n;
+}
+
+/* Row-major element strides of a dense buffer. */
+static void dense_strides(const XLA_FFI_Buffer *b, int64_t *s) {
+    int64_t acc = 1;
+    for (int64_t i = b->rank - 1; i >= 0; i--) {
+        s[i] = acc;
+        acc *= b->dims[i];
+    }
+}
+
+/* A scalar attribute as a double (any numeric XLA type); dflt when absent. */
+static double fc_attr(fc *c, const char *name, double dflt) {
+    const XLA_FFI_Attrs *at = &c->cf->attrs;
+    const size_t len = strlen(name);
+    for (int64_t i = 0; i < at->size; i++) {
+        if (at->names[i]->len != len || memcmp(at->names[i]->ptr, name, len) != 0) continue;
+        if (at->types[i] != XLA_FFI_AttrType_SCALAR) break;
+        const XLA_FFI_Scalar *s = (const XLA_FFI_Scalar *)at->attrs[i];
+        switch (s->dtype) {
+        case XLA_FFI_DataType_PRED: return *(const uint8_t *)s->value != 0;
+        case XLA_FFI_DataType_S8: return *(const int8_t *)s->value;
+        case XLA_FFI_DataType_U8: return *(const uint8_t *)s->value;
+        case XLA_FFI_DataType_S32: return *(const int32_t *)s->value;
+        case XLA_FFI_DataType_U32: return *(const uint32_t *)s->value;
+        case XLA_FFI_DataType_S64: return (double)*(const int64_t *)s->value;
+        case XLA_FFI_DataType_U64: return (double)*(const uint64_t *)s->value;
+        case XLA_FFI_DataType_F32: return *(const float *)s->value;
+        case XLA_FFI_DataType_F64: return *(const double *)s->value;
+        default: break;
+        }
+        break;
+    }
+    return dflt;
+}
+
+/* An integer attribute exactly (int64 counts such as num_graphs do not survive a double). */
+static int64_t fc_attr_i64(fc *c, const char *name, int64_t dflt) {
+    const XLA_FFI_Attrs *at = &c->cf->attrs;
+    const size_t len = strlen(name);
+    for (int64_t i = 0; i < at->size; i++) {
+        if (at->names[i]->len != len || memcmp(at->names[i]->ptr, name, len) != 0) continue;
+        if (at->types[i] == XLA_FFI_AttrType_SCALAR) {
+            const XLA_FFI_Scalar *s = (const XLA_FFI_Scalar *)at->attrs[i];
+            if (s->dtype == XLA_FFI_DataType_S64) return *(const int64_t *)s->value;
+            if (s->dtype == XLA_FFI_DataType_S32) return *(const int32_t *)s->value;
+        }
+        return (int64_t)fc_attr(c, name, (double)dflt);
+    }
+    return dflt;
+}
+
+/* Run launcher `name` where the call frame's platform says; status into st. */
+#define FC_RUN(st, c, name, args)                                     \
+    do {                                                              \
+        if ((c)->cuda) (st) = g_cuda->name((args), (c)->stream);      \
+        else (st) = qk_##name##_cpu((args), NULL);                    \
+    } while (0)
+
+/* A launcher's non-zero status as an FFI error. */
+static XLA_FFI_Error *fc_status(fc *c, int status) {
+    if (status == QK_OK) return NULL;
+    if (status == QK_E_UNSUPPORTED)
+        return fc_fail(c, XLA_FFI_Error_Code_UNIMPLEMENTED, "no %s kernel for this dtype/shape combination",
+                       c->cuda ? "cuda" : "cpu");
+    if (status == QK_E_NOMEM) return fc_fail(c, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED, "out of memory");
+    if (status == QK_E_THREAD) return fc_fail(c, XLA_FFI_Error_Code_INTERNAL, "a CPU worker thread could not start");
+    if (status > 0 && g_cuda)
+        return fc_fail(c, XLA_FFI_Error_Code_INTERNAL, "CUDA error %d (%s)", status, g_cuda->error_string(status));
+    return fc_fail(c, XLA_FFI_Error_Code_INTERNAL, "launcher status %d", status);
+}
+
+/* ---- the graph ops ------------------------------------------------------------------------- */
+
+static XLA_FFI_Error *sa_index_error(fc *c, int bad_arg, int64_t pos, int64_t value, int64_t E, int64_t N_src) {
+    if (bad_arg == 0)
+        return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT,
+                       "row_ptr must be non-decreasing with 0 <= row_ptr[i] <= E = %lld; row_ptr[%lld] = %lld",
+                       (long long)E, (long long)pos, (long long)value);
+    return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT,
+                   "col_idx[%lld] = %lld is out of range for node_feat with N_src = %lld", (long long)pos,
+                   (long long)value, (long long)N_src);
+}
+
+enum { CB_NO = 0, CB_YES = XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE };
+
+/* sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat) -> out.  The CUDA launcher may take
+ * stream-ordered scratch (cudaMallocAsync), which an XLA command buffer cannot hold. */
+static const unsigned cb_sparse_aggregate = CB_NO;
+static XLA_FFI_Error *ffi_sparse_aggregate(fc *c) {
+    XLA_FFI_Buffer *rp = ARG(0, "row_ptr", 1), *ci = rp ? ARG(1, "col_idx", 1) : NULL,
+                   *ew = ci ? ARG(2, "edge_weight", 2) : NULL, *nf = ew ? ARG(3, "node_feat", 3) : NULL,
+                   *out = nf ? RET(0, "out", 3) : NULL;
+    if (!out) return c->err;
+    qk_sparse_aggregate_args a = {0};
+    a.row_ptr = rp->data, a.col_idx = ci->data, a.edge_weight = ew->data, a.node_feat = nf->data, a.out = out->data;
+    a.num_dst = rp->dims[0] - 1, a.num_src = nf->dims[0], a.num_edges = ci->dims[0];
+    a.num_heads = nf->dims[1], a.head_dim = nf->dims[2];
+    a.row_ptr_stride = a.col_idx_stride = 1;
+    dense_strides(ew, a.ew_stride);
+    dense_strides(nf, a.nf_stride);
+    dense_strides(out, a.out_stride);
+    a.index_dtype = dtype_of(rp), a.dtype = dtype_of(nf), a.num_threads = g_threads;
+    int st;
+    FC_RUN(st, c, sparse_aggregate, &a);
+    if (st == QK_E_INDEX) return sa_index_error(c, a.bad_arg, a.bad_pos, a.bad_value, a.num_edges, a.num_src);
+    return fc_status(c, st);
+}
+
+/* sparse_aggregate_backward(grad_out, row_ptr, col_idx, edge_weight, node_feat) -> (grad_edge_weight,
+ * grad_node_feat); attributes edge_weight_grad, node_feat_grad (false: that result is [0], not
+ * computed), deterministic. */
+static const unsigned cb_sparse_aggregate_backward = CB_NO;
+static XLA_FFI_Error *ffi_sparse_aggregate_backward(fc *c) {
+    XLA_FFI_Buffer *go = ARG(0, "grad_out", 3), *rp = go ? ARG(1, "row_ptr", 1) : NULL,
+                   *ci = rp ? ARG(2, "col_idx", 1) : NULL, *ew = ci ? ARG(3, "edge_weight", 2) : NULL,
+                   *nf = ew ? ARG(4, "node_feat", 3) : NULL, *gw = nf ? RET(0, "grad_edge_weight", -1) : NULL,
+                   *gn = gw ? RET(1, "grad_node_feat", -1) : NULL;
+    if (!gn) return c->err;
+    const int want_ew = fc_attr(c, "edge_weight_grad", 1) != 0, want_nf = fc_attr(c, "node_feat_grad", 1) != 0;
+    qk_sparse_aggregate_backward_args a = {0};
+    a.grad_out = go->data, a.row_ptr = rp->data, a.col_idx = ci->data, a.edge_weight = ew->data;
+    a.node_feat = nf->data;
+    a.grad_edge_weight = want_ew ? gw->data : NULL;
+    a.grad_node_feat = want_nf ? gn->data : NULL;
+    a.num_dst = rp->dims[0] - 1, a.num_src = nf->dims[0], a.num_edges = ci->dims[0];
+    a.num_heads = nf->dims[1], a.head_dim = nf->dims[2];
+    dense_strides(go, a.go_stride);
+    dense_strides(ew, a.ew_stride);
+    dense_strides(nf, a.nf_stride);
+    a.row_ptr_stride = a.col_idx_stride = 1;
+    a.index_dtype = dtype_of(rp), a.dtype = dtype_of(nf), a.num_threads = g_threads;
+    a.deterministic = fc_attr(c, "deterministic", 1) != 0;
+    int st = QK_OK;
+    if (want_ew || want_nf) FC_RUN(st, c, sparse_aggregate_backward, &a);
+    if (st == QK_E_INDEX) return sa_index_error(c, a.bad_arg, a.bad_pos, a.bad_value, a.num_edges, a.num_src);
+    return fc_status(c, st);
+}
+
+static XLA_FFI_Error *fe_index_error(fc *c, int bad_row, int64_t pos, int64_t value, int64_t N) {
+    return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "edge_index[%d, %lld] = %lld is out of range for x with N = %lld",
+                   bad_row, (long long)pos, (long long)value, (long long)N);
+}
+
+/* fused_edge_features(x, edge_index[, edge_attr]) -> out */
+static const unsigned cb_fused_edge_features = CB_YES;
+static XLA_FFI_Error *ffi_fused_edge_features(fc *c) {
+    XLA_FFI_Buffer *x = ARG(0, "x", 2), *ei = x ? ARG(1, "edge_index", 2) : NULL,
+                   *ea = ei && NARGS > 2 ? ARG(2, "edge_attr", 2) : NULL, *out = ei ? RET(0, "out", 2) : NULL;
+    if (!out || (NARGS > 2 && !ea)) return c->err;
+    qk_fused_edge_features_args a = {0};
+    a.x = x->data, a.edge_index = ei->data, a.edge_attr = ea ? ea->data : NULL, a.out = out->data;
+    a.num_nodes = x->dims[0], a.num_edges = ei->dims[1], a.H = x->dims[1];
+    dense_strides(x, a.x_stride);
+    dense_strides(ei, a.ei_stride);
+    if (ea) dense_strides(ea, a.ea_stride);
+    dense_strides(out, a.out_stride);
+    a.index_dtype = dtype_of(ei), a.dtype = dtype_of(x), a.num_threads = g_threads;
+    int st = QK_OK;
+    if (a.num_edges > 0 && a.H > 0) FC_RUN(st, c, fused_edge_features, &a);
+    if (st == QK_E_INDEX) return fe_index_error(c, a.bad_row, a.bad_pos, a.bad_value, a.num_nodes);
+    return fc_status(c, st);
+}
+
+/* fused_edge_features_backward(grad_out, x, edge_index) -> (grad_x, grad_edge_attr: [E, H] when
+ * grad_out has 3H columns, else [0]) */
+static const unsigned cb_fused_edge_features_backward = CB_NO;
+static XLA_FFI_Error *ffi_fused_edge_features_backward(fc *c) {
+    XLA_FFI_Buffer *go = ARG(0, "grad_out", 2), *x = go ? ARG(1, "x", 2) : NULL,
+                   *ei = x ? ARG(2, "edge_index", 2) : NULL, *gx = ei ? RET(0, "grad_x", 2) : NULL,
+                   *ga = gx ? RET(1, "grad_edge_attr", -1) : NULL;
+    if (!ga) return c->err;
+    qk_fused_edge_features_backward_args a = {0};
+    a.grad_out = go->data, a.x = x->data, a.edge_index = ei->data, a.grad_x = gx->data;
+    a.num_nodes = x->dims[0], a.num_edges = ei->dims[1], a.H = x->dims[1];
+    a.grad_edge_attr = go->dims[1] == 3 * a.H && a.H > 0 ? ga->data : NULL;
+    dense_strides(go, a.go_stride);
+    dense_strides(x, a.x_stride);
+    dense_strides(ei, a.ei_stride);
+    a.index_dtype = dtype_of(ei), a.dtype = dtype_of(x), a.num_threads = g_threads;
+    int st = QK_OK;
+    if (a.num_nodes > 0 && a.H > 0) FC_RUN(st, c, fused_edge_features_backward, &a);
+    if (st == QK_E_INDEX) return fe_index_error(c, a.bad_row, a.bad_pos, a.bad_value, a.num_nodes);
+    return fc_status(c, st);
+}
+
+/* drop when the 32-bit draw < p * 2^32 (as the binding) */
+static void nr_dropout(double p, uint32_t *threshold, float *scale) {
+    const double thr = ldexp(p, 32);
+    *threshold = thr >= 4294967295.0 ? 0xFFFFFFFFu : (uint32_t)thr;
+    *scale = p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.f;
+}
+
+/* The norm ops' shared part: seed (uint32 [2], low word first: the bytes of one int64, read where the
+ * kernel runs) at operand seed_at and batch after it when num_graphs > 0.  T is either args struct. */
+#define NR_COMMON(T, a, seed_at)                                                                        \
+    do {                                                                                                \
+        XLA_FFI_Buffer *seed_ = fc_buf(c, 0, (seed_at), "seed", 1, 1);                                                   \
+        if (!seed_) return c->err;                                                                      \
+        if (seed_->dims[0] != 2 || seed_->dtype != XLA_FFI_DataType_U32)                                \
+            return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "seed must be uint32 [2]");         \
+        const double p_ = fc_attr(c, "p", 0.0);                                                         \
+        (a).eps = (float)fc_attr(c, "eps", 1e-5);                                                       \
+        (a).training = fc_attr(c, "training", 0) != 0 && p_ > 0;                                        \
+        nr_dropout(p_, &(a).drop_threshold, &(a).scale);                                                \
+        (a).seed_ptr = (a).training ? (const int64_t *)seed_->data : NULL;                              \
+        const int64_t G_ = fc_attr_i64(c, "num_graphs", 0);                                             \
+        if (G_ > 0) {                                                                                   \
+            XLA_FFI_Buffer *batch_ = ARG((seed_at) + 1, "batch", 1);                                    \
+            if (!batch_) return c->err;                                                                 \
+            if ((a).R > 0) {                                                                            \
+                (a).batch = batch_->data, (a).batch_stride = 1, (a).num_graphs = G_;                    \
+                (a).index_dtype = dtype_of(batch_);                                                     \
+            }                                                                                           \
+        }                                                                                               \
+        (a).num_threads = g_threads;                                                                    \
+    } while (0)
+
+static XLA_FFI_Error *nr_status(fc *c, int st, int64_t pos, int64_t value, int64_t G) {
+    if (st == QK_E_INDEX)
+        return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "batch[%lld] = %lld is out of range for num_graphs = %lld",
+                       (long long)pos, (long long)value, (long long)G);
+    return fc_status(c, st);
+}
+
+/* fused_norm_residual(x, residual, gamma, beta, seed[, batch]) -> out; attributes p, training, eps,
+ * num_graphs (0: row mode).  The graph-mode CUDA launcher takes stream-ordered scratch. */
+static const unsigned cb_fused_norm_residual = CB_NO;
+static XLA_FFI_Error *ffi_fused_norm_residual(fc *c) {
+    XLA_FFI_Buffer *x = ARG(0, "x", 2), *r = x ? ARG(1, "residual", 2) : NULL, *g = r ? ARG(2, "gamma", 1) : NULL,
+                   *b = g ? ARG(3, "beta", 1) : NULL, *out = b ? RET(0, "out", 2) : NULL;
+    if (!out) return c->err;
+    qk_fused_norm_residual_args a = {0};
+    a.x = x->data, a.residual = r->data, a.gamma = g->data, a.beta = b->data, a.out = out->data;
+    a.R = x->dims[0], a.H = x->dims[1];
+    dense_strides(x, a.x_stride);
+    dense_strides(r, a.res_stride);
+    dense_strides(out, a.out_stride);
+    a.gamma_stride = a.beta_stride = 1;
+    a.dtype = dtype_of(x);
+    NR_COMMON(qk_fused_norm_residual_args, a, 4);
+    int st = QK_OK;
+    if (a.R > 0 && (a.H > 0 || a.batch)) FC_RUN(st, c, fused_norm_residual, &a);
+    return nr_status(c, st, a.bad_pos, a.bad_value, a.num_graphs);
+}
+
+/* fused_norm_residual_backward(grad_out, x, gamma, seed[, batch]) -> (grad_x, grad_gamma, grad_beta) */
+static const unsigned cb_fused_norm_residual_backward = CB_NO;
+static XLA_FFI_Error *ffi_fused_norm_residual_backward(fc *c) {
+    XLA_FFI_Buffer *go = ARG(0, "grad_out", 2), *x = go ? ARG(1, "x", 2) : NULL, *g = x ? ARG(2, "gamma", 1) : NULL,
+                   *gx = g ? RET(0, "grad_x", 2) : NULL, *gg = gx ? RET(1, "grad_gamma", 1) : NULL,
+                   *gb = gg ? RET(2, "grad_beta", 1) : NULL;
+    if (!gb) return c->err;
+    qk_fused_norm_residual_backward_args a = {0};
+    a.grad_out = go->data, a.x = x->data, a.gamma = g->data;
+    a.grad_x = gx->data, a.grad_gamma = gg->data, a.grad_beta = gb->data;
+    a.R = x->dims[0], a.H = x->dims[1];
+    dense_strides(go, a.go_stride);
+    dense_strides(x, a.x_stride);
+    dense_strides(gx, a.gx_stride);
+    a.gamma_stride = a.gg_stride = a.gb_stride = 1;
+    a.dtype = dtype_of(x);
+    NR_COMMON(qk_fused_norm_residual_backward_args, a, 3);
+    int st = QK_OK;
+    if (a.H > 0 || a.batch) FC_RUN(st, c, fused_norm_residual_backward, &a);
+    return nr_status(c, st, a.bad_pos, a.bad_value, a.num_graphs);
+}
+
+/* graph_norm_bce's inputs from operand `first` on: logits, target, edge_graph[, pos_weight [E] or []];
+ * attributes num_graphs, pos_weight (a float; has_pos_weight says whether one was given). */
+static int gb_fill(fc *c, int first, qk_graph_norm_bce_args *a) {
+    XLA_FFI_Buffer *lg = ARG(first, "logits", 1), *tg = lg ? ARG(first + 1, "target", 1) : NULL,
+                   *eg = tg ? ARG(first + 2, "edge_graph", 1) : NULL;
+    if (!eg) return -1;
+    a->logits = lg->data, a->target = tg->data, a->edge_graph = eg->data;
+    a->num_edges = lg->dims[0];
+    a->num_graphs = fc_attr_i64(c, "num_graphs", 1);
+    a->logits_stride = a->target_stride = a->graph_stride = 1;
+    a->pos_weight = (float)fc_attr(c, "pos_weight", 1.0);
+    a->has_pos_weight = fc_attr(c, "has_pos_weight", 0) != 0;
+    if (NARGS > first + 3) {
+        XLA_FFI_Buffer *pw = ARG(first + 3, "pos_weight", -1);
+        if (!pw) return -1;
+        a->has_pos_weight = 1;
+        if (a->num_edges > 0) {
+            a->pos_weight_t = pw->data;
+            a->pw_stride = numel(pw) == a->num_edges && a->num_edges > 1 ? 1 : 0;
+            a->pw_dtype = dtype_of(pw);
+        }
+    }
+    a->dtype = dtype_of(lg), a->index_dtype = dtype_of(eg), a->num_threads = g_threads;
+    return 0;
+}
+
+static XLA_FFI_Error *gb_status(fc *c, int st, const qk_graph_norm_bce_args *a) {
+    if (st == QK_E_INDEX)
+        return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "edge_graph[%lld] = %lld is out of range for num_graphs = %lld",
+                       (long long)a->bad_pos, (long long)a->bad_value, (long long)a->num_graphs);
+    return fc_status(c, st);
+}
+
+/* graph_norm_bce(logits, target, edge_graph[, pos_weight]) -> float32 [] */
+static const unsigned cb_graph_norm_bce = CB_NO;
+static XLA_FFI_Error *ffi_graph_norm_bce(fc *c) {
+    qk_graph_norm_bce_args a = {0};
+    if (gb_fill(c, 0, &a) < 0) return c->err;
+    XLA_FFI_Buffer *out = RET(0, "out", 0);
+    if (!out) return c->err;
+    a.out = (float *)out->data;
+    int st;
+    FC_RUN(st, c, graph_norm_bce, &a);
+    return gb_status(c, st, &a);
+}
+
+/* graph_norm_bce_backward(grad [] float32, logits, target, edge_graph[, pos_weight]) -> grad_logits [E] */
+static const unsigned cb_graph_norm_bce_backward = CB_NO;
+static XLA_FFI_Error *ffi_graph_norm_bce_backward(fc *c) {
+    XLA_FFI_Buffer *g = ARG(0, "grad", 0);
+    qk_graph_norm_bce_args a = {0};
+    if (!g || gb_fill(c, 1, &a) < 0) return c->err;
+    XLA_FFI_Buffer *gl = RET(0, "grad_logits", 1);
+    if (!gl) return c->err;
+    a.grad = (const float *)g->data, a.grad_logits = gl->data, a.grad_stride = 1;
+    int st = QK_OK;
+    if (a.num_edges > 0) FC_RUN(st, c, graph_norm_bce_backward, &a);
+    return gb_status(c, st, &a);
+}
+
+/* ---- the dense LLM ops --------------------------------------------------------------------- */
+
+/* rotary_emb(x [B, S, H, D], freqs_cis [B, S, D/2, 2]) -> out; attribute interleaved.  Python passes
+ * 4-D (a 3-D call is B = 1). */
+static XLA_FFI_Error *ro_run(fc *c, int inverse) {
+    XLA_FFI_Buffer *x = ARG(0, inverse ? "grad_out" : "x", 4), *f = x ? ARG(1, "freqs_cis", 4) : NULL,
+                   *out = f ? RET(0, "out", 4) : NULL;
+    if (!out) return c->err;
+    qk_rotary_emb_args a = {0};
+    int64_t xs[4], fs[4];
+    dense_strides(x, xs);
+    dense_strides(f, fs);
+    a.x = x->data, a.out = out->data, a.freqs = (const float *)f->data;
+    a.B = x->dims[0], a.S = x->dims[1], a.H = x->dims[2], a.D = x->dims[3];
+    for (int i = 0; i < 3; i++) {
+        a.x_stride[i] = a.out_stride[i] = xs[i];
+        a.f_stride[i] = f->dims[i] == 1 ? 0 : fs[i]; /* freqs broadcast over a size-1 batch */
+    }
+    a.interleaved = fc_attr(c, "interleaved", 1) != 0;
+    a.inverse = inverse;
+    a.dtype = dtype_of(x), a.num_threads = g_threads;
+    int st = QK_OK;
+    if (numel(x) > 0) FC_RUN(st, c, rotary_emb, &a);
+    return fc_status(c, st);
+}
+static const unsigned cb_rotary_emb = CB_YES;
+static XLA_FFI_Error *ffi_rotary_emb(fc *c) { return ro_run(c, 0); }
+static const unsigned cb_rotary_emb_backward = CB_YES;
+static XLA_FFI_Error *ffi_rotary_emb_backward(fc *c) { return ro_run(c, 1); }
+
+/* linear(x [M, K], weight [N, K][, bias [N]]) and swiglu(x, up, gate) -> [M, N].  Python flattens
+ * leading dimensions.  Large M reaches cuBLASLt, whose workspace is stream-ordered scratch. */
+static XLA_FFI_Error *ln_run(fc *c, int swiglu) {
+    XLA_FFI_Buffer *x = ARG(0, "x", 2), *w = x ? ARG(1, swiglu ? "up_weight" : "weight", 2) : NULL,
+                   *third = w && (swiglu || NARGS > 2) ? ARG(2, swiglu ? "gate_weight" : "bias", swiglu ? 2 : 1) : NULL,
+                   *out = w ? RET(0, "out", 2) : NULL;
+    if (!out || ((swiglu || NARGS > 2) && !third)) return c->err;
+    qk_linear_args a = {0};
+    a.x = x->data, a.w = w->data, a.out = out->data;
+    a.gate = swiglu ? third->data : NULL;
+    a.bias = !swiglu && third ? third->data : NULL;
+    a.M = x->dims[0], a.K = x->dims[1], a.N = w->dims[0];
+    a.x_stride = a.K, a.w_stride = a.K, a.gate_stride = swiglu ? a.K : 0, a.out_stride = a.N;
+    a.bias_stride = a.bias ? 1 : 0;
+    a.dtype = dtype_of(x), a.num_threads = g_threads;
+    int st = QK_OK;
+    if (a.M > 0 && a.N > 0) {
+        if (swiglu) FC_RUN(st, c, swiglu, &a);
+        else FC_RUN(st, c, linear, &a);
+    }
+    return fc_status(c, st);
+}
+static const unsigned cb_linear = CB_NO;
+static XLA_FFI_Error *ffi_linear(fc *c) { return ln_run(c, 0); }
+static const unsigned cb_swiglu = CB_NO;
+static XLA_FFI_Error *ffi_swiglu(fc *c) { return ln_run(c, 1); }
+
+/* linear_backward(grad_out [M, N], x [M, K], weight) -> (grad_x, grad_weight, grad_bias) and
+ * swiglu_backward(grad_out, x, up, gate) -> (grad_x, grad_up, grad_gate); attributes x_grad,
+ * weight_grad, bias_grad (a result not asked for is [0] and not computed). */
+static XLA_FFI_Error *lb_run(fc *c, int swiglu) {
+    XLA_FFI_Buffer *g = ARG(0, "grad_out", 2), *x = g ? ARG(1, "x", 2) : NULL,
+                   *w = x ? ARG(2, swiglu ? "up_weight" : "weight", 2) : NULL,
+                   *gate = w && swiglu ? ARG(3, "gate_weight", 2) : NULL, *r0 = w ? RET(0, "grad_x", -1) : NULL,
+                   *r1 = r0 ? RET(1, "grad_weight", -1) : NULL, *r2 = r1 ? RET(2, "grad_bias", -1) : NULL;
+    if (!r2 || (swiglu && !gate)) return c->err;
+    const int want_x = fc_attr(c, "x_grad", 1) != 0, want_w = fc_attr(c, "weight_grad", 1) != 0;
+    const int want_b = !swiglu && fc_attr(c, "bias_grad", 0) != 0;
+    qk_linear_args a = {0};
+    a.x = x->data, a.w = w->data, a.gate = swiglu ? gate->data : NULL;
+    a.M = x->dims[0], a.K = x->dims[1], a.N = w->dims[0];
+    a.x_stride = a.w_stride = a.K, a.gate_stride = swiglu ? a.K : 0;
+    a.grad_out = g->data, a.grad_out_stride = a.N;
+    a.grad_x = want_x ? r0->data : NULL, a.grad_x_stride = a.K;
+    a.grad_w = want_w ? r1->data : NULL, a.grad_w_stride = a.K;
+    a.grad_gate = swiglu && want_w ? r2->data : NULL, a.grad_gate_stride = swiglu ? a.K : 0;
+    a.grad_bias = want_b ? r2->data : NULL, a.grad_bias_stride = 1;
+    a.dtype = dtype_of(x), a.num_threads = g_threads;
+    int st = QK_OK;
+    if ((want_x && a.M > 0 && a.K > 0) || (want_w && a.N > 0 && a.K > 0) || (want_b && a.N > 0)) {
+        if (swiglu) FC_RUN(st, c, swiglu_backward, &a);
+        else FC_RUN(st, c, linear_backward, &a);
+    }
+    return fc_status(c, st);
+}
+static const unsigned cb_linear_backward = CB_NO;
+static XLA_FFI_Error *ffi_linear_backward(fc *c) { return lb_run(c, 0); }
+static const unsigned cb_swiglu_backward = CB_NO;
+static XLA_FFI_Error *ffi_swiglu_backward(fc *c) { return lb_run(c, 1); }
+
+/* ---- attention ----------------------------------------------------------------------------- */
+
+static XLA_FFI_Error *attn_pool_error(fc *c, int bad_arg, int64_t pos, int64_t value) {
+    static const char *const what[] = {"req_pool_indices", "kv_indptr (a sequence length)", "req_to_token (a slot)",
+                                       "qo_indptr (a query row range)"};
+    return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "%s at position %lld holds %lld, out of range",
+                   what[bad_arg >= 0 && bad_arg < 4 ? bad_arg : 0], (long long)pos, (long long)value);
+}
+
+/* attn_decode(q [B, 1, Hq, D], k, v [B, Lkv, Hkv, D][, kv_lens [B]]) -> out; attributes scale,
+ * has_kv_lens.  The CUDA launcher may take a split-K workspace from the stream-ordered allocator. */
+static const unsigned cb_attn_decode = CB_NO;
+static XLA_FFI_Error *ffi_attn_decode(fc *c) {
+    XLA_FFI_Buffer *q = ARG(0, "q", 4), *k = q ? ARG(1, "k", 4) : NULL, *v = k ? ARG(2, "v", 4) : NULL,
+                   *out = v ? RET(0, "out", 4) : NULL;
+    if (!out) return c->err;
+    qk_attn_decode_args a = {0};
+    int64_t s[4];
+    a.q = q->data, a.out = out->data, a.k = k->data, a.v = v->data;
+    a.B = q->dims[0], a.Hq = q->dims[2], a.D = q->dims[3], a.Hkv = k->dims[2], a.Lkv = k->dims[1];
+    dense_strides(q, s);
+    a.q_stride[0] = a.out_stride[0] = s[0], a.q_stride[1] = a.out_stride[1] = s[2];
+    dense_strides(k, s);
+    for (int i = 0; i < 3; i++) a.k_stride[i] = a.v_stride[i] = s[i];
+    if (NARGS > 3) {
+        XLA_FFI_Buffer *kl = ARG(3, "kv_lens", 1);
+        if (!kl) return c->err;
+        a.kv_lens = kl->data, a.kv_lens_stride = 1, a.kv_lens_dtype = dtype_of(kl);
+    }
+    a.scale = (float)fc_attr(c, "scale", 1.0 / sqrt((double)(a.D > 0 ? a.D : 1)));
+    a.dtype = dtype_of(q), a.num_threads = g_threads;
+    int st = QK_OK;
+    if (a.B > 0 && a.Hq > 0) FC_RUN(st, c, attn_decode, &a);
+    return fc_status(c, st);
+}
+
+/* attn_paged_decode(q [B, Hq, D], k_cache, v_cache [S, Hkv, D], req_to_token, req_pool_indices,
+ * kv_indptr[, new_k, new_v]) -> out, or (out, k_cache, v_cache) with new_k/new_v: the caches alias
+ * operands 1 and 2, so the pools are written in place. */
+static const unsigned cb_attn_paged_decode = CB_NO;
+static XLA_FFI_Error *ffi_attn_paged_decode(fc *c) {
+    XLA_FFI_Buffer *q = ARG(0, "q", 3), *kc = q ? ARG(1, "k_cache", 3) : NULL, *vc = kc ? ARG(2, "v_cache", 3) : NULL,
+                   *r2t = vc ? ARG(3, "req_to_token", 2) : NULL, *rpi = r2t ? ARG(4, "req_pool_indices", 1) : NULL,
+                   *ind = rpi ? ARG(5, "kv_indptr", 1) : NULL, *out = ind ? RET(0, "out", 3) : NULL;
+    if (!out) return c->err;
+    qk_attn_decode_args a = {0};
+    int64_t s[3];
+    a.paged = 1;
+    a.q = q->data, a.out = out->data, a.k = kc->data, a.v = vc->data;
+    if (NARGS > 6) {
+        XLA_FFI_Buffer *nk = ARG(6, "new_k", 3), *nv = nk ? ARG(7, "new_v", 3) : NULL,
+                       *ko = nv ? RET(1, "k_cache", 3) : NULL, *vo = ko ? RET(2, "v_cache", 3) : NULL;
+        if (!vo) return c->err;
+        if (ko->data != kc->data || vo->data != vc->data)
+            return fc_fail(c, XLA_FFI_Error_Code_FAILED_PRECONDITION, "k_cache and v_cache must alias the results");
+        a.new_k = nk->data, a.new_v = nv->data;
+        dense_strides(nk, s);
+        a.new_k_stride[0] = a.new_v_stride[0] = s[0], a.new_k_stride[1] = a.new_v_stride[1] = s[1];
+    }
+    a.B = q->dims[0], a.Hq = q->dims[1], a.D = q->dims[2], a.Hkv = kc->dims[1];
+    a.num_requests = r2t->dims[0], a.max_ctx = r2t->dims[1], a.pool_size = kc->dims[0];
+    dense_strides(q, s);
+    a.q_stride[0] = a.out_stride[0] = s[0], a.q_stride[1] = a.out_stride[1] = s[1];
+    dense_strides(kc, s);
+    a.k_stride[0] = a.v_stride[0] = 0, a.k_stride[1] = a.v_stride[1] = s[0], a.k_stride[2] = a.v_stride[2] = s[1];
+    a.req_to_token = r2t->data, a.r2t_stride[0] = a.max_ctx, a.r2t_stride[1] = 1, a.r2t_dtype = dtype_of(r2t);
+    a.req_pool_indices = rpi->data, a.rpi_stride = 1, a.rpi_dtype = dtype_of(rpi);
+    a.kv_indptr = ind->data, a.indptr_stride = 1, a.indptr_dtype = dtype_of(ind);
+    a.scale = (float)fc_attr(c, "scale", 1.0 / sqrt((double)(a.D > 0 ? a.D : 1)));
+    a.dtype = dtype_of(q), a.num_threads = g_threads;
+    int st = QK_OK;
+    if (a.B > 0 && a.Hq > 0) FC_RUN(st, c, attn_decode, &a);
+    if (st == QK_E_INDEX) return attn_pool_error(c, a.bad_arg, a.bad_pos, a.bad_value);
+    return fc_status(c, st);
+}
+
+/* attn_prefill(q [B, Lq, Hq, D], k, v [B, Lkv, Hkv, D]) -> out; attributes is_causal, scale. */
+static const unsigned cb_attn_prefill = CB_YES;
+static XLA_FFI_Error *ffi_attn_prefill(fc *c) {
+    XLA_FFI_Buffer *q = ARG(0, "q", 4), *k = q ? ARG(1, "k", 4) : NULL, *v = k ? ARG(2, "v", 4) : NULL,
+                   *out = v ? RET(0, "out", 4) : NULL;
+    if (!out) return c->err;
+    qk_attn_prefill_args a = {0};
+    int64_t s[4];
+    a.q = q->data, a.out = out->data, a.k = k->data, a.v = v->data;
+    a.B = q->dims[0], a.Lq = q->dims[1], a.Hq = q->dims[2], a.D = q->dims[3], a.Lkv = k->dims[1], a.Hkv = k->dims[2];
+    dense_strides(q, s);
+    for (int i = 0; i < 3; i++) a.q_stride[i] = a.out_stride[i] = s[i];
+    dense_strides(k, s);
+    for (int i = 0; i < 3; i++) a.k_stride[i] = a.v_stride[i] = s[i];
+    a.causal = fc_attr(c, "is_causal", 0) != 0;
+    a.scale = (float)fc_attr(c, "scale", 1.0 / sqrt((double)(a.D > 0 ? a.D : 1)));
+    a.dtype = dtype_of(q), a.num_threads = g_threads;
+    int st = QK_OK;
+    if (numel(q) > 0) FC_RUN(st, c, attn_prefill, &a);
+    return fc_status(c, st);
+}
+
+/* attn_paged_prefill(q [total_q, Hq, D], k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr,
+ * qo_indptr) -> out; attributes is_causal, scale. */
+static const unsigned cb_attn_paged_prefill = CB_YES;
+static XLA_FFI_Error *ffi_attn_paged_prefill(fc *c) {
+    XLA_FFI_Buffer *q = ARG(0, "q", 3), *kc = q ? ARG(1, "k_cache", 3) : NULL, *vc = kc ? ARG(2, "v_cache", 3) : NULL,
+                   *r2t = vc ? ARG(3, "req_to_token", 2) : NULL, *rpi = r2t ? ARG(4, "req_pool_indices", 1) : NULL,
+                   *kvi = rpi ? ARG(5, "kv_indptr", 1) : NULL, *qoi = kvi ? ARG(6, "qo_indptr", 1) : NULL,
+                   *out = qoi ? RET(0, "out", 3) : NULL;
+    if (!out) return c->err;
+    qk_attn_prefill_args a = {0};
+    int64_t s[3];
+    a.paged = 1;
+    a.q = q->data, a.out = out->data, a.k = kc->data, a.v = vc->data;
+    a.B = rpi->dims[0], a.total_q = q->dims[0], a.Hq = q->dims[1], a.D = q->dims[2], a.Hkv = kc->dims[1];
+    a.num_requests = r2t->dims[0], a.max_ctx = r2t->dims[1], a.pool_size = kc->dims[0];
+    dense_strides(q, s);
+    a.q_stride[1] = a.out_stride[1] = s[0], a.q_stride[2] = a.out_stride[2] = s[1];
+    dense_strides(kc, s);
+    a.k_stride[1] = a.v_stride[1] = s[0], a.k_stride[2] = a.v_stride[2] = s[1];
+    a.req_to_token = r2t->data, a.r2t_stride[0] = a.max_ctx, a.r2t_stride[1] = 1, a.r2t_dtype = dtype_of(r2t);
+    a.req_pool_indices = rpi->data, a.rpi_stride = 1, a.rpi_dtype = dtype_of(rpi);
+    a.kv_indptr = kvi->data, a.kv_indptr_stride = 1, a.kv_indptr_dtype = dtype_of(kvi);
+    a.qo_indptr = qoi->data, a.qo_indptr_stride = 1, a.qo_indptr_dtype = dtype_of(qoi);
+    a.causal = fc_attr(c, "is_causal", 0) != 0;
+    a.scale = (float)fc_attr(c, "scale", 1.0 / sqrt((double)(a.D > 0 ? a.D : 1)));
+    a.dtype = dtype_of(q), a.num_threads = g_threads;
+    int st = QK_OK;
+    if (numel(q) > 0 && a.B > 0) FC_RUN(st, c, attn_prefill, &a);
+    if (st == QK_E_INDEX) return attn_pool_error(c, a.bad_arg, a.bad_pos, a.bad_value);
+    return fc_status(c, st);
+}
+
+/* ---- the entry points XLA calls, one pair per row of the op table -------------------------- */
+
+/* XLA's metadata query (before the first call): the header's API version and the handler's traits. */
+static XLA_FFI_Error *fc_metadata(XLA_FFI_CallFrame *cf, unsigned traits) {
+    XLA_FFI_Metadata_Extension *ext = (XLA_FFI_Metadata_Extension *)cf->extension_start;
+    XLA_FFI_Metadata *m = ext->metadata;
+    if (ext->extension_base.struct_size < XLA_FFI_Metadata_Extension_STRUCT_SIZE ||
+        m->struct_size < XLA_FFI_Metadata_STRUCT_SIZE) {
+        XLA_FFI_Error_Create_Args a = {XLA_FFI_Error_Create_Args_STRUCT_SIZE, NULL,
+                                       "qkernels: XLA's FFI metadata structs are older than the headers qkernels was "
+                                       "built with; rebuild qkernels against this jaxlib",
+                                       XLA_FFI_Error_Code_FAILED_PRECONDITION};
+        return cf->api->XLA_FFI_Error_Create(&a);
+    }
+    m->api_version.struct_size = XLA_FFI_Api_Version_STRUCT_SIZE;
+    m->api_version.extension_start = NULL;
+    m->api_version.major_version = XLA_FFI_API_MAJOR;
+    m->api_version.minor_version = XLA_FFI_API_MINOR;
+    m->traits = traits;
+    m->state_type_id.type_id = 0; /* stateless */
+    return NULL;
+}
+
+static XLA_FFI_Error *fc_enter(XLA_FFI_CallFrame *cf, const char *op, int cuda, unsigned traits,
+                               XLA_FFI_Error *(*body)(fc *)) {
+    if (cf->extension_start && cf->extension_start->type == XLA_FFI_Extension_Metadata)
+        return fc_metadata(cf, traits);
+    fc c = {cf, op, cuda, NULL, NULL};
+    if (cf->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL; /* only the execute stage is registered */
+    if (cuda) {
+        if (!g_cuda)
+            return fc_fail(&c, XLA_FFI_Error_Code_FAILED_PRECONDITION, "the CUDA kernels are not loaded");
+        XLA_FFI_Stream_Get_Args sa = {XLA_FFI_Stream_Get_Args_STRUCT_SIZE, NULL, cf->ctx, NULL};
+        XLA_FFI_Error *e = cf->api->XLA_FFI_Stream_Get(&sa);
+        if (e) return e;
+        c.stream = sa.stream;
+    }
+    return body(&c);
+}
+
+#define QK_FFI_DEFINE(op, launcher, family, deciding)                                                       \
+    static XLA_FFI_Error *qk_ffi_##op##_cpu(XLA_FFI_CallFrame *cf) {                                       \
+        return fc_enter(cf, #op, 0, 0, ffi_##op);                                                          \
+    }                                                                                                      \
+    static XLA_FFI_Error *qk_ffi_##op##_cuda(XLA_FFI_CallFrame *cf) {                                      \
+        return fc_enter(cf, #op, 1, cb_##op, ffi_##op);                                                    \
+    }
+QK_OPS(QK_FFI_DEFINE)
+#undef QK_FFI_DEFINE
+
+/* _jax_handlers(cuda) -> {op: (cpu capsule, cuda capsule or None, command-buffer compatible)} */
+PyObject *qk_jax_handlers(PyObject *module, PyObject *cuda_obj) {
+    qk_state *st = qk_get_state(module);
+    const int want_cuda = PyObject_IsTrue(cuda_obj);
+    if (want_cuda < 0) return NULL;
+    g_threads = st->num_threads;
+    if (want_cuda && !(g_cuda = qk_cuda(st, "qkernels.jax"))) return NULL;
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+#define QK_FFI_ENTRY(op, launcher, family, deciding)                                                           \
+    {                                                                                                          \
+        PyObject *cpu = PyCapsule_New((void *)(uintptr_t)qk_ffi_##op##_cpu, NULL, NULL);                        \
+        PyObject *gpu = want_cuda ? PyCapsule_New((void *)(uintptr_t)qk_ffi_##op##_cuda, NULL, NULL)             \
+                                  : Py_NewRef(Py_None);                                                         \
+        PyObject *t = cpu && gpu ? Py_BuildValue("(OOO)", cpu, gpu, cb_##op ? Py_True : Py_False) : NULL;       \
+        Py_XDECREF(cpu);                                                                                       \
+        Py_XDECREF(gpu);                                                                                       \
+        if (!t || PyDict_SetItemString(d, #op, t) < 0) {                                                       \
+            Py_XDECREF(t);                                                                                     \
+            Py_DECREF(d);                                                                                      \
+            return NULL;                                                                                       \
+        }                                                                                                      \
+        Py_DECREF(t);                                                                                          \
+    }
+    QK_OPS(QK_FFI_ENTRY)
+#undef QK_FFI_ENTRY
+    return d;
+}

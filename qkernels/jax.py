@@ -1,0 +1,998 @@
+"""qkernels for JAX: every op of the C op table as an XLA custom call (XLA FFI), eager and under
+``jax.jit``, ``jax.grad`` and ``jax.vmap``.
+
+The ops take and return jax arrays, with the top-level op names and arguments minus ``out=``.
+Static arguments (``p``, ``training``, ``eps``, ``num_graphs``, ``interleaved``, ``scale``,
+``is_causal``, ``backend`` and the backward ops' flags) are Python values; dropout takes an explicit
+``seed`` (an int or an integer jax array: the same seed gives the same mask).  The handlers are C
+(csrc/ffi/handlers.c) and run the same launchers as the DLPack path.  See docs/jax.md.
+
+``import qkernels.jax`` imports jax; ``import qkernels`` does not.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_batching import custom_vmap
+
+from . import _C, _dispatch
+
+__all__ = list(_C.OPS) + ["explain", "registered"]
+
+if not hasattr(_C, "_jax_handlers"):
+    raise ImportError(
+        "qkernels.jax: this qkernels was built without its XLA FFI handlers (jaxlib's headers were not found at "
+        "build time).  Reinstall with JAX support: QKERNELS_JAX=1 pip install '.[jax]' (from the source checkout)")
+
+_PREFIX = "qkernels_"
+
+
+def _register():
+    """Register every handler with XLA once: cpu always, CUDA where qkernels' CUDA kernels load and
+    jax has a GPU platform."""
+    try:
+        gpu = bool(jax.devices("gpu"))
+    except RuntimeError:
+        gpu = False
+    cuda = gpu and _C.cuda_info()["available"]
+    handlers = _C._jax_handlers(cuda)
+    for op, (cpu_h, cuda_h, _) in handlers.items():
+        jax.ffi.register_ffi_target(_PREFIX + op, cpu_h, platform="cpu")
+        if cuda_h is not None:
+            jax.ffi.register_ffi_target(_PREFIX + op, cuda_h, platform="CUDA")
+    return {op: ("cpu",) + (("cuda",) if h[1] is not None else ()) for op, h in handlers.items()}
+
+
+_PLATFORMS = _register()
+
+
+def registered():
+    """{op: platforms its handler is registered on} (("cpu",) or ("cpu", "cuda"))."""
+    return dict(_PLATFORMS)
+
+
+# ---- dispatch: backend=, use_backend, the environment, resolved at trace time ------------------------
+
+_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(jnp.bfloat16): "bfloat16",
+                np.dtype(np.float64): "float64", np.dtype(np.int32): "int32", np.dtype(np.int64): "int64",
+                np.dtype(np.bool_): "bool"}
+
+
+def _device(x):
+    """cuda or cpu: where x lives, or for a tracer where jax will run the computation by default."""
+    try:
+        platform = next(iter(x.devices())).platform
+    except Exception:  # a tracer: no committed device; jax places it on the default device
+        default = jax.config.jax_default_device
+        platform = getattr(default, "platform", None) or (default if isinstance(default, str) else None) \
+            or jax.default_backend()
+    return "cuda" if platform in ("gpu", "cuda") else "cpu" if platform == "cpu" else platform
+
+
+def _axes(op, x, args, kwargs):
+    axes = {"framework": "jax", "device": _device(x), "dtype": _DTYPE_NAMES.get(np.dtype(x.dtype), str(x.dtype))}
+    extra = _dispatch.CALL_AXES.get(op)
+    if extra:
+        axes.update(extra(args, kwargs))
+    return axes
+
+
+def _decide(op, x, backend, args=(), kwargs=None):
+    return _dispatch.decide_axes(op, _axes(op, x, args, kwargs or {}), backend)
+
+
+def explain(op, *args, backend=None, **kwargs):
+    """The dispatcher's Decision for ``qkernels.jax.<op>(*args, **kwargs)`` (jax arrays or tracers)."""
+    if op not in _dispatch.OPS:
+        raise ValueError(f"explain: unknown op {op!r}; expected one of {', '.join(_dispatch.OPS)}")
+    _, idx, arg = _dispatch.OPS[op]
+    x = args[idx] if len(args) > idx else kwargs.get(arg)
+    return _decide(op, x, backend, args, kwargs)
+
+
+_plan_cache = {}
+
+
+def _platform(op, x, backend, args=(), kwargs=None):
+    """The handler platform (cpu or cuda) the dispatcher picks for this call; raises where none can
+    run it under XLA (a cpu selection for device data cannot stage through the host inside jit)."""
+    axes = _axes(op, x, args, kwargs or {})
+    env = _dispatch._env()  # the environment's selections: a new dict after reload_env()
+    key = (op, tuple(axes.items()), backend, _dispatch._ctx.get()[1])
+    hit = _plan_cache.get(key)
+    if hit is not None and hit[0] is env:
+        return hit[1]
+    d = _dispatch.decide_axes(op, axes, backend)
+    if d.winner is None:
+        raise _dispatch.ExplicitSelectionError(d.error)
+    if not any(status == "MATCH" for _, status, _ in d.candidates):
+        raise TypeError(f"{op}: no backend takes {axes['dtype']} on {axes['device']} "
+                        f"({'; '.join(f'{b}: {why}' for b, _, why in d.candidates)})")
+    if d.winner == "flash" or (d.winner == "cpu" and axes["device"] != "cpu"):
+        raise _dispatch.ExplicitSelectionError(
+            f"{op}: backend '{d.winner}' ({d.origin}) cannot run inside XLA on {axes['device']}: under jax the "
+            f"op runs where its arrays live (cpu handlers for cpu arrays, cuda handlers for GPU arrays)")
+    if d.winner == "cuda" and "cuda" not in _PLATFORMS[op]:
+        raise _dispatch.ExplicitSelectionError(f"{op}: qkernels' CUDA handlers are not registered "
+                                               f"(qkernels.info()['cuda_reason'])")
+    if len(_plan_cache) > 4096:
+        _plan_cache.clear()
+    _plan_cache[key] = (env, d.winner)
+    return d.winner
+
+
+# ---- the custom calls -------------------------------------------------------------------------------
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(tuple(int(s) for s in shape), dtype)
+
+
+def _ffi(op, results, *arrays, aliases=None, **attrs):
+    """One custom call of handler `op`; a result list gives a tuple.  Unbatchable calls vmap
+    sequentially (one call per element): ops with a folding rule never get here batched."""
+    call = jax.ffi.ffi_call(_PREFIX + op, results, vmap_method="sequential", input_output_aliases=aliases)
+    return call(*arrays, **attrs)
+
+
+def _err(kind, op, msg):
+    return kind(f"{op}: {msg}")
+
+
+def _check(cond, kind, op, msg):
+    if not cond:
+        raise _err(kind, op, msg)
+
+
+_FLOATS = ("float32", "float16", "bfloat16")
+
+
+def _dt(a):
+    return _DTYPE_NAMES.get(np.dtype(a.dtype), str(a.dtype))
+
+
+def _need_float(op, name, a, allowed=_FLOATS):
+    _check(_dt(a) in allowed, TypeError, op, f"{name} must be {', '.join(allowed)}, got {_dt(a)}")
+
+
+def _need_index(op, name, a):
+    _check(_dt(a) in ("int32", "int64"), TypeError, op, f"{name} must be int32 or int64, got {_dt(a)}")
+
+
+def _need_rank(op, name, a, ndim, layout):
+    _check(a.ndim == ndim, ValueError, op, f"{name} must have {ndim} dimensions {layout}, got shape {tuple(a.shape)}")
+
+
+def _need_dim(op, name, a, dim, size, layout):
+    _check(a.shape[dim] == size, ValueError, op, f"{name} must have shape {layout}, got {tuple(a.shape)}")
+
+
+def _same_dtype(op, name, a, owner, ref):
+    _check(a.dtype == ref.dtype, TypeError, op, f"{name} must have {owner} dtype {_dt(ref)}, got {_dt(a)}")
+
+
+def _arr(a):
+    return a if isinstance(a, jax.Array) else jnp.asarray(a)
+
+
+def _fold(raw, rule):
+    """raw(*arrays) with a vmap rule: rule(axis_size, in_batched, *arrays) -> out with the batch
+    leading, or None to fall back to one call per batch element."""
+    f = custom_vmap(raw)
+
+    @f.def_vmap
+    def _(axis_size, in_batched, *arrays):
+        out = rule(axis_size, in_batched, *arrays)
+        if out is None:
+            arrays = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, b in zip(arrays, in_batched)]
+            out = jax.lax.map(lambda xs: raw(*xs), arrays)
+        return out, jax.tree_util.tree_map(lambda _: True, out)
+
+    return f
+
+
+# ---- sparse_aggregate ---------------------------------------------------------------------------
+
+def _check_sa(op, row_ptr, col_idx, edge_weight, node_feat):
+    _need_rank(op, "row_ptr", row_ptr, 1, "[N_dst + 1]")
+    _need_rank(op, "col_idx", col_idx, 1, "[E]")
+    _need_rank(op, "edge_weight", edge_weight, 2, "[E, H]")
+    _need_rank(op, "node_feat", node_feat, 3, "[N_src, H, D]")
+    _need_index(op, "row_ptr", row_ptr)
+    _need_index(op, "col_idx", col_idx)
+    _check(col_idx.dtype == row_ptr.dtype, TypeError, op, f"col_idx must have the same dtype as row_ptr "
+           f"({_dt(row_ptr)}), got {_dt(col_idx)}")
+    _need_float(op, "node_feat", node_feat)
+    _same_dtype(op, "edge_weight", edge_weight, "node_feat's", node_feat)
+    _check(row_ptr.shape[0] >= 1, ValueError, op, "row_ptr must have shape [N_dst + 1] with at least one element")
+    layout = f"[E, H] = [{col_idx.shape[0]}, {node_feat.shape[1]}]"
+    _need_dim(op, "edge_weight", edge_weight, 0, col_idx.shape[0], layout)
+    _need_dim(op, "edge_weight", edge_weight, 1, node_feat.shape[1], layout)
+
+
+def _sa_raw(row_ptr, col_idx, ew, nf):
+    out = _sds((row_ptr.shape[0] - 1,) + nf.shape[1:], nf.dtype)
+    return _ffi("sparse_aggregate", out, row_ptr, col_idx, ew, nf)
+
+
+def _sa_heads(axis_size, in_batched, *arrays):
+    """vmap over edge_weight/node_feat: the batch folds into the heads ([E, V*H], [N, V*H, D])."""
+    row_ptr, col_idx, ew, nf = arrays
+    if in_batched[0] or in_batched[1]:
+        return None
+    ew = ew if in_batched[2] else jnp.broadcast_to(ew, (axis_size,) + ew.shape)
+    nf = nf if in_batched[3] else jnp.broadcast_to(nf, (axis_size,) + nf.shape)
+    V, E, H = ew.shape
+    out = _sa_raw(row_ptr, col_idx, jnp.moveaxis(ew, 0, 1).reshape(E, V * H),
+                  jnp.moveaxis(nf, 0, 1).reshape(nf.shape[1], V * H, nf.shape[3]))
+    return jnp.moveaxis(out.reshape(out.shape[0], V, H, out.shape[2]), 1, 0)
+
+
+_sa_call = _fold(_sa_raw, _sa_heads)
+
+
+def _sa_bwd_raw(g, row_ptr, col_idx, ew, nf, want_ew=True, want_nf=True, deterministic=True):
+    outs = [_sds(ew.shape if want_ew else (0,), ew.dtype), _sds(nf.shape if want_nf else (0,), nf.dtype)]
+    return tuple(_ffi("sparse_aggregate_backward", outs, g, row_ptr, col_idx, ew, nf, edge_weight_grad=bool(want_ew),
+                      node_feat_grad=bool(want_nf), deterministic=bool(deterministic)))
+
+
+@jax.custom_vjp
+def _sa_diff(row_ptr, col_idx, ew, nf):
+    return _sa_call(row_ptr, col_idx, ew, nf)
+
+
+def _sa_fwd(row_ptr, col_idx, ew, nf):
+    return _sa_call(row_ptr, col_idx, ew, nf), (row_ptr, col_idx, ew, nf)
+
+
+def _sa_bwd(res, g):
+    gw, gn = _sa_bwd_raw(g, *res)
+    return None, None, gw, gn
+
+
+_sa_diff.defvjp(_sa_fwd, _sa_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("platform",))
+def _sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, platform):
+    return _sa_diff(row_ptr, col_idx, edge_weight, node_feat)
+
+
+def sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, *, backend=None):
+    """Multi-head CSR SpMM: out[i,h,:] = sum over e in [row_ptr[i], row_ptr[i+1]) of edge_weight[e,h] *
+    node_feat[col_idx[e],h,:] -> [N_dst, H, D].  Differentiable in edge_weight and node_feat."""
+    op = "sparse_aggregate"
+    row_ptr, col_idx, edge_weight, node_feat = map(_arr, (row_ptr, col_idx, edge_weight, node_feat))
+    _check_sa(op, row_ptr, col_idx, edge_weight, node_feat)
+    return _sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat,
+                             platform=_platform(op, node_feat, backend))
+
+
+@functools.partial(jax.jit, static_argnames=("want_ew", "want_nf", "deterministic", "platform"))
+def _sparse_aggregate_backward(g, row_ptr, col_idx, ew, nf, want_ew, want_nf, deterministic, platform):
+    return _sa_bwd_raw(g, row_ptr, col_idx, ew, nf, want_ew, want_nf, deterministic)
+
+
+def sparse_aggregate_backward(grad_out, row_ptr, col_idx, edge_weight, node_feat, *, edge_weight_grad=True,
+                              node_feat_grad=True, deterministic=True, backend=None):
+    """(grad_edge_weight or None, grad_node_feat or None) of sparse_aggregate for grad_out [N_dst, H, D]."""
+    op = "sparse_aggregate_backward"
+    args = tuple(map(_arr, (grad_out, row_ptr, col_idx, edge_weight, node_feat)))
+    _check_sa(op, *args[1:])
+    g, nf = args[0], args[4]
+    _need_rank(op, "grad_out", g, 3, "[N_dst, H, D]")
+    _same_dtype(op, "grad_out", g, "node_feat's", nf)
+    want = (args[1].shape[0] - 1,) + tuple(nf.shape[1:])
+    _check(tuple(g.shape) == want, ValueError, op, f"grad_out must have shape [N_dst, H, D] = {list(want)}, "
+           f"got {tuple(g.shape)}")
+    gw, gn = _sparse_aggregate_backward(*args, want_ew=bool(edge_weight_grad), want_nf=bool(node_feat_grad),
+                                        deterministic=bool(deterministic), platform=_platform(op, g, backend))
+    return (gw if edge_weight_grad else None), (gn if node_feat_grad else None)
+
+
+# ---- fused_edge_features ------------------------------------------------------------------------
+
+def _check_fe(op, x, edge_index, edge_attr=None):
+    _need_rank(op, "x", x, 2, "[N, H]")
+    _need_rank(op, "edge_index", edge_index, 2, "[2, E]")
+    _need_index(op, "edge_index", edge_index)
+    _need_float(op, "x", x)
+    _need_dim(op, "edge_index", edge_index, 0, 2, "[2, E]")
+    if edge_attr is not None:
+        layout = f"[E, H] = [{edge_index.shape[1]}, {x.shape[1]}]"
+        _need_rank(op, "edge_attr", edge_attr, 2, layout)
+        _same_dtype(op, "edge_attr", edge_attr, "x's", x)
+        _need_dim(op, "edge_attr", edge_attr, 0, edge_index.shape[1], layout)
+        _need_dim(op, "edge_attr", edge_attr, 1, x.shape[1], layout)
+
+
+def _fe_raw(x, ei, *attr):
+    out = _sds((ei.shape[1], (2 + len(attr)) * x.shape[1]), x.dtype)
+    return _ffi("fused_edge_features", out, x, ei, *attr)
+
+
+def _fe_fold(axis_size, in_batched, x, ei, *attr):
+    """vmap over x (and edge_attr): the batch folds into the channels ([N, V*H])."""
+    if in_batched[1]:
+        return None
+    V, (N, H) = axis_size, x.shape[-2:]
+    x = x if in_batched[0] else jnp.broadcast_to(x, (V, N, H))
+    folded = [jnp.moveaxis(x, 0, 1).reshape(N, V * H)]
+    if attr:
+        a = attr[0] if in_batched[2] else jnp.broadcast_to(attr[0], (V,) + attr[0].shape)
+        folded.append(jnp.moveaxis(a, 0, 1).reshape(a.shape[1], V * H))
+    out = _fe_raw(folded[0], ei, *folded[1:])  # [E, parts * V * H]
+    E, parts = out.shape[0], 2 + len(attr)
+    return jnp.transpose(out.reshape(E, parts, V, H), (2, 0, 1, 3)).reshape(V, E, parts * H)
+
+
+_fe_call = _fold(_fe_raw, _fe_fold)
+
+
+def _fe_bwd_raw(g, x, ei):
+    H, E = x.shape[1], ei.shape[1]
+    outs = [_sds(x.shape, x.dtype), _sds((E, H) if g.shape[1] == 3 * H and H > 0 else (0,), x.dtype)]
+    return tuple(_ffi("fused_edge_features_backward", outs, g, x, ei))
+
+
+@jax.custom_vjp
+def _fe_diff(x, ei, *attr):
+    return _fe_call(x, ei, *attr)
+
+
+def _fe_fwd(x, ei, *attr):
+    return _fe_call(x, ei, *attr), (x, ei)
+
+
+def _fe_bwd(res, g):
+    x, ei = res
+    gx, ga = _fe_bwd_raw(g, x, ei)
+    return (gx, None) + ((ga,) if g.shape[1] == 3 * x.shape[1] else ())
+
+
+_fe_diff.defvjp(_fe_fwd, _fe_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("platform",))
+def _fused_edge_features(x, ei, *attr, platform):
+    return _fe_diff(x, ei, *attr)
+
+
+def fused_edge_features(x, edge_index, edge_attr=None, *, backend=None):
+    """[x[src] + x[dst], |x[src] - x[dst]|, edge_attr] -> [E, 3H] (or [E, 2H] without edge_attr).
+    Differentiable in x and edge_attr."""
+    op = "fused_edge_features"
+    x, edge_index = _arr(x), _arr(edge_index)
+    attr = () if edge_attr is None else (_arr(edge_attr),)
+    _check_fe(op, x, edge_index, *attr)
+    return _fused_edge_features(x, edge_index, *attr, platform=_platform(op, x, backend))
+
+
+@functools.partial(jax.jit, static_argnames=("platform",))
+def _fused_edge_features_backward(g, x, ei, platform):
+    return _fe_bwd_raw(g, x, ei)
+
+
+def fused_edge_features_backward(grad_out, x, edge_index, *, backend=None):
+    """(grad_x [N, H], grad_edge_attr [E, H] or None) for grad_out [E, 3H] (with edge_attr) or [E, 2H]."""
+    op = "fused_edge_features_backward"
+    g, x, edge_index = map(_arr, (grad_out, x, edge_index))
+    _check_fe(op, x, edge_index)
+    _need_rank(op, "grad_out", g, 2, "[E, 2H or 3H]")
+    _same_dtype(op, "grad_out", g, "x's", x)
+    H = x.shape[1]
+    _check(g.shape[0] == edge_index.shape[1] and g.shape[1] in (2 * H, 3 * H), ValueError, op,
+           f"grad_out must have shape [E, 2H] or [E, 3H] with E = {edge_index.shape[1]}, H = {H}, got {tuple(g.shape)}")
+    gx, ga = _fused_edge_features_backward(g, x, edge_index, platform=_platform(op, g, backend))
+    return gx, (ga if g.shape[1] == 3 * H else None)
+
+
+# ---- fused_norm_residual ------------------------------------------------------------------------
+
+def _seed_words(op, seed, needed):
+    """seed as uint32 [2] (low word first: the bytes of the int64 the kernels read)."""
+    if seed is None:
+        _check(not needed, ValueError, op, "training with p > 0 needs an explicit seed in JAX (an int or an integer "
+               "array; the same seed gives the same mask)")
+        return jnp.zeros((2,), jnp.uint32)
+    if isinstance(seed, (int, np.integer)):
+        s = int(seed) & (2**64 - 1)
+        return jnp.asarray(np.array([s & 0xFFFFFFFF, s >> 32], np.uint32))
+    s = jnp.asarray(seed)
+    _check(jnp.issubdtype(s.dtype, jnp.integer) and s.size == 1, TypeError, op,
+           f"seed must be an int or a one-element integer array, got {s.dtype}{list(s.shape)}")
+    s = s.reshape(())
+    lo = s.astype(jnp.uint32)
+    if s.dtype.itemsize == 8:
+        hi = (s >> 32).astype(jnp.uint32)
+    elif jnp.issubdtype(s.dtype, jnp.signedinteger):  # sign-extended to the int64 the kernels read
+        hi = jnp.where(s < 0, jnp.uint32(0xFFFFFFFF), jnp.uint32(0))
+    else:
+        hi = jnp.uint32(0)
+    return jnp.stack([lo, hi])
+
+
+def _check_nr(op, x, gamma, others=(), batch=None, num_graphs=None):
+    _need_rank(op, "x", x, 2, "[R, H]")
+    _need_rank(op, "gamma", gamma, 1, "[H]")
+    _need_float(op, "x", x)
+    R, H = x.shape
+    for name, a in others:
+        _need_rank(op, name, a, 2, "[R, H]")
+        _same_dtype(op, name, a, "x's", x)
+        _need_dim(op, name, a, 0, R, f"[R, H] = [{R}, {H}]")
+        _need_dim(op, name, a, 1, H, f"[R, H] = [{R}, {H}]")
+    _same_dtype(op, "gamma", gamma, "x's", x)
+    _need_dim(op, "gamma", gamma, 0, H, f"[H] = [{H}]")
+    if batch is None:
+        _check(num_graphs is None, ValueError, op, "num_graphs is given without batch")
+    else:
+        _check(num_graphs is not None, ValueError, op, "batch needs num_graphs (the number of graphs, an int >= 1)")
+        _check(isinstance(num_graphs, (int, np.integer)) and not isinstance(num_graphs, bool), TypeError, op,
+               f"num_graphs must be an int, got {type(num_graphs).__name__}")
+        _check(num_graphs >= 1, ValueError, op, f"num_graphs must be >= 1, got {num_graphs}")
+        _need_rank(op, "batch", batch, 1, "[R]")
+        _need_index(op, "batch", batch)
+        _need_dim(op, "batch", batch, 0, R, f"[R] = [{R}]")
+
+
+def _nr_attrs(p, training, eps, num_graphs):
+    return dict(p=np.float64(p), training=bool(training), eps=np.float32(eps), num_graphs=np.int64(num_graphs or 0))
+
+
+def _nr_raw(x, residual, gamma, beta, seed, *batch, p, training, eps, num_graphs):
+    return _ffi("fused_norm_residual", _sds(x.shape, x.dtype), x, residual, gamma, beta, seed, *batch,
+                **_nr_attrs(p, training, eps, num_graphs))
+
+
+def _nr_bwd_raw(g, x, gamma, seed, *batch, p, training, eps, num_graphs):
+    outs = [_sds(x.shape, x.dtype), _sds(gamma.shape, gamma.dtype), _sds(gamma.shape, gamma.dtype)]
+    return tuple(_ffi("fused_norm_residual_backward", outs, g, x, gamma, seed, *batch,
+                      **_nr_attrs(p, training, eps, num_graphs)))
+
+
+def _nr_call(static):
+    raw = functools.partial(_nr_raw, **static)
+
+    def rows(axis_size, in_batched, x, residual, gamma, beta, seed, *batch):
+        """Row mode without dropout, gamma and beta unbatched: the batch folds into the rows."""
+        if batch or (static["training"] and static["p"] > 0) or in_batched[2] or in_batched[3] or in_batched[4]:
+            return None
+        V = axis_size
+        x = x if in_batched[0] else jnp.broadcast_to(x, (V,) + x.shape)
+        residual = residual if in_batched[1] else jnp.broadcast_to(residual, (V,) + residual.shape)
+        out = raw(x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1]), gamma, beta, seed)
+        return out.reshape(x.shape)
+
+    return _fold(raw, rows)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _nr_diff(static, x, residual, gamma, beta, seed, *batch):
+    return _nr_call(dict(static))(x, residual, gamma, beta, seed, *batch)
+
+
+def _nr_fwd(static, x, residual, gamma, beta, seed, *batch):
+    return _nr_call(dict(static))(x, residual, gamma, beta, seed, *batch), (x, gamma, seed, batch)
+
+
+def _nr_bwd(static, res, g):
+    x, gamma, seed, batch = res
+    gx, gg, gb = _nr_bwd_raw(g, x, gamma, seed, *batch, **dict(static))
+    return (gx, g, gg, gb, None) + (None,) * len(batch)
+
+
+_nr_diff.defvjp(_nr_fwd, _nr_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("static", "platform"))
+def _fused_norm_residual(x, residual, gamma, beta, seed, *batch, static, platform):
+    return _nr_diff(static, x, residual, gamma, beta, seed, *batch)
+
+
+def _nr_static(p, training, eps, num_graphs):
+    return (("p", float(p)), ("training", bool(training)), ("eps", float(eps)), ("num_graphs", num_graphs))
+
+
+def fused_norm_residual(x, residual, gamma, beta, *, p=0.0, training=False, eps=1e-5, seed=None, batch=None,
+                        num_graphs=None, backend=None):
+    """LayerNorm(x) * gamma + beta (per row, or per graph with batch/num_graphs), dropout p when
+    training (mask from seed: explicit in JAX), + residual.  Differentiable in x, residual, gamma, beta."""
+    op = "fused_norm_residual"
+    x, residual, gamma, beta = map(_arr, (x, residual, gamma, beta))
+    batch = None if batch is None else _arr(batch)
+    _check_nr(op, x, gamma, (("residual", residual),), batch, num_graphs)
+    _check(beta.ndim == 1 and beta.shape[0] == x.shape[1] and beta.dtype == x.dtype, ValueError, op,
+           f"beta must be [H] = [{x.shape[1]}] of x's dtype, got {_dt(beta)}{list(beta.shape)}")
+    _check(0.0 <= p <= 1.0, ValueError, op, f"p must be in [0, 1], got {p}")
+    s = _seed_words(op, seed, training and p > 0)
+    return _fused_norm_residual(x, residual, gamma, beta, s, *(() if batch is None else (batch,)),
+                                static=_nr_static(p, training, eps, num_graphs), platform=_platform(op, x, backend))
+
+
+@functools.partial(jax.jit, static_argnames=("static", "platform"))
+def _fused_norm_residual_backward(g, x, gamma, seed, *batch, static, platform):
+    return _nr_bwd_raw(g, x, gamma, seed, *batch, **dict(static))
+
+
+def fused_norm_residual_backward(grad_out, x, gamma, *, p=0.0, training=False, eps=1e-5, seed=None, batch=None,
+                                 num_graphs=None, backend=None):
+    """(grad_x, grad_gamma, grad_beta) of fused_norm_residual (the residual's gradient is grad_out)."""
+    op = "fused_norm_residual_backward"
+    g, x, gamma = map(_arr, (grad_out, x, gamma))
+    batch = None if batch is None else _arr(batch)
+    _check_nr(op, x, gamma, (("grad_out", g),), batch, num_graphs)
+    s = _seed_words(op, seed, training and p > 0)
+    return _fused_norm_residual_backward(g, x, gamma, s, *(() if batch is None else (batch,)),
+                                         static=_nr_static(p, training, eps, num_graphs),
+                                         platform=_platform(op, g, backend))
+
+
+# ---- graph_norm_bce -----------------------------------------------------------------------------
+
+def _check_gb(op, logits, target, edge_graph, num_graphs, pos_weight):
+    _need_rank(op, "logits", logits, 1, "[E]")
+    _need_rank(op, "target", target, 1, "[E]")
+    _need_rank(op, "edge_graph", edge_graph, 1, "[E]")
+    _need_index(op, "edge_graph", edge_graph)
+    _need_float(op, "logits", logits)
+    _same_dtype(op, "target", target, "logits'", logits)
+    E = logits.shape[0]
+    _need_dim(op, "target", target, 0, E, f"[E] = [{E}]")
+    _need_dim(op, "edge_graph", edge_graph, 0, E, f"[E] = [{E}]")
+    _check(isinstance(num_graphs, (int, np.integer)) and not isinstance(num_graphs, bool), TypeError, op,
+           f"num_graphs must be an int, got {type(num_graphs).__name__}")
+    _check(num_graphs >= 1, ValueError, op, f"num_graphs must be >= 1, got {num_graphs}")
+    if pos_weight is not None and not isinstance(pos_weight, (int, float)):
+        _check(pos_weight.size in (1, E) and pos_weight.ndim <= 1, ValueError, op,
+               f"pos_weight must be a float, one value or [E] = [{E}], got shape {tuple(pos_weight.shape)}")
+        _check(pos_weight.dtype in (np.dtype(np.float32), logits.dtype), TypeError, op,
+               f"pos_weight must be float32 or logits' dtype, got {_dt(pos_weight)}")
+
+
+def _gb_attrs(num_graphs, pos_weight):
+    scalar = isinstance(pos_weight, (int, float))
+    return dict(num_graphs=np.int64(num_graphs), pos_weight=np.float32(pos_weight if scalar else 1.0),
+                has_pos_weight=pos_weight is not None)
+
+
+def _gb_raw(logits, target, edge_graph, *pw, num_graphs, pos_weight):
+    return _ffi("graph_norm_bce", _sds((), jnp.float32), logits, target, edge_graph, *pw,
+                **_gb_attrs(num_graphs, pos_weight))
+
+
+def _gb_bwd_raw(g, logits, target, edge_graph, *pw, num_graphs, pos_weight):
+    return _ffi("graph_norm_bce_backward", _sds(logits.shape, logits.dtype), g.astype(jnp.float32).reshape(()),
+                logits, target, edge_graph, *pw, **_gb_attrs(num_graphs, pos_weight))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gb_diff(static, logits, target, edge_graph, *pw):
+    return _gb_raw(logits, target, edge_graph, *pw, **dict(static))
+
+
+def _gb_fwd(static, logits, target, edge_graph, *pw):
+    return _gb_raw(logits, target, edge_graph, *pw, **dict(static)), (logits, target, edge_graph, pw)
+
+
+def _gb_bwd(static, res, g):
+    logits, target, edge_graph, pw = res
+    return (_gb_bwd_raw(g, logits, target, edge_graph, *pw, **dict(static)), None, None) + (None,) * len(pw)
+
+
+_gb_diff.defvjp(_gb_fwd, _gb_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("static", "platform"))
+def _graph_norm_bce(logits, target, edge_graph, *pw, static, platform):
+    return _gb_diff(static, logits, target, edge_graph, *pw)
+
+
+def _gb_split(pos_weight):
+    if pos_weight is None or isinstance(pos_weight, (int, float)):
+        return None if pos_weight is None else float(pos_weight), ()
+    pw = _arr(pos_weight)
+    return "tensor", (pw.reshape(-1),)
+
+
+def graph_norm_bce(logits, target, edge_graph, num_graphs, *, pos_weight=None, backend=None):
+    """The mean over graphs of each graph's mean BCE-with-logits over its edges: a float32 scalar.
+    Differentiable in logits."""
+    op = "graph_norm_bce"
+    logits, target, edge_graph = map(_arr, (logits, target, edge_graph))
+    pw_static, pw = _gb_split(pos_weight)
+    _check_gb(op, logits, target, edge_graph, num_graphs, pw[0] if pw else pw_static)
+    static = (("num_graphs", int(num_graphs)), ("pos_weight", pw_static))
+    return _graph_norm_bce(logits, target, edge_graph, *pw, static=static, platform=_platform(op, logits, backend))
+
+
+@functools.partial(jax.jit, static_argnames=("static", "platform"))
+def _graph_norm_bce_backward(g, logits, target, edge_graph, *pw, static, platform):
+    return _gb_bwd_raw(g, logits, target, edge_graph, *pw, **dict(static))
+
+
+def graph_norm_bce_backward(grad, logits, target, edge_graph, num_graphs, *, pos_weight=None, backend=None):
+    """d graph_norm_bce / d logits times grad (one float32 element)."""
+    op = "graph_norm_bce_backward"
+    grad, logits, target, edge_graph = map(_arr, (grad, logits, target, edge_graph))
+    pw_static, pw = _gb_split(pos_weight)
+    _check_gb(op, logits, target, edge_graph, num_graphs, pw[0] if pw else pw_static)
+    _check(grad.size == 1 and grad.ndim <= 1, ValueError, op, f"grad must hold one element, got shape {grad.shape}")
+    _check(grad.dtype == np.float32, TypeError, op, f"grad must be float32 (the loss's dtype), got {_dt(grad)}")
+    static = (("num_graphs", int(num_graphs)), ("pos_weight", pw_static))
+    return _graph_norm_bce_backward(grad, logits, target, edge_graph, *pw, static=static,
+                                    platform=_platform(op, grad, backend))
+
+
+# ---- rotary_emb ---------------------------------------------------------------------------------
+
+_DENSE = ("float32", "float16", "bfloat16")
+
+
+def _check_ro(op, name, x, f):
+    _check(x.ndim in (3, 4), ValueError, op, f"{name} must have 3 or 4 dimensions [T, H, D] or [B, S, H, D], "
+           f"got shape {tuple(x.shape)}")
+    _need_float(op, name, x, _DENSE)
+    _check(f.dtype == np.float32, TypeError, op, f"freqs_cis must be float32, got {_dt(f)}")
+    D = x.shape[-1]
+    _check(D % 2 == 0, ValueError, op, f"{name}'s last dimension D = {D} must be even (pairs are rotated)")
+    want = (tuple(x.shape[:2]) if x.ndim == 4 else (x.shape[0],)) + (D // 2, 2)
+    _check(tuple(f.shape) == want, ValueError, op, f"freqs_cis must have shape {list(want)}, got {tuple(f.shape)}")
+
+
+def _ro_raw(x, f, interleaved, inverse):
+    """x, f 4-D ([B, S, H, D], [B or 1, S, D/2, 2])."""
+    return _ffi("rotary_emb_backward" if inverse else "rotary_emb", _sds(x.shape, x.dtype), x, f,
+                interleaved=bool(interleaved))
+
+
+def _ro_call(interleaved, inverse):
+    raw = functools.partial(_ro_raw, interleaved=interleaved, inverse=inverse)
+
+    def heads(axis_size, in_batched, x, f):
+        """vmap over x alone: the batch folds into the heads ([B, S, V*H, D])."""
+        if in_batched[1]:
+            return None
+        V, (B, S, H, D) = axis_size, x.shape[1:]
+        out = raw(jnp.moveaxis(x, 0, 3).reshape(B, S, V * H, D), f)
+        return jnp.moveaxis(out.reshape(B, S, H, V, D), 3, 0)
+
+    return _fold(raw, heads)
+
+
+def _ro4(x, f):
+    return (x[None], f[None]) if x.ndim == 3 else (x, f)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ro_diff(interleaved, x, f):
+    x4, f4 = _ro4(x, f)
+    return _ro_call(interleaved, False)(x4, f4).reshape(x.shape)
+
+
+def _ro_fwd(interleaved, x, f):
+    return _ro_diff(interleaved, x, f), f
+
+
+def _ro_bwd(interleaved, f, g):
+    g4, f4 = _ro4(g, f)
+    return _ro_call(interleaved, True)(g4, f4).reshape(g.shape), None
+
+
+_ro_diff.defvjp(_ro_fwd, _ro_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("interleaved", "platform"))
+def _rotary_emb(x, f, interleaved, platform):
+    return _ro_diff(interleaved, x, f)
+
+
+def rotary_emb(x, freqs_cis, *, interleaved=True, backend=None):
+    """Rotary position embedding of x [T, H, D] or [B, S, H, D] by freqs_cis float32 [T, D/2, 2] or
+    [B, S, D/2, 2] ((cos, sin) per pair).  Differentiable in x."""
+    op = "rotary_emb"
+    x, f = _arr(x), _arr(freqs_cis)
+    _check_ro(op, "x", x, f)
+    return _rotary_emb(x, f, interleaved=bool(interleaved), platform=_platform(op, x, backend))
+
+
+@functools.partial(jax.jit, static_argnames=("interleaved", "platform"))
+def _rotary_emb_backward(g, f, interleaved, platform):
+    g4, f4 = _ro4(g, f)
+    return _ro_call(interleaved, True)(g4, f4).reshape(g.shape)
+
+
+def rotary_emb_backward(grad_out, freqs_cis, *, interleaved=True, backend=None):
+    """rotary_emb's gradient with respect to x: grad_out rotated by the negated angles."""
+    op = "rotary_emb_backward"
+    g, f = _arr(grad_out), _arr(freqs_cis)
+    _check_ro(op, "grad_out", g, f)
+    return _rotary_emb_backward(g, f, interleaved=bool(interleaved), platform=_platform(op, g, backend))
+
+
+# ---- linear and swiglu --------------------------------------------------------------------------
+
+def _check_ln(op, x, weights, bias=None, grad_out=None):
+    _check(x.ndim >= 1, ValueError, op, "x must have at least one dimension [*, K]")
+    _need_float(op, "x", x, _DENSE)
+    K = x.shape[-1]
+    N = None
+    for name, w in weights:
+        _need_rank(op, name, w, 2, "[N, K]")
+        _same_dtype(op, name, w, "x's", x)
+        N = w.shape[0] if N is None else N
+        _check(tuple(w.shape) == (N, K), ValueError, op, f"{name} must have shape [N, K] = [{N}, {K}], got "
+               f"{tuple(w.shape)}")
+    if bias is not None:
+        _check(bias.ndim == 1 and bias.shape[0] == N, ValueError, op, f"bias must have shape [N] = [{N}], got "
+               f"{tuple(bias.shape)}")
+        _same_dtype(op, "bias", bias, "x's", x)
+    if grad_out is not None:
+        want = tuple(x.shape[:-1]) + (N,)
+        _check(tuple(grad_out.shape) == want, ValueError, op, f"grad_out must have shape {list(want)} (x's leading "
+               f"dimensions, then N = {N}), got {tuple(grad_out.shape)}")
+        _same_dtype(op, "grad_out", grad_out, "x's", x)
+
+
+def _ln_raw(x, w, *third, swiglu):
+    return _ffi("swiglu" if swiglu else "linear", _sds((x.shape[0], w.shape[0]), x.dtype), x, w, *third)
+
+
+def _ln_call(swiglu):
+    raw = functools.partial(_ln_raw, swiglu=swiglu)
+
+    def rows(axis_size, in_batched, x, *rest):
+        """vmap over x alone: the batch folds into the rows."""
+        if any(in_batched[1:]):
+            return None
+        out = raw(x.reshape(-1, x.shape[-1]), *rest)
+        return out.reshape(x.shape[:-1] + out.shape[-1:])
+
+    return _fold(raw, rows)
+
+
+def _lb_raw(g, x, w, *gate, want_x=True, want_w=True, want_b=False):
+    swiglu = bool(gate)
+    N, K = w.shape
+    outs = [_sds(x.shape if want_x else (0,), x.dtype), _sds((N, K) if want_w else (0,), x.dtype),
+            _sds((N, K) if swiglu and want_w else (N,) if want_b else (0,), x.dtype)]
+    return tuple(_ffi("swiglu_backward" if swiglu else "linear_backward", outs, g, x, w, *gate, x_grad=bool(want_x),
+                      weight_grad=bool(want_w), bias_grad=bool(want_b)))
+
+
+def _rows2(a):
+    return a.reshape(-1, a.shape[-1])
+
+
+@jax.custom_vjp
+def _ln_diff(x, w, *bias):
+    return _ln_call(False)(_rows2(x), w, *bias).reshape(x.shape[:-1] + w.shape[:1])
+
+
+def _ln_fwd(x, w, *bias):
+    return _ln_diff(x, w, *bias), (x, w, bias)
+
+
+def _ln_bwd(res, g):
+    x, w, bias = res
+    gx, gw, gb = _lb_raw(_rows2(g), _rows2(x), w, want_b=bool(bias))
+    return (gx.reshape(x.shape), gw) + ((gb,) if bias else ())
+
+
+_ln_diff.defvjp(_ln_fwd, _ln_bwd)
+
+
+@jax.custom_vjp
+def _sw_diff(x, up, gate):
+    return _ln_call(True)(_rows2(x), up, gate).reshape(x.shape[:-1] + up.shape[:1])
+
+
+def _sw_fwd(x, up, gate):
+    return _sw_diff(x, up, gate), (x, up, gate)
+
+
+def _sw_bwd(res, g):
+    x, up, gate = res
+    gx, gu, gg = _lb_raw(_rows2(g), _rows2(x), up, gate)
+    return gx.reshape(x.shape), gu, gg
+
+
+_sw_diff.defvjp(_sw_fwd, _sw_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("platform",))
+def _linear(x, w, *bias, platform):
+    return _ln_diff(x, w, *bias)
+
+
+@functools.partial(jax.jit, static_argnames=("platform",))
+def _swiglu(x, up, gate, platform):
+    return _sw_diff(x, up, gate)
+
+
+def linear(x, weight, bias=None, *, backend=None):
+    """x @ weight^T + bias: x [*, K], weight [N, K], bias [N] -> [*, N].  Differentiable in all three."""
+    op = "linear"
+    x, weight = _arr(x), _arr(weight)
+    bias = () if bias is None else (_arr(bias),)
+    _check_ln(op, x, (("weight", weight),), *bias)
+    return _linear(x, weight, *bias, platform=_platform(op, x, backend))
+
+
+def swiglu(x, up_weight, gate_weight, *, backend=None):
+    """linear(x, up_weight) * silu(linear(x, gate_weight)) -> [*, N].  Differentiable in all three."""
+    op = "swiglu"
+    x, up, gate = map(_arr, (x, up_weight, gate_weight))
+    _check_ln(op, x, (("up_weight", up), ("gate_weight", gate)))
+    return _swiglu(x, up, gate, platform=_platform(op, x, backend))
+
+
+@functools.partial(jax.jit, static_argnames=("flags", "platform"))
+def _linear_backward(g, x, *ws, flags, platform):
+    outs = _lb_raw(_rows2(g), _rows2(x), *ws, **dict(flags))
+    return (outs[0].reshape(x.shape) if dict(flags)["want_x"] else outs[0],) + outs[1:]
+
+
+def linear_backward(grad_out, x, weight, *, x_grad=True, weight_grad=True, bias_grad=False, backend=None):
+    """(grad_x, grad_weight, grad_bias) of linear, each None unless asked for."""
+    op = "linear_backward"
+    g, x, w = map(_arr, (grad_out, x, weight))
+    _check_ln(op, x, (("weight", w),), grad_out=g)
+    flags = (("want_x", bool(x_grad)), ("want_w", bool(weight_grad)), ("want_b", bool(bias_grad)))
+    gx, gw, gb = _linear_backward(g, x, w, flags=flags, platform=_platform(op, g, backend))
+    return (gx if x_grad else None), (gw if weight_grad else None), (gb if bias_grad else None)
+
+
+def swiglu_backward(grad_out, x, up_weight, gate_weight, *, x_grad=True, weight_grad=True, backend=None):
+    """(grad_x, grad_up_weight, grad_gate_weight) of swiglu, None where not asked for."""
+    op = "swiglu_backward"
+    g, x, up, gate = map(_arr, (grad_out, x, up_weight, gate_weight))
+    _check_ln(op, x, (("up_weight", up), ("gate_weight", gate)), grad_out=g)
+    flags = (("want_x", bool(x_grad)), ("want_w", bool(weight_grad)), ("want_b", False))
+    gx, gu, gg = _linear_backward(g, x, up, gate, flags=flags, platform=_platform(op, g, backend))
+    return (gx if x_grad else None), (gu if weight_grad else None), (gg if weight_grad else None)
+
+
+# ---- attention (forward only) -------------------------------------------------------------------
+
+def _no_mask(op, mask):
+    _check(mask is None, NotImplementedError, op, "mask= is not supported under qkernels.jax yet (kv_lens, "
+           "is_causal and the token pools' lengths are)")
+
+
+def _check_heads(op, q, k, Hq, Hkv, D):
+    _need_float(op, "q", q, _DENSE)
+    _check(Hkv >= 1 and Hq % Hkv == 0, ValueError, op, f"Hq = {Hq} must be a multiple of Hkv = {Hkv}")
+    _check(k.shape[-1] == D, ValueError, op, f"k's head_dim must be q's D = {D}, got {k.shape[-1]}")
+
+
+def _scale_attr(scale):
+    return {} if scale is None else {"scale": np.float32(scale)}
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "platform"))
+def _attn_decode(q, k, v, *kv_lens, scale, platform):
+    return _ffi("attn_decode", _sds(q.shape, q.dtype), q, k, v, *kv_lens, **_scale_attr(scale))
+
+
+def attn_decode(q, k, v, *, kv_lens=None, mask=None, scale=None, backend=None):
+    """One query per sequence: q [B, 1, Hq, D], k and v [B, Lkv, Hkv, D] -> [B, 1, Hq, D]; kv_lens [B]
+    keeps keys j < kv_lens[b]."""
+    op = "attn_decode"
+    q, k, v = map(_arr, (q, k, v))
+    _no_mask(op, mask)
+    _need_rank(op, "q", q, 4, "[B, 1, Hq, D]")
+    _need_dim(op, "q", q, 1, 1, "[B, 1, Hq, D]")
+    B, _, Hq, D = q.shape
+    for name, a in (("k", k), ("v", v)):
+        _need_rank(op, name, a, 4, "[B, Lkv, Hkv, D]")
+        _same_dtype(op, name, a, "q's", q)
+        _check(a.shape[0] == B and tuple(a.shape) == tuple(k.shape), ValueError, op,
+               f"{name} must have shape [B, Lkv, Hkv, D] with B = {B}, as k, got {tuple(a.shape)}")
+    _check_heads(op, q, k, Hq, k.shape[2], D)
+    extra = ()
+    if kv_lens is not None:
+        kl = _arr(kv_lens)
+        _need_index(op, "kv_lens", kl)
+        _check(tuple(kl.shape) == (B,), ValueError, op, f"kv_lens must have shape [B] = [{B}], got {tuple(kl.shape)}")
+        extra = (kl,)
+    return _attn_decode(q, k, v, *extra, scale=scale, platform=_platform(op, q, backend, (q,), {}))
+
+
+def _check_pool(op, q, pool, B):
+    k_cache, v_cache, r2t, rpi, kv_indptr = pool
+    for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _need_rank(op, name, a, 3, "[S, Hkv, D]")
+        _same_dtype(op, name, a, "q's", q)
+        _check(tuple(a.shape) == tuple(k_cache.shape), ValueError, op, f"{name} must have k_cache's shape "
+               f"{tuple(k_cache.shape)}, got {tuple(a.shape)}")
+    _need_rank(op, "req_to_token", r2t, 2, "[R, max_ctx]")
+    for name, a in (("req_to_token", r2t), ("req_pool_indices", rpi), ("kv_indptr", kv_indptr)):
+        _need_index(op, name, a)
+    _check(tuple(rpi.shape) == (B,), ValueError, op, f"req_pool_indices must have shape [B] = [{B}], got "
+           f"{tuple(rpi.shape)}")
+    _check(tuple(kv_indptr.shape) == (B + 1,), ValueError, op, f"kv_indptr must have shape [B + 1] = [{B + 1}], "
+           f"got {tuple(kv_indptr.shape)}")
+    _check_heads(op, q, k_cache, q.shape[-2], k_cache.shape[1], q.shape[-1])
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "platform"))
+def _attn_paged_decode(q, kc, vc, r2t, rpi, ind, *new, scale, platform):
+    if not new:
+        return _ffi("attn_paged_decode", _sds(q.shape, q.dtype), q, kc, vc, r2t, rpi, ind, **_scale_attr(scale))
+    outs = [_sds(q.shape, q.dtype), _sds(kc.shape, kc.dtype), _sds(vc.shape, vc.dtype)]
+    return tuple(_ffi("attn_paged_decode", outs, q, kc, vc, r2t, rpi, ind, *new, aliases={1: 1, 2: 2},
+                      **_scale_attr(scale)))
+
+
+def attn_paged_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, *, new_k=None, new_v=None,
+                      mask=None, scale=None, backend=None):
+    """Decode attention over token pools: q [B, Hq, D] -> [B, Hq, D]; with new_k/new_v [B, Hkv, D]
+    (written at position len_b - 1 first) -> (out, k_cache, v_cache), the pools updated functionally
+    (XLA aliases them to the results, so a donated pool is written in place)."""
+    op = "attn_paged_decode"
+    q = _arr(q)
+    pool = tuple(map(_arr, (k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr)))
+    _no_mask(op, mask)
+    _need_rank(op, "q", q, 3, "[B, Hq, D]")
+    _check_pool(op, q, pool, q.shape[0])
+    _check((new_k is None) == (new_v is None), ValueError, op, "new_k and new_v go together")
+    new = ()
+    if new_k is not None:
+        new = (_arr(new_k), _arr(new_v))
+        want = (q.shape[0], pool[0].shape[1], q.shape[2])
+        for name, a in zip(("new_k", "new_v"), new):
+            _check(tuple(a.shape) == want, ValueError, op, f"{name} must have shape [B, Hkv, D] = {list(want)}, "
+                   f"got {tuple(a.shape)}")
+            _same_dtype(op, name, a, "q's", q)
+    return _attn_paged_decode(q, *pool, *new, scale=scale, platform=_platform(op, q, backend, (q,), {}))
+
+
+@functools.partial(jax.jit, static_argnames=("is_causal", "scale", "platform"))
+def _attn_prefill(q, k, v, is_causal, scale, platform):
+    return _ffi("attn_prefill", _sds(q.shape, q.dtype), q, k, v, is_causal=bool(is_causal), **_scale_attr(scale))
+
+
+def attn_prefill(q, k, v, *, is_causal=False, mask=None, scale=None, backend=None):
+    """q [B, Lq, Hq, D], k and v [B, Lkv, Hkv, D] -> [B, Lq, Hq, D]; is_causal aligns bottom-right."""
+    op = "attn_prefill"
+    q, k, v = map(_arr, (q, k, v))
+    _no_mask(op, mask)
+    _need_rank(op, "q", q, 4, "[B, Lq, Hq, D]")
+    for name, a in (("k", k), ("v", v)):
+        _need_rank(op, name, a, 4, "[B, Lkv, Hkv, D]")
+        _same_dtype(op, name, a, "q's", q)
+        _check(a.shape[0] == q.shape[0] and tuple(a.shape) == tuple(k.shape), ValueError, op,
+               f"{name} must have shape [B, Lkv, Hkv, D] with B = {q.shape[0]}, as k, got {tuple(a.shape)}")
+    _check_heads(op, q, k, q.shape[2], k.shape[2], q.shape[3])
+    return _attn_prefill(q, k, v, is_causal=bool(is_causal), scale=scale,
+                         platform=_platform(op, q, backend, (q,), {}))
+
+
+@functools.partial(jax.jit, static_argnames=("is_causal", "scale", "platform"))
+def _attn_paged_prefill(q, kc, vc, r2t, rpi, kvi, qoi, is_causal, scale, platform):
+    return _ffi("attn_paged_prefill", _sds(q.shape, q.dtype), q, kc, vc, r2t, rpi, kvi, qoi,
+                is_causal=bool(is_causal), **_scale_attr(scale))
+
+
+def attn_paged_prefill(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, qo_indptr, *, is_causal=False,
+                       mask=None, scale=None, backend=None):
+    """Prefill over token pools: q [total_q, Hq, D] -> [total_q, Hq, D]; request b's queries are rows
+    qo_indptr[b] .. qo_indptr[b + 1] - 1."""
+    op = "attn_paged_prefill"
+    q = _arr(q)
+    pool = tuple(map(_arr, (k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr)))
+    qoi = _arr(qo_indptr)
+    _no_mask(op, mask)
+    _need_rank(op, "q", q, 3, "[total_q, Hq, D]")
+    B = pool[3].shape[0] if pool[3].ndim == 1 else -1
+    _check_pool(op, q, pool, B)
+    _need_index(op, "qo_indptr", qoi)
+    _check(tuple(qoi.shape) == (B + 1,), ValueError, op, f"qo_indptr must have shape [B + 1] = [{B + 1}], got "
+           f"{tuple(qoi.shape)}")
+    return _attn_paged_prefill(q, *pool, qoi, is_causal=bool(is_causal), scale=scale,
+                               platform=_platform(op, q, backend, (q,), {}))

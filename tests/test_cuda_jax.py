@@ -1,0 +1,152 @@
+"""qkernels.jax on the GPU: every op under jit through its CUDA handler, in float32, bfloat16 and
+float16 where the kernels take them, against the float64 references; gradients and the paged
+decode's aliased caches.  Skips without jax, without the handlers or without a GPU that both jax
+and qkernels see."""
+
+import numpy as np
+import pytest
+
+import qkernels
+from qkernels import testing as T
+
+from conftest import requires_cuda
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+if not hasattr(qkernels._C, "_jax_handlers"):
+    pytest.skip("qkernels was built without its XLA FFI handlers", allow_module_level=True)
+try:
+    GPU = jax.devices("gpu")[0]
+except RuntimeError:
+    GPU = None
+pytestmark = [requires_cuda, pytest.mark.skipif(GPU is None, reason="jax has no GPU platform")]
+
+import qkernels.jax as qj  # noqa: E402
+
+GRAPH = ("sparse_aggregate", "sparse_aggregate_backward", "fused_edge_features", "fused_edge_features_backward",
+         "fused_norm_residual", "fused_norm_residual_backward", "graph_norm_bce", "graph_norm_bce_backward")
+TOL = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 4e-3}
+
+
+def _dtypes(op):
+    if op in GRAPH:
+        return ("float32", "bfloat16", "float16")
+    return ("bfloat16", "float16")  # the dense and attention kernels on cuda
+
+
+def _cast(op, args, dtype):
+    """The sample's float arguments in dtype (freqs_cis, graph_norm_bce's grad and indices as sampled)."""
+    out = []
+    for i, a in enumerate(args):
+        keep = (isinstance(a, (int, float)) or i not in T.FLOAT_ARGS[op] or (op.startswith("rotary") and i == 1)
+                or (op == "graph_norm_bce_backward" and i == 0))
+        arr = np.asarray(a)
+        out.append(a if isinstance(a, (int, float)) else
+                   jax.device_put(jnp.asarray(arr if keep else arr.astype(getattr(jnp, dtype))), GPU))
+    return out
+
+
+def _f64(a):
+    return None if a is None else np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
+
+
+def _close(got, ref, dtype):
+    if ref is None:
+        assert got is None
+        return
+    tol = TOL[dtype]
+    got = _f64(got)
+    scale = max(1.0, float(np.max(np.abs(ref), initial=0.0)))
+    np.testing.assert_allclose(got, np.asarray(ref, np.float64), rtol=tol, atol=tol * scale)
+
+
+def _sizes(op):
+    if op.startswith("attn"):  # the CUDA kernels take head_dim 32, 64, 128 or 256
+        return dict(d=64)
+    return {}
+
+
+@pytest.mark.parametrize("op", T.OPS)
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16", "float16"))
+def test_op_jit_on_gpu(op, dtype, rng):
+    if dtype not in _dtypes(op):
+        pytest.skip(f"{op}'s CUDA kernels take {', '.join(_dtypes(op))}")
+    args, kwargs = T.sample(op, rng, **_sizes(op))
+    dev = _cast(op, args, dtype)
+    host = [a if isinstance(a, (int, float)) else _f64(a) if np.issubdtype(np.asarray(a).dtype, np.floating)
+            or a.dtype == jnp.bfloat16 else np.asarray(a) for a in dev]
+    host = [h.astype(np.float32) if isinstance(h, np.ndarray) and h.dtype == np.float64 else h for h in host]
+    arrays = [i for i, a in enumerate(dev) if not isinstance(a, (int, float))]
+    f = getattr(qj, op)
+
+    @jax.jit
+    def run(*ts):
+        full = list(dev)
+        for i, t in zip(arrays, ts):
+            full[i] = t
+        return f(*full, **kwargs)
+
+    assert qj.explain(op, *dev, **kwargs).winner == "cuda"
+    out = run(*[dev[i] for i in arrays])
+    ref = T.reference(op, *host, **kwargs)
+    if isinstance(ref, tuple):
+        for o, r in zip(out, ref):
+            _close(o, r, dtype)
+    else:
+        _close(out, ref, dtype)
+    for o in out if isinstance(out, tuple) else (out,):
+        if o is not None:
+            assert next(iter(o.devices())).platform == "gpu"
+
+
+@pytest.mark.parametrize("op", ("sparse_aggregate", "fused_edge_features", "fused_norm_residual", "graph_norm_bce",
+                                "linear", "swiglu", "rotary_emb"))
+def test_grad_on_gpu_matches_cpu(op, rng):
+    """jax.grad on the GPU handlers against the same on the CPU handlers (float32 graph ops; the dense
+    ops in bfloat16 on the GPU against float32 on the CPU)."""
+    args, kwargs = T.sample(op, rng)
+    dtype = "float32" if op in GRAPH else "bfloat16"
+    dev = _cast(op, args, dtype)
+    cpu = [a if isinstance(a, (int, float)) else jax.device_put(jnp.asarray(np.asarray(a)), jax.devices("cpu")[0])
+           for a in args]
+    diff = [i for i in T.FLOAT_ARGS[op] if not (op == "rotary_emb" and i == 1)
+            and not (op == "graph_norm_bce" and i == 1)]
+
+    def grads(full):
+        def loss(*d):
+            a = list(full)
+            for i, v in zip(diff, d):
+                a[i] = v
+            return jnp.sum(getattr(qj, op)(*a, **kwargs).astype(jnp.float32))
+
+        return jax.jit(jax.grad(loss, argnums=tuple(range(len(diff)))))(*[full[i] for i in diff])
+
+    for g, r in zip(grads(dev), grads(cpu)):
+        _close(g, _f64(r), dtype)
+
+
+def test_paged_decode_appends_on_gpu(rng):
+    args, _ = T.sample("attn_paged_decode", rng, lens=(5, 3, 7), d=64)
+    q, k_cache, v_cache, r2t, rpi, kv_indptr = args
+    B, Hkv, D = q.shape[0], k_cache.shape[1], q.shape[2]
+    new_k = rng.standard_normal((B, Hkv, D)).astype(np.float32)
+    new_v = rng.standard_normal((B, Hkv, D)).astype(np.float32)
+    dev = _cast("attn_paged_decode", args, "bfloat16")
+    nk, nv = (jax.device_put(jnp.asarray(a, jnp.bfloat16), GPU) for a in (new_k, new_v))
+    run = jax.jit(lambda *a: qj.attn_paged_decode(*a[:6], new_k=a[6], new_v=a[7]), donate_argnums=(1, 2))
+    out, k2, v2 = run(*dev, nk, nv)
+    host = [_f64(a).astype(np.float32) if i < 3 else np.asarray(a) for i, a in enumerate(dev)]
+    nkh, nvh = _f64(nk).astype(np.float32), _f64(nv).astype(np.float32)
+    _close(out, T.reference("attn_paged_decode", *host, new_k=nkh, new_v=nvh), "bfloat16")
+    _close(k2, T.appended(host[1], nkh, r2t, rpi, kv_indptr), "bfloat16")
+    _close(v2, T.appended(host[2], nvh, r2t, rpi, kv_indptr), "bfloat16")
+
+
+def test_dropout_mask_same_on_gpu_and_cpu(rng):
+    """The same seed gives the same Philox mask on both platforms (and the reference's)."""
+    args, _ = T.sample("fused_norm_residual", rng, rows=64, h=96)
+    kw = dict(p=0.2, training=True, seed=2**33 + 5)
+    gpu = qj.fused_norm_residual(*_cast("fused_norm_residual", args, "float32"), **kw)
+    cpu = qj.fused_norm_residual(*[jax.device_put(jnp.asarray(a), jax.devices("cpu")[0]) for a in args], **kw)
+    _close(gpu, _f64(cpu), "float32")
+    _close(gpu, T.reference("fused_norm_residual", *args, **kw), "float32")
