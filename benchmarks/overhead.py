@@ -7,8 +7,10 @@ CUDA launch queue's depth, so the host never waits for the GPU and the figure is
 6-7 µs for these kernels on the H200).  Cases are interleaved round by round so clock and load
 drift hit all of them alike; the median over rounds is reported.  Every op runs on the sample
 call of qkernels.testing (graph ops in float32, the LLM ops in bfloat16 with head_dim 64), through
-the public entry point as a user calls it.  Besides the anchor, the table splits sparse_aggregate's
-call into its parts (and times each differentiable op once more with inputs that require grad): the C entry point alone, the same with nothing to launch (an empty graph),
+the public entry point as a user calls it, and once more through its raw op (no dispatch).  Besides
+the anchor, the table times each differentiable op once more with inputs that require grad, and
+splits sparse_aggregate's call into its parts: the C entry point alone, the same with nothing to
+launch (an empty graph),
 the dispatcher lookup, and what a naive binding would pay per call (t.__dlpack__(),
 torch.cuda.current_stream()).  Target: no op costs more host time than one torch.add.
 """
@@ -26,9 +28,10 @@ from qkernels import _dispatch
 from qkernels.testing import DEVICE_DTYPES, OPS, sample
 
 
-def op_call(op, dev, grad=False):
+def op_call(op, dev, grad=False, raw=False):
     """qkernels.<op> on its sample call as torch CUDA tensors (in the dtypes its CUDA kernels take);
-    grad: its differentiable inputs require grad (the call records itself for autograd)."""
+    grad: its differentiable inputs require grad (the call records itself for autograd); raw: the
+    raw op _C.<op>_raw instead (no dispatch: what the binding and the launch cost alone)."""
     options = {"d": 64} if op.startswith("attn") else {}
     args, kwargs = sample(op, np.random.default_rng(1), **options)
     dtypes = DEVICE_DTYPES.get(op, ())
@@ -44,7 +47,7 @@ def op_call(op, dev, grad=False):
         names = _dispatch.params(op)
         args = [a.requires_grad_(True) if isinstance(a, torch.Tensor) and names[i] in differentiable else a
                 for i, a in enumerate(args)]
-    fn = getattr(qkernels, op)
+    fn = getattr(qkernels._C, op + "_raw") if raw else getattr(qkernels, op)
     return lambda: fn(*args, **kwargs)
 
 
@@ -77,6 +80,7 @@ def collect(a):
 
     cases = [("torch.add(x, y)  [anchor]", lambda: torch.add(x, y))]
     cases += [(f"qkernels.{op}", op_call(op, dev)) for op in OPS]
+    cases += [(f"_C.{op}_raw (no dispatch)", op_call(op, dev, raw=True)) for op in OPS]
     # under grad mode with inputs that require grad: the torch operator, recorded for autograd
     cases += [(f"qkernels.{op} (inputs require grad)", op_call(op, dev, grad=True)) for op in qkernels.torch.GRADIENTS]
     cases += [
