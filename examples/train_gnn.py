@@ -273,7 +273,7 @@ def profile(step, device, top=30):
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with torch_profile(activities=activities) as prof:
+    with torch_profile(activities=activities, record_shapes=True) as prof:
         step()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -291,6 +291,11 @@ def profile(step, device, top=30):
     host.sort(key=lambda e: -e.self_cpu_time_total)
     for e in host[:top // 2]:
         print(f"    host {e.self_cpu_time_total / 1e3:7.3f} ms self {e.count:4d}x  {e.key[:80]}")
+    # what CUDA-graph replays copy into their static inputs each step
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key == "aten::_foreach_copy_":
+            shapes = e.input_shapes[0] if e.input_shapes else []
+            print(f"    copied into graph inputs: {len(shapes)} tensors {str(shapes)[:300]}")
 
 
 if __name__ == "__main__":
