@@ -12,13 +12,11 @@
 // Unsorted input (detected on the device; no host round trip) takes a slower deterministic path,
 // a second kernel that returns at once for sorted input: one block per graph scans all edges.
 // Edges whose graph id is out of range are skipped.  Scratch comes from the stream-ordered
-// allocator; one 8-byte memset zeroes the two block counters.  Up to kSmallEdges edges, one block
-// does it all (bce_small): one launch, no scratch.
+// allocator; one 8-byte memset zeroes the two block counters.
 #include "common.cuh"
 
 #include <limits.h>
 
-#include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -434,58 +432,6 @@ __global__ void __launch_bounds__(kThreads) bce_per_graph(qk_graph_norm_bce_args
     if (threadIdx.x == 0) *a.out = (float)(total / (double)a.num_graphs);
 }
 
-// Small inputs (E <= kSmallEdges): one block does everything, so a call is one launch with no
-// scratch, no memset and no second kernel (the host cost of a call is most of its time at this
-// size).  Sorted or not: the block radix-sorts (graph, bce) pairs by graph, stably, so each graph's
-// edges are summed in edge order by one segmented scan; then the graphs' means in a fixed order.
-constexpr int kSmallThreads = 512, kSmallItems = 8, kSmallEdges = kSmallThreads * kSmallItems;
-
-template <typename T, typename I>
-__global__ void __launch_bounds__(kSmallThreads) bce_small(qk_graph_norm_bce_args a, int end_bit) {
-    using Sort = cub::BlockRadixSort<int, kSmallThreads, kSmallItems, float>;
-    using Scan = cub::BlockScan<Seg, kSmallThreads, cub::BLOCK_SCAN_WARP_SCANS>;
-    using Reduce = cub::BlockReduce<double, kSmallThreads>;
-    __shared__ union {
-        typename Sort::TempStorage sort;
-        typename Scan::TempStorage scan;
-        typename Reduce::TempStorage reduce;
-    } storage;
-    __shared__ int edge_key[kSmallThreads + 1];  // neighbours' sorted keys
-    const int G = (int)a.num_graphs;
-    const float pw = pos_weight_all<T>(a);
-    int key[kSmallItems];
-    float value[kSmallItems];
-#pragma unroll
-    for (int i = 0; i < kSmallItems; i++) {
-        const int64_t e = (int64_t)threadIdx.x * kSmallItems + i;
-        const long long g = e < a.num_edges ? graph_of<I>(a, e) : -1;
-        key[i] = g >= 0 ? (int)g : G;  // G: left out, sorted last
-        value[i] = g >= 0 ? bce_term<T>(a, e, pw) : 0.f;
-    }
-    Sort(storage.sort).Sort(key, value, 0, end_bit);  // blocked: thread t holds ranks t*K .. t*K+K-1
-    edge_key[threadIdx.x + 1] = key[kSmallItems - 1];
-    if (threadIdx.x == 0) edge_key[0] = -1;
-    __syncthreads();
-    Seg seg[kSmallItems];
-#pragma unroll
-    for (int i = 0; i < kSmallItems; i++)  // a segment starts where the key changes
-        seg[i] = {value[i], 1u, key[i] != (i > 0 ? key[i - 1] : edge_key[threadIdx.x])};
-    __syncthreads();
-    edge_key[threadIdx.x] = key[0];
-    if (threadIdx.x == 0) edge_key[kSmallThreads] = G;
-    __syncthreads();
-    Scan(storage.scan).InclusiveScan(seg, seg, SegSum());
-    double acc = 0;
-#pragma unroll
-    for (int i = 0; i < kSmallItems; i++) {
-        const int next = i + 1 < kSmallItems ? key[i + 1] : edge_key[threadIdx.x + 1];
-        if (key[i] < G && next != key[i]) acc += (double)seg[i].sum / (double)seg[i].count;
-    }
-    __syncthreads();
-    acc = Reduce(storage.reduce).Sum(acc);
-    if (threadIdx.x == 0) *a.out = (float)(acc / (double)a.num_graphs);
-}
-
 size_t align16(size_t n) { return (n + 15) / 16 * 16; }
 
 // Per-edge pos_weight read by whole vectors (or none per edge).
@@ -615,17 +561,6 @@ __global__ void __launch_bounds__(kBwdThreads) bce_grad(qk_graph_norm_bce_args a
 extern "C" int qk_graph_norm_bce_cuda(const qk_graph_norm_bce_args *a, void *stream) {
     cudaStream_t s = (cudaStream_t)stream;
     if (a->num_edges == 0) return (int)cudaMemsetAsync(a->out, 0, sizeof(float), s);  // every graph contributes 0
-    if (a->num_graphs > 0x7fffffff) return QK_E_UNSUPPORTED;  // ids are ints in the kernels' registers
-    if (a->num_edges <= kSmallEdges) {
-        int end_bit = 0;  // bits of the largest key, num_graphs (an edge left out)
-        while (end_bit < 31 && (a->num_graphs >> end_bit) != 0) end_bit++;
-        qk_graph_norm_bce_args p = *a;
-        void *args[] = {&p, &end_bit};
-        QK_DISPATCH_FLOAT(a->dtype, T, QK_DISPATCH_INDEX(a->index_dtype, I, {
-            return qk_launch((const void *)bce_small<T, I>, dim3(1), dim3(kSmallThreads), 0, s, args);
-        }))
-        return QK_OK;
-    }
     int sms;
     const int sm_status = qk_sm_count(&sms);
     if (sm_status) return sm_status;
@@ -636,6 +571,7 @@ extern "C" int qk_graph_norm_bce_cuda(const qk_graph_norm_bce_args *a, void *str
     const int64_t nblocks = (a->num_edges + run_len * (kThreads / 32) - 1) / (run_len * (kThreads / 32));
     // Sorted input: this kernel only checks a flag, so a small grid; unsorted: one block per graph.
     const int per_graph_blocks = (int)(G < 2 * sms ? G : 2 * sms);
+    if (G > 0x7fffffff) return QK_E_UNSUPPORTED;  // ids are ints in the kernels' registers
     // Scratch layout: counters | unsorted flag | first | last | partial | block_unsorted | graph_sum | graph_count
     const size_t off_flag = 16, off_first = 32, off_last = off_first + align16(nblocks * sizeof(Boundary));
     const size_t off_partial = off_last + align16(nblocks * sizeof(Boundary));
