@@ -24,7 +24,7 @@ import numpy as np
 
 import qkernels
 from qkernels import _dispatch
-from qkernels.testing import DEVICE_DTYPES, OPS, WORK_SIZES as SIZES, reference, sample
+from qkernels.testing import DEVICE_DTYPES, MUTATED, OPS, WORK_SIZES as SIZES, reference, sample, written
 
 DEVICE_TOLERANCE = 2e-2  # bfloat16 output: ~2^-9 relative (the reference takes the rounded inputs)
 TOLERANCE = 1e-5
@@ -185,14 +185,16 @@ def selfcheck(problems=None):
                 ok = False
                 print(f"  {op:<20} {best:<5} FAIL: {_reason(op, decision.error)}")
                 continue
+            seen = [_to_numpy(a) for a in args]  # the inputs as the op sees them, before it updates any
             with warnings.catch_warnings():  # the row names the backend; staging is the selection's doing
                 warnings.simplefilter("ignore", qkernels.FallbackWarning)
                 outs = _outputs(getattr(qkernels, op)(*args, **kw))
+            outs += [np.asarray(_to_numpy(args[i]), np.float64) for i in MUTATED.get(op, ())]  # updated in place
         except Exception as e:  # a missing kernel fails this op, not the whole check
             ok = False
             print(f"  {op:<20} {best:<5} FAIL: {type(e).__name__}: {_reason(op, e)}")
             continue
-        refs = _outputs(reference(op, *(_to_numpy(a) for a in args), **kw))  # the inputs as the op saw them
+        refs = _outputs(reference(op, *seen, **kw)) + list(written(op, *seen, **kw) if op in MUTATED else ())
         err = max(float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)) for out, ref in zip(outs, refs))
         passed = bool(all(np.isfinite(out).all() for out in outs) and len(outs) == len(refs) and
                       err < (DEVICE_TOLERANCE if half else TOLERANCE))

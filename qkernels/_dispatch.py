@@ -22,7 +22,7 @@ from . import _C
 
 BACKENDS = ("cuda", "flash", "cpu")
 GRAPH_FAMILIES = ("fused_edge_features", "fused_norm_residual", "graph_norm_bce", "sparse_aggregate")
-LLM_FAMILIES = ("attention", "rotary_emb", "linear", "swiglu")
+LLM_FAMILIES = ("attention", "rotary_emb", "linear", "swiglu", "rmsnorm")
 FAMILIES = LLM_FAMILIES + GRAPH_FAMILIES
 GROUPS = {"graph": GRAPH_FAMILIES, "llm": LLM_FAMILIES}
 ENV_GROUPS = (("ASTR_BACKEND", LLM_FAMILIES), ("QECDEC_BACKEND", GRAPH_FAMILIES))
@@ -155,6 +155,10 @@ _PREDICATES["cuda"]["attention"] = [
     _req("head_dim 32, 64, 128 or 256", lambda a: a.get("head_dim") in (32, 64, 128, 256, "unknown")),
 ]
 _PREDICATES["cpu"]["attention"] = [_CUDA_FLOATS]
+
+# RMSNorm: float32, float16 and bfloat16 kernels on both devices.
+_PREDICATES["cuda"]["rmsnorm"] = [_ON_CUDA, _CUDA_FLOATS]
+_PREDICATES["cpu"]["rmsnorm"] = [_CUDA_FLOATS]
 
 _availability = {}
 _describe = _C.describe

@@ -996,3 +996,100 @@ def attn_paged_prefill(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_i
            f"{tuple(qoi.shape)}")
     return _attn_paged_prefill(q, *pool, qoi, is_causal=bool(is_causal), scale=scale,
                                platform=_platform(op, q, backend, (q,), {}))
+
+
+# ---- rmsnorm and fused_add_rmsnorm ----------------------------------------------------------------
+
+def _check_rn(op, x, weight, residual=None):
+    _check(x.ndim >= 1, ValueError, op, f"x must have at least one dimension [*, H], got shape {tuple(x.shape)}")
+    _need_float(op, "x", x)
+    _need_rank(op, "weight", weight, 1, "[H]")
+    _same_dtype(op, "weight", weight, "x's", x)
+    H = x.shape[-1]
+    _check(weight.shape[0] == H, ValueError, op, f"weight must have shape [H] = [{H}], got {tuple(weight.shape)}")
+    if residual is not None:
+        _same_dtype(op, "residual", residual, "x's", x)
+        _check(tuple(residual.shape) == tuple(x.shape), ValueError, op,
+               f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+
+
+def _rn_call(eps, fused):
+    """The custom call on rows ([R, H] arrays and weight [H]); vmap folds a batch of x (and residual)
+    into the rows, a batched weight runs one call per element."""
+
+    def raw(*arrays):
+        x = arrays[0]
+        if not fused:
+            return _ffi("rmsnorm", _sds(x.shape, x.dtype), *arrays, eps=np.float32(eps))
+        return tuple(_ffi("fused_add_rmsnorm", [_sds(x.shape, x.dtype)] * 2, *arrays, aliases={1: 1},
+                          eps=np.float32(eps)))
+
+    def rows(axis_size, in_batched, *arrays):
+        if in_batched[-1]:
+            return None
+        V, H = axis_size, arrays[-1].shape[0]
+        R = next(a.shape[-2] for a in arrays[:-1])
+        flat = [(a if b else jnp.broadcast_to(a, (V, R, H))).reshape(V * R, H)
+                for a, b in zip(arrays[:-1], in_batched[:-1])]
+        out = raw(*flat, arrays[-1])
+        return tuple(o.reshape(V, R, H) for o in out) if fused else out.reshape(V, R, H)
+
+    return _fold(raw, rows)
+
+
+def _rn_no_grad(op):
+    """A forward-only op under jax.grad: a clear error naming it instead of a missing-rule error."""
+
+    def decorate(f):
+        g = jax.custom_vjp(f, nondiff_argnums=(0,))
+        g.defvjp(lambda eps, *a: (f(eps, *a), None), lambda eps, res, ct: (_ for _ in ()).throw(
+            NotImplementedError(f"{op}: no gradient; the rmsnorm ops are forward-only")))
+        return g
+
+    return decorate
+
+
+@_rn_no_grad("rmsnorm")
+def _rn_fwd(eps, x, w):
+    return _rn_call(eps, False)(x.reshape(-1, x.shape[-1]), w).reshape(x.shape)
+
+
+@_rn_no_grad("fused_add_rmsnorm")
+def _farn_fwd(eps, x, r, w):
+    out, res = _rn_call(eps, True)(x.reshape(-1, x.shape[-1]), r.reshape(-1, x.shape[-1]), w)
+    return out.reshape(x.shape), res.reshape(x.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "platform"))
+def _rmsnorm(x, w, eps, platform):
+    return _rn_fwd(eps, x, w)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "platform"))
+def _fused_add_rmsnorm(x, r, w, eps, platform):
+    return _farn_fwd(eps, x, r, w)
+
+
+def _rn_eps(op, eps):
+    eps = float(eps)
+    _check(eps >= 0 and np.isfinite(np.float32(eps)), ValueError, op,
+           f"eps must be a finite value >= 0 (in float32), got {eps!r}")
+    return eps
+
+
+def rmsnorm(x, weight, *, eps=1e-6, backend=None):
+    """x [*, H] * rsqrt(mean(x^2) + eps) * weight [H], in fp32, rounded once.  Forward-only."""
+    op = "rmsnorm"
+    x, w = _arr(x), _arr(weight)
+    _check_rn(op, x, w)
+    return _rmsnorm(x, w, eps=_rn_eps(op, eps), platform=_platform(op, x, backend))
+
+
+def fused_add_rmsnorm(x, residual, weight, *, eps=1e-6, backend=None):
+    """(out, new_residual): new_residual = x + residual rounded once, out = the rmsnorm of the unrounded
+    sum.  new_residual aliases residual in the custom call, so a donated residual (jax.jit's
+    donate_argnums) is updated in place.  Forward-only."""
+    op = "fused_add_rmsnorm"
+    x, r, w = _arr(x), _arr(residual), _arr(weight)
+    _check_rn(op, x, w, r)
+    return _fused_add_rmsnorm(x, r, w, eps=_rn_eps(op, eps), platform=_platform(op, x, backend))

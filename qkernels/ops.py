@@ -19,6 +19,7 @@ from ._frameworks import run
 # Inputs an op writes, as (position, name): copied back to the device when the cpu backend stages.
 _WRITTEN = {
     "attn_paged_decode": lambda kwargs: ((1, "k_cache"), (2, "v_cache")) if kwargs.get("new_k") is not None else (),
+    "fused_add_rmsnorm": lambda kwargs: ((1, "residual"),),
 }
 
 
@@ -66,7 +67,11 @@ def _python_path(name):
         x = args[position] if len(args) > position else kwargs.get(arg)
         if x is None:
             return raw(*args, **kwargs)  # the raw op names what is missing
-        if framework_name(x) == "torch":
+        framework = framework_name(x)
+        if written and framework == "jax" and written(kwargs):  # immutable arrays: the functional form
+            raise TypeError(f"{name}: {' and '.join(n for _, n in written(kwargs))} would be written in place, "
+                            f"which JAX arrays cannot be; use qkernels.jax.{name}, which returns the new values")
+        if framework == "torch":
             torch_ops = _torch_ops()
             if torch_ops.needs_route(args, kwargs):  # autograd or a tracer: the torch operator
                 return torch_ops.route(name, args, kwargs, backend)

@@ -12,7 +12,8 @@ bfloat16 and device tensors first, e.g. ``t.double().cpu().numpy()``).  ``out=``
 op's semantics.
 
 ``FLOAT_ARGS[op]`` names the positions of the floating-point tensor arguments (the ones that could
-carry gradients); ``OPS`` lists the ops.
+carry gradients); ``OPS`` lists the ops.  ``MUTATED[op]`` names the arguments an op updates in place
+(fused_add_rmsnorm's residual) and ``written(op, *args, **kwargs)`` their float64 values after the call.
 """
 
 from __future__ import annotations
@@ -229,6 +230,25 @@ def _ref_swiglu(x, up_weight, gate_weight):
         return _ref_linear(x, up_weight) * g / (1 + np.exp(-g))
 
 
+def _rms_rows(s, weight, eps):
+    return s / np.sqrt((s * s).mean(axis=-1, keepdims=True) + eps) * _f64(weight)
+
+
+def _ref_rmsnorm(x, weight, *, eps=1e-6):
+    """x [*, H] / sqrt(mean(x^2 over H) + eps) * weight [H]."""
+    return _rms_rows(_f64(x), weight, eps)
+
+
+def _ref_fused_add_rmsnorm(x, residual, weight, *, eps=1e-6):
+    """rmsnorm of s = x + residual, the exact (unrounded) sum; the op also writes s, rounded to residual's
+    dtype, into residual (``written``)."""
+    return _rms_rows(_f64(x) + _f64(residual), weight, eps)
+
+
+def _written_fused_add_rmsnorm(x, residual, weight, *, eps=1e-6):
+    return (_f64(x) + _f64(residual),)
+
+
 # ---- references: gradients of the dense LLM ops (float64, analytic) ------------------------
 
 def _ref_rotary_emb_backward(grad_out, freqs_cis, *, interleaved=True):
@@ -421,6 +441,16 @@ def reference(op, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
+def written(op, *args, **kwargs):
+    """float64 NumPy of the values qkernels.<op>(*args, **kwargs) leaves in the arguments it updates in
+    place (``MUTATED[op]``, in that order), computed from the arguments before the call."""
+    if op not in MUTATED:
+        raise ValueError(f"written: {op!r} updates no argument in place; ops that do: {', '.join(MUTATED)}")
+    for ignored in ("out", "stream", "backend"):
+        kwargs.pop(ignored, None)
+    return globals()[f"_written_{op}"](*args, **kwargs)
+
+
 # ---- samples --------------------------------------------------------------------------------
 
 def _randn(rng, dtype, *shape, scale=1.0):
@@ -520,6 +550,17 @@ def _sample_rotary_emb_backward(rng, dt, ix, lead=(5,), h=3, d=8, interleaved=No
     return _sample_rotary_emb(rng, dt, ix, lead, h, d, interleaved)
 
 
+def _sample_rmsnorm(rng, dt, ix, lead=(5,), h=24):
+    """x [*lead, H], weight [H] around 1."""
+    return (_randn(rng, dt, *lead, h), (1 + 0.5 * rng.standard_normal(h)).astype(dt)), {}
+
+
+def _sample_fused_add_rmsnorm(rng, dt, ix, lead=(5,), h=24):
+    """x, residual [*lead, H] (the residual stream twice x's scale), weight [H] around 1."""
+    x, w = _sample_rmsnorm(rng, dt, ix, lead, h)[0]
+    return (x, _randn(rng, dt, *lead, h, scale=2.0), w), {}
+
+
 def _lead_shape(lead, m):
     return tuple(lead) + (() if m is None else (m,))
 
@@ -617,6 +658,8 @@ WORK_SIZES = {
     "rotary_emb_backward": dict(lead=(64,), h=8, d=128),
     "linear_backward": dict(m=16, k=1024, n=1024),
     "swiglu_backward": dict(m=16, k=1024, n=2048),
+    "rmsnorm": dict(lead=(64,), h=4096),
+    "fused_add_rmsnorm": dict(lead=(64,), h=4096),
     "attn_decode": dict(b=4, l=1024, hkv=8, ratio=4, d=128),
     "attn_paged_decode": dict(lens=[1000, 300, 64, 700], hkv=8, ratio=4, d=128, index_dtype=np.int32),
     # a prefix cache (the queries are the last of their keys, causal bottom-right), one a single query
@@ -642,6 +685,8 @@ DEVICE_DTYPES = {
     "attn_paged_decode": ("bfloat16",) * 3 + (None,) * 3,
     "attn_prefill": ("bfloat16",) * 3,
     "attn_paged_prefill": ("bfloat16",) * 3 + (None,) * 4,
+    "rmsnorm": ("bfloat16",) * 2,
+    "fused_add_rmsnorm": ("bfloat16",) * 3,
 }
 
 
@@ -652,7 +697,11 @@ FLOAT_ARGS = {
     "rotary_emb": (0, 1), "linear": (0, 1, 2), "swiglu": (0, 1, 2),
     "rotary_emb_backward": (0, 1), "linear_backward": (0, 1, 2), "swiglu_backward": (0, 1, 2, 3),
     "attn_decode": (0, 1, 2), "attn_prefill": (0, 1, 2), "attn_paged_decode": (0, 1, 2),
-    "attn_paged_prefill": (0, 1, 2),
+    "attn_paged_prefill": (0, 1, 2), "rmsnorm": (0, 1), "fused_add_rmsnorm": (0, 1, 2),
 }
 
 OPS = tuple(FLOAT_ARGS)
+
+# The arguments an op updates in place (positions): a test that calls such an op twice on one sample
+# gives each call its own copies, and ``written`` says what the call leaves in them.
+MUTATED = {"fused_add_rmsnorm": (1,)}

@@ -48,6 +48,8 @@ SCHEMAS = {
     "attn_paged_prefill": ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor req_pool_indices, "
                            "Tensor kv_indptr, Tensor qo_indptr, *, bool is_causal=False, Tensor? mask=None, "
                            "float? scale=None", "Tensor"),
+    "rmsnorm": ("Tensor x, Tensor weight, *, float eps=1e-06", "Tensor"),
+    "fused_add_rmsnorm": ("Tensor x, Tensor residual, Tensor weight, *, float eps=1e-06", "Tensor"),
     # backward ops: a gradient not asked for comes back as an empty tensor (schemas have no optional returns)
     "sparse_aggregate_backward": ("Tensor grad_out, Tensor row_ptr, Tensor col_idx, Tensor edge_weight, "
                                   "Tensor node_feat, *, bool edge_weight_grad=True, bool node_feat_grad=True, "
@@ -68,8 +70,9 @@ SCHEMAS = {
 # Public arguments that take a number or a tensor -> the schema argument that carries the tensor.
 _UNIONS = {"seed": "seed_tensor", "pos_weight": "pos_weight_tensor"}
 
-# Inputs written besides out, by overload: attn_paged_decode with new_k/new_v appends to the caches.
-_MUTATED = {"attn_paged_decode": {"append": ("k_cache", "v_cache")}}
+# Inputs written besides out, by overload: attn_paged_decode with new_k/new_v appends to the caches;
+# fused_add_rmsnorm always writes residual + x into residual (its default overload).
+_MUTATED = {"attn_paged_decode": {"append": ("k_cache", "v_cache")}, "fused_add_rmsnorm": {"": ("residual",)}}
 
 
 def _empty(like):
@@ -96,6 +99,8 @@ FAKES = {
     "attn_paged_decode": lambda c: c["q"].new_empty(c["q"].shape),
     "attn_prefill": lambda c: c["q"].new_empty(c["q"].shape),
     "attn_paged_prefill": lambda c: c["q"].new_empty(c["q"].shape),
+    "rmsnorm": lambda c: c["x"].new_empty(c["x"].shape),
+    "fused_add_rmsnorm": lambda c: c["x"].new_empty(c["x"].shape),
     "sparse_aggregate_backward": lambda c: (_maybe(c["edge_weight_grad"], c["edge_weight"]),
                                             _maybe(c["node_feat_grad"], c["node_feat"])),
     "fused_edge_features_backward": lambda c: (
@@ -423,7 +428,8 @@ def route(op, args, kwargs, backend):
                 if name not in differentiable or f"{op}_backward" not in _C.OPS:
                     raise RuntimeError(
                         f"{op}: {name} requires grad, but {op} has no gradient for {name}"
-                        + (" (attention is inference-only)" if _dispatch.OPS[op][0] == "attention" else "")
+                        + {"attention": " (attention is inference-only)",
+                           "rmsnorm": " (the rmsnorm ops are forward-only)"}.get(_dispatch.OPS[op][0], "")
                         + f"; pass {name}.detach() or call it under torch.no_grad()")
                 needs_grad = True
     if op == "fused_norm_residual" and c.get("training") and c.get("p", 0.0) > 0 and c.get("seed") is None:

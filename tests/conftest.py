@@ -237,7 +237,7 @@ def naive_rotary(x, f, interleaved=True):
 # ---- sample calls as torch tensors ------------------------------------------------------------
 
 LLM = {"attn_decode", "attn_paged_decode", "attn_prefill", "attn_paged_prefill", "rotary_emb", "linear", "swiglu",
-       "rotary_emb_backward", "linear_backward", "swiglu_backward"}
+       "rotary_emb_backward", "linear_backward", "swiglu_backward", "rmsnorm", "fused_add_rmsnorm"}
 
 # Options of qkernels.testing.sample that every backend takes (the cuda attention kernels need a
 # head_dim of 32, 64, 128 or 256): the table of the tests that run each op on the GPU.
@@ -260,6 +260,8 @@ DEVICE_SIZES = {
     "rotary_emb_backward": dict(lead=(10,), h=4, d=64),
     "linear_backward": dict(m=4, k=128, n=64),
     "swiglu_backward": dict(m=4, k=128, n=64),
+    "rmsnorm": dict(lead=(10,), h=4096),
+    "fused_add_rmsnorm": dict(lead=(10,), h=4096),
 }
 
 

@@ -54,14 +54,17 @@ def test_requires_grad_recorded_or_refused_under_grad_mode(op, exchange):
 def test_requires_grad_runs_without_grad_mode(op, exchange):
     args, kwargs = torch_sample(op)
     expected = results(call(op, args, kwargs))
-    graded = [a.clone().requires_grad_() if i in FLOAT_ARGS[op] else a for i, a in enumerate(args)]
+
+    def graded():  # a fresh sample each call: an op may update an argument in place (MUTATED)
+        return [a.clone().requires_grad_() if i in FLOAT_ARGS[op] else a for i, a in enumerate(torch_sample(op)[0])]
+
     with torch.no_grad():
-        r = call(op, graded, kwargs)
+        r = call(op, graded(), kwargs)
     assert not any(t.requires_grad for t in outputs(r) if t is not None)
     torch.testing.assert_close(results(r), expected, rtol=0, atol=0)
     with torch.inference_mode():
-        torch.testing.assert_close(results(call(op, graded, kwargs)), expected, rtol=0, atol=0)
-    detached = [a.detach() if i in FLOAT_ARGS[op] else a for i, a in enumerate(graded)]
+        torch.testing.assert_close(results(call(op, graded(), kwargs)), expected, rtol=0, atol=0)
+    detached = [a.detach() if i in FLOAT_ARGS[op] else a for i, a in enumerate(graded())]
     torch.testing.assert_close(results(call(op, detached, kwargs)), expected, rtol=0, atol=0)
 
 
@@ -154,7 +157,7 @@ def test_producer_errors_name_the_op_and_argument():
 
 
 IN_PLACE = {"rotary_emb": (0,), "fused_norm_residual": (0, 1), "attn_decode": (0,), "attn_prefill": (0,),
-            "attn_paged_decode": (0,), "attn_paged_prefill": (0,)}
+            "attn_paged_decode": (0,), "attn_paged_prefill": (0,), "rmsnorm": (0,), "fused_add_rmsnorm": (0,)}
 
 
 def _result_shape(op, args, kwargs):
@@ -165,7 +168,7 @@ def _result_shape(op, args, kwargs):
 def test_out_overlapping_an_input(op):
     """Every input the op reads, given as (or overlapping) out: refused, or exactly right in place."""
     args, kwargs = sample(op)
-    expected = call(op, list(args), kwargs)
+    expected = call(op, [a.copy() if isinstance(a, np.ndarray) else a for a in args], kwargs)  # args unchanged
     shape = np.asarray(expected).shape
     names = getattr(qkernels, op).__text_signature__.strip("()").split(",")
     for pos, a in enumerate(args):

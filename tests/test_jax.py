@@ -51,6 +51,8 @@ def _sample(op, rng, **options):
 
 def _check_op(op, args, kwargs, outs):
     ref = T.reference(op, *args, **kwargs)
+    if op in T.MUTATED:  # qkernels.jax returns the updated arguments after the output
+        ref = (ref, *T.written(op, *args, **kwargs))
     if isinstance(ref, tuple):
         assert isinstance(outs, tuple) and len(outs) == len(ref)
         for o, r in zip(outs, ref):

@@ -7,7 +7,7 @@ import pytest
 
 import qkernels
 from qkernels import _dispatch
-from qkernels.testing import DEVICE_DTYPES, OPS, reference, sample
+from qkernels.testing import DEVICE_DTYPES, MUTATED, OPS, reference, sample, written
 from conftest import outputs
 
 SIZES = {"sparse_aggregate": dict(n_dst=30, n_src=9, heads=3, dim=5, avg_degree=4),
@@ -19,6 +19,8 @@ SIZES = {"sparse_aggregate": dict(n_dst=30, n_src=9, heads=3, dim=5, avg_degree=
          "fused_norm_residual_backward": dict(rows=9, h=33, mean=100.0, p=0.3),
          "graph_norm_bce_backward": dict(e=300, graphs=11, sort=False),
          "rotary_emb": dict(lead=(2, 6), h=3, d=16, interleaved=False),
+         "rmsnorm": dict(lead=(3, 4), h=1000),
+         "fused_add_rmsnorm": dict(lead=(2, 3), h=4095),
          "linear": dict(m=None, k=33, n=17, bias=False),
          "swiglu": dict(m=4, k=33, n=17),
          "attn_decode": dict(b=3, l=40, hkv=1, ratio=4, d=16),
@@ -37,7 +39,11 @@ def test_reference_matches_the_cpu_backend(rng, op, options):
         pytest.skip("the graph ops' cpu kernels take float32 only")
     kw = {"sizes": SIZES[op], "float16": {"dtype": np.float16, "index_dtype": np.int32}}.get(options, {})
     args, kwargs = sample(op, rng, **kw)
-    result, ref = getattr(qkernels, op)(*args, **kwargs, backend="cpu"), reference(op, *args, **kwargs)
+    ref = reference(op, *args, **kwargs)  # first: an op may update an argument in place (MUTATED)
+    new = written(op, *args, **kwargs) if op in MUTATED else ()
+    result = getattr(qkernels, op)(*args, **kwargs, backend="cpu")
+    for i, want in zip(MUTATED.get(op, ()), new):
+        assert np.linalg.norm(args[i] - want) <= (2e-3 if options == "float16" else 1e-6) * np.linalg.norm(want)
     assert len(outputs(result)) == len(outputs(ref))
     for out, r in zip(outputs(result), outputs(ref)):  # the backward ops: each gradient, None where not asked
         assert (out is None) == (r is None)

@@ -637,6 +637,34 @@ static XLA_FFI_Error *ffi_attn_paged_prefill(fc *c) {
     return fc_status(c, st);
 }
 
+/* ---- rmsnorm --------------------------------------------------------------------------------- */
+
+/* rmsnorm(x [R, H], weight [H]) -> out, and fused_add_rmsnorm(x, residual [R, H], weight) -> (out,
+ * residual): the second result aliases operand 1, so residual is written in place.  Attribute eps.
+ * Python flattens the leading dimensions. */
+static XLA_FFI_Error *rn_run(fc *c, int fused) {
+    XLA_FFI_Buffer *x = ARG(0, "x", 2), *r = x && fused ? ARG(1, "residual", 2) : NULL,
+                   *w = x && (r || !fused) ? ARG(1 + fused, "weight", 1) : NULL, *out = w ? RET(0, "out", 2) : NULL,
+                   *ro = out && fused ? RET(1, "residual", 2) : NULL;
+    if (!out || (fused && !ro)) return c->err;
+    if (fused && ro->data != r->data)
+        return fc_fail(c, XLA_FFI_Error_Code_FAILED_PRECONDITION, "residual must alias the second result");
+    qk_rmsnorm_args a = {0};
+    a.x = x->data, a.weight = w->data, a.out = out->data, a.residual = fused ? r->data : NULL;
+    a.R = x->dims[0], a.R1 = 1, a.H = x->dims[1];
+    a.x_stride[0] = a.out_stride[0] = a.res_stride[0] = a.H;
+    a.w_stride = 1;
+    a.eps = (float)fc_attr(c, "eps", 1e-6);
+    a.dtype = dtype_of(x), a.num_threads = g_threads;
+    int st = QK_OK;
+    if (a.R > 0 && a.H > 0) FC_RUN(st, c, rmsnorm, &a);
+    return fc_status(c, st);
+}
+static const unsigned cb_rmsnorm = CB_YES;
+static XLA_FFI_Error *ffi_rmsnorm(fc *c) { return rn_run(c, 0); }
+static const unsigned cb_fused_add_rmsnorm = CB_YES;
+static XLA_FFI_Error *ffi_fused_add_rmsnorm(fc *c) { return rn_run(c, 1); }
+
 /* ---- the entry points XLA calls, one pair per row of the op table -------------------------- */
 
 /* XLA's metadata query (before the first call): the header's API version and the handler's traits. */

@@ -46,6 +46,12 @@ enum {
     QK_DECODE_WORKSPACE, /* no on-chip cluster merge: the splits merge through a workspace and a second kernel */
 };
 enum {
+    QK_RMSNORM_AUTO = 0,
+    QK_RMSNORM_ROWS,  /* a lane group per row (rows that fit its registers), else the block kernel */
+    QK_RMSNORM_BLOCK, /* a block per row, the row in registers where it fits, else as REREAD */
+    QK_RMSNORM_REREAD, /* a block per row reading the row twice (the kernel for rows too long or misaligned) */
+};
+enum {
     QK_PREFILL_AUTO = 0,
     QK_PREFILL_MMA,   /* the mma.sync kernel, also on sm_90 */
     QK_PREFILL_WGMMA, /* on sm_90 the cp.async wgmma kernel, not the TMA one */
@@ -372,6 +378,27 @@ typedef struct {
     int64_t grad_out_stride, grad_x_stride, grad_w_stride, grad_gate_stride, grad_bias_stride;
 } qk_linear_args;
 
+/* rmsnorm: out[r, :] = s * rsqrt(mean(s^2) + eps) * weight, s = x[r, :] in fp32, one rounding per output.
+ * fused_add_rmsnorm (residual != NULL): s = x[r, :] + residual[r, :] in fp32; residual[r, :] = s rounded once
+ *   to the dtype, and the norm is of the unrounded s (as FlashInfer's kernel computes it).
+ * Rows: r in [0, R) is (i, j) = (r / R1, r % R1), so two strided leading dimensions reach every row
+ *   (the binding collapses the leading dimensions to these two); strides in elements, rows unit-stride.
+ * Aliasing: out may be x itself (each element of x is read before the same thread writes it); out never
+ *   overlaps residual, and residual never overlaps x (the binding checks). */
+typedef struct {
+    const void *x;        /* [R, H] */
+    void *residual;       /* [R, H], read and written; NULL for rmsnorm */
+    const void *weight;   /* [H] */
+    void *out;            /* [R, H] */
+    int64_t R, R1, H;
+    int64_t x_stride[2], res_stride[2], out_stride[2]; /* {i, j} row strides */
+    int64_t w_stride;
+    float eps;
+    int dtype;            /* QK_F32, QK_F16, QK_BF16 (every tensor) */
+    int num_threads;
+    int variant;          /* 0 auto, or a QK_RMSNORM_* kernel */
+} qk_rmsnorm_args;
+
 /* The op table.  Every layer follows these two lists; adding an op is a row in each (see
  * docs/adding-an-op.md).
  *
@@ -398,7 +425,8 @@ typedef struct {
     X(linear, linear)                           \
     X(swiglu, linear)                           \
     X(linear_backward, linear)                  \
-    X(swiglu_backward, linear)
+    X(swiglu_backward, linear)                  \
+    X(rmsnorm, rmsnorm)
 
 #define QK_OPS(X)                                                         \
     X(sparse_aggregate, sparse_aggregate, sparse_aggregate, 3)            \
@@ -418,10 +446,12 @@ typedef struct {
     X(attn_decode, attn_decode, attention, 0)                             \
     X(attn_paged_decode, attn_decode, attention, 0)                       \
     X(attn_prefill, attn_prefill, attention, 0)                           \
-    X(attn_paged_prefill, attn_prefill, attention, 0)
+    X(attn_paged_prefill, attn_prefill, attention, 0)                     \
+    X(rmsnorm, rmsnorm, rmsnorm, 0)                                       \
+    X(fused_add_rmsnorm, rmsnorm, rmsnorm, 0)
 
 /* The CUDA shared object exports one symbol, qk_cuda_get_api, returning this table. */
-#define QK_CUDA_ABI 9
+#define QK_CUDA_ABI 10
 
 typedef struct {
     int abi;
