@@ -185,7 +185,8 @@ def selfcheck(problems=None):
                 ok = False
                 print(f"  {op:<20} {best:<5} FAIL: {_reason(op, decision.error)}")
                 continue
-            seen = [_to_numpy(a) for a in args]  # the inputs as the op sees them, before it updates any
+            # the inputs as the op sees them, copied before it updates any in place
+            seen = [np.array(t) if isinstance(t, np.ndarray) else t for t in map(_to_numpy, args)]
             with warnings.catch_warnings():  # the row names the backend; staging is the selection's doing
                 warnings.simplefilter("ignore", qkernels.FallbackWarning)
                 outs = _outputs(getattr(qkernels, op)(*args, **kw))
