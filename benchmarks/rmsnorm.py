@@ -60,7 +60,7 @@ def f_add_rmsnorm(x, r, w, eps=EPS):
     return F.rms_norm(r, (r.shape[-1],), w, eps)
 
 
-def impls(op, device, ours_min_share=None):
+def impls(op):
     compiled = torch.compile(eager_rmsnorm if op == "rmsnorm" else eager_add_rmsnorm, dynamic=False)
     if op == "rmsnorm":
         out = [Impl("qkernels", lambda s: qkernels.rmsnorm(s["x"], s["w"], eps=EPS), ours=True),
@@ -89,7 +89,7 @@ def make_case(op, rows, h, dtype, device, min_gbps=None):
 
     size = torch.tensor([], dtype=tdt).element_size()
     nbytes = (2 if op == "rmsnorm" else 4) * rows * h * size + h * size
-    im = impls(op, device)
+    im = impls(op)
     im[0].min_gbps = min_gbps
     ref = (lambda s: common.reference("rmsnorm", s["x"], s["w"], eps=EPS)) if op == "rmsnorm" else \
         (lambda s: common.reference("fused_add_rmsnorm", s["x"], s["r"], s["w"], eps=EPS))
