@@ -229,6 +229,8 @@ def main(argv=None):
         a.timeout = min(a.timeout, 120)
     a.rounds = a.rounds or a.distance
     if a.ddp:
+        if "RANK" not in os.environ:
+            p.error("--ddp runs under torchrun: torchrun --nproc-per-node N examples/train_gnn.py --ddp")
         if a.variants == p.get_default("variants"):  # CUDA graphs under DDP: by request only
             a.variants = "qkernels:eager,qkernels:compile,pytorch:eager,pytorch:compile"
         return ddp_main(a)

@@ -123,10 +123,6 @@ def run_data_parallel(a, graph, st, w0, batches, losses, w_one):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     n, local_batch = a.devices, a.batch // a.devices
-    if len(jax.devices()) < n:
-        print(f"--devices {n}: jax sees {len(jax.devices())} device(s) ({jax.default_backend()}); on the CPU set "
-              f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before jax starts")
-        return False
     mesh = Mesh(np.array(jax.devices()[:n]), ("batch",))
     rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("batch"))
     st_local, _ = structure(graph, local_batch)
@@ -230,6 +226,10 @@ def main(argv=None):
         a.distance, a.batch, a.steps = 3, max(1, 4 // a.devices), 8
     a.rounds = a.rounds or a.distance
     a.batch *= a.devices
+    if len(jax.devices()) < a.devices:
+        print(f"--devices {a.devices}: jax sees {len(jax.devices())} device(s) ({jax.default_backend()}); on the CPU "
+              f"set XLA_FLAGS=--xla_force_host_platform_device_count={a.devices} before jax starts")
+        return 1
 
     graph = build_graph(a.distance, a.rounds, a.p, a.p)
     st, torch_st = structure(graph, a.batch)

@@ -7,7 +7,6 @@ JAX: two forced host devices (XLA_FLAGS, set before jax starts: a subprocess) fo
 run, with no all-gather in the compiled step.  The GPU variants (NCCL, two GPUs) skip without two."""
 
 import datetime
-import importlib.util
 import os
 import re
 import subprocess
@@ -218,8 +217,6 @@ def test_train_gnn_ddp_timed_two_gpus():
 @pytest.mark.skipif(not HAS_JAX or not hasattr(qkernels._C, "_jax_handlers"), reason="needs jax and the handlers")
 def test_train_gnn_jax_two_gpus():
     """jax on two GPUs: each device's custom calls on its own shard, equal to one GPU."""
-    if importlib.util.find_spec("jax") is None:
-        pytest.skip("jax is not installed")
     import jax
 
     try:
