@@ -348,7 +348,7 @@ def ddp_compare(graph, weights, a, device, rank, world):
         dist.all_reduce(mean)
         mean /= world
         worst[1] = torch.maximum(worst[1], (mean - want.detach()).abs() / (LOSS_ATOL + LOSS_RTOL * want.detach().abs()))
-        for (name, p), q in zip(ddp.module.named_parameters(), ref.parameters()):
+        for p, q in zip(ddp.module.parameters(), ref.parameters()):
             if p.device != device or p.grad is None or p.grad.device != device:
                 worst.fill_(float("inf"))
                 continue
