@@ -10,6 +10,12 @@ train_gnn.py's PyTorch model on the same batches.  Dropout takes an explicit see
                                      [--steps 30] [--iters 50] [--dropout 0.1] [--check]
     python examples/train_gnn_jax.py --check   # tiny, on the CPU: the loss curve against PyTorch's
 
+Data-parallel over N devices (--devices N, --batch per device): the batch splits by graph, each device
+runs the step on its own graphs inside shard_map (see data_parallel_step) and the loss and gradients
+are averaged over the devices; the run is checked against one device on the whole batch.  On the CPU:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python examples/train_gnn_jax.py --devices 2 --check
+
 The examples import the installed qkernels (`QKERNELS_JAX=1 pip install '.[jax]'`); in a source
 checkout built in place, put it on the path: PYTHONPATH=. python examples/train_gnn_jax.py
 """
@@ -82,6 +88,98 @@ def train_step(w, opt, st, node_x, labels, seed, *, num_graphs, heads, p, lr):
     return w, opt, loss
 
 
+def data_parallel_step(mesh, *, num_graphs, heads, p, lr):
+    """train_step over the mesh's axis "batch" (n devices): each device takes num_graphs / n graphs of
+    the batch, and st is one shard's structure (indices local to its graphs, the same on every device,
+    since the batch is n copies of one shard's layout).  The custom calls run per device inside
+    shard_map on their shard alone; the only communication is the mean of the loss and gradients."""
+    from jax.sharding import PartitionSpec as P
+
+    n = mesh.shape["batch"]
+
+    def local(w, opt, st, node_x, labels, seed):
+        # every device its own dropout masks: disjoint seeds for its 2 * layers norms
+        shard_seed = (seed * n + jax.lax.axis_index("batch")) * (2 * len(w["layers"]))
+        loss, g = jax.value_and_grad(forward)(w, st, node_x, labels, num_graphs // n, heads, p, shard_seed)
+        loss, g = jax.lax.pmean((loss, g), "batch")  # each shard's loss is the mean over its graphs
+        w, opt = adam_update(w, g, opt, lr)
+        return w, opt, loss
+
+    # check_vma off: the gradients are taken per device and averaged explicitly, as written above
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P("batch"), P("batch"), P()),
+                                 out_specs=(P(), P(), P()), check_vma=False))
+
+
+def collectives(compiled_text):
+    """{collective: count} in a compiled XLA module's text."""
+    ops = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+    return {op: compiled_text.count(f" {op}(") + compiled_text.count(f" {op}-start(") for op in ops}
+
+
+def run_data_parallel(a, graph, st, w0, batches, losses, w_one):
+    """--devices N: the comparison batches through data_parallel_step against the one-device losses
+    and final weights w_one (dropout off), the compiled step's collectives, and unless --check the timed steps: one device on
+    a.batch / N graphs beside N devices on a.batch.  -> whether the comparison passed."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    n, local_batch = a.devices, a.batch // a.devices
+    mesh = Mesh(np.array(jax.devices()[:n]), ("batch",))
+    rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("batch"))
+    st_local, _ = structure(graph, local_batch)
+    st_local = jax.device_put(st_local, rep)
+    static = dict(num_graphs=a.batch, heads=a.heads, lr=a.lr)
+    w, opt, got = jax.device_put(w0, rep), jax.device_put(adam_init(w0), rep), []
+    step = data_parallel_step(mesh, p=0.0, **static)
+    for node_x, labels in batches:
+        w, opt, loss = step(w, opt, st_local, jax.device_put(node_x, split), jax.device_put(labels, split),
+                            jnp.int32(0))
+        got.append(float(loss))
+    g, q = np.array(got), np.array(losses)
+    worst = float(np.max(np.abs(g - q) / (LOSS_ATOL + LOSS_RTOL * np.abs(q))))
+    # weights after the same Adam steps: per array within a few ulps of its largest entry
+    w_err = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))) / (1e-7 + 1e-5 * np.max(np.abs(np.asarray(y)))))
+                for x, y in zip(jax.tree_util.tree_leaves(w), jax.tree_util.tree_leaves(w_one)))
+    ok = worst <= 1.0 and w_err <= 1.0
+    node_x, labels = (jax.device_put(v, split) for v in batches[0])
+    text = step.lower(w, opt, st_local, node_x, labels, jnp.int32(0)).compile().as_text()
+    found = collectives(text)
+    ok &= found["all-gather"] == 0 and found["all-reduce"] > 0
+    print(f"sharded over {n} devices ({local_batch} graphs each, shard_map): loss {g[0]:.6f} -> {g[-1]:.6f}, "
+          f"max abs diff to one device {np.max(np.abs(g - q)):.1e}, {worst:.2f} of the tolerance, final weights "
+          f"{w_err:.2f} of theirs; compiled step: "
+          + ", ".join(f"{k} {v}" for k, v in found.items() if v or k == "all-gather") + f": {'PASS' if ok else 'FAIL'}")
+    # For contrast: plain jit on the sharded batch, the custom calls having no sharding rule.
+    plain = train_step.lower(w, opt, jax.device_put(st, rep), node_x, labels, jnp.int32(0), p=0.0, **static)
+    print("  plain jit on the same sharded batch (no shard_map), compiled step: " + ", ".join(
+        f"{k} {v}" for k, v in collectives(plain.compile().as_text()).items() if v) + " (the custom calls gathered)")
+    if a.check:
+        return ok
+
+    def per_step(fn, *args):
+        w, opt = args[0], args[1]
+        for i in range(3):
+            w, opt, loss = fn(w, opt, *args[2:], jnp.int32(i))
+        jax.block_until_ready(loss)
+        t0 = time.perf_counter()
+        for i in range(a.iters):
+            w, opt, loss = fn(w, opt, *args[2:], jnp.int32(1000 + 16 * i))
+        jax.block_until_ready(loss)
+        return (time.perf_counter() - t0) / a.iters
+
+    dev0 = jax.devices()[0]
+    one = functools.partial(train_step, p=a.dropout, num_graphs=local_batch, heads=a.heads, lr=a.lr)
+    t1 = per_step(one, *jax.device_put((w0, adam_init(w0), st_local, batches[0][0][:local_batch * graph.num_nodes],
+                                        batches[0][1][:local_batch * graph.num_edges]), dev0))
+    tn = per_step(data_parallel_step(mesh, p=a.dropout, **static), *jax.device_put((w0, adam_init(w0)), rep),
+                  st_local, node_x, labels)
+    print(f"timed: dropout {a.dropout}, {local_batch} graphs per device: 1 device {t1 * 1e3:.3f} ms/step "
+          f"({local_batch / t1:.0f} graphs/s), {n} devices {tn * 1e3:.3f} ms/step ({a.batch / tn:.0f} graphs/s): "
+          f"step ratio {tn / t1:.3f}, speed-up {t1 * n / tn:.2f}x")
+    if jax.default_backend() == "gpu":
+        print("  targets (2 H200, batch 256 per GPU): speed-up >= 1.8x, step ratio <= 1.10")
+    return ok
+
+
 def make_batches(graph, torch_st, a, count, seed):
     """(node inputs, labels) per step, from the same generator as train_gnn.py's make_batches."""
     import torch
@@ -121,10 +219,17 @@ def main(argv=None):
     p.add_argument("--dropout", type=float, default=0.1, help="dropout of the timed run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true", help="tiny sizes on the CPU, the comparison run only")
+    p.add_argument("--devices", type=int, default=1, help="data-parallel over this many devices; --batch is per "
+                   "device (the one-device comparison takes the whole batch)")
     a = p.parse_args(argv)
     if a.check:
-        a.distance, a.batch, a.steps = 3, 4, 8
+        a.distance, a.batch, a.steps = 3, max(1, 4 // a.devices), 8
     a.rounds = a.rounds or a.distance
+    a.batch *= a.devices
+    if len(jax.devices()) < a.devices:
+        print(f"--devices {a.devices}: jax sees {len(jax.devices())} device(s) ({jax.default_backend()}); on the CPU "
+              f"set XLA_FLAGS=--xla_force_host_platform_device_count={a.devices} before jax starts")
+        return 1
 
     graph = build_graph(a.distance, a.rounds, a.p, a.p)
     st, torch_st = structure(graph, a.batch)
@@ -154,6 +259,8 @@ def main(argv=None):
         print(f"comparison ({a.steps} steps, dropout off): loss {q[0]:.6f} -> {q[-1]:.6f} (jax), "
               f"{t[0]:.6f} -> {t[-1]:.6f} (pytorch); max abs diff {np.max(np.abs(q - t)):.1e}, "
               f"{worst:.2f} of the tolerance {LOSS_ATOL:.0e} + {LOSS_RTOL:.0e} |loss|: {'PASS' if ok else 'FAIL'}")
+    if a.devices > 1:
+        ok &= run_data_parallel(a, graph, st, w0, batches, losses, w)
     if a.check:
         print("check passed" if ok else "check FAILED")
         return 0 if ok else 1
