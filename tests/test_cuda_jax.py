@@ -19,6 +19,7 @@ try:
     GPU = jax.devices("gpu")[0]
 except RuntimeError:
     GPU = None
+CPU = jax.devices("cpu")[0]
 pytestmark = [requires_cuda, pytest.mark.skipif(GPU is None, reason="jax has no GPU platform")]
 
 import qkernels.jax as qj  # noqa: E402
@@ -103,12 +104,13 @@ def test_op_jit_on_gpu(op, dtype, rng):
                                 "linear", "swiglu", "rotary_emb"))
 def test_grad_on_gpu_matches_cpu(op, rng):
     """jax.grad on the GPU handlers against the same on the CPU handlers (float32 graph ops; the dense
-    ops in bfloat16 on the GPU against float32 on the CPU)."""
+    ops in bfloat16 on the GPU against float32 on the CPU).  Inside jit a tracer has no device, so the
+    dispatcher reads the default device: the CPU reference runs with the CPU as default, else it would
+    trace for cuda (where the dense kernels take no float32, and the graph ops would run on the GPU)."""
     args, kwargs = T.sample(op, rng)
     dtype = "float32" if op in GRAPH else "bfloat16"
     dev = _cast(op, args, dtype)
-    cpu = [a if isinstance(a, (int, float)) else jax.device_put(jnp.asarray(np.asarray(a)), jax.devices("cpu")[0])
-           for a in args]
+    cpu = [a if isinstance(a, (int, float)) else jax.device_put(jnp.asarray(np.asarray(a)), CPU) for a in args]
     diff = [i for i in T.FLOAT_ARGS[op] if not (op == "rotary_emb" and i == 1)
             and not (op == "graph_norm_bce" and i == 1)]
 
@@ -121,7 +123,13 @@ def test_grad_on_gpu_matches_cpu(op, rng):
 
         return jax.jit(jax.grad(loss, argnums=tuple(range(len(diff)))))(*[full[i] for i in diff])
 
-    for g, r in zip(grads(dev), grads(cpu)):
+    got = grads(dev)
+    with jax.default_device(CPU):
+        ref = grads(cpu)
+    for r in ref:
+        assert next(iter(r.devices())).platform == "cpu"
+    for g, r in zip(got, ref):
+        assert next(iter(g.devices())).platform == "gpu"
         _close(g, _f64(r), dtype)
 
 
@@ -133,9 +141,11 @@ def test_paged_decode_appends_on_gpu(rng):
     new_v = rng.standard_normal((B, Hkv, D)).astype(np.float32)
     dev = _cast("attn_paged_decode", args, "bfloat16")
     nk, nv = (jax.device_put(jnp.asarray(a, jnp.bfloat16), GPU) for a in (new_k, new_v))
+    # the caches are donated: read them back before the call deletes them
+    host = [_f64(a).astype(np.float32) if i < 3 else np.asarray(a) for i, a in enumerate(dev)]
     run = jax.jit(lambda *a: qj.attn_paged_decode(*a[:6], new_k=a[6], new_v=a[7]), donate_argnums=(1, 2))
     out, k2, v2 = run(*dev, nk, nv)
-    host = [_f64(a).astype(np.float32) if i < 3 else np.asarray(a) for i, a in enumerate(dev)]
+    assert dev[1].is_deleted() and dev[2].is_deleted()  # updated in place, not copied
     nkh, nvh = _f64(nk).astype(np.float32), _f64(nv).astype(np.float32)
     _close(out, T.reference("attn_paged_decode", *host, new_k=nkh, new_v=nvh), "bfloat16")
     _close(k2, T.appended(host[1], nkh, r2t, rpi, kv_indptr), "bfloat16")
@@ -147,6 +157,8 @@ def test_dropout_mask_same_on_gpu_and_cpu(rng):
     args, _ = T.sample("fused_norm_residual", rng, rows=64, h=96)
     kw = dict(p=0.2, training=True, seed=2**33 + 5)
     gpu = qj.fused_norm_residual(*_cast("fused_norm_residual", args, "float32"), **kw)
-    cpu = qj.fused_norm_residual(*[jax.device_put(jnp.asarray(a), jax.devices("cpu")[0]) for a in args], **kw)
+    with jax.default_device(CPU):
+        cpu = qj.fused_norm_residual(*[jax.device_put(jnp.asarray(a), CPU) for a in args], **kw)
+    assert next(iter(cpu.devices())).platform == "cpu"
     _close(gpu, _f64(cpu), "float32")
     _close(gpu, T.reference("fused_norm_residual", *args, **kw), "float32")
