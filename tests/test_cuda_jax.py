@@ -9,7 +9,7 @@ import pytest
 import qkernels
 from qkernels import testing as T
 
-from conftest import requires_cuda
+from conftest import jax_attn_mask, requires_cuda
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
@@ -150,6 +150,30 @@ def test_paged_decode_appends_on_gpu(rng):
     _close(out, T.reference("attn_paged_decode", *host, new_k=nkh, new_v=nvh), "bfloat16")
     _close(k2, T.appended(host[1], nkh, r2t, rpi, kv_indptr), "bfloat16")
     _close(v2, T.appended(host[2], nvh, r2t, rpi, kv_indptr), "bfloat16")
+
+
+@pytest.mark.parametrize("kind", ["bool", "float32", "q_dtype"])
+@pytest.mark.parametrize("op,shape", [("attn_decode", "B,L"), ("attn_decode", "1,1,1,L"),
+                                      ("attn_paged_decode", "B,W"), ("attn_prefill", "B,L"),
+                                      ("attn_prefill", "B,1,Q,L"), ("attn_prefill", "1,H,1,L"),
+                                      ("attn_paged_prefill", "B,W"), ("attn_paged_prefill", "B,1,Q,W")])
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+def test_attention_masks_on_gpu(op, shape, kind, dtype, rng):
+    """Bool and additive float masks (float32, or q's own dtype) through the CUDA handlers, under jit."""
+    args, kwargs = T.sample(op, rng, **_sizes(op))
+    q = args[0]
+    B = q.shape[0] if op in ("attn_decode", "attn_prefill") else args[4].shape[0]
+    L = args[1].shape[1] if op in ("attn_decode", "attn_prefill") else args[3].shape[1]
+    Q = q.shape[1] if op == "attn_prefill" else int(max(np.diff(args[6]))) if op == "attn_paged_prefill" else 1
+    dims = tuple({"B": B, "L": L, "W": L - 2, "H": q.shape[-2], "Q": Q}.get(d, 1) for d in shape.split(","))
+    mask = jax_attn_mask(rng, dims, "bool" if kind == "bool" else "float")
+    dev = _cast(op, args, dtype)
+    m = jax.device_put(jnp.asarray(mask, None if kind != "q_dtype" else getattr(jnp, dtype)), GPU)
+    host = [_f64(a).astype(np.float32) if i < 3 else np.asarray(a) for i, a in enumerate(dev)]
+    out = jax.jit(lambda *a: getattr(qj, op)(*a[:-1], mask=a[-1], **kwargs))(*dev, m)
+    assert next(iter(out.devices())).platform == "gpu"
+    ref = T.reference(op, *host, mask=_f64(m) if kind != "bool" else np.asarray(m), **kwargs)
+    _close(out, ref, dtype)
 
 
 def test_dropout_mask_same_on_gpu_and_cpu(rng):
