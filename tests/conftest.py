@@ -393,3 +393,14 @@ def fake_flash(monkeypatch):
     yield calls
     monkeypatch.undo()
     _dispatch._cache.clear()
+
+
+def jax_attn_mask(rng, shape, kind, dtype=np.float32, drop=0.4):
+    """A bool attention mask (True = keep) or an additive float one (normal values, -inf = drop) of the
+    given shape; with a batch dim > 1, sequence 0's rows are dropped whole (its output is 0)."""
+    keep = rng.random(shape) >= drop
+    if len(shape) > 1 and shape[0] > 1:
+        keep[0] = False
+    if kind == "bool":
+        return keep
+    return np.where(keep, 2 * rng.standard_normal(shape), -np.inf).astype(dtype)

@@ -51,6 +51,17 @@ enum {
     QK_PREFILL_WGMMA, /* on sm_90 the cp.async wgmma kernel, not the TMA one */
 };
 
+/* Where a CUDA launcher takes its temporary device memory (the `scratch` field of the args structs
+ * that have one).  NULL (a zero-initialised struct): cudaMallocAsync / cudaFreeAsync on the launch
+ * stream.  Otherwise alloc returns 0 and *p, or a non-zero status (QK_E_NOMEM, or a cudaError_t);
+ * free releases p (of the size it was asked for) once the work already enqueued on stream is done
+ * with it: the XLA FFI handlers pass XLA's device allocator, which is ordered on XLA's stream. */
+typedef struct qk_scratch {
+    int (*alloc)(void *ctx, size_t bytes, void *stream, void **p);
+    int (*free)(void *ctx, void *p, size_t bytes, void *stream);
+    void *ctx;
+} qk_scratch;
+
 /* Element types the kernels see; the binding maps DLPack dtypes onto these. */
 typedef enum {
     QK_F32 = 0,
@@ -83,6 +94,7 @@ typedef struct {
     /* Filled on QK_E_INDEX: which argument, at which position, holding which value. */
     int bad_arg;     /* 0 row_ptr, 1 col_idx */
     int64_t bad_pos, bad_value;
+    const qk_scratch *scratch; /* CUDA temporaries (see qk_scratch); NULL: the stream-ordered pool */
 } qk_sparse_aggregate_args;
 
 /* sparse_aggregate_backward: the gradients of sparse_aggregate for grad_out [num_dst, H, D] (same
@@ -106,6 +118,7 @@ typedef struct {
     int deterministic;
     int bad_arg; /* QK_E_INDEX: 0 row_ptr, 1 col_idx */
     int64_t bad_pos, bad_value;
+    const qk_scratch *scratch; /* CUDA temporaries (see qk_scratch); NULL: the stream-ordered pool */
 } qk_sparse_aggregate_backward_args;
 
 /* fused_edge_features: out[e] = cat(x[src]+x[dst], |x[src]-x[dst]|, edge_attr[e]) with
@@ -141,6 +154,7 @@ typedef struct {
     int index_dtype, dtype, num_threads;
     int bad_row; /* QK_E_INDEX: 0 src, 1 dst */
     int64_t bad_pos, bad_value;
+    const qk_scratch *scratch; /* CUDA temporaries (see qk_scratch); NULL: the stream-ordered pool */
 } qk_fused_edge_features_backward_args;
 
 /* fused_norm_residual: y = LayerNorm(x) * gamma + beta over the last dim (population variance,
@@ -168,6 +182,7 @@ typedef struct {
     int64_t num_graphs, batch_stride;
     int index_dtype;
     int64_t bad_pos, bad_value;
+    const qk_scratch *scratch; /* CUDA temporaries (see qk_scratch); NULL: the stream-ordered pool */
 } qk_fused_norm_residual_args;
 
 /* fused_norm_residual_backward: the gradients of fused_norm_residual's output with respect to x,
@@ -197,6 +212,7 @@ typedef struct {
     int64_t num_graphs, batch_stride;
     int index_dtype;
     int64_t bad_pos, bad_value;
+    const qk_scratch *scratch; /* CUDA temporaries (see qk_scratch); NULL: the stream-ordered pool */
 } qk_fused_norm_residual_backward_args;
 
 /* graph_norm_bce: mean over g < num_graphs of (sum of bce(e) over edges with edge_graph[e] == g) /
@@ -220,6 +236,7 @@ typedef struct {
     int has_pos_weight;
     int dtype, index_dtype, pw_dtype, num_threads;
     int64_t bad_pos, bad_value; /* QK_E_INDEX: edge_graph[bad_pos] = bad_value outside [0, num_graphs) */
+    const qk_scratch *scratch; /* CUDA temporaries (see qk_scratch); NULL: the stream-ordered pool */
 } qk_graph_norm_bce_args;
 
 /* attn_decode and attn_paged_decode: one query token per sequence,
@@ -272,6 +289,7 @@ typedef struct {
     /* Filled on QK_E_INDEX: bad_arg 0 req_pool_indices, 1 kv_indptr (a length), 2 req_to_token (a slot) */
     int bad_arg;
     int64_t bad_pos, bad_value;
+    const qk_scratch *scratch; /* CUDA temporaries (see qk_scratch); NULL: the stream-ordered pool */
 } qk_attn_decode_args;
 
 /* attn_prefill and attn_paged_prefill: many query tokens per sequence,
@@ -370,6 +388,7 @@ typedef struct {
     const void *grad_out;                           /* [M, N] */
     void *grad_x, *grad_w, *grad_gate, *grad_bias;  /* [M, K], [N, K], [N, K], [N]; NULL: not wanted */
     int64_t grad_out_stride, grad_x_stride, grad_w_stride, grad_gate_stride, grad_bias_stride;
+    const qk_scratch *scratch; /* CUDA temporaries (see qk_scratch); NULL: the stream-ordered pool */
 } qk_linear_args;
 
 /* The op table.  Every layer follows these two lists; adding an op is a row in each (see
@@ -421,7 +440,7 @@ typedef struct {
     X(attn_paged_prefill, attn_prefill, attention, 0)
 
 /* The CUDA shared object exports one symbol, qk_cuda_get_api, returning this table. */
-#define QK_CUDA_ABI 9
+#define QK_CUDA_ABI 10
 
 typedef struct {
     int abi;
