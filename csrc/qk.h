@@ -114,6 +114,8 @@ int qk_variant_arg(const char *fname, const char *arg, PyObject *obj, const char
 long long qk_num_graphs_arg(const char *fname, PyObject *obj, int64_t scratch_bytes);
 /* An int in [0, max], with pow2 a power of two (or 0); else ValueError (a non-int TypeError). */
 int qk_tuning_int_arg(const char *fname, const char *arg, PyObject *obj, int max, int pow2, int *value);
+/* A bool keyword: its truth (absent: dflt) in *value; where truth cannot be taken TypeError naming fname and arg. */
+int qk_bool_arg(const char *fname, const char *arg, PyObject *obj, int dflt, int *value);
 #define QK_COUNT(array) ((int)(sizeof(array) / sizeof *(array)))
 
 /* launch.c: device selection, stream choice and output allocation shared by every op */

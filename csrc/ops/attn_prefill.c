@@ -34,14 +34,6 @@ QK_DOCS(attn_paged_prefill, "q, k_cache, v_cache, req_to_token, req_pool_indices
 static const char *const ap_variants[] = {[QK_PREFILL_AUTO] = "auto", [QK_PREFILL_MMA] = "mma",
                                           [QK_PREFILL_WGMMA] = "wgmma"};
 
-static int ap_causal(const char *op, PyObject *obj, int *causal) {
-    *causal = obj ? PyObject_IsTrue(obj) : 0;
-    if (*causal >= 0) return 0;
-    PyErr_Clear(); /* e.g. a NumPy array of several elements: name the op and the argument */
-    PyErr_Format(PyExc_TypeError, "%s: is_causal must be a bool, got %.200s", op, Py_TYPE(obj)->tp_name);
-    return -1;
-}
-
 /* The prefill ops' mask against [B, Hq, Lq, L] (dense: L = Lkv; paged, Lq < 0: L = max_ctx, any
  * query rows Mq, a key width W <= max_ctx).  2-D [B, L]: per key, bool as mask_kind 1 (masked keys
  * are never loaded), float as mask_kind 2 with stride-0 head and query dims.  Per query (mask_kind
@@ -128,7 +120,7 @@ PyObject *qk_op_attn_prefill(PyObject *module, PyObject *const *args, Py_ssize_t
     if (qk_parse_args(OP, args, nargs, kwnames, names, 3, 3, a) < 0) return NULL;
     void *stream;
     int stream_given, causal, variant;
-    if (qk_stream_arg(OP, a[7], &stream, &stream_given) < 0 || ap_causal(OP, a[4], &causal) < 0 ||
+    if (qk_stream_arg(OP, a[7], &stream, &stream_given) < 0 || qk_bool_arg(OP, "is_causal", a[4], 0, &causal) < 0 ||
         qk_variant_arg(OP, "_variant", a[8], ap_variants, QK_COUNT(ap_variants), &variant) < 0)
         return NULL;
 
@@ -212,7 +204,7 @@ PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_s
     if (qk_parse_args(OP, args, nargs, kwnames, names, 7, 7, a) < 0) return NULL;
     void *stream;
     int stream_given, causal, variant;
-    if (qk_stream_arg(OP, a[11], &stream, &stream_given) < 0 || ap_causal(OP, a[8], &causal) < 0 ||
+    if (qk_stream_arg(OP, a[11], &stream, &stream_given) < 0 || qk_bool_arg(OP, "is_causal", a[8], 0, &causal) < 0 ||
         qk_variant_arg(OP, "_variant", a[12], ap_variants, QK_COUNT(ap_variants), &variant) < 0)
         return NULL;
 

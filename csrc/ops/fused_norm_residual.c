@@ -73,13 +73,7 @@ static int nr_options(const char *op, PyObject *p_obj, PyObject *training_obj, P
         PyErr_Format(PyExc_ValueError, "%s: eps must be a finite value >= 0, got %R", op, eps_obj);
         return -1;
     }
-    *training = training_obj ? PyObject_IsTrue(training_obj) : 0;
-    if (*training < 0) { /* e.g. a NumPy array of several elements: name the op and the argument */
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: training must be a bool, got %.200s", op, Py_TYPE(training_obj)->tp_name);
-        return -1;
-    }
-    return 0;
+    return qk_bool_arg(op, "training", training_obj, 0, training);
 }
 
 /* seed=: an int (its low 64 bits key the generator; 1 is returned), None (0), or a tensor (2),

@@ -180,17 +180,6 @@ PyObject *qk_op_swiglu(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     return ln_op(module, args, nargs, kwnames, 1);
 }
 
-/* A bool keyword (absent: dflt); -1 with TypeError naming it where truth cannot be taken. */
-static int lb_flag(const char *op, const char *arg, PyObject *obj, int dflt) {
-    if (obj == NULL) return dflt;
-    const int v = PyObject_IsTrue(obj);
-    if (v < 0) { /* e.g. a NumPy array of several elements */
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: %s must be a bool, got %.200s", op, arg, Py_TYPE(obj)->tp_name);
-    }
-    return v;
-}
-
 /* The backward ops.  in[0] grad_out, in[1] x, in[2] the (up) weight, in[3] gate_weight (swiglu);
  * outputs o[0] grad_x, o[1] grad_weight (up's), o[2] grad_bias (linear) or grad_gate_weight (swiglu). */
 static PyObject *lb_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int swiglu) {
@@ -208,17 +197,13 @@ static PyObject *lb_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     PyObject *const *kw = p + n_tensors;
     const int n_flags = swiglu ? 2 : 3;
     void *stream;
-    int stream_given, variant, split;
+    int stream_given, variant, split, want_x, want_w, want_b = 0;
     if (qk_stream_arg(op, kw[n_flags], &stream, &stream_given) < 0 ||
         qk_variant_arg(op, "_variant", kw[n_flags + 1], lb_variants, QK_COUNT(lb_variants), &variant) < 0 ||
-        qk_tuning_int_arg(op, "_split", kw[n_flags + 2], 64, 0, &split) < 0)
+        qk_tuning_int_arg(op, "_split", kw[n_flags + 2], 64, 0, &split) < 0 ||
+        qk_bool_arg(op, "x_grad", kw[0], 1, &want_x) < 0 || qk_bool_arg(op, "weight_grad", kw[1], 1, &want_w) < 0 ||
+        (!swiglu && qk_bool_arg(op, "bias_grad", kw[2], 0, &want_b) < 0))
         return NULL;
-    const int want_x = lb_flag(op, "x_grad", kw[0], 1);
-    if (want_x < 0) return NULL;
-    const int want_w = lb_flag(op, "weight_grad", kw[1], 1);
-    if (want_w < 0) return NULL;
-    const int want_b = swiglu ? 0 : lb_flag(op, "bias_grad", kw[2], 0);
-    if (want_b < 0) return NULL;
 
     qk_view in[4] = {{0}}, ov[3] = {{0}};
     qk_output o[3] = {{0}};
