@@ -240,11 +240,9 @@ PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ss
     ad.variant = variant;
     ad.splits = splits;
     int status = QK_OK;
-    if (B > 0 && l.device_type == kDLCUDA && st->check_indices) { /* QKERNELS_CHECK=1: the pool rows */
-        status = l.cuda->index_check(ad.req_pool_indices, ad.rpi_dtype, B, ad.rpi_stride, 0, R, &ad.bad_pos,
-                                     &ad.bad_value, l.stream);
-        ad.bad_arg = 0;
-    }
+    if (B > 0) /* QKERNELS_CHECK=1: the pool rows (bad_arg stays 0) */
+        status = qk_index_check(st, &l, ad.req_pool_indices, ad.rpi_dtype, B, ad.rpi_stride, R, &ad.bad_pos,
+                                &ad.bad_value);
     if (B > 0 && status == QK_OK) QK_RUN(status, &l, attn_decode, &ad);
     if (status == QK_E_INDEX) qk_attn_raise_pool_index(OP, ad.bad_arg, ad.bad_pos, ad.bad_value, R, max_ctx, S);
     else if (status) qk_raise_status(OP, status);

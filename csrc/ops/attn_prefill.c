@@ -273,11 +273,9 @@ PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_s
     pa.dtype = in[Q].dtype;
     pa.num_threads = st->num_threads;
     int status = QK_OK;
-    if (B > 0 && l.device_type == kDLCUDA && st->check_indices) { /* QKERNELS_CHECK=1: the pool rows */
-        status = l.cuda->index_check(pa.req_pool_indices, pa.rpi_dtype, B, pa.rpi_stride, 0, R, &pa.bad_pos,
-                                     &pa.bad_value, l.stream);
-        pa.bad_arg = 0;
-    }
+    if (B > 0) /* QKERNELS_CHECK=1: the pool rows (bad_arg stays 0) */
+        status = qk_index_check(st, &l, pa.req_pool_indices, pa.rpi_dtype, B, pa.rpi_stride, R, &pa.bad_pos,
+                                &pa.bad_value);
     /* B = 0 still runs when there are query rows: they belong to no request and are written as 0 */
     if ((B > 0 || total_q > 0) && Hq > 0 && status == QK_OK)
         QK_RUN(status, &l, attn_prefill, &pa);
