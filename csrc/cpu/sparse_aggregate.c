@@ -31,11 +31,15 @@ static inline void sa_prefetch(const float *row, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)row + off);
 }
 
-/* node_feat's row for edge e, when its column is in range (the gather checks and reports it). */
-static inline void sa_prefetch_source(const void *col_idx, int index_dtype, int64_t col_stride, int64_t num_src,
-                                      const float *nf, int64_t nf_stride0, int64_t e, int64_t bytes) {
-    const int64_t src = qk_index(col_idx, index_dtype, e, col_stride);
-    if (src >= 0 && src < num_src) sa_prefetch(nf + src * nf_stride0, bytes);
+/* col_idx[e], for the caller to check and report; meanwhile node_feat's row for edge e + SA_AHEAD is
+ * prefetched when that edge is before end and its column in range. */
+static inline int64_t sa_source(const void *col_idx, int index_dtype, int64_t col_stride, int64_t num_src,
+                                const float *nf, int64_t nf_stride0, int64_t e, int64_t end, int64_t bytes) {
+    if (e + SA_AHEAD < end) {
+        const int64_t ahead = qk_index(col_idx, index_dtype, e + SA_AHEAD, col_stride);
+        if (ahead >= 0 && ahead < num_src) sa_prefetch(nf + ahead * nf_stride0, bytes);
+    }
+    return qk_index(col_idx, index_dtype, e, col_stride);
 }
 
 /* First row whose cost prefix (edges before it + the row index) reaches `target`. */
@@ -73,10 +77,8 @@ QK_MULTIVERSION static void sa_worker(void *p, int tid, int nthreads) {
         const int64_t end = qk_index(a->row_ptr, a->index_dtype, row + 1, a->row_ptr_stride);
         memset(acc, 0, sizeof(float) * (size_t)(H * D));
         for (int64_t e = begin; e < end; e++) {
-            if (e + SA_AHEAD < end)
-                sa_prefetch_source(a->col_idx, a->index_dtype, a->col_idx_stride, a->num_src, nf, a->nf_stride[0],
-                                   e + SA_AHEAD, row_bytes);
-            const int64_t src = qk_index(a->col_idx, a->index_dtype, e, a->col_idx_stride);
+            const int64_t src = sa_source(a->col_idx, a->index_dtype, a->col_idx_stride, a->num_src, nf,
+                                          a->nf_stride[0], e, end, row_bytes);
             if (src < 0 || src >= a->num_src) {
                 j->bad_pos[tid] = e;
                 j->bad_value[tid] = src;
@@ -214,10 +216,8 @@ QK_MULTIVERSION static void sab_rows(sab_job *j, int tid, int64_t r0, int64_t r1
         }
         const float *g = go + row * a->go_stride[0];
         for (int64_t e = begin; e < end; e++) {
-            if (e + SA_AHEAD < end)
-                sa_prefetch_source(a->col_idx, a->index_dtype, a->col_idx_stride, a->num_src, nf, a->nf_stride[0],
-                                   e + SA_AHEAD, row_bytes);
-            const int64_t src = qk_index(a->col_idx, a->index_dtype, e, a->col_idx_stride);
+            const int64_t src = sa_source(a->col_idx, a->index_dtype, a->col_idx_stride, a->num_src, nf,
+                                          a->nf_stride[0], e, end, row_bytes);
             if (src < 0 || src >= a->num_src) {
                 j->bad_pos[tid] = e;
                 j->bad_value[tid] = src;
