@@ -24,6 +24,16 @@ static int ad_check_mask(const char *op, const qk_view *m, const qk_view *q, int
     return 0;
 }
 
+/* The keywords both decode ops end with: kw = scale, out, stream, _variant, _splits. */
+static int ad_keywords(const char *op, PyObject *const *kw, void **stream, int *stream_given, int *variant,
+                       int *splits) {
+    return qk_stream_arg(op, kw[2], stream, stream_given) < 0 ||
+                   qk_variant_arg(op, "_variant", kw[3], ad_variants, QK_COUNT(ad_variants), variant) < 0 ||
+                   qk_tuning_int_arg(op, "_splits", kw[4], INT_MAX, 0, splits) < 0
+               ? -1
+               : 0;
+}
+
 /* The fields both decode ops fill alike: q [B, 1, Hq, D] or [B, Hq, D] and out of its shape; k and v
  * [B, Lkv, Hkv, D] or token pools [S, Hkv, D] (strides {b, j, h}: a pool has no b); the options. */
 static void ad_fill(qk_attn_decode_args *ad, const qk_view *q, const qk_view *out, const qk_view *k, const qk_view *v,
@@ -84,10 +94,7 @@ PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t 
     if (qk_parse_args(OP, args, nargs, kwnames, names, 3, 3, a) < 0) return NULL;
     void *stream;
     int stream_given, variant, splits;
-    if (qk_stream_arg(OP, a[7], &stream, &stream_given) < 0 ||
-        qk_variant_arg(OP, "_variant", a[8], ad_variants, QK_COUNT(ad_variants), &variant) < 0 ||
-        qk_tuning_int_arg(OP, "_splits", a[9], INT_MAX, 0, &splits) < 0)
-        return NULL;
+    if (ad_keywords(OP, a + NUM_INPUTS, &stream, &stream_given, &variant, &splits) < 0) return NULL;
 
     qk_view in[NUM_INPUTS] = {{0}}, ov = {0};
     qk_output o = {0};
@@ -148,10 +155,7 @@ PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ss
     if (qk_parse_args(OP, args, nargs, kwnames, names, 6, 6, a) < 0) return NULL;
     void *stream;
     int stream_given, variant, splits;
-    if (qk_stream_arg(OP, a[11], &stream, &stream_given) < 0 ||
-        qk_variant_arg(OP, "_variant", a[12], ad_variants, QK_COUNT(ad_variants), &variant) < 0 ||
-        qk_tuning_int_arg(OP, "_splits", a[13], INT_MAX, 0, &splits) < 0)
-        return NULL;
+    if (ad_keywords(OP, a + NUM_INPUTS, &stream, &stream_given, &variant, &splits) < 0) return NULL;
     const int has_new_k = QK_GIVEN(a[NEW_K]), has_new_v = QK_GIVEN(a[NEW_V]);
     if (has_new_k != has_new_v) {
         PyErr_Format(PyExc_TypeError, OP ": new_k and new_v must be given together (got %s without %s)",

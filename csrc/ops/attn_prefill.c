@@ -109,6 +109,15 @@ static int ap_mask(const char *op, const qk_view *m, const qk_view *q, int64_t B
     return 0;
 }
 
+/* The keywords both prefill ops take after their tensors: kw = mask, is_causal, scale, out, stream, _variant. */
+static int ap_keywords(const char *op, PyObject *const *kw, void **stream, int *stream_given, int *causal,
+                       int *variant) {
+    return qk_stream_arg(op, kw[4], stream, stream_given) < 0 || qk_bool_arg(op, "is_causal", kw[1], 0, causal) < 0 ||
+                   qk_variant_arg(op, "_variant", kw[5], ap_variants, QK_COUNT(ap_variants), variant) < 0
+               ? -1
+               : 0;
+}
+
 /* The fields both prefill ops fill alike: q [B, Lq, Hq, D] or [total_q, Hq, D] and out of its shape,
  * k and v [B, Lkv, Hkv, D] or token pools [S, Hkv, D] (strides {b, i or j, h}: the ragged forms have
  * no b); the options. */
@@ -145,9 +154,7 @@ PyObject *qk_op_attn_prefill(PyObject *module, PyObject *const *args, Py_ssize_t
     if (qk_parse_args(OP, args, nargs, kwnames, names, 3, 3, a) < 0) return NULL;
     void *stream;
     int stream_given, causal, variant;
-    if (qk_stream_arg(OP, a[7], &stream, &stream_given) < 0 || qk_bool_arg(OP, "is_causal", a[4], 0, &causal) < 0 ||
-        qk_variant_arg(OP, "_variant", a[8], ap_variants, QK_COUNT(ap_variants), &variant) < 0)
-        return NULL;
+    if (ap_keywords(OP, a + MASK, &stream, &stream_given, &causal, &variant) < 0) return NULL;
 
     qk_view in[NUM_INPUTS] = {{0}}, ov = {0};
     qk_output o = {0};
@@ -213,9 +220,7 @@ PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_s
     if (qk_parse_args(OP, args, nargs, kwnames, names, 7, 7, a) < 0) return NULL;
     void *stream;
     int stream_given, causal, variant;
-    if (qk_stream_arg(OP, a[11], &stream, &stream_given) < 0 || qk_bool_arg(OP, "is_causal", a[8], 0, &causal) < 0 ||
-        qk_variant_arg(OP, "_variant", a[12], ap_variants, QK_COUNT(ap_variants), &variant) < 0)
-        return NULL;
+    if (ap_keywords(OP, a + MASK, &stream, &stream_given, &causal, &variant) < 0) return NULL;
 
     qk_view in[NUM_INPUTS] = {{0}}, ov = {0};
     qk_output o = {0};
