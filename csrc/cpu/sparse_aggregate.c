@@ -103,31 +103,31 @@ QK_MULTIVERSION static void sa_worker(void *p, int tid, int nthreads) {
     free(acc);
 }
 
-/* Whether row_ptr [n + 1] is not a valid CSR prefix 0 <= row_ptr[0] <= ... <= row_ptr[n] <= E; the
- * first offending position and value in *pos, *value. */
-static int sa_bad_row_ptr(const void *row_ptr, int index_dtype, int64_t stride, int64_t n, int64_t E, int64_t *pos,
-                          int64_t *value) {
+/* The checks both launchers start with: float32 features and int32/int64 indices (else
+ * QK_E_UNSUPPORTED), and row_ptr [n + 1] a valid CSR prefix 0 <= row_ptr[0] <= ... <= row_ptr[n] <= E
+ * (else QK_E_INDEX with *bad_arg 0 and the first offending position and value in *pos, *value). */
+static int sa_check_csr(int dtype, const void *row_ptr, int index_dtype, int64_t stride, int64_t n, int64_t E,
+                        int *bad_arg, int64_t *pos, int64_t *value) {
+    if (dtype != QK_F32 || (index_dtype != QK_I32 && index_dtype != QK_I64)) return QK_E_UNSUPPORTED;
     int64_t prev = 0;
     for (int64_t i = 0; i <= n; i++) {
         const int64_t v = qk_index(row_ptr, index_dtype, i, stride);
         if (v < prev || v > E) {
+            *bad_arg = 0;
             *pos = i;
             *value = v;
-            return 1;
+            return QK_E_INDEX;
         }
         prev = v;
     }
-    return 0;
+    return QK_OK;
 }
 
 int qk_sparse_aggregate_cpu(qk_sparse_aggregate_args *a, void *stream) {
     (void)stream;
-    if (a->dtype != QK_F32 || (a->index_dtype != QK_I32 && a->index_dtype != QK_I64)) return QK_E_UNSUPPORTED;
-    if (sa_bad_row_ptr(a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst, a->num_edges, &a->bad_pos,
-                       &a->bad_value)) {
-        a->bad_arg = 0;
-        return QK_E_INDEX;
-    }
+    const int checked = sa_check_csr(a->dtype, a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst,
+                                     a->num_edges, &a->bad_arg, &a->bad_pos, &a->bad_value);
+    if (checked != QK_OK) return checked;
     if (a->num_dst == 0) return QK_OK;
     sa_job j = {0};
     j.a = a;
@@ -303,12 +303,9 @@ static int sab_run(sab_job *j, int phase, int64_t work) {
 
 int qk_sparse_aggregate_backward_cpu(qk_sparse_aggregate_backward_args *a, void *stream) {
     (void)stream;
-    if (a->dtype != QK_F32 || (a->index_dtype != QK_I32 && a->index_dtype != QK_I64)) return QK_E_UNSUPPORTED;
-    if (sa_bad_row_ptr(a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst, a->num_edges, &a->bad_pos,
-                       &a->bad_value)) {
-        a->bad_arg = 0;
-        return QK_E_INDEX;
-    }
+    const int checked = sa_check_csr(a->dtype, a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst,
+                                     a->num_edges, &a->bad_arg, &a->bad_pos, &a->bad_value);
+    if (checked != QK_OK) return checked;
     const int64_t H = a->num_heads, D = a->head_dim;
     sab_job j = {0};
     j.a = a;
