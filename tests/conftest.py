@@ -307,6 +307,14 @@ class RecordingOut:
         self.got = src
 
 
+def cuda_randn(*shape, dtype="bfloat16", scale=1.0, seed=0):
+    """scale * a standard normal draw on the GPU from torch's generator seeded with seed, in torch's dtype of
+    that name (drawn in float32, rounded once)."""
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (scale * torch.randn(*shape, device="cuda", generator=g)).to(getattr(torch, dtype))
+
+
 def cuda(a, dtype=None):
     """A NumPy array as a torch CUDA tensor (cast there to the torch dtype named dtype)."""
     import torch

@@ -17,7 +17,7 @@ import pytest
 
 import qkernels
 from qkernels.testing import reference
-from conftest import capture_graph, close_to_naive, f64, naive_rotary, Ops, outputs, requires_cuda
+from conftest import capture_graph, close_to_naive, cuda_randn as randn, f64, naive_rotary, Ops, outputs, requires_cuda
 
 pytestmark = [requires_cuda,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
@@ -38,15 +38,6 @@ def kernels(request):
     if request.param == "picked":
         return Ops()
     return Ops(request.param, _variant=request.param)
-
-
-def tdtype(name):
-    return getattr(torch, name)
-
-
-def randn(*shape, dtype="bfloat16", scale=1.0, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return (scale * torch.randn(*shape, device="cuda", generator=g)).to(tdtype(dtype))
 
 
 @functools.lru_cache(maxsize=8)

@@ -15,7 +15,7 @@ import pytest
 
 import qkernels
 from qkernels.testing import reference
-from conftest import capture_graph, close_to_naive, f64, naive_rotary, Ops, requires_cuda
+from conftest import capture_graph, close_to_naive, cuda_randn as randn, f64, naive_rotary, Ops, requires_cuda
 
 pytestmark = [requires_cuda,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
@@ -48,15 +48,6 @@ def close(ours, naive, op, *args, **kwargs):
     """close_to_naive against qkernels.testing.reference(op) of the tensors' float64 host copies."""
     ref = reference(op, *(None if a is None else f64(a) for a in args), **kwargs)
     close_to_naive(ours, naive, ref, slack=1e-5)
-
-
-def tdtype(name):
-    return getattr(torch, name)
-
-
-def randn(*shape, dtype="bfloat16", scale=1.0, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return (scale * torch.randn(*shape, device="cuda", generator=g)).to(tdtype(dtype))
 
 
 @functools.lru_cache(maxsize=8)
@@ -141,7 +132,7 @@ def test_gemv_kernel(dtype, m, k, n):
     x = xb[:, 32:32 + k]
     wb = torch.cat([up, gate], 1)
     ws, gs = wb[:, :k], wb[:, k:]
-    big = torch.full((m, n + 16), float("nan"), device="cuda", dtype=tdtype(dtype))
+    big = torch.full((m, n + 16), float("nan"), device="cuda", dtype=getattr(torch, dtype))
     out = big[:, 8:8 + n]
     ops.linear(x, ws, b, out=out)
     close(out, F.linear(x, ws, b), "linear", x, ws, b)
@@ -198,7 +189,7 @@ def test_poisoned_strided_out_and_strided_rows(dtype, m, linear_kernel):
     x = xb[:, 32:32 + k]  # row stride k + 64
     wb = torch.cat([up, gate], 1)  # [n, 2k]: rows of up and gate with stride 2k
     ws, gs = wb[:, :k], wb[:, k:]
-    big = torch.full((m, n + 16), float("nan"), device="cuda", dtype=tdtype(dtype))
+    big = torch.full((m, n + 16), float("nan"), device="cuda", dtype=getattr(torch, dtype))
     out = big[:, 8:8 + n]
     ops = linear_kernel
     assert ops.linear(x, ws, b, out=out) is out
