@@ -307,6 +307,22 @@ class RecordingOut:
         self.got = src
 
 
+def large_bce_batch(rng, shape):
+    """A large sorted graph_norm_bce batch on the host: (num_graphs, edge_graph, logits, target) with shape
+    "three" (3 graphs, 1.5M edges), "uniform" (1000 graphs) or "skewed" (200,000 graphs of heavy-tailed
+    sizes: a third empty, a sixth with one edge, ~15 above 1e4 edges)."""
+    if shape == "three":
+        g, eg = 3, np.sort(rng.integers(0, 3, 1_500_001))
+    elif shape == "uniform":
+        g, eg = 1000, np.sort(rng.integers(0, 1000, 1_500_000))
+    else:  # heavy-tailed sizes: a third empty, a sixth with one edge, ~15 above 1e4 edges
+        sizes = np.minimum((rng.pareto(1.1, 200_000) * 2).astype(np.int64), 200_000)
+        g, eg = 200_000, np.repeat(np.arange(200_000), sizes)
+    e = len(eg)
+    lg_h, t_h = (3 * rng.standard_normal(e)).astype(np.float32), (rng.random(e) < 0.3).astype(np.float32)
+    return g, eg, lg_h, t_h
+
+
 def cuda_randn(*shape, dtype="bfloat16", scale=1.0, seed=0):
     """scale * a standard normal draw on the GPU from torch's generator seeded with seed, in torch's dtype of
     that name (drawn in float32, rounded once)."""
