@@ -307,6 +307,21 @@ class RecordingOut:
         self.got = src
 
 
+def assert_compiles_like_eager(step, grads, *args):
+    """step(*args) -> a loss compiles with fullgraph=True without graph breaks, and grads(f) -> (loss,
+    gradients) of the compiled step equals that of the eager one."""
+    import torch
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(*args)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    loss_c, g_c = grads(torch.compile(step, fullgraph=True))
+    loss_e, g_e = grads(step)
+    torch.testing.assert_close(loss_c, loss_e)
+    for a, b in zip(g_c, g_e):
+        torch.testing.assert_close(a, b)
+
+
 def large_bce_batch(rng, shape):
     """A large sorted graph_norm_bce batch on the host: (num_graphs, edge_graph, logits, target) with shape
     "three" (3 graphs, 1.5M edges), "uniform" (1000 graphs) or "skewed" (200,000 graphs of heavy-tailed
