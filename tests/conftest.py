@@ -338,6 +338,22 @@ def large_bce_batch(rng, shape):
     return g, eg, lg_h, t_h
 
 
+def behind_held_copy(dst, src, calls):
+    """calls() on a fresh side stream made current, queued behind dst.copy_(src) that a ~0.1 s GPU sleep
+    holds back there; its result once that stream is done.  An op that does not run on the caller's
+    current stream reads dst before the copy."""
+    import torch
+
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # hold the side stream back ~0.1 s
+        dst.copy_(src)
+        result = calls()
+    side.synchronize()
+    return result
+
+
 def cuda_randn(*shape, dtype="bfloat16", scale=1.0, seed=0):
     """scale * a standard normal draw on the GPU from torch's generator seeded with seed, in torch's dtype of
     that name (drawn in float32, rounded once)."""

@@ -17,7 +17,8 @@ import pytest
 
 import qkernels
 from qkernels.testing import reference
-from conftest import capture_graph, close_to_naive, cuda_randn as randn, f64, naive_rotary, Ops, outputs, requires_cuda
+from conftest import (behind_held_copy, capture_graph, close_to_naive, cuda_randn as randn, f64, naive_rotary, Ops,
+                      outputs, requires_cuda)
 
 pytestmark = [requires_cuda,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
@@ -226,14 +227,8 @@ def test_runs_on_the_callers_current_stream(rows, kernels):
     up, gate = weights(4096, 1536, "bfloat16")
     x, g = randn(rows, 1536), randn(rows, 4096, seed=3)
     new_g = randn(rows, 4096, seed=9)
-    side = torch.cuda.Stream()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(200_000_000)  # hold the side stream back ~0.1 s
-        g.copy_(new_g)
-        lin = kernels.linear_backward(g, x, up, bias_grad=True)  # must queue behind the copy, on `side`
-        swi = kernels.swiglu_backward(g, x, up, gate)
-    side.synchronize()
+    lin, swi = behind_held_copy(g, new_g, lambda: (kernels.linear_backward(g, x, up, bias_grad=True),
+                                                   kernels.swiglu_backward(g, x, up, gate)))
     close_all(lin, naive_linear(new_g, x, up), "linear_backward", new_g, x, up, bias_grad=True)
     close_all(swi, naive_swiglu(new_g, x, up, gate), "swiglu_backward", new_g, x, up, gate)
 

@@ -15,7 +15,8 @@ import pytest
 
 import qkernels
 from qkernels.testing import reference
-from conftest import capture_graph, close_to_naive, cuda_randn as randn, f64, naive_rotary, Ops, requires_cuda
+from conftest import (behind_held_copy, capture_graph, close_to_naive, cuda_randn as randn, f64, naive_rotary, Ops,
+                      requires_cuda)
 
 pytestmark = [requires_cuda,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
@@ -277,14 +278,7 @@ def test_runs_on_the_callers_current_stream(rows, linear_kernel):
     w, g, b = weights(4096, 4096, "bfloat16")
     x = randn(rows, 4096)
     new_x = randn(rows, 4096, seed=9)
-    side = torch.cuda.Stream()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(200_000_000)  # hold the side stream back ~0.1 s
-        x.copy_(new_x)
-        out = linear_kernel.linear(x, w, b)  # must queue behind the copy, on `side`
-        out2 = linear_kernel.swiglu(x, w, g)
-    side.synchronize()
+    out, out2 = behind_held_copy(x, new_x, lambda: (linear_kernel.linear(x, w, b), linear_kernel.swiglu(x, w, g)))
     close(out, F.linear(new_x, w, b), "linear", new_x, w, b)
     close(out2, F.linear(new_x, w) * F.silu(F.linear(new_x, g)), "swiglu", new_x, w, g)
 
