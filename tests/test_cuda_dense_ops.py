@@ -16,7 +16,7 @@ import pytest
 import qkernels
 from qkernels.testing import reference
 from conftest import (behind_held_copy, capture_graph, close_to_naive, cuda_randn as randn, f64, naive_rotary, Ops,
-                      requires_cuda)
+                      replay_like_eager, requires_cuda)
 
 pytestmark = [requires_cuda,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
@@ -297,12 +297,7 @@ def test_cuda_graph_capture_and_replay(rows, linear_kernel):
         x.copy_(randn(rows, 4096, seed=100 + i))
         q.copy_(randn(8, 32, 128, seed=200 + i))
         f.copy_(freqs_for((8,), 128, seed=300 + i))
-        for o in outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = calls()
-        assert all(torch.equal(o, e) for o, e in zip(outs, eager))
+        replay_like_eager(graph, outs, calls)
         close(outs[0], F.linear(x, w, b), "linear", x, w, b)
         close(outs[2], naive_rotary(q, f), "rotary_emb", q, f)
 
