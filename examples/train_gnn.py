@@ -32,7 +32,6 @@ put it on the path: PYTHONPATH=. python examples/train_gnn.py
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import sys
@@ -53,6 +52,7 @@ import qkernels  # noqa: E402
 import qkernels.torch  # noqa: E402,F401  registers the operators before torch.compile traces
 
 from eval_gnn import batch_structure, build_graph, init_weights, node_inputs, sample  # noqa: E402  (it sits beside this file)
+from gnn_args import training_parser  # noqa: E402  (beside this file too)
 
 # Loss curves of qkernels and pure PyTorch over the comparison steps, float32 both.  The losses are
 # small (~5e-4 at p = 0.003: most edges have logits near -7.6), and PyTorch's BCE-with-logits computes
@@ -201,19 +201,7 @@ def timed(fn, iters, device):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--distance", type=int, default=5)
-    p.add_argument("--rounds", type=int)
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=32)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--p", type=float, default=0.003)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--steps", type=int, default=30, help="steps of the comparison run")
-    p.add_argument("--iters", type=int, default=50, help="timed steps per variant")
-    p.add_argument("--dropout", type=float, default=0.1, help="dropout of the timed runs")
-    p.add_argument("--seed", type=int, default=0)
+    p = training_parser(__doc__.split("\n\n")[0], "timed steps per variant", "dropout of the timed runs")
     p.add_argument("--device", choices=("cuda", "cpu"))
     p.add_argument("--variants", default="qkernels:eager,qkernels:compile,qkernels:reduce-overhead,pytorch:eager,"
                    "pytorch:compile,pytorch:reduce-overhead", help="comma-separated impl:mode of the timed runs")

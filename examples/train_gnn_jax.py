@@ -22,7 +22,6 @@ checkout built in place, put it on the path: PYTHONPATH=. python examples/train_
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import sys
@@ -35,6 +34,7 @@ import numpy as np
 import qkernels.jax as qj
 
 from eval_gnn import batch_structure, build_graph, init_weights, node_inputs, sample  # noqa: E402  (beside this file)
+from gnn_args import training_parser  # noqa: E402
 
 # The loss curve against train_gnn.py's PyTorch model (float32, on the CPU).  The model is the same;
 # two steps differed and are now PyTorch's: jax.numpy's float32 matmuls may run as TF32 on a GPU at
@@ -215,19 +215,7 @@ def torch_curve(graph, a, weights, seed):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--distance", type=int, default=5)
-    p.add_argument("--rounds", type=int)
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=32)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--p", type=float, default=0.003)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--steps", type=int, default=30, help="steps of the comparison run")
-    p.add_argument("--iters", type=int, default=50, help="timed steps")
-    p.add_argument("--dropout", type=float, default=0.1, help="dropout of the timed run")
-    p.add_argument("--seed", type=int, default=0)
+    p = training_parser(__doc__.split("\n\n")[0], "timed steps", "dropout of the timed run")
     p.add_argument("--precision", default="highest", choices=("highest", "default"),
                    help="jax.numpy's float32 matmuls: highest = float32 as PyTorch; default lets a GPU use TF32")
     p.add_argument("--check", action="store_true", help="tiny sizes on the CPU, the comparison run only")

@@ -83,6 +83,25 @@ static int ln_check_x(const char *op, const char *arg, const qk_view *x) {
     return -1;
 }
 
+/* The operands both directions fill alike: x as M rows of K at x_stride, the (up) weight w [N, K] and
+ * swiglu's gate_weight (NULL for linear), and the options. */
+static void ln_fill(qk_linear_args *la, const qk_view *x, int64_t M, int64_t x_stride, const qk_view *w,
+                    const qk_view *gate, int variant, int split, int num_threads) {
+    la->x = x->data;
+    la->w = w->data;
+    la->gate = gate ? gate->data : NULL;
+    la->M = M;
+    la->N = w->shape[0];
+    la->K = x->shape[x->ndim - 1];
+    la->x_stride = x_stride;
+    la->w_stride = w->strides[0];
+    la->gate_stride = gate ? gate->strides[0] : 0;
+    la->dtype = x->dtype;
+    la->num_threads = num_threads;
+    la->variant = variant;
+    la->split = split;
+}
+
 /* in[0] x, in[1] the (up) weight, in[2] bias (linear) or gate_weight (swiglu) */
 static PyObject *ln_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int swiglu) {
     static const char *const linear_names[] = {"x", "weight", "bias", "out", "stream", "_variant", "_split", "_tile_m",
@@ -143,23 +162,11 @@ static PyObject *ln_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (qk_check_inner_unit(op, "out", &ov) < 0 || ln_rows(op, "out", &ov, &out_M, &out_stride) < 0) goto done;
 
     qk_linear_args la = {0};
-    la.x = x->data;
-    la.w = in[1].data;
-    la.gate = swiglu ? in[2].data : NULL;
+    ln_fill(&la, x, M, x_stride, &in[1], swiglu ? &in[2] : NULL, variant, split, st->num_threads);
     la.bias = !swiglu && has_third ? in[2].data : NULL;
-    la.out = ov.data;
-    la.M = M;
-    la.N = N;
-    la.K = K;
-    la.x_stride = x_stride;
-    la.w_stride = in[1].strides[0];
-    la.gate_stride = swiglu ? in[2].strides[0] : 0;
     la.bias_stride = !swiglu && has_third ? in[2].strides[0] : 0;
+    la.out = ov.data;
     la.out_stride = out_stride;
-    la.dtype = x->dtype;
-    la.num_threads = st->num_threads;
-    la.variant = variant;
-    la.split = split;
     la.tile_m = tile_m;
     int status = QK_OK;
     if (M > 0 && N > 0) {
@@ -180,17 +187,6 @@ PyObject *qk_op_swiglu(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     return ln_op(module, args, nargs, kwnames, 1);
 }
 
-/* A bool keyword (absent: dflt); -1 with TypeError naming it where truth cannot be taken. */
-static int lb_flag(const char *op, const char *arg, PyObject *obj, int dflt) {
-    if (obj == NULL) return dflt;
-    const int v = PyObject_IsTrue(obj);
-    if (v < 0) { /* e.g. a NumPy array of several elements */
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: %s must be a bool, got %.200s", op, arg, Py_TYPE(obj)->tp_name);
-    }
-    return v;
-}
-
 /* The backward ops.  in[0] grad_out, in[1] x, in[2] the (up) weight, in[3] gate_weight (swiglu);
  * outputs o[0] grad_x, o[1] grad_weight (up's), o[2] grad_bias (linear) or grad_gate_weight (swiglu). */
 static PyObject *lb_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int swiglu) {
@@ -208,17 +204,13 @@ static PyObject *lb_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     PyObject *const *kw = p + n_tensors;
     const int n_flags = swiglu ? 2 : 3;
     void *stream;
-    int stream_given, variant, split;
+    int stream_given, variant, split, want_x, want_w, want_b = 0;
     if (qk_stream_arg(op, kw[n_flags], &stream, &stream_given) < 0 ||
         qk_variant_arg(op, "_variant", kw[n_flags + 1], lb_variants, QK_COUNT(lb_variants), &variant) < 0 ||
-        qk_tuning_int_arg(op, "_split", kw[n_flags + 2], 64, 0, &split) < 0)
+        qk_tuning_int_arg(op, "_split", kw[n_flags + 2], 64, 0, &split) < 0 ||
+        qk_bool_arg(op, "x_grad", kw[0], 1, &want_x) < 0 || qk_bool_arg(op, "weight_grad", kw[1], 1, &want_w) < 0 ||
+        (!swiglu && qk_bool_arg(op, "bias_grad", kw[2], 0, &want_b) < 0))
         return NULL;
-    const int want_x = lb_flag(op, "x_grad", kw[0], 1);
-    if (want_x < 0) return NULL;
-    const int want_w = lb_flag(op, "weight_grad", kw[1], 1);
-    if (want_w < 0) return NULL;
-    const int want_b = swiglu ? 0 : lb_flag(op, "bias_grad", kw[2], 0);
-    if (want_b < 0) return NULL;
 
     qk_view in[4] = {{0}}, ov[3] = {{0}};
     qk_output o[3] = {{0}};
@@ -269,15 +261,7 @@ static PyObject *lb_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (want_b && qk_output_prepare(st, op, NULL, x, x->dtype, 1, wshape, &l, &ov[2], &o[2]) < 0) goto done;
 
     qk_linear_args la = {0};
-    la.x = x->data;
-    la.w = in[2].data;
-    la.gate = swiglu ? in[3].data : NULL;
-    la.M = M;
-    la.N = N;
-    la.K = K;
-    la.x_stride = x_stride;
-    la.w_stride = in[2].strides[0];
-    la.gate_stride = swiglu ? in[3].strides[0] : 0;
+    ln_fill(&la, x, M, x_stride, &in[2], swiglu ? &in[3] : NULL, variant, split, st->num_threads);
     la.grad_out = g->data;
     la.grad_out_stride = g_stride;
     la.grad_x = want_x ? ov[0].data : NULL;
@@ -288,10 +272,6 @@ static PyObject *lb_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     la.grad_gate_stride = swiglu && want_w ? ov[2].strides[0] : 0;
     la.grad_bias = want_b ? ov[2].data : NULL;
     la.grad_bias_stride = want_b ? ov[2].strides[0] : 0;
-    la.dtype = x->dtype;
-    la.num_threads = st->num_threads;
-    la.variant = variant;
-    la.split = split;
     int status = QK_OK;
     /* empty gradients need no kernel; the launchers write zeros where a sum has no terms */
     const int work = (want_x && M > 0 && K > 0) || (want_w && N > 0 && K > 0) || (want_b && N > 0);
