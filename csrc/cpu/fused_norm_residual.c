@@ -33,9 +33,11 @@ static int nrg_backward(qk_fused_norm_residual_backward_args *a);
 
 /* The lanes' sum: a pairwise tree, then the tail's sum t (elements past the last full 32) */
 NR_INLINE float nr_reduce(float *restrict part, float t) {
-    for (int w = NR_LANES / 2; w >= 1; w /= 2)
-        for (int j = 0; j < w; j++) part[j] += part[j + w];
-    return part[0] + t;
+    _Static_assert(NR_LANES == 32, "the tree below is written out for 32 lanes");
+    for (int j = 0; j < 16; j++) part[j] += part[j + 16]; /* constant widths: whole-vector adds */
+    for (int j = 0; j < 8; j++) part[j] += part[j + 8];
+    for (int j = 0; j < 4; j++) part[j] += part[j + 4];
+    return ((part[0] + part[2]) + (part[1] + part[3])) + t;
 }
 
 /* sum of (x - shift - mean), or with squares of its squares */
