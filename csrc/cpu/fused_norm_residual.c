@@ -135,19 +135,23 @@ NR_INLINE void nr_row_strided(const qk_fused_norm_residual_args *a, int64_t r, u
 typedef struct {
     const qk_fused_norm_residual_args *a;
     uint32_t *draws; /* [nthreads][H + 8] when training */
+    int64_t group;     /* rows taken at a time */
+    atomic_llong next; /* the next group */
 } nr_job;
 
 QK_MULTIVERSION static void nr_worker(void *p, int tid, int nthreads) {
-    const nr_job *j = p;
+    (void)nthreads;
+    nr_job *j = p;
     const qk_fused_norm_residual_args *a = j->a;
     const int contiguous = a->x_stride[1] == 1 && a->res_stride[1] == 1 && a->out_stride[1] == 1 &&
                            a->gamma_stride == 1 && a->beta_stride == 1;
     uint32_t *buf = j->draws ? j->draws + (size_t)tid * (size_t)(a->H + 8) : NULL;
-    int64_t r0, r1;
-    qk_share(a->R, tid, nthreads, &r0, &r1);
-    for (int64_t r = r0; r < r1; r++) {
-        if (contiguous) nr_row_contiguous(a, r, buf);
-        else nr_row_strided(a, r, buf);
+    for (int64_t grp; (grp = qk_next_item(&j->next)) * j->group < a->R;) {
+        const int64_t r1 = (grp + 1) * j->group < a->R ? (grp + 1) * j->group : a->R;
+        for (int64_t r = grp * j->group; r < r1; r++) {
+            if (contiguous) nr_row_contiguous(a, r, buf);
+            else nr_row_strided(a, r, buf);
+        }
     }
 }
 
@@ -157,7 +161,8 @@ int qk_fused_norm_residual_cpu(qk_fused_norm_residual_args *a, void *stream) {
     if (a->seed_ptr) a->seed = (uint64_t)*a->seed_ptr; /* a seed tensor: host memory here */
     if (a->batch) return nrg_forward(a);
     const int nthreads = qk_threads_for(a->R * a->H * 8, a->num_threads > 0 ? a->num_threads : 1);
-    nr_job j = {a, NULL};
+    nr_job j = {.a = a, .group = 4096 / (a->H + 1) + 1}; /* ~16 KiB of x a group */
+    atomic_init(&j.next, 0);
     if (a->training && !(j.draws = malloc(sizeof(uint32_t) * (size_t)nthreads * (size_t)(a->H + 8))))
         return QK_E_NOMEM;
     const int status = qk_parallel_run(nthreads, nr_worker, &j);
@@ -179,6 +184,7 @@ typedef struct {
     int64_t chunk, nchunks;
     float *partial; /* [nchunks][2H]: sum g*xhat, then sum g */
     float *gamma;   /* [H], contiguous */
+    atomic_llong next; /* the next chunk */
     float *rows;    /* [nthreads][NRB_ROW(H)]: gathered x and grad_out, xhat, g * gamma, the mask, grad_x,
                        the dropout draws */
 } nrb_job;
@@ -236,6 +242,7 @@ NR_INLINE void nrb_row(const nrb_job *j, int64_t r, const float *restrict x, con
 }
 
 QK_MULTIVERSION static void nrb_chunks(void *p, int tid, int nthreads) {
+    (void)nthreads;
     nrb_job *j = p;
     const qk_fused_norm_residual_backward_args *a = j->a;
     const int64_t H = a->H;
@@ -243,9 +250,7 @@ QK_MULTIVERSION static void nrb_chunks(void *p, int tid, int nthreads) {
     float *xb = buf, *gob = buf + H, *xh = buf + 2 * H, *g = buf + 3 * H, *mask = buf + 4 * H, *gxb = buf + 5 * H;
     uint32_t *draws = (uint32_t *)(buf + 6 * H);
     const int x_unit = a->x_stride[1] == 1, go_unit = a->go_stride[1] == 1, gx_unit = a->gx_stride[1] == 1;
-    int64_t c0, c1;
-    qk_share(j->nchunks, tid, nthreads, &c0, &c1);
-    for (int64_t c = c0; c < c1; c++) {
+    for (int64_t c; (c = qk_next_item(&j->next)) < j->nchunks;) {
         float *dgamma = j->partial + (size_t)c * 2 * (size_t)H, *dbeta = dgamma + H;
         for (int64_t h = 0; h < 2 * H; h++) dgamma[h] = 0.f;
         const int64_t r1 = (c + 1) * j->chunk < a->R ? (c + 1) * j->chunk : a->R;
@@ -276,6 +281,7 @@ int qk_fused_norm_residual_backward_cpu(qk_fused_norm_residual_backward_args *a,
     if (a->batch) return nrg_backward(a);
     nrb_job j = {0};
     j.a = a;
+    atomic_init(&j.next, 0);
     /* chunks of >= 64 rows, at most NRB_MAX_CHUNKS of them: a function of R alone */
     j.chunk = (R + NRB_MAX_CHUNKS - 1) / NRB_MAX_CHUNKS;
     if (j.chunk < 64) j.chunk = 64;

@@ -21,15 +21,17 @@
 #define GB_INLINE static inline
 #endif
 
+/* Per-graph sums over chunks of edges (the forward's terms and counts, the backward's counts). */
 typedef struct {
-    const qk_graph_norm_bce_args *a;
+    qk_graph_norm_bce_args *a;
     int64_t chunk, nchunks;
-    double *partial;  /* [nchunks][num_graphs], valid over [lo[c], hi[c]] */
+    double *partial;  /* [nchunks][num_graphs], valid over [lo[c], hi[c]]; NULL: counts only */
     int64_t *count;   /* [nchunks][num_graphs], likewise */
     int64_t *lo, *hi; /* [nchunks]: the graphs chunk c touched lie in [lo, hi] (lo > hi: none) */
     int64_t *bad;     /* [nchunks]: first out-of-range position in the chunk, or -1 */
-    double *per_graph;
-    int64_t *total_count; /* [num_graphs] */
+    double *per_graph; /* [num_graphs] (forward) */
+    int64_t *total;   /* [num_graphs]: the counts over all chunks */
+    atomic_llong next; /* the next chunk to take */
 } gb_job;
 
 /* exp(-min(a, 87)) for a >= 0, branch-free: 2^n exp(r) with n = round(-a / ln2) and |r| <= ln2/2
@@ -103,11 +105,11 @@ GB_INLINE void gb_ids(const qk_graph_norm_bce_args *a, int64_t e0, int n, int64_
     }
 }
 
-/* Adds block terms t[0 .. n) to sum[ids[i]], cnt[ids[i]] (graphs already range-checked), in one of
- * two orders fixed by the ids alone.  Long runs (a sorted edge_graph with many edges per graph):
- * each run is summed in a register.  Otherwise edge by edge through memory, the block as four
- * interleaved quarters so that four independent read-add-write chains overlap; a graph's terms are
- * then added quarter by quarter in edge order, the quarters interleaved. */
+/* Adds block terms t[0 .. n) to sum[ids[i]] (t, sum NULL: counts only) and 1 to cnt[ids[i]]
+ * (graphs already range-checked), in one of two orders fixed by the ids alone.  Long runs (a sorted
+ * edge_graph with many edges per graph): each run summed in registers, four lanes.  Otherwise edge
+ * by edge through memory, the block as four interleaved quarters so that four independent
+ * read-add-write chains overlap (one chain would wait on each add's store). */
 GB_INLINE void gb_add_block(const float *restrict t, const int64_t *restrict ids, int n, double *restrict sum,
                             int64_t *restrict cnt) {
     int runs = 1;
@@ -118,13 +120,15 @@ GB_INLINE void gb_add_block(const float *restrict t, const int64_t *restrict ids
             const int64_t g = ids[i];
             int k = i + 1;
             while (k < n && ids[k] == g) k++;
-            double part[4] = {0, 0, 0, 0}; /* four lanes, not one chain of dependent adds */
-            int m = i;
-            for (; m + 4 <= k; m += 4)
-                for (int w = 0; w < 4; w++) part[w] += t[m + w];
-            double acc = (part[0] + part[1]) + (part[2] + part[3]);
-            for (; m < k; m++) acc += t[m];
-            sum[g] += acc;
+            if (sum) {
+                double part[4] = {0, 0, 0, 0};
+                int m = i;
+                for (; m + 4 <= k; m += 4)
+                    for (int w = 0; w < 4; w++) part[w] += t[m + w];
+                double acc = (part[0] + part[1]) + (part[2] + part[3]);
+                for (; m < k; m++) acc += t[m];
+                sum[g] += acc;
+            }
             cnt[g] += k - i;
             i = k;
         }
@@ -134,25 +138,39 @@ GB_INLINE void gb_add_block(const float *restrict t, const int64_t *restrict ids
     for (int i = 0; i < q; i++)
         for (int w = 0; w < 4; w++) {
             const int64_t g = ids[w * q + i];
-            sum[g] += t[w * q + i];
+            if (sum) sum[g] += t[w * q + i];
             cnt[g]++;
         }
     for (int i = 4 * q; i < n; i++) {
-        sum[ids[i]] += t[i];
+        if (sum) sum[ids[i]] += t[i];
         cnt[ids[i]]++;
     }
 }
 
+/* Chunks of >= GB_CHUNK edges, at most 1024 of them and ~4M partial slots in all: a function of E
+ * and num_graphs alone.  A chunk zeroes and reads back only the range of graphs it touched, which
+ * is little for a sorted edge_graph. */
+static void gb_layout(gb_job *j, int64_t E, int64_t G) {
+    j->chunk = (E + 1023) / 1024 > GB_CHUNK ? (E + 1023) / 1024 : GB_CHUNK;
+    j->nchunks = (E + j->chunk - 1) / j->chunk;
+    if (j->nchunks < 1) j->nchunks = 1;
+    if (j->nchunks * G > (1 << 22)) j->nchunks = (1 << 22) / G > 1 ? (1 << 22) / G : 1;
+    j->chunk = (E + j->nchunks - 1) / j->nchunks;
+    if (j->chunk == 0) j->chunk = 1;
+    atomic_init(&j->next, 0);
+}
+
+/* Chunks taken one at a time: each sums its edges into its own partial row. */
 QK_MULTIVERSION static void gb_chunks(void *p, int tid, int nthreads) {
+    (void)tid;
+    (void)nthreads;
     gb_job *j = p;
     const qk_graph_norm_bce_args *a = j->a;
     const int64_t G = a->num_graphs;
     float terms[GB_BLOCK];
     int64_t ids[GB_BLOCK];
-    int64_t c0, c1;
-    qk_share(j->nchunks, tid, nthreads, &c0, &c1);
-    for (int64_t c = c0; c < c1; c++) {
-        double *restrict sum = j->partial + c * G;
+    for (int64_t c; (c = qk_next_item(&j->next)) < j->nchunks;) {
+        double *restrict sum = j->partial ? j->partial + c * G : NULL;
         int64_t *restrict cnt = j->count + c * G;
         int64_t lo = G, hi = -1, bad = -1; /* sum and cnt are zeroed over [lo, hi], grown as needed */
         const int64_t end = (c + 1) * j->chunk < a->num_edges ? (c + 1) * j->chunk : a->num_edges;
@@ -174,17 +192,17 @@ QK_MULTIVERSION static void gb_chunks(void *p, int tid, int nthreads) {
                 hi = mn - 1;
             }
             if (mn < lo) {
-                memset(sum + mn, 0, sizeof(double) * (size_t)(lo - mn));
+                if (sum) memset(sum + mn, 0, sizeof(double) * (size_t)(lo - mn));
                 memset(cnt + mn, 0, sizeof(int64_t) * (size_t)(lo - mn));
                 lo = mn;
             }
             if (mx > hi) {
-                memset(sum + hi + 1, 0, sizeof(double) * (size_t)(mx - hi));
+                if (sum) memset(sum + hi + 1, 0, sizeof(double) * (size_t)(mx - hi));
                 memset(cnt + hi + 1, 0, sizeof(int64_t) * (size_t)(mx - hi));
                 hi = mx;
             }
-            gb_terms(a, b, n, terms);
-            gb_add_block(terms, ids, n, sum, cnt);
+            if (sum) gb_terms(a, b, n, terms);
+            gb_add_block(sum ? terms : NULL, ids, n, sum, cnt);
         }
         j->lo[c] = lo;
         j->hi[c] = hi;
@@ -192,173 +210,143 @@ QK_MULTIVERSION static void gb_chunks(void *p, int tid, int nthreads) {
     }
 }
 
-/* Each graph's chunk partials, added in chunk order, then its mean term. */
+/* Each graph's chunk partials added in chunk order (counts into total), then its mean term. */
 static void gb_graphs(void *p, int tid, int nthreads) {
     gb_job *j = p;
     const int64_t G = j->a->num_graphs;
     int64_t g0, g1;
     qk_share(G, tid, nthreads, &g0, &g1);
     double *restrict s = j->per_graph;
-    int64_t *restrict n = j->total_count;
+    int64_t *restrict n = j->total;
     for (int64_t g = g0; g < g1; g++) {
-        s[g] = 0;
+        if (s) s[g] = 0;
         n[g] = 0;
     }
     for (int64_t c = 0; c < j->nchunks; c++) {
         const int64_t lo = j->lo[c] > g0 ? j->lo[c] : g0, hi = j->hi[c] < g1 - 1 ? j->hi[c] : g1 - 1;
-        const double *part = j->partial + c * G;
+        const double *part = j->partial ? j->partial + c * G : NULL;
         const int64_t *cnt = j->count + c * G;
         for (int64_t g = lo; g <= hi; g++) {
-            s[g] += part[g];
+            if (s) s[g] += part[g];
             n[g] += cnt[g];
         }
     }
-    for (int64_t g = g0; g < g1; g++) s[g] /= (double)(n[g] > 1 ? n[g] : 1);
+    if (s)
+        for (int64_t g = g0; g < g1; g++) s[g] /= (double)(n[g] > 1 ? n[g] : 1);
+}
+
+/* The chunk pass and the per-graph pass (QK_E_INDEX at the first bad id in edge order). */
+static int gb_sums(gb_job *j, int maxt) {
+    qk_graph_norm_bce_args *a = j->a;
+    const int64_t E = a->num_edges, G = a->num_graphs;
+    j->count = malloc(sizeof(int64_t) * (size_t)(j->nchunks * G));
+    j->lo = malloc(sizeof(int64_t) * 3 * (size_t)j->nchunks);
+    j->total = malloc(sizeof(int64_t) * (size_t)G);
+    if (!j->count || !j->lo || !j->total) return QK_E_NOMEM;
+    j->hi = j->lo + j->nchunks;
+    j->bad = j->hi + j->nchunks;
+    const int threads = qk_threads_for(E * (j->partial ? 64 : 16), maxt);
+    int status = qk_parallel_run(j->nchunks < threads ? (int)j->nchunks : threads, gb_chunks, j);
+    for (int64_t c = 0; status == QK_OK && c < j->nchunks; c++) {
+        if (j->bad[c] >= 0) { /* chunks are in edge order: the first bad one is the earliest */
+            a->bad_pos = j->bad[c];
+            a->bad_value = qk_index(a->edge_graph, a->index_dtype, j->bad[c], a->graph_stride);
+            status = QK_E_INDEX;
+        }
+    }
+    if (status == QK_OK) status = qk_parallel_run(qk_threads_for(G * 16 + j->nchunks * 64, maxt), gb_graphs, j);
+    return status;
+}
+
+static void gb_free(gb_job *j) {
+    free(j->partial);
+    free(j->count);
+    free(j->lo);
+    free(j->per_graph);
+    free(j->total);
+}
+
+/* One value for every edge in a pos_weight tensor: read here (host memory) as the scalar. */
+static void gb_scalar_pos_weight(qk_graph_norm_bce_args *a) {
+    if (a->pos_weight_t && a->pw_stride == 0) {
+        a->pos_weight = *(const float *)a->pos_weight_t;
+        a->pos_weight_t = NULL;
+    }
 }
 
 int qk_graph_norm_bce_cpu(qk_graph_norm_bce_args *a, void *stream) {
     (void)stream;
     if (a->dtype != QK_F32) return QK_E_UNSUPPORTED;
-    const int64_t E = a->num_edges, G = a->num_graphs;
-    if (a->pos_weight_t && a->pw_stride == 0) { /* one value for every edge: host memory here */
-        a->pos_weight = *(const float *)a->pos_weight_t;
-        a->pos_weight_t = NULL;
-    }
+    const int64_t G = a->num_graphs;
+    gb_scalar_pos_weight(a);
     gb_job j = {0};
     j.a = a;
-    /* Chunks of >= GB_CHUNK edges, at most 1024 of them and ~4M partial slots in all.  A chunk
-     * zeroes and reads back only the range of graphs it touched: little for a sorted edge_graph. */
-    j.chunk = (E + 1023) / 1024 > GB_CHUNK ? (E + 1023) / 1024 : GB_CHUNK;
-    j.nchunks = (E + j.chunk - 1) / j.chunk;
-    if (j.nchunks < 1) j.nchunks = 1;
-    if (j.nchunks * G > (1 << 22)) j.nchunks = (1 << 22) / G > 1 ? (1 << 22) / G : 1;
-    j.chunk = (E + j.nchunks - 1) / j.nchunks;
-    if (j.chunk == 0) j.chunk = 1;
+    gb_layout(&j, a->num_edges, G);
     j.partial = malloc(sizeof(double) * (size_t)(j.nchunks * G));
-    j.count = malloc(sizeof(int64_t) * (size_t)(j.nchunks * G));
-    j.lo = malloc(sizeof(int64_t) * 3 * (size_t)j.nchunks);
     j.per_graph = malloc(sizeof(double) * (size_t)G);
-    j.total_count = malloc(sizeof(int64_t) * (size_t)G);
     int status = QK_E_NOMEM;
-    if (j.partial && j.count && j.lo && j.per_graph && j.total_count) {
-        j.hi = j.lo + j.nchunks;
-        j.bad = j.hi + j.nchunks;
-        const int maxt = a->num_threads > 0 ? a->num_threads : 1;
-        const int threads = qk_threads_for(E * 64, maxt);
-        status = qk_parallel_run(j.nchunks < threads ? (int)j.nchunks : threads, gb_chunks, &j);
-        for (int64_t c = 0; status == QK_OK && c < j.nchunks; c++) {
-            if (j.bad[c] >= 0) {
-                a->bad_pos = j.bad[c];
-                a->bad_value = qk_index(a->edge_graph, a->index_dtype, j.bad[c], a->graph_stride);
-                status = QK_E_INDEX;
-            }
-        }
-        if (status == QK_OK) status = qk_parallel_run(qk_threads_for(G * j.nchunks * 4, maxt), gb_graphs, &j);
-        if (status == QK_OK) {
-            double part[8] = {0}; /* lane k: graphs g = k mod 8, in order; a fixed order, not one chain */
-            int64_t g = 0;
-            for (; g + 8 <= G; g += 8)
-                for (int k = 0; k < 8; k++) part[k] += j.per_graph[g + k];
-            double total = ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
-            for (; g < G; g++) total += j.per_graph[g];
-            *a->out = (float)(total / (double)G);
-        }
+    if (j.partial && j.per_graph) status = gb_sums(&j, a->num_threads > 0 ? a->num_threads : 1);
+    if (status == QK_OK) {
+        double part[8] = {0}; /* lane k: graphs g = k mod 8, in order; a fixed order, not one chain */
+        int64_t g = 0;
+        for (; g + 8 <= G; g += 8)
+            for (int k = 0; k < 8; k++) part[k] += j.per_graph[g + k];
+        double total = ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
+        for (; g < G; g++) total += j.per_graph[g];
+        *a->out = (float)(total / (double)G);
     }
-    free(j.partial);
-    free(j.count);
-    free(j.lo);
-    free(j.per_graph);
-    free(j.total_count);
+    gb_free(&j);
     return status;
 }
 
 /* ---- graph_norm_bce_backward ------------------------------------------------------------------
- * Two passes: the edges of each graph are counted (integers, so the thread split cannot change
- * them; the first bad id is found in position order), then every edge's gradient is its term
+ * Two passes: the edges of each graph are counted (the forward's chunk pass without the terms;
+ * integers, so the order cannot change them), then every edge's gradient is its term
  * w * (sigmoid(l) - t), computed in vectorised blocks, times its graph's factor
- * grad / (max(count, 1) * num_graphs). */
+ * grad / (max(count, 1) * num_graphs).  Blocks are taken 16 at a time from a shared counter. */
+
+#define GBB_BLOCKS 16
 
 typedef struct {
-    qk_graph_norm_bce_args *a;
-    int nparts;        /* count arrays: one per share of the edges */
-    int64_t *count;    /* [nparts][num_graphs] */
-    int64_t *bad;      /* [nparts]: first out-of-range position in the share, or -1 */
-    float *factor;     /* [num_graphs] */
+    const qk_graph_norm_bce_args *a;
+    const float *factor; /* [num_graphs] */
+    atomic_llong next;   /* the next group of GBB_BLOCKS blocks */
 } gbb_job;
 
-/* cnt[ids[i]]++ for a block of range-checked ids: by runs when they are long, else as four
- * interleaved quarters (independent read-add-write chains), as gb_add_block. */
-GB_INLINE void gbb_count_block(const int64_t *restrict ids, int n, int64_t *restrict cnt) {
-    int runs = 1;
-    for (int i = 1; i < n; i++) runs += ids[i] != ids[i - 1];
-    if (runs * 8 <= n) {
-        for (int i = 0; i < n;) {
-            int k = i + 1;
-            while (k < n && ids[k] == ids[i]) k++;
-            cnt[ids[i]] += k - i;
-            i = k;
-        }
-        return;
-    }
-    const int q = n / 4;
-    for (int i = 0; i < q; i++)
-        for (int w = 0; w < 4; w++) cnt[ids[w * q + i]]++;
-    for (int i = 4 * q; i < n; i++) cnt[ids[i]]++;
-}
-
-QK_MULTIVERSION static void gbb_count(void *p, int tid, int nthreads) {
-    gbb_job *j = p;
-    const qk_graph_norm_bce_args *a = j->a;
-    const int64_t G = a->num_graphs;
-    int64_t e0, e1; /* nthreads == nparts: share tid counts into count array tid */
-    qk_share(a->num_edges, tid, nthreads, &e0, &e1);
-    int64_t *cnt = j->count + (size_t)tid * (size_t)G;
-    int64_t ids[GB_BLOCK];
-    j->bad[tid] = -1;
-    for (int64_t b = e0; b < e1; b += GB_BLOCK) {
-        const int n = (int)(e1 - b < GB_BLOCK ? e1 - b : GB_BLOCK);
-        gb_ids(a, b, n, ids);
-        int inside = 1;
-        for (int i = 0; i < n; i++) inside &= ids[i] >= 0 && ids[i] < G;
-        if (!inside) {
-            for (int i = 0; j->bad[tid] < 0; i++)
-                if (ids[i] < 0 || ids[i] >= G) j->bad[tid] = b + i;
-            return;
-        }
-        gbb_count_block(ids, n, cnt);
-    }
-}
-
 QK_MULTIVERSION static void gbb_grads(void *p, int tid, int nthreads) {
+    (void)tid;
+    (void)nthreads;
     gbb_job *j = p;
     const qk_graph_norm_bce_args *a = j->a;
     const float pw_scalar = a->has_pos_weight ? a->pos_weight - 1.f : 0.f;
     const float *restrict factor = j->factor;
     float term[GB_BLOCK], pwm1[GB_BLOCK];
     int64_t ids[GB_BLOCK];
-    int64_t b0, b1;
-    qk_share((a->num_edges + GB_BLOCK - 1) / GB_BLOCK, tid, nthreads, &b0, &b1);
-    for (int64_t b = b0; b < b1; b++) {
-        const int64_t e0 = b * GB_BLOCK;
-        const int n = (int)(a->num_edges - e0 < GB_BLOCK ? a->num_edges - e0 : GB_BLOCK);
-        const float *lg = (const float *)a->logits + e0 * a->logits_stride;
-        const float *tg = (const float *)a->target + e0 * a->target_stride;
-        const int64_t ls = a->logits_stride, ts = a->target_stride, os = a->grad_stride;
-        if (a->pos_weight_t) gb_pos_weights(a, e0, n, pwm1);
-        else
-            for (int i = 0; i < n; i++) pwm1[i] = pw_scalar;
-        gb_ids(a, e0, n, ids);
-        /* sigmoid(l) - t without cancelling 1 - e/(1+e) against t = 1 for large l (or e/(1+e) for small) */
-        for (int i = 0; i < n; i++) {
-            const float l = lg[i * ls], t = tg[i * ts];
-            const float al = fabsf(l), e87 = gb_exp_neg87(al), e = al < 87.f ? e87 : 0.f, q = e / (1.f + e);
-            term[i] = (1.f + pwm1[i] * t) * (l >= 0.f ? (1.f - t) - q : q - t);
+    const int64_t nblocks = (a->num_edges + GB_BLOCK - 1) / GB_BLOCK;
+    for (int64_t grp; (grp = qk_next_item(&j->next)) * GBB_BLOCKS < nblocks;) {
+        const int64_t b1 = (grp + 1) * GBB_BLOCKS < nblocks ? (grp + 1) * GBB_BLOCKS : nblocks;
+        for (int64_t b = grp * GBB_BLOCKS; b < b1; b++) {
+            const int64_t e0 = b * GB_BLOCK;
+            const int n = (int)(a->num_edges - e0 < GB_BLOCK ? a->num_edges - e0 : GB_BLOCK);
+            const float *lg = (const float *)a->logits + e0 * a->logits_stride;
+            const float *tg = (const float *)a->target + e0 * a->target_stride;
+            const int64_t ls = a->logits_stride, ts = a->target_stride, os = a->grad_stride;
+            if (a->pos_weight_t) gb_pos_weights(a, e0, n, pwm1);
+            else
+                for (int i = 0; i < n; i++) pwm1[i] = pw_scalar;
+            gb_ids(a, e0, n, ids);
+            /* sigmoid(l) - t without cancelling 1 - e/(1+e) against t = 1 for large l (or e/(1+e) for small) */
+            for (int i = 0; i < n; i++) {
+                const float l = lg[i * ls], t = tg[i * ts];
+                const float al = fabsf(l), e87 = gb_exp_neg87(al), e = al < 87.f ? e87 : 0.f, q = e / (1.f + e);
+                term[i] = (1.f + pwm1[i] * t) * (l >= 0.f ? (1.f - t) - q : q - t);
+            }
+            for (int i = 0; i < n; i++) term[i] *= factor[ids[i]];
+            float *out = (float *)a->grad_logits + e0 * os;
+            if (os == 1) memcpy(out, term, sizeof(float) * (size_t)n);
+            else
+                for (int i = 0; i < n; i++) out[i * os] = term[i];
         }
-        for (int i = 0; i < n; i++) term[i] *= factor[ids[i]];
-        float *out = (float *)a->grad_logits + e0 * os;
-        if (os == 1) memcpy(out, term, sizeof(float) * (size_t)n);
-        else
-            for (int i = 0; i < n; i++) out[i * os] = term[i];
     }
 }
 
@@ -366,40 +354,22 @@ int qk_graph_norm_bce_backward_cpu(qk_graph_norm_bce_args *a, void *stream) {
     (void)stream;
     if (a->dtype != QK_F32) return QK_E_UNSUPPORTED;
     const int64_t E = a->num_edges, G = a->num_graphs;
-    if (a->pos_weight_t && a->pw_stride == 0) { /* one value for every edge */
-        a->pos_weight = *(const float *)a->pos_weight_t;
-        a->pos_weight_t = NULL;
-    }
+    gb_scalar_pos_weight(a);
     const int maxt = a->num_threads > 0 ? a->num_threads : 1;
-    gbb_job j = {0};
-    j.a = a;
-    /* one count array per thread, at most ~4M counters in all */
-    j.nparts = qk_threads_for(E * 16, maxt);
-    if ((int64_t)j.nparts * G > (1 << 22)) j.nparts = (1 << 22) / G > 1 ? (int)((1 << 22) / G) : 1;
-    j.count = calloc((size_t)j.nparts * (size_t)G, sizeof(int64_t));
-    j.bad = malloc(sizeof(int64_t) * (size_t)j.nparts);
-    j.factor = malloc(sizeof(float) * (size_t)G);
-    int status = QK_E_NOMEM;
-    if (j.count && j.bad && j.factor) {
-        status = qk_parallel_run(j.nparts, gbb_count, &j);
-        for (int t = 0; status == QK_OK && t < j.nparts; t++) {
-            if (j.bad[t] >= 0) { /* shares are in position order: the first bad one is the earliest */
-                a->bad_pos = j.bad[t];
-                a->bad_value = qk_index(a->edge_graph, a->index_dtype, j.bad[t], a->graph_stride);
-                status = QK_E_INDEX;
-            }
-        }
-        if (status == QK_OK) {
-            const double grad = *a->grad;
-            int64_t *n = j.count; /* the parts' counts summed into part 0, then the factors: both vectorise */
-            for (int t = 1; t < j.nparts; t++)
-                for (int64_t g = 0; g < G; g++) n[g] += j.count[(size_t)t * (size_t)G + g];
-            for (int64_t g = 0; g < G; g++) j.factor[g] = (float)(grad / ((double)(n[g] > 1 ? n[g] : 1) * (double)G));
-            status = qk_parallel_run(qk_threads_for(E * 32, maxt), gbb_grads, &j);
-        }
+    gb_job counts = {0};
+    counts.a = a;
+    gb_layout(&counts, E, G);
+    float *factor = malloc(sizeof(float) * (size_t)G);
+    int status = factor ? gb_sums(&counts, maxt) : QK_E_NOMEM;
+    if (status == QK_OK) {
+        const double grad = *a->grad;
+        const int64_t *n = counts.total;
+        for (int64_t g = 0; g < G; g++) factor[g] = (float)(grad / ((double)(n[g] > 1 ? n[g] : 1) * (double)G));
+        gbb_job j = {.a = a, .factor = factor};
+        atomic_init(&j.next, 0);
+        status = qk_parallel_run(qk_threads_for(E * 32, maxt), gbb_grads, &j);
     }
-    free(j.count);
-    free(j.bad);
-    free(j.factor);
+    gb_free(&counts);
+    free(factor);
     return status;
 }

@@ -39,6 +39,11 @@ static struct {
     atomic_int remaining;
     qk_worker_fn fn; /* read only by the job's participants, which the caller waits for */
     void *ctx;
+    /* claim[k] = the job's gen word while share k + 1 is free: worker k takes it by swapping in 0,
+     * or the caller does once its own share is done.  A worker that wakes late (a futex wake on a
+     * VM can take tens of µs) finds its share done and leaves, so no job waits for a wake-up; one
+     * still asleep from an older job fails the compare (the word is the new job's). */
+    atomic_ulong claim[QK_POOL_MAX];
     unsigned long start_gen[QK_POOL_MAX];
 } pool = {.owner = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
@@ -76,7 +81,9 @@ static void *pool_worker(void *arg) {
         /* fn and ctx were written before gen (release) and are read after it (acquire), by
          * participants only: the next job cannot start before each has counted itself done. */
         const int nthreads = (int)(g & 0xff);
-        if (id + 1 < nthreads) {
+        unsigned long expected = g;
+        if (id + 1 < nthreads && atomic_compare_exchange_strong_explicit(&pool.claim[id], &expected, 0,
+                                                                         memory_order_acq_rel, memory_order_relaxed)) {
             pool.fn(pool.ctx, id + 1, nthreads);
             atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_release);
         }
@@ -147,12 +154,22 @@ int qk_parallel_run(int nthreads, qk_worker_fn fn, void *ctx) {
     pool.fn = fn;
     pool.ctx = ctx;
     atomic_store_explicit(&pool.remaining, nthreads - 1, memory_order_relaxed);
+    const unsigned long g0 = atomic_load_explicit(&pool.gen, memory_order_relaxed); /* only the owner writes it */
+    const unsigned long g = (((g0 >> 8) + 1) << 8) | (unsigned long)nthreads;
+    for (int k = 0; k < nthreads - 1; k++) atomic_store_explicit(&pool.claim[k], g, memory_order_relaxed);
     pthread_mutex_lock(&pool.mu);
-    const unsigned long g = atomic_load_explicit(&pool.gen, memory_order_relaxed); /* only the owner writes it */
-    atomic_store_explicit(&pool.gen, (((g >> 8) + 1) << 8) | (unsigned long)nthreads, memory_order_release);
+    atomic_store_explicit(&pool.gen, g, memory_order_release);
     pthread_cond_broadcast(&pool.cv);
     pthread_mutex_unlock(&pool.mu);
     fn(ctx, 0, nthreads);
+    for (int k = 0; k < nthreads - 1; k++) { /* the shares no worker has taken yet: run them here */
+        unsigned long expected = g;
+        if (atomic_compare_exchange_strong_explicit(&pool.claim[k], &expected, 0, memory_order_acq_rel,
+                                                    memory_order_relaxed)) {
+            fn(ctx, k + 1, nthreads);
+            atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_relaxed);
+        }
+    }
     for (int spins = 0; atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0; spins++) {
         if (spins < QK_SPIN) qk_relax();
         else sched_yield(); /* few cores: let the workers run */
