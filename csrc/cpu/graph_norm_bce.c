@@ -31,6 +31,8 @@ typedef struct {
     int64_t *bad;     /* [nchunks]: first out-of-range position in the chunk, or -1 */
     double *per_graph; /* [num_graphs] (forward) */
     int64_t *total;   /* [num_graphs]: the counts over all chunks */
+    float *factor;    /* [num_graphs] (backward) */
+    void *mem;        /* the one scratch block all of these live in */
     atomic_llong next; /* the next chunk to take */
 } gb_job;
 
@@ -239,12 +241,6 @@ static void gb_graphs(void *p, int tid, int nthreads) {
 static int gb_sums(gb_job *j, int maxt) {
     qk_graph_norm_bce_args *a = j->a;
     const int64_t E = a->num_edges, G = a->num_graphs;
-    j->count = malloc(sizeof(int64_t) * (size_t)(j->nchunks * G));
-    j->lo = malloc(sizeof(int64_t) * 3 * (size_t)j->nchunks);
-    j->total = malloc(sizeof(int64_t) * (size_t)G);
-    if (!j->count || !j->lo || !j->total) return QK_E_NOMEM;
-    j->hi = j->lo + j->nchunks;
-    j->bad = j->hi + j->nchunks;
     const int threads = qk_threads_for(E * (j->partial ? 64 : 16), maxt);
     int status = qk_parallel_run(j->nchunks < threads ? (int)j->nchunks : threads, gb_chunks, j);
     for (int64_t c = 0; status == QK_OK && c < j->nchunks; c++) {
@@ -258,12 +254,28 @@ static int gb_sums(gb_job *j, int maxt) {
     return status;
 }
 
-static void gb_free(gb_job *j) {
-    free(j->partial);
-    free(j->count);
-    free(j->lo);
-    free(j->per_graph);
-    free(j->total);
+/* The layout (chunk sizes) and the work arrays, in one scratch block: the forward's partial sums
+ * and per-graph means, or the backward's factors. */
+static int gb_alloc(gb_job *j, int forward) {
+    const int64_t G = j->a->num_graphs;
+    gb_layout(j, j->a->num_edges, G);
+    const size_t slots = (size_t)j->nchunks * (size_t)G; /* <= 4M + G: no overflow */
+    const size_t bytes = sizeof(int64_t) * (slots + 3 * (size_t)j->nchunks + (size_t)G) +
+                         (forward ? sizeof(double) * (slots + (size_t)G) : sizeof(float) * (size_t)G);
+    char *m = j->mem = qk_scratch(bytes);
+    if (!m) return QK_E_NOMEM;
+    j->count = (int64_t *)m;
+    j->lo = j->count + slots;
+    j->hi = j->lo + j->nchunks;
+    j->bad = j->hi + j->nchunks;
+    j->total = j->bad + j->nchunks;
+    if (forward) {
+        j->partial = (double *)(j->total + G);
+        j->per_graph = j->partial + slots;
+    } else {
+        j->factor = (float *)(j->total + G);
+    }
+    return QK_OK;
 }
 
 /* One value for every edge in a pos_weight tensor: read here (host memory) as the scalar. */
@@ -281,11 +293,8 @@ int qk_graph_norm_bce_cpu(qk_graph_norm_bce_args *a, void *stream) {
     gb_scalar_pos_weight(a);
     gb_job j = {0};
     j.a = a;
-    gb_layout(&j, a->num_edges, G);
-    j.partial = malloc(sizeof(double) * (size_t)(j.nchunks * G));
-    j.per_graph = malloc(sizeof(double) * (size_t)G);
-    int status = QK_E_NOMEM;
-    if (j.partial && j.per_graph) status = gb_sums(&j, a->num_threads > 0 ? a->num_threads : 1);
+    int status = gb_alloc(&j, 1);
+    if (status == QK_OK) status = gb_sums(&j, a->num_threads > 0 ? a->num_threads : 1);
     if (status == QK_OK) {
         double part[8] = {0}; /* lane k: graphs g = k mod 8, in order; a fixed order, not one chain */
         int64_t g = 0;
@@ -295,7 +304,7 @@ int qk_graph_norm_bce_cpu(qk_graph_norm_bce_args *a, void *stream) {
         for (; g < G; g++) total += j.per_graph[g];
         *a->out = (float)(total / (double)G);
     }
-    gb_free(&j);
+    qk_scratch_release(j.mem);
     return status;
 }
 
@@ -358,9 +367,9 @@ int qk_graph_norm_bce_backward_cpu(qk_graph_norm_bce_args *a, void *stream) {
     const int maxt = a->num_threads > 0 ? a->num_threads : 1;
     gb_job counts = {0};
     counts.a = a;
-    gb_layout(&counts, E, G);
-    float *factor = malloc(sizeof(float) * (size_t)G);
-    int status = factor ? gb_sums(&counts, maxt) : QK_E_NOMEM;
+    int status = gb_alloc(&counts, 0);
+    if (status == QK_OK) status = gb_sums(&counts, maxt);
+    float *factor = counts.factor;
     if (status == QK_OK) {
         const double grad = *a->grad;
         const int64_t *n = counts.total;
@@ -369,7 +378,6 @@ int qk_graph_norm_bce_backward_cpu(qk_graph_norm_bce_args *a, void *stream) {
         atomic_init(&j.next, 0);
         status = qk_parallel_run(qk_threads_for(E * 32, maxt), gbb_grads, &j);
     }
-    gb_free(&counts);
-    free(factor);
+    qk_scratch_release(counts.mem);
     return status;
 }

@@ -49,6 +49,14 @@ static struct {
 
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
 
+#define QK_SCRATCH_MAX ((size_t)16 << 20)
+
+static struct {
+    atomic_flag busy;      /* held by the caller using block */
+    _Atomic(void *) block; /* atomic: a release from a malloc'd pointer compares against it */
+    size_t size;
+} scratch = {ATOMIC_FLAG_INIT, NULL, 0};
+
 static void pool_after_fork_child(void) {
     pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
     pthread_cond_t c = PTHREAD_COND_INITIALIZER;
@@ -56,6 +64,7 @@ static void pool_after_fork_child(void) {
     pool.mu = m;
     pool.cv = c;
     pool.nworkers = 0; /* the parent's workers were not copied */
+    atomic_flag_clear(&scratch.busy); /* a call the fork interrupted does not exist here */
 }
 
 static void pool_init(void) { pthread_atfork(NULL, NULL, pool_after_fork_child); }
@@ -176,6 +185,31 @@ int qk_parallel_run(int nthreads, qk_worker_fn fn, void *ctx) {
     }
     pthread_mutex_unlock(&pool.owner);
     return QK_OK;
+}
+
+void *qk_scratch(size_t bytes) {
+    if (bytes == 0) bytes = 1;
+    if (bytes > QK_SCRATCH_MAX || atomic_flag_test_and_set_explicit(&scratch.busy, memory_order_acquire))
+        return malloc(bytes);
+    void *b = atomic_load_explicit(&scratch.block, memory_order_relaxed);
+    if (scratch.size < bytes) {
+        free(b);
+        b = malloc(bytes);
+        scratch.size = b ? bytes : 0;
+        atomic_store_explicit(&scratch.block, b, memory_order_relaxed);
+        if (!b) {
+            atomic_flag_clear_explicit(&scratch.busy, memory_order_release);
+            return NULL;
+        }
+    }
+    return b;
+}
+
+void qk_scratch_release(void *p) {
+    if (p && p == atomic_load_explicit(&scratch.block, memory_order_relaxed))
+        atomic_flag_clear_explicit(&scratch.busy, memory_order_release);
+    else
+        free(p);
 }
 
 int qk_threads_for(int64_t work, int max_threads) {
