@@ -17,7 +17,12 @@
 
 #define QK_POOL_MAX 64
 _Static_assert(QK_POOL_MAX < 256, "a job's thread count fits the low byte of pool.gen");
-#define QK_SPIN 2000 /* pause-loop iterations before sleeping: ~0.1 ms */
+#define QK_SPIN 2000 /* the caller's pause-loop iterations before it yields: ~20 µs */
+/* A worker waits this long for the next job before it sleeps: a sleeping worker takes 10-25 µs to
+ * wake on a VM, more than a small job, and the Python between two ops (a forward and its backward)
+ * is tens of µs.  Past QK_WORKER_YIELD_NS it yields between checks, so other threads get the core. */
+#define QK_WORKER_SPIN_NS 300000
+#define QK_WORKER_YIELD_NS 50000
 
 #if defined(__x86_64__) || defined(__i386__)
 #define qk_relax() __builtin_ia32_pause()
@@ -74,10 +79,17 @@ static void *pool_worker(void *arg) {
     unsigned long seen = pool.start_gen[id];
     for (;;) {
         unsigned long g;
-        int spins = 0;
+        unsigned spins = 0;
+        int64_t t0 = -1;
         while ((g = atomic_load_explicit(&pool.gen, memory_order_acquire)) == seen) {
-            if (++spins < QK_SPIN) {
-                qk_relax();
+            qk_relax();
+            if (++spins % 64) continue;
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            const int64_t t = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+            if (t0 < 0) t0 = t;
+            if (t - t0 < QK_WORKER_SPIN_NS) {
+                if (t - t0 > QK_WORKER_YIELD_NS) sched_yield();
                 continue;
             }
             pthread_mutex_lock(&pool.mu);
