@@ -212,8 +212,9 @@ QK_MULTIVERSION static void gb_chunks(void *p, int tid, int nthreads) {
     }
 }
 
-/* Each graph's chunk partials added in chunk order (counts into total), then its mean term. */
-static void gb_graphs(void *p, int tid, int nthreads) {
+/* Each graph's chunk partials added in chunk order (counts into total), then its mean term, or
+ * (backward) its gradient factor grad / (max(count, 1) * num_graphs). */
+QK_MULTIVERSION static void gb_graphs(void *p, int tid, int nthreads) {
     gb_job *j = p;
     const int64_t G = j->a->num_graphs;
     int64_t g0, g1;
@@ -235,13 +236,17 @@ static void gb_graphs(void *p, int tid, int nthreads) {
     }
     if (s)
         for (int64_t g = g0; g < g1; g++) s[g] /= (double)(n[g] > 1 ? n[g] : 1);
+    if (j->factor) {
+        const double grad = *j->a->grad, G_ = (double)G;
+        for (int64_t g = g0; g < g1; g++) j->factor[g] = (float)(grad / ((double)(n[g] > 1 ? n[g] : 1) * G_));
+    }
 }
 
 /* The chunk pass and the per-graph pass (QK_E_INDEX at the first bad id in edge order). */
 static int gb_sums(gb_job *j, int maxt) {
     qk_graph_norm_bce_args *a = j->a;
     const int64_t E = a->num_edges, G = a->num_graphs;
-    const int threads = qk_threads_for(E * (j->partial ? 64 : 16), maxt);
+    const int threads = qk_threads_for(E * 64, maxt);
     int status = qk_parallel_run(j->nchunks < threads ? (int)j->nchunks : threads, gb_chunks, j);
     for (int64_t c = 0; status == QK_OK && c < j->nchunks; c++) {
         if (j->bad[c] >= 0) { /* chunks are in edge order: the first bad one is the earliest */
@@ -329,7 +334,7 @@ QK_MULTIVERSION static void gbb_grads(void *p, int tid, int nthreads) {
     const qk_graph_norm_bce_args *a = j->a;
     const float pw_scalar = a->has_pos_weight ? a->pos_weight - 1.f : 0.f;
     const float *restrict factor = j->factor;
-    float term[GB_BLOCK], pwm1[GB_BLOCK];
+    float term[GB_BLOCK], pwm1[GB_BLOCK], fl[GB_BLOCK];
     int64_t ids[GB_BLOCK];
     const int64_t nblocks = (a->num_edges + GB_BLOCK - 1) / GB_BLOCK;
     for (int64_t grp; (grp = qk_next_item(&j->next)) * GBB_BLOCKS < nblocks;) {
@@ -344,16 +349,16 @@ QK_MULTIVERSION static void gbb_grads(void *p, int tid, int nthreads) {
             else
                 for (int i = 0; i < n; i++) pwm1[i] = pw_scalar;
             gb_ids(a, e0, n, ids);
+            for (int i = 0; i < n; i++) fl[i] = factor[ids[i]]; /* scalar: faster here than a SIMD gather */
+            float *out = (float *)a->grad_logits + e0 * os;
+            float *restrict dst = os == 1 ? out : term;
             /* sigmoid(l) - t without cancelling 1 - e/(1+e) against t = 1 for large l (or e/(1+e) for small) */
             for (int i = 0; i < n; i++) {
                 const float l = lg[i * ls], t = tg[i * ts];
                 const float al = fabsf(l), e87 = gb_exp_neg87(al), e = al < 87.f ? e87 : 0.f, q = e / (1.f + e);
-                term[i] = (1.f + pwm1[i] * t) * (l >= 0.f ? (1.f - t) - q : q - t);
+                dst[i] = (1.f + pwm1[i] * t) * (l >= 0.f ? (1.f - t) - q : q - t) * fl[i];
             }
-            for (int i = 0; i < n; i++) term[i] *= factor[ids[i]];
-            float *out = (float *)a->grad_logits + e0 * os;
-            if (os == 1) memcpy(out, term, sizeof(float) * (size_t)n);
-            else
+            if (os != 1)
                 for (int i = 0; i < n; i++) out[i * os] = term[i];
         }
     }
@@ -362,7 +367,7 @@ QK_MULTIVERSION static void gbb_grads(void *p, int tid, int nthreads) {
 int qk_graph_norm_bce_backward_cpu(qk_graph_norm_bce_args *a, void *stream) {
     (void)stream;
     if (a->dtype != QK_F32) return QK_E_UNSUPPORTED;
-    const int64_t E = a->num_edges, G = a->num_graphs;
+    const int64_t E = a->num_edges;
     gb_scalar_pos_weight(a);
     const int maxt = a->num_threads > 0 ? a->num_threads : 1;
     gb_job counts = {0};
@@ -371,9 +376,6 @@ int qk_graph_norm_bce_backward_cpu(qk_graph_norm_bce_args *a, void *stream) {
     if (status == QK_OK) status = gb_sums(&counts, maxt);
     float *factor = counts.factor;
     if (status == QK_OK) {
-        const double grad = *a->grad;
-        const int64_t *n = counts.total;
-        for (int64_t g = 0; g < G; g++) factor[g] = (float)(grad / ((double)(n[g] > 1 ? n[g] : 1) * (double)G));
         gbb_job j = {.a = a, .factor = factor};
         atomic_init(&j.next, 0);
         status = qk_parallel_run(qk_threads_for(E * 32, maxt), gbb_grads, &j);
