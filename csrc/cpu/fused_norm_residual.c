@@ -205,19 +205,19 @@ NR_INLINE void nrb_mask(const qk_fused_norm_residual_backward_args *a, uint64_t 
  * grad_x. */
 NR_INLINE void nrb_row(const nrb_job *j, int64_t r, const float *restrict x, const float *restrict go,
                        float *restrict xh, float *restrict gg, float *restrict mask, uint32_t *restrict draws,
-                       float *restrict gx, float *restrict dgamma, float *restrict dbeta) {
+                       float *restrict gx, float *restrict dgamma, float *restrict dbeta, const int training) {
     const qk_fused_norm_residual_backward_args *a = j->a;
     const int64_t H = a->H;
     const float *restrict gamma = j->gamma;
     const float shift = x[0];
     const float mean = nr_pass(x, H, shift, 0.f, 0) / (float)H; /* of the shifted values */
     const float rstd = 1.f / sqrtf(nr_pass(x, H, shift, mean, 1) / (float)H + a->eps);
-    if (a->training) nrb_mask(a, (uint64_t)(r * H), H, mask, draws);
+    if (training) nrb_mask(a, (uint64_t)(r * H), H, mask, draws);
     float p1[NR_LANES] = {0}, p2[NR_LANES] = {0};
     int64_t h = 0;
     for (; h + NR_LANES <= H; h += NR_LANES)
         for (int k = 0; k < NR_LANES; k++) {
-            const float xv = ((x[h + k] - shift) - mean) * rstd, g = a->training ? go[h + k] * mask[h + k] : go[h + k];
+            const float xv = ((x[h + k] - shift) - mean) * rstd, g = training ? go[h + k] * mask[h + k] : go[h + k];
             dgamma[h + k] += g * xv;
             dbeta[h + k] += g;
             xh[h + k] = xv;
@@ -227,7 +227,7 @@ NR_INLINE void nrb_row(const nrb_job *j, int64_t r, const float *restrict x, con
         }
     float s1 = 0.f, s2 = 0.f;
     for (; h < H; h++) {
-        const float xv = ((x[h] - shift) - mean) * rstd, g = a->training ? go[h] * mask[h] : go[h];
+        const float xv = ((x[h] - shift) - mean) * rstd, g = training ? go[h] * mask[h] : go[h];
         dgamma[h] += g * xv;
         dbeta[h] += g;
         xh[h] = xv;
@@ -266,7 +266,10 @@ QK_MULTIVERSION static void nrb_chunks(void *p, int tid, int nthreads) {
                 for (int64_t h = 0; h < H; h++) gob[h] = go[h * a->go_stride[1]];
                 go = gob;
             }
-            nrb_row(j, r, x, go, xh, g, mask, draws, gx_unit ? gx : gxb, dgamma, dbeta);
+            if (a->training) /* two instances, so neither tests the flag per element */
+                nrb_row(j, r, x, go, xh, g, mask, draws, gx_unit ? gx : gxb, dgamma, dbeta, 1);
+            else
+                nrb_row(j, r, x, go, xh, g, mask, draws, gx_unit ? gx : gxb, dgamma, dbeta, 0);
             if (!gx_unit)
                 for (int64_t h = 0; h < H; h++) gx[h * a->gx_stride[1]] = gxb[h];
         }
