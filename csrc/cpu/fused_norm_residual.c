@@ -292,12 +292,20 @@ int qk_fused_norm_residual_backward_cpu(qk_fused_norm_residual_backward_args *a,
     const int maxt = a->num_threads > 0 ? a->num_threads : 1;
     int nthreads = qk_threads_for(R * H * 12, maxt);
     if (nthreads > j.nchunks) nthreads = j.nchunks > 0 ? (int)j.nchunks : 1;
-    j.partial = malloc(sizeof(float) * (size_t)(j.nchunks > 0 ? j.nchunks : 1) * 2 * (size_t)H);
-    j.gamma = malloc(sizeof(float) * (size_t)H);
-    j.rows = malloc(sizeof(float) * (size_t)nthreads * NRB_ROW(H));
-    double *sum = calloc(2 * (size_t)H, sizeof(double));
+    /* one scratch block (kept between calls: a fresh 320 KiB of partials faulted in every call):
+     * the sums in double first (alignment), then partials, gamma and the row buffers */
+    const size_t nparts = (size_t)(j.nchunks > 0 ? j.nchunks : 1) * 2 * (size_t)H;
+    char *mem = qk_scratch(sizeof(double) * 2 * (size_t)H +
+                           sizeof(float) * (nparts + (size_t)H + (size_t)nthreads * NRB_ROW(H)));
+    double *sum = (double *)mem;
+    if (mem) {
+        memset(sum, 0, sizeof(double) * 2 * (size_t)H);
+        j.partial = (float *)(sum + 2 * H);
+        j.gamma = j.partial + nparts;
+        j.rows = j.gamma + H;
+    }
     int status = QK_E_NOMEM;
-    if (j.partial && j.gamma && j.rows && sum) {
+    if (mem) {
         for (int64_t h = 0; h < H; h++) j.gamma[h] = ((const float *)a->gamma)[h * a->gamma_stride];
         status = j.nchunks > 0 ? qk_parallel_run(nthreads, nrb_chunks, &j) : QK_OK;
         if (status == QK_OK) {
@@ -311,10 +319,7 @@ int qk_fused_norm_residual_backward_cpu(qk_fused_norm_residual_backward_args *a,
             }
         }
     }
-    free(j.partial);
-    free(j.gamma);
-    free(j.rows);
-    free(sum);
+    qk_scratch_release(mem);
     return status;
 }
 
