@@ -71,11 +71,10 @@ static inline int64_t qk_next_item(atomic_llong *next) {
     return (int64_t)atomic_fetch_add_explicit(next, 1, memory_order_relaxed);
 }
 
-/* Per-call work arrays from a block kept between calls: fresh pages cost a fault each (a few
- * hundred KiB took tens of µs on a VM whenever other code had just returned memory to the
- * system).  One caller at a time gets the kept block, grown as needed (up to 16 MiB); concurrent
- * callers and larger sizes get malloc.  NULL when out of memory.  Give it back with
- * qk_scratch_release. */
+/* Per-call work arrays from a block kept between calls: fresh pages cost a fault each, and malloc
+ * hands freed memory back to the system, so a malloc'd array can fault in again at every call.
+ * One caller at a time gets the kept block, grown as needed (up to 16 MiB); concurrent callers and
+ * larger sizes get malloc.  NULL when out of memory.  Give it back with qk_scratch_release. */
 void *qk_scratch(size_t bytes);
 void qk_scratch_release(void *p);
 

@@ -292,8 +292,8 @@ int qk_fused_norm_residual_backward_cpu(qk_fused_norm_residual_backward_args *a,
     const int maxt = a->num_threads > 0 ? a->num_threads : 1;
     int nthreads = qk_threads_for(R * H * 12, maxt);
     if (nthreads > j.nchunks) nthreads = j.nchunks > 0 ? (int)j.nchunks : 1;
-    /* one scratch block (kept between calls: a fresh 320 KiB of partials faulted in every call):
-     * the sums in double first (alignment), then partials, gamma and the row buffers */
+    /* one scratch block, kept between calls so its pages are not faulted in again: the sums in
+     * double first (alignment), then partials, gamma and the row buffers */
     const size_t nparts = (size_t)(j.nchunks > 0 ? j.nchunks : 1) * 2 * (size_t)H;
     char *mem = qk_scratch(sizeof(double) * 2 * (size_t)H +
                            sizeof(float) * (nparts + (size_t)H + (size_t)nthreads * NRB_ROW(H)));
