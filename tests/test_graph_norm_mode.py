@@ -162,7 +162,8 @@ def test_dropout_mask_is_the_row_modes(rng):
     go = rng.standard_normal((90, 24)).astype(np.float32)
     _, _, gb = qkernels.fused_norm_residual_backward(go, x, np.ones(24, np.float32), p=p, training=True, seed=seed,
                                                      batch=graph_batch(rng, 90, 4, sort=False), num_graphs=4)
-    np.testing.assert_allclose(gb, np.where(kept, go / (1 - p), 0).sum(0), rtol=1e-5, atol=1e-6)
+    terms = np.where(kept, go.astype(np.float64) / (1 - p), 0)  # fp32 sums of 90 terms: error ~ sum |terms|
+    assert np.all(np.abs(gb - terms.sum(0)) <= 1e-6 * np.abs(terms).sum(0))
 
 
 def test_seed_tensor(rng):
