@@ -74,9 +74,9 @@ static inline int64_t qk_next_item(atomic_llong *next) {
 /* Per-call work arrays from a block kept between calls: fresh pages cost a fault each, and malloc
  * hands freed memory back to the system, so a malloc'd array can fault in again at every call.
  * One caller at a time gets the kept block, grown as needed (up to 16 MiB); concurrent callers and
- * larger sizes get malloc.  NULL when out of memory.  Give it back with qk_scratch_release. */
-void *qk_scratch(size_t bytes);
-void qk_scratch_release(void *p);
+ * larger sizes get malloc.  NULL when out of memory.  Give it back with qk_cpu_scratch_release. */
+void *qk_cpu_scratch(size_t bytes);
+void qk_cpu_scratch_release(void *p);
 
 /* Threads worth using for `work` multiply-adds: one per ~1M, at most max_threads. */
 int qk_threads_for(int64_t work, int max_threads);

@@ -295,7 +295,7 @@ int qk_fused_norm_residual_backward_cpu(qk_fused_norm_residual_backward_args *a,
     /* one scratch block, kept between calls so its pages are not faulted in again: the sums in
      * double first (alignment), then partials, gamma and the row buffers */
     const size_t nparts = (size_t)(j.nchunks > 0 ? j.nchunks : 1) * 2 * (size_t)H;
-    char *mem = qk_scratch(sizeof(double) * 2 * (size_t)H +
+    char *mem = qk_cpu_scratch(sizeof(double) * 2 * (size_t)H +
                            sizeof(float) * (nparts + (size_t)H + (size_t)nthreads * NRB_ROW(H)));
     double *sum = (double *)mem;
     if (mem) {
@@ -319,7 +319,7 @@ int qk_fused_norm_residual_backward_cpu(qk_fused_norm_residual_backward_args *a,
             }
         }
     }
-    qk_scratch_release(mem);
+    qk_cpu_scratch_release(mem);
     return status;
 }
 

@@ -267,7 +267,7 @@ static int gb_alloc(gb_job *j, int forward) {
     const size_t slots = (size_t)j->nchunks * (size_t)G; /* <= 4M + G: no overflow */
     const size_t bytes = sizeof(int64_t) * (slots + 3 * (size_t)j->nchunks + (size_t)G) +
                          (forward ? sizeof(double) * (slots + (size_t)G) : sizeof(float) * (size_t)G);
-    char *m = j->mem = qk_scratch(bytes);
+    char *m = j->mem = qk_cpu_scratch(bytes);
     if (!m) return QK_E_NOMEM;
     j->count = (int64_t *)m;
     j->lo = j->count + slots;
@@ -309,7 +309,7 @@ int qk_graph_norm_bce_cpu(qk_graph_norm_bce_args *a, void *stream) {
         for (; g < G; g++) total += j.per_graph[g];
         *a->out = (float)(total / (double)G);
     }
-    qk_scratch_release(j.mem);
+    qk_cpu_scratch_release(j.mem);
     return status;
 }
 
@@ -380,6 +380,6 @@ int qk_graph_norm_bce_backward_cpu(qk_graph_norm_bce_args *a, void *stream) {
         atomic_init(&j.next, 0);
         status = qk_parallel_run(qk_threads_for(E * 32, maxt), gbb_grads, &j);
     }
-    qk_scratch_release(counts.mem);
+    qk_cpu_scratch_release(counts.mem);
     return status;
 }

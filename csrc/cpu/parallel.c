@@ -199,7 +199,7 @@ int qk_parallel_run(int nthreads, qk_worker_fn fn, void *ctx) {
     return QK_OK;
 }
 
-void *qk_scratch(size_t bytes) {
+void *qk_cpu_scratch(size_t bytes) {
     if (bytes == 0) bytes = 1;
     if (bytes > QK_SCRATCH_MAX || atomic_flag_test_and_set_explicit(&scratch.busy, memory_order_acquire))
         return malloc(bytes);
@@ -217,7 +217,7 @@ void *qk_scratch(size_t bytes) {
     return b;
 }
 
-void qk_scratch_release(void *p) {
+void qk_cpu_scratch_release(void *p) {
     if (p && p == atomic_load_explicit(&scratch.block, memory_order_relaxed))
         atomic_flag_clear_explicit(&scratch.busy, memory_order_release);
     else
