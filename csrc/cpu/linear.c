@@ -16,6 +16,7 @@
  * 4 ms for M = 1 with a 4096 x 4096 float32 weight (torch: 4.4 ms). */
 #include "cpu.h"
 #include "half.h"
+#include "linear_isa.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -213,12 +214,14 @@ static int ln_run(qk_linear_args *a, int swiglu, float *ga, float *gb) {
 
 int qk_linear_cpu(qk_linear_args *a, void *stream) {
     (void)stream;
-    return ln_run(a, 0, NULL, NULL);
+    int status;
+    return qk_linear_fast(a, 0, &status) ? status : ln_run(a, 0, NULL, NULL);
 }
 
 int qk_swiglu_cpu(qk_linear_args *a, void *stream) {
     (void)stream;
-    return ln_run(a, 1, NULL, NULL);
+    int status;
+    return qk_linear_fast(a, 1, &status) ? status : ln_run(a, 1, NULL, NULL);
 }
 
 /* ---- linear_backward and swiglu_backward ------------------------------------------------------

@@ -1,0 +1,596 @@
+/* linear and swiglu on x86-64 with AVX-512 and AMX, picked at run time (csrc/cpu/linear_isa.h).
+ *
+ * Three kernels, each compiled for its own instruction set with target attributes, so the rest of
+ * the build stays x86-64 baseline:
+ *   amx      bfloat16: TDPBF16PS on 16 x 32 tiles.  The product is computed transposed,
+ *            out^T [N, M] = W x^T: the weight rows load straight into A tiles (no repacking of the
+ *            large operand); x is packed once per call into VNNI pairs for the B tiles.
+ *   bf16     bfloat16: VDPBF16PS, 16 lanes of fp32 partial sums over pairs of k.
+ *   fma      float32, and float16 (or bfloat16 without VDPBF16PS) converted to fp32 exactly:
+ *            FMA, 16 lanes of fp32 partial sums.
+ *
+ * Determinism.  On one machine every output is reduced in one fixed order whatever M, the tiling,
+ * the thread count or the share of rows a thread gets:
+ *   amx:  one fp32 chain over k in increasing order (TDPBF16PS adds its 32 products of a row in k
+ *         order; the tiles follow in k order).  Padding (k past K, rows past N or M) is zeros, and
+ *         each output element depends on its own row and column only.
+ *   bf16: lane l sums the pairs k = 32 s + 2 l, 32 s + 2 l + 1 for s = 0, 1, ... in order (a
+ *         masked load zero-fills the last step); the lanes are added in one fixed tree.
+ *   fma:  lane l sums k = 16 s + l in increasing s (fused multiply-adds); the same tree.
+ * Partial sums parked in memory between k chunks are stored exactly.  The level is fixed per
+ * process (the best the CPU offers, or the cap the caller passes), never chosen from M.
+ *
+ * The epilogue (bias, silu, the rounding to the output dtype) runs on 16 outputs of a row at a
+ * time, with masks for the edges, in the same vector code for every position: silu's exp is a
+ * polynomial of our own (within 2 ulp of expf), so its bits do not depend on libm. */
+#define _GNU_SOURCE
+#include "cpu.h"
+#include "half.h"
+#include "linear_isa.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+const char *const qk_cpu_isa_names[QK_CPU_ISA_COUNT] = {
+    [QK_CPU_ISA_AUTO] = "auto", [QK_CPU_ISA_PORTABLE] = "portable", [QK_CPU_ISA_AVX512] = "avx512",
+    [QK_CPU_ISA_AVX512_BF16] = "avx512_bf16", [QK_CPU_ISA_AMX] = "amx"};
+
+#if defined(__x86_64__) && defined(__GNUC__) && \
+    ((!defined(__clang__) && __GNUC__ >= 11) || (defined(__clang__) && __clang_major__ >= 12))
+#define QK_X86_KERNELS 1
+#endif
+
+#ifndef QK_X86_KERNELS
+
+int qk_cpu_isa_best(void) { return QK_CPU_ISA_PORTABLE; }
+
+int qk_linear_fast(const qk_linear_args *a, int swiglu, int *status) {
+    (void)a, (void)swiglu, (void)status;
+    return 0;
+}
+
+#else
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* ---- detection ------------------------------------------------------------------------------ */
+
+static int isa_best = QK_CPU_ISA_PORTABLE;
+static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
+
+/* Linux hands out the 8 KB AMX tile state only to processes that ask (since 5.16). */
+static int amx_permitted(void) {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    enum { ARCH_GET_XCOMP_PERM = 0x1022, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+    unsigned long bits = 0;
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return 0;
+    if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &bits) != 0) return 0;
+    return (bits >> XFEATURE_XTILEDATA) & 1;
+#else
+    return 0;
+#endif
+}
+
+static void isa_detect(void) {
+    __builtin_cpu_init();
+    /* __builtin_cpu_supports checks that the OS saves the AVX-512 state too */
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")))
+        return;
+    unsigned a, b, c, d, f16c;
+    if (!__get_cpuid(1, &a, &b, &f16c, &d) || !(f16c & (1u << 29))) return;
+    isa_best = QK_CPU_ISA_AVX512;
+    unsigned max_sub, edx7;
+    if (!__get_cpuid_count(7, 0, &max_sub, &b, &c, &edx7) || max_sub < 1) return;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return; /* AVX512_BF16 */
+    isa_best = QK_CPU_ISA_AVX512_BF16;
+    if ((edx7 & (1u << 22)) && (edx7 & (1u << 24)) && amx_permitted()) isa_best = QK_CPU_ISA_AMX; /* AMX-BF16, -TILE */
+}
+
+int qk_cpu_isa_best(void) {
+    pthread_once(&isa_once, isa_detect);
+    return isa_best;
+}
+
+/* ---- AVX-512 helpers ------------------------------------------------------------------------- */
+
+#define T512_ISA "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"
+#define T512 static inline __attribute__((target(T512_ISA), always_inline))
+#define TBF16 static __attribute__((target(T512_ISA ",avx512bf16")))
+#define TAMX static __attribute__((target(T512_ISA ",avx512bf16,amx-tile,amx-bf16")))
+#define TFMA static __attribute__((target(T512_ISA)))
+
+T512 __mmask16 mask16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n > 0 ? n : 0)) - 1); }
+T512 __mmask32 mask32(int64_t n) { return n >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (n > 0 ? n : 0)) - 1); }
+
+/* 16 elements of a float32/bfloat16/float16 array as fp32 (exact), masked lanes 0 */
+T512 __m512 load16(const void *p, int dtype, __mmask16 m) {
+    if (dtype == QK_F32) return _mm512_maskz_loadu_ps(m, p);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    if (dtype == QK_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* the rounding of qk_store_f32 (nearest even, NaN kept quiet), 16 at a time */
+T512 void store16(void *p, int dtype, __m512 v, __mmask16 m) {
+    if (dtype == QK_F32) {
+        _mm512_mask_storeu_ps(p, m, v);
+        return;
+    }
+    __m256i h;
+    if (dtype == QK_BF16) {
+        const __m512i u = _mm512_castps_si512(v);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+        h = _mm512_cvtepi32_epi16(r);
+    } else {
+        h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm256_mask_storeu_epi16(p, m, h);
+}
+
+/* e^x for silu: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial, scaled by 2^n (scalef
+ * overflows to inf and underflows to 0 past fp32's range; x is clamped so n stays finite). */
+T512 __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* out[m, n0 .. n0 + cnt) from fp32 sums: linear adds the bias; swiglu up * silu(gate) with
+ * silu(g) = g / (1 + e^-g) */
+T512 void epilogue16(const qk_linear_args *a, int swiglu, int64_t m, int64_t n0, int64_t cnt, __m512 up, __m512 gate) {
+    const __mmask16 msk = mask16(cnt);
+    __m512 v;
+    if (swiglu) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+        v = _mm512_mul_ps(up, _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+    } else if (a->bias) {
+        __m512 b;
+        if (a->bias_stride == 1) {
+            b = load16((const char *)a->bias + n0 * (a->dtype == QK_F32 ? 4 : 2), a->dtype, msk);
+        } else {
+            float t[16] = {0};
+            for (int j = 0; j < cnt; j++) t[j] = qk_load_f32(a->bias, (n0 + j) * a->bias_stride, a->dtype);
+            b = _mm512_loadu_ps(t);
+        }
+        v = _mm512_add_ps(up, b);
+    } else {
+        v = up;
+    }
+    store16((char *)a->out + (m * a->out_stride + n0) * (a->dtype == QK_F32 ? 4 : 2), a->dtype, v, msk);
+}
+
+/* a 16 x 16 transpose of 32-bit elements in registers */
+T512 void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d t0 = _mm512_castps_pd(t[4 * i]), t1 = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d t2 = _mm512_castps_pd(t[4 * i + 2]), t3 = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+    }
+    /* r[4 i + c], 128-bit lane j: column 4 j + c of rows 4 i .. 4 i + 3 */
+    for (int c = 0; c < 4; c++) {
+        const __m512 p = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88), q = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+        const __m512 s = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88),
+                     u = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+        t[c] = _mm512_shuffle_f32x4(p, s, 0x88);
+        t[8 + c] = _mm512_shuffle_f32x4(p, s, 0xDD);
+        t[4 + c] = _mm512_shuffle_f32x4(q, u, 0x88);
+        t[12 + c] = _mm512_shuffle_f32x4(q, u, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* the lanes of v added in one fixed tree */
+T512 float reduce16(__m512 v) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
+}
+
+/* ---- the lane kernels (fma, bf16) -------------------------------------------------------------
+ * A unit is a block of LX_NB weight rows (swiglu: LX_NB / 2 up rows and the same gate rows) by a
+ * block of up to LX_MB rows of x.  It walks k in chunks of LX_KC steps (L1-sized rows), and within
+ * a chunk every LX_MT x LX_NT register tile of the unit; partial sums wait in the thread's scratch
+ * between chunks.  Rows past M or N point at a valid row; their results are dropped. */
+
+#define LX_MT 4
+#define LX_NT 6
+#define LX_NB 24 /* 4 tiles of LX_NT rows */
+#define LX_MB 64
+#define LX_KC 32 /* steps per chunk: 512 fp32 or 1024 bf16 values of a row */
+#define LX_MSLAB 256
+
+typedef struct {
+    const qk_linear_args *a;
+    int swiglu, kind; /* kind: 0 fma, 1 bf16 */
+    const void *x;    /* the slab's first row: fp32 (fma) or bf16 (bf16) */
+    int64_t x_stride, m_begin, m_rows, n_blocks, m_blocks, steps;
+    float *scratch;
+    int64_t scratch_floats; /* per thread */
+} lx_ctx;
+
+/* acc[i][j] (+)= the chunk's sums; acc laid out [LX_MT][LX_NT][16] */
+#define LX_TILE_BODY(LOADX, LOADW, FMA, STEP, MASK)                                                 \
+    __m512 c[LX_MT][LX_NT];                                                                         \
+    for (int i = 0; i < mt; i++)                                                                    \
+        for (int j = 0; j < LX_NT; j++)                                                             \
+            c[i][j] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (i * LX_NT + j) * 16);     \
+    for (int64_t s = 0; s < steps; s++) {                                                           \
+        const int64_t k = s * STEP;                                                                 \
+        const MASK m = k + STEP <= krem ? (MASK)~(MASK)0 : (MASK)((1ull << (krem - k)) - 1);        \
+        __typeof__(LOADX(m, xr[0] + k)) xv[LX_MT];                                                  \
+        for (int i = 0; i < mt; i++) xv[i] = LOADX(m, xr[i] + k);                                   \
+        for (int j = 0; j < LX_NT; j++) {                                                           \
+            const __typeof__(xv[0]) w = LOADW(m, wr[j] + k);                                        \
+            for (int i = 0; i < mt; i++) c[i][j] = FMA(c[i][j], xv[i], w);                          \
+        }                                                                                           \
+    }                                                                                               \
+    for (int i = 0; i < mt; i++)                                                                    \
+        for (int j = 0; j < LX_NT; j++) _mm512_storeu_ps(acc + (i * LX_NT + j) * 16, c[i][j]);
+
+#define FMA_OP(c, x, w) _mm512_fmadd_ps(x, w, c)
+#define BF16_OP(c, x, w) _mm512_dpbf16_ps(c, (__m512bh)(x), (__m512bh)(w))
+
+static inline __attribute__((target(T512_ISA), always_inline)) void
+fma_tile(const float *const *xr, const float *const *wr, int mt, int64_t steps, int64_t krem, float *acc, int init) {
+    LX_TILE_BODY(_mm512_maskz_loadu_ps, _mm512_maskz_loadu_ps, FMA_OP, 16, __mmask16)
+}
+
+static inline __attribute__((target(T512_ISA ",avx512bf16"), always_inline)) void
+bf16_tile(const uint16_t *const *xr, const uint16_t *const *wr, int mt, int64_t steps, int64_t krem, float *acc,
+          int init) {
+    LX_TILE_BODY(_mm512_maskz_loadu_epi16, _mm512_maskz_loadu_epi16, BF16_OP, 32, __mmask32)
+}
+
+/* rows r of the unit's weight block: up (or w) rows n0 .. n0 + half, then gate rows for swiglu */
+static inline const void *lx_wrow(const lx_ctx *c, int64_t n0, int r, int esize) {
+    const qk_linear_args *a = c->a;
+    const int half = c->swiglu ? LX_NB / 2 : LX_NB;
+    int64_t n = n0 + (r % half);
+    if (n >= a->N) n = n0;
+    const int gate = c->swiglu && r >= half;
+    return (const char *)(gate ? a->gate : a->w) + n * (gate ? a->gate_stride : a->w_stride) * esize;
+}
+
+#define LX_WORKER(NAME, ATTR, TILE, ET, XSIZE, STEP)                                                           \
+    ATTR void NAME(void *p, int tid, int nthreads) {                                                           \
+        const lx_ctx *c = p;                                                                                   \
+        const qk_linear_args *a = c->a;                                                                        \
+        const int64_t K = a->K, N = a->N;                                                                      \
+        const int conv = c->kind == 0 && a->dtype != QK_F32; /* fma on 16-bit weights: convert a chunk */     \
+        float *acc = c->scratch + tid * c->scratch_floats;                                                     \
+        float *res = acc + (LX_MB / LX_MT) * (LX_NB / LX_NT) * LX_MT * LX_NT * 16;                             \
+        float *wbuf = res + LX_MB * LX_NB;                                                                     \
+        const int half = c->swiglu ? LX_NB / 2 : LX_NB;                                                        \
+        const int wsize = a->dtype == QK_F32 ? 4 : 2;                                                          \
+        int64_t u0, u1;                                                                                        \
+        qk_share(c->n_blocks * c->m_blocks, tid, nthreads, &u0, &u1);                                          \
+        for (int64_t u = u0; u < u1; u++) {                                                                    \
+            const int64_t nb = u / c->m_blocks, mb = u % c->m_blocks;                                          \
+            const int64_t n0 = nb * half, m0 = mb * LX_MB;                                                     \
+            const int64_t mrows = c->m_rows - m0 < LX_MB ? c->m_rows - m0 : LX_MB;                             \
+            const int mt = mrows < LX_MT ? 1 : LX_MT;                                                          \
+            const int64_t mtiles = (mrows + mt - 1) / mt;                                                      \
+            const void *wsrc[LX_NB];                                                                           \
+            for (int r = 0; r < LX_NB; r++) wsrc[r] = lx_wrow(c, n0, r, wsize);                                \
+            for (int64_t s0 = 0; s0 < c->steps || s0 == 0; s0 += LX_KC) {                                      \
+                const int64_t steps = c->steps - s0 < LX_KC ? c->steps - s0 : LX_KC;                           \
+                const int64_t k0 = s0 * STEP, krem = K - k0;                                                   \
+                const ET *wr[LX_NB];                                                                           \
+                for (int r = 0; r < LX_NB; r++) {                                                              \
+                    if (!conv) {                                                                               \
+                        wr[r] = (const ET *)wsrc[r] + k0;                                                      \
+                        continue;                                                                              \
+                    }                                                                                          \
+                    float *dst = wbuf + r * LX_KC * 16;                                                        \
+                    for (int64_t k = 0; k < steps * 16; k += 16) {                                             \
+                        const __mmask16 m = mask16(krem - k);                                                  \
+                        _mm512_storeu_ps(dst + k, load16((const uint16_t *)wsrc[r] + k0 + k, a->dtype, m));    \
+                    }                                                                                          \
+                    wr[r] = (const ET *)dst;                                                                   \
+                }                                                                                              \
+                for (int t = 0; t < LX_NB / LX_NT; t++)                                                        \
+                    for (int64_t i = 0; i < mtiles; i++) {                                                     \
+                        const ET *xr[LX_MT];                                                                   \
+                        for (int q = 0; q < mt; q++) {                                                         \
+                            int64_t m = m0 + i * mt + q;                                                       \
+                            if (m >= c->m_rows) m = m0;                                                        \
+                            xr[q] = (const ET *)((const char *)c->x + m * c->x_stride * XSIZE) + k0;           \
+                        }                                                                                      \
+                        float *ac = acc + (i * (LX_NB / LX_NT) + t) * LX_MT * LX_NT * 16;                      \
+                        if (mt == LX_MT) TILE(xr, wr + t * LX_NT, LX_MT, steps, krem, ac, s0 == 0);            \
+                        else TILE(xr, wr + t * LX_NT, 1, steps, krem, ac, s0 == 0);                            \
+                    }                                                                                          \
+                if (c->steps == 0) break;                                                                      \
+            }                                                                                                  \
+            for (int64_t i = 0; i < mtiles; i++)                                                               \
+                for (int q = 0; q < mt; q++)                                                                   \
+                    for (int t = 0; t < LX_NB / LX_NT; t++)                                                    \
+                        for (int j = 0; j < LX_NT; j++)                                                        \
+                            res[(i * mt + q) * LX_NB + t * LX_NT + j] = reduce16(                              \
+                                _mm512_loadu_ps(acc + ((i * (LX_NB / LX_NT) + t) * LX_MT * LX_NT + q * LX_NT + j) * 16)); \
+            const int64_t ncnt = N - n0 < half ? N - n0 : half;                                                \
+            for (int64_t i = 0; i < mrows; i++) {                                                              \
+                const float *rr = res + i * LX_NB;                                                             \
+                for (int64_t j = 0; j < ncnt; j += 16) {                                                       \
+                    const __mmask16 m = mask16(ncnt - j);                                                      \
+                    const __m512 up = _mm512_maskz_loadu_ps(m, rr + j);                                        \
+                    const __m512 gate = c->swiglu ? _mm512_maskz_loadu_ps(m, rr + half + j) : up;              \
+                    epilogue16(a, c->swiglu, c->m_begin + m0 + i, n0 + j, ncnt - j, up, gate);                 \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+
+LX_WORKER(fma_worker, TFMA, fma_tile, float, 4, 16)
+LX_WORKER(bf16_worker, TBF16, bf16_tile, uint16_t, 2, 32)
+
+/* x rows [m0, m0 + rows) as fp32, row stride K */
+TFMA void lx_convert_x(const qk_linear_args *a, int64_t m0, int64_t rows, float *dst) {
+    for (int64_t m = 0; m < rows; m++) {
+        const uint16_t *src = (const uint16_t *)a->x + (m0 + m) * a->x_stride;
+        for (int64_t k = 0; k < a->K; k += 16) {
+            const __mmask16 msk = mask16(a->K - k);
+            _mm512_mask_storeu_ps(dst + m * a->K + k, msk, load16(src + k, a->dtype, msk));
+        }
+    }
+}
+
+static int lx_run(const qk_linear_args *a, int swiglu, int kind) {
+    const int64_t M = a->M, N = a->N, K = a->K;
+    const int half = swiglu ? LX_NB / 2 : LX_NB;
+    lx_ctx c = {.a = a, .swiglu = swiglu, .kind = kind};
+    c.n_blocks = (N + half - 1) / half;
+    c.steps = (K + (kind ? 31 : 15)) / (kind ? 32 : 16);
+    const int64_t work = M * N * (K > 0 ? K : 1) * (swiglu ? 2 : 1);
+    int nthreads = qk_threads_for(work, a->num_threads > 0 ? a->num_threads : 1);
+    const int64_t slab = M < LX_MSLAB ? M : LX_MSLAB;
+    const int64_t max_units = c.n_blocks * ((slab + LX_MB - 1) / LX_MB);
+    if (nthreads > max_units) nthreads = (int)max_units;
+    c.scratch_floats = (LX_MB / LX_MT) * (LX_NB / LX_NT) * LX_MT * LX_NT * 16 + LX_MB * LX_NB + LX_NB * LX_KC * 16;
+    c.scratch = malloc(sizeof(float) * (size_t)c.scratch_floats * (size_t)nthreads);
+    const int convert_x = kind == 0 && a->dtype != QK_F32;
+    float *x32 = convert_x ? malloc(sizeof(float) * (size_t)slab * (size_t)(K > 0 ? K : 1)) : NULL;
+    if (!c.scratch || (convert_x && !x32)) {
+        free(c.scratch);
+        free(x32);
+        return QK_E_NOMEM;
+    }
+    int status = QK_OK;
+    for (int64_t m0 = 0; m0 < M && status == QK_OK; m0 += LX_MSLAB) {
+        c.m_begin = m0;
+        c.m_rows = M - m0 < LX_MSLAB ? M - m0 : LX_MSLAB;
+        c.m_blocks = (c.m_rows + LX_MB - 1) / LX_MB;
+        if (convert_x) {
+            lx_convert_x(a, m0, c.m_rows, x32);
+            c.x = x32;
+            c.x_stride = K;
+        } else {
+            c.x = (const char *)a->x + m0 * a->x_stride * (a->dtype == QK_F32 ? 4 : 2);
+            c.x_stride = a->x_stride;
+        }
+        status = qk_parallel_run(nthreads, kind ? bf16_worker : fma_worker, &c);
+    }
+    free(c.scratch);
+    free(x32);
+    return status;
+}
+
+/* ---- the AMX kernel ---------------------------------------------------------------------------
+ * Tiles: 0-3 accumulators C (16 weight rows x 16 rows of x, fp32), 4-5 A (16 weight rows x 32 k),
+ * 6-7 B (16 pairs of k x 16 rows of x, VNNI).  A unit is 2 A tiles (linear: 32 weight rows;
+ * swiglu: 16 up rows and the same 16 gate rows) by 1 or 2 B tiles (16 or 32 rows of x, 1 when
+ * M <= 16).  x is packed per slab of AX_MSLAB rows into [m tile][k block][16][32] bf16, zero
+ * past M and K, by a first parallel pass. */
+
+#define AX_MSLAB 512
+
+typedef struct __attribute__((aligned(64))) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} ax_tilecfg;
+
+typedef struct {
+    const qk_linear_args *a;
+    int swiglu;
+    uint16_t *xp; /* packed slab */
+    int64_t m_begin, m_rows, m_tiles, k_blocks, n_blocks, m_blocks, mt_per_unit;
+} ax_ctx;
+
+TAMX void ax_pack_worker(void *p, int tid, int nthreads) {
+    const ax_ctx *c = p;
+    const qk_linear_args *a = c->a;
+    int64_t u0, u1;
+    qk_share(c->m_tiles * c->k_blocks, tid, nthreads, &u0, &u1);
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t mt = u / c->k_blocks, kb = u % c->k_blocks, k0 = kb * 32;
+        const __mmask32 km = mask32(a->K - k0);
+        __m512 r[16];
+        for (int i = 0; i < 16; i++) {
+            const int64_t m = mt * 16 + i;
+            r[i] = m < c->m_rows ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(
+                                       km, (const uint16_t *)a->x + (c->m_begin + m) * a->x_stride + k0))
+                                 : _mm512_setzero_ps();
+        }
+        transpose16(r); /* row j: the pair k0 + 2 j, k0 + 2 j + 1 of the 16 rows of x */
+        float *dst = (float *)(c->xp + u * 512);
+        for (int i = 0; i < 16; i++) _mm512_store_ps(dst + i * 16, r[i]);
+    }
+}
+
+/* the A tile of weight rows [n, n + valid) at k0 into buf, zero past valid rows and K */
+TAMX void ax_pad_a(const uint16_t *w, int64_t stride, int64_t valid, int64_t krem, uint16_t *buf) {
+    const __mmask32 km = mask32(krem);
+    for (int i = 0; i < 16; i++)
+        _mm512_store_si512(buf + i * 32, i < valid ? _mm512_maskz_loadu_epi16(km, w + i * stride) : _mm512_setzero_si512());
+}
+
+#define AX_PREFETCH 256 /* bytes ahead in each weight row */
+
+TAMX void ax_worker(void *p, int tid, int nthreads) {
+    const ax_ctx *c = p;
+    const qk_linear_args *a = c->a;
+    const int64_t K = a->K, N = a->N, KB = c->k_blocks;
+    ax_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    uint16_t pad[2][16 * 32] __attribute__((aligned(64)));
+    float cb[4][256] __attribute__((aligned(64)));
+    const int per = c->swiglu ? 16 : 32; /* output columns per unit */
+    int64_t u0, u1;
+    qk_share(c->n_blocks * c->m_blocks, tid, nthreads, &u0, &u1);
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t nb = u / c->m_blocks, mb = u % c->m_blocks;
+        const int64_t n0 = nb * per, mt0 = mb * c->mt_per_unit;
+        const int two = c->mt_per_unit == 2 && mt0 + 1 < c->m_tiles;
+        const uint16_t *src[2];
+        int64_t stride[2], valid[2];
+        if (c->swiglu) {
+            src[0] = (const uint16_t *)a->w + n0 * a->w_stride;
+            src[1] = (const uint16_t *)a->gate + n0 * a->gate_stride;
+            stride[0] = a->w_stride;
+            stride[1] = a->gate_stride;
+            valid[0] = valid[1] = N - n0 < 16 ? N - n0 : 16;
+        } else {
+            src[0] = (const uint16_t *)a->w + n0 * a->w_stride;
+            src[1] = src[0] + 16 * a->w_stride;
+            stride[0] = stride[1] = a->w_stride;
+            valid[0] = N - n0 < 16 ? N - n0 : 16;
+            valid[1] = N - n0 - 16 < 16 ? (N - n0 - 16 > 0 ? N - n0 - 16 : 0) : 16;
+        }
+        if (valid[1] == 0) src[1] = src[0]; /* never read: its products are skipped */
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const uint16_t *b0 = c->xp + mt0 * KB * 512, *b1 = two ? b0 + KB * 512 : b0;
+        for (int64_t kb = 0; kb < KB; kb++) {
+            const int64_t k0 = kb * 32;
+            const int full = k0 + 32 <= K;
+            if (k0 * 2 + AX_PREFETCH < K * 2)
+                for (int h = 0; h < 2; h++)
+                    for (int i = 0; i < valid[h]; i++)
+                        _mm_prefetch((const char *)(src[h] + i * stride[h] + k0) + AX_PREFETCH, _MM_HINT_T0);
+            if (full && valid[0] == 16) _tile_loadd(4, src[0] + k0, stride[0] * 2);
+            else {
+                ax_pad_a(src[0] + k0, stride[0], valid[0], K - k0, pad[0]);
+                _tile_loadd(4, pad[0], 64);
+            }
+            _tile_loadd(6, b0 + kb * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (valid[1] > 0) {
+                if (full && valid[1] == 16) _tile_loadd(5, src[1] + k0, stride[1] * 2);
+                else {
+                    ax_pad_a(src[1] + k0, stride[1], valid[1], K - k0, pad[1]);
+                    _tile_loadd(5, pad[1], 64);
+                }
+                _tile_dpbf16ps(2, 5, 6);
+            }
+            if (two) {
+                _tile_loadd(7, b1 + kb * 512, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                if (valid[1] > 0) _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, cb[0], 64);
+        _tile_stored(1, cb[1], 64);
+        _tile_stored(2, cb[2], 64);
+        _tile_stored(3, cb[3], 64);
+        for (int t = 0; t <= two; t++) {
+            /* cb[h * 2 + t]: [16 weight rows][16 rows of x] -> rows of x */
+            __m512 r0[16], r1[16];
+            for (int i = 0; i < 16; i++) {
+                r0[i] = _mm512_load_ps(cb[t] + i * 16);
+                r1[i] = _mm512_load_ps(cb[2 + t] + i * 16);
+            }
+            transpose16(r0);
+            transpose16(r1);
+            for (int i = 0; i < 16; i++) {
+                const int64_t m = (mt0 + t) * 16 + i;
+                if (m >= c->m_rows) break;
+                const int64_t row = c->m_begin + m;
+                if (c->swiglu) {
+                    epilogue16(a, 1, row, n0, valid[0], r0[i], r1[i]);
+                } else {
+                    epilogue16(a, 0, row, n0, valid[0], r0[i], r0[i]);
+                    if (valid[1] > 0) epilogue16(a, 0, row, n0 + 16, valid[1], r1[i], r1[i]);
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+
+static int ax_run(const qk_linear_args *a, int swiglu) {
+    const int64_t M = a->M, N = a->N, K = a->K;
+    ax_ctx c = {.a = a, .swiglu = swiglu};
+    c.k_blocks = (K + 31) / 32;
+    c.n_blocks = (N + (swiglu ? 15 : 31)) / (swiglu ? 16 : 32);
+    c.mt_per_unit = M <= 16 ? 1 : 2;
+    const int64_t slab = M < AX_MSLAB ? M : AX_MSLAB;
+    const int64_t slab_tiles = (slab + 15) / 16;
+    c.xp = aligned_alloc(64, (size_t)slab_tiles * (size_t)(c.k_blocks > 0 ? c.k_blocks : 1) * 1024);
+    if (!c.xp) return QK_E_NOMEM;
+    const int64_t work = M * N * (K > 0 ? K : 1) * (swiglu ? 2 : 1);
+    const int max_threads = qk_threads_for(work, a->num_threads > 0 ? a->num_threads : 1);
+    int status = QK_OK;
+    for (int64_t m0 = 0; m0 < M && status == QK_OK; m0 += AX_MSLAB) {
+        c.m_begin = m0;
+        c.m_rows = M - m0 < AX_MSLAB ? M - m0 : AX_MSLAB;
+        c.m_tiles = (c.m_rows + 15) / 16;
+        c.m_blocks = (c.m_tiles + c.mt_per_unit - 1) / c.mt_per_unit;
+        int t = max_threads;
+        if (t > c.m_tiles * c.k_blocks) t = (int)(c.m_tiles * c.k_blocks > 0 ? c.m_tiles * c.k_blocks : 1);
+        if (c.k_blocks > 0) status = qk_parallel_run(t, ax_pack_worker, &c);
+        t = max_threads;
+        if (t > c.n_blocks * c.m_blocks) t = (int)(c.n_blocks * c.m_blocks);
+        if (status == QK_OK) status = qk_parallel_run(t, ax_worker, &c);
+    }
+    free(c.xp);
+    return status;
+}
+
+int qk_linear_fast(const qk_linear_args *a, int swiglu, int *status) {
+    int isa = qk_cpu_isa_best();
+    if (a->cpu_isa > 0 && a->cpu_isa < isa) isa = a->cpu_isa;
+    if (isa < QK_CPU_ISA_AVX512 || a->M <= 0 || a->N <= 0) return 0;
+    if (a->dtype == QK_BF16 && isa >= QK_CPU_ISA_AMX) *status = ax_run(a, swiglu);
+    else if (a->dtype == QK_BF16 && isa >= QK_CPU_ISA_AVX512_BF16) *status = lx_run(a, swiglu, 1);
+    else if (a->dtype == QK_F32 || a->dtype == QK_F16 || a->dtype == QK_BF16) *status = lx_run(a, swiglu, 0);
+    else return 0;
+    return 1;
+}
+
+#endif
