@@ -235,21 +235,28 @@ typedef struct {
     int64_t scratch_floats; /* per thread */
 } lx_ctx;
 
-/* acc[i][j] (+)= the chunk's sums; acc laid out [LX_MT][LX_NT][16] */
-#define LX_TILE_BODY(LOADX, LOADW, FMA, STEP, MASK)                                                 \
+/* acc[i][j] (+)= the chunk's sums; acc laid out [LX_MT][LX_NT][16].  Whole steps load without a
+ * mask (a masked load costs an extra ALU uop on the FMA ports); a partial last step zero-fills. */
+#define LX_STEP(LOADX, LOADW, FMA, k, ...)                                                          \
+    do {                                                                                            \
+        __typeof__(LOADX(__VA_ARGS__ xr[0] + (k))) xv[LX_MT];                                       \
+        for (int i = 0; i < mt; i++) xv[i] = LOADX(__VA_ARGS__ xr[i] + (k));                        \
+        for (int j = 0; j < LX_NT; j++) {                                                           \
+            const __typeof__(xv[0]) w = LOADW(__VA_ARGS__ wr[j] + (k));                             \
+            for (int i = 0; i < mt; i++) c[i][j] = FMA(c[i][j], xv[i], w);                          \
+        }                                                                                           \
+    } while (0)
+
+#define LX_TILE_BODY(LOADX, LOADW, MLOADX, MLOADW, FMA, STEP, MASK)                                 \
     __m512 c[LX_MT][LX_NT];                                                                         \
     for (int i = 0; i < mt; i++)                                                                    \
         for (int j = 0; j < LX_NT; j++)                                                             \
             c[i][j] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (i * LX_NT + j) * 16);     \
-    for (int64_t s = 0; s < steps; s++) {                                                           \
-        const int64_t k = s * STEP;                                                                 \
-        const MASK m = k + STEP <= krem ? (MASK)~(MASK)0 : (MASK)((1ull << (krem - k)) - 1);        \
-        __typeof__(LOADX(m, xr[0] + k)) xv[LX_MT];                                                  \
-        for (int i = 0; i < mt; i++) xv[i] = LOADX(m, xr[i] + k);                                   \
-        for (int j = 0; j < LX_NT; j++) {                                                           \
-            const __typeof__(xv[0]) w = LOADW(m, wr[j] + k);                                        \
-            for (int i = 0; i < mt; i++) c[i][j] = FMA(c[i][j], xv[i], w);                          \
-        }                                                                                           \
+    const int64_t whole = krem / STEP < steps ? krem / STEP : steps;                                \
+    for (int64_t s = 0; s < whole; s++) LX_STEP(LOADX, LOADW, FMA, s * STEP, );                     \
+    if (whole < steps) {                                                                            \
+        const MASK m = (MASK)((1ull << (krem - whole * STEP)) - 1);                                 \
+        LX_STEP(MLOADX, MLOADW, FMA, whole * STEP, m, );                                            \
     }                                                                                               \
     for (int i = 0; i < mt; i++)                                                                    \
         for (int j = 0; j < LX_NT; j++) _mm512_storeu_ps(acc + (i * LX_NT + j) * 16, c[i][j]);
@@ -259,13 +266,14 @@ typedef struct {
 
 static inline __attribute__((target(T512_ISA), always_inline)) void
 fma_tile(const float *const *xr, const float *const *wr, int mt, int64_t steps, int64_t krem, float *acc, int init) {
-    LX_TILE_BODY(_mm512_maskz_loadu_ps, _mm512_maskz_loadu_ps, FMA_OP, 16, __mmask16)
+    LX_TILE_BODY(_mm512_loadu_ps, _mm512_loadu_ps, _mm512_maskz_loadu_ps, _mm512_maskz_loadu_ps, FMA_OP, 16, __mmask16)
 }
 
 static inline __attribute__((target(T512_ISA ",avx512bf16"), always_inline)) void
 bf16_tile(const uint16_t *const *xr, const uint16_t *const *wr, int mt, int64_t steps, int64_t krem, float *acc,
           int init) {
-    LX_TILE_BODY(_mm512_maskz_loadu_epi16, _mm512_maskz_loadu_epi16, BF16_OP, 32, __mmask32)
+    LX_TILE_BODY(_mm512_loadu_si512, _mm512_loadu_si512, _mm512_maskz_loadu_epi16, _mm512_maskz_loadu_epi16, BF16_OP, 32,
+                 __mmask32)
 }
 
 /* rows r of the unit's weight block: up (or w) rows n0 .. n0 + half, then gate rows for swiglu */
@@ -399,6 +407,182 @@ static int lx_run(const qk_linear_args *a, int swiglu, int kind) {
     }
     free(c.scratch);
     free(x32);
+    return status;
+}
+
+/* ---- the fma kernel ----------------------------------------------------------------------------
+ * Each output is one chain of fused multiply-adds over k in increasing order, the product computed
+ * transposed: x is packed per slab into blocks of LF_MB rows of x laid out [k][rows] (fp32, zero
+ * past M), so a vector holds 16 rows of x at one k; a weight element is broadcast from its row
+ * (converted to fp32 a chunk at a time when 16-bit).  A register tile is LF_NT(V) weight rows by V
+ * vectors of rows of x (V = 2, or 1 when M <= 16 so that a lone row wastes less); a unit is
+ * LF_TILES such tiles by one block of x, and walks k in chunks of LF_KC so that the block's chunk
+ * (32 KB) stays in L1. */
+
+#define LF_KC 128
+#define LF_TILES 4
+#define LF_MSLAB 512
+#define LF_NT(v) ((v) == 3 ? 8 : 12)
+#define LF_NB (LF_TILES * 12) /* weight rows per unit */
+
+typedef struct {
+    const qk_linear_args *a;
+    int swiglu, v; /* v: vectors of x rows per tile, 1 or 2 */
+    float *xt;     /* packed slab: [m block][kp][16 v] */
+    int64_t kp, m_begin, m_rows, m_blocks, n_blocks, per_unit;
+    float *scratch;
+    int64_t scratch_floats;
+} lf_ctx;
+
+TFMA void lf_pack_worker(void *p, int tid, int nthreads) {
+    const lf_ctx *c = p;
+    const qk_linear_args *a = c->a;
+    const int64_t kb = c->kp / 16, rows = 16 * c->v;
+    const int esize = a->dtype == QK_F32 ? 4 : 2;
+    int64_t u0, u1;
+    qk_share(c->m_blocks * c->v * kb, tid, nthreads, &u0, &u1);
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t g = u / kb, k0 = u % kb * 16, mb = g / c->v, h = g % c->v;
+        const __mmask16 km = mask16(a->K - k0);
+        __m512 r[16];
+        for (int i = 0; i < 16; i++) {
+            const int64_t m = mb * rows + h * 16 + i;
+            r[i] = m < c->m_rows ? load16((const char *)a->x + ((c->m_begin + m) * a->x_stride + k0) * esize, a->dtype, km)
+                                 : _mm512_setzero_ps();
+        }
+        transpose16(r);
+        float *dst = c->xt + mb * c->kp * rows + k0 * rows + h * 16;
+        for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * rows, r[i]);
+    }
+}
+
+/* acc[j][h] (+)= sum over the chunk of w_j[k] xt[k][16 h ..]: one fma chain per element.  The
+ * weight rows come from wr[j] or, when wr is NULL, from wbuf at a fixed stride (addressed by
+ * immediates, and clear of the 4 KB aliasing that rows of a power-of-two K suffer in L1). */
+static inline __attribute__((target(T512_ISA), always_inline)) void
+lf_tile(const float *const *wr, const float *wbuf, const float *xt, int64_t kc, int V, float *acc, int init) {
+    enum { NT = 12 };
+    __m512 c[NT][3];
+    const int nt = LF_NT(V);
+#pragma GCC unroll 12
+    for (int j = 0; j < nt; j++)
+#pragma GCC unroll 3
+        for (int h = 0; h < V; h++) c[j][h] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (j * V + h) * 16);
+    for (int64_t k = 0; k < kc; k++) {
+        __m512 xv[3];
+#pragma GCC unroll 3
+        for (int h = 0; h < V; h++) xv[h] = _mm512_loadu_ps(xt + k * 16 * V + h * 16);
+#pragma GCC unroll 12
+        for (int j = 0; j < nt; j++) {
+            const __m512 w = _mm512_set1_ps(wr ? wr[j][k] : wbuf[j * LF_KC + k]);
+#pragma GCC unroll 3
+            for (int h = 0; h < V; h++) c[j][h] = _mm512_fmadd_ps(w, xv[h], c[j][h]);
+        }
+    }
+#pragma GCC unroll 12
+    for (int j = 0; j < nt; j++)
+#pragma GCC unroll 3
+        for (int h = 0; h < V; h++) _mm512_storeu_ps(acc + (j * V + h) * 16, c[j][h]);
+}
+
+TFMA void lf_worker(void *p, int tid, int nthreads) {
+    const lf_ctx *c = p;
+    const qk_linear_args *a = c->a;
+    const int64_t K = a->K, N = a->N;
+    const int V = c->v, nt = LF_NT(V), nb = LF_TILES * nt, half = c->swiglu ? nb / 2 : nb, rows = 16 * V;
+    const int conv = a->dtype != QK_F32, esize = conv ? 2 : 4;
+    float *acc = c->scratch + tid * c->scratch_floats; /* [LF_TILES][nt][V][16] */
+    float *res = acc + LF_TILES * 28 * 16;             /* [rows][nb] */
+    float *wbuf = res + 48 * LF_NB;                    /* [nt][LF_KC] */
+    int64_t u0, u1;
+    qk_share(c->n_blocks * c->m_blocks, tid, nthreads, &u0, &u1);
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t ib = u / c->m_blocks, mb = u % c->m_blocks, n0 = ib * half, m0 = mb * rows;
+        const float *xt = c->xt + mb * c->kp * rows;
+        const char *wsrc[LF_NB];
+        for (int r = 0; r < nb; r++) { /* rows past N repeat row n0; their results are dropped */
+            int64_t n = n0 + r % half;
+            if (n >= N) n = n0;
+            const int gate = c->swiglu && r >= half;
+            wsrc[r] = (const char *)(gate ? a->gate : a->w) + n * (gate ? a->gate_stride : a->w_stride) * esize;
+        }
+        for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += LF_KC) {
+            const int64_t kc = K - k0 < LF_KC ? K - k0 : LF_KC;
+            for (int t = 0; t < LF_TILES; t++) {
+                const float *wr[12];
+                const int direct = !conv;
+                for (int j = 0; j < nt; j++) {
+                    const char *src = wsrc[t * nt + j] + k0 * esize;
+                    if (direct) {
+                        wr[j] = (const float *)src;
+                        continue;
+                    }
+                    for (int64_t k = 0; k < kc; k += 16)
+                        _mm512_storeu_ps(wbuf + j * LF_KC + k, load16(src + k * esize, a->dtype, mask16(kc - k)));
+                }
+                float *ac = acc + t * nt * V * 16;
+                if (direct && V == 1) lf_tile(wr, NULL, xt + k0 * rows, kc, 1, ac, k0 == 0);
+                else if (direct && V == 3) lf_tile(wr, NULL, xt + k0 * rows, kc, 3, ac, k0 == 0);
+                else if (direct) lf_tile(wr, NULL, xt + k0 * rows, kc, 2, ac, k0 == 0);
+                else if (V == 3) lf_tile(NULL, wbuf, xt + k0 * rows, kc, 3, ac, k0 == 0);
+                else if (V == 2) lf_tile(NULL, wbuf, xt + k0 * rows, kc, 2, ac, k0 == 0);
+                else lf_tile(NULL, wbuf, xt + k0 * rows, kc, 1, ac, k0 == 0);
+            }
+            if (K == 0) break;
+        }
+        /* acc [tile][j][h][lane] -> res [m][weight row] */
+        for (int t = 0; t < LF_TILES; t++)
+            for (int j = 0; j < nt; j++)
+                for (int h = 0; h < V; h++) {
+                    const float *v = acc + ((t * nt + j) * V + h) * 16;
+                    for (int l = 0; l < 16; l++) res[(h * 16 + l) * LF_NB + t * nt + j] = v[l];
+                }
+        const int64_t ncnt = N - n0 < half ? N - n0 : half, mrows = c->m_rows - m0 < rows ? c->m_rows - m0 : rows;
+        for (int64_t i = 0; i < mrows; i++) {
+            const float *rr = res + i * LF_NB;
+            for (int64_t j = 0; j < ncnt; j += 16) {
+                const __mmask16 m = mask16(ncnt - j);
+                const __m512 up = _mm512_maskz_loadu_ps(m, rr + j);
+                const __m512 gate = c->swiglu ? _mm512_maskz_loadu_ps(m, rr + half + j) : up;
+                epilogue16(a, c->swiglu, c->m_begin + m0 + i, n0 + j, ncnt - j, up, gate);
+            }
+        }
+    }
+}
+
+static int lf_run(const qk_linear_args *a, int swiglu) {
+    const int64_t M = a->M, N = a->N, K = a->K;
+    lf_ctx c = {.a = a, .swiglu = swiglu, .v = M <= 16 ? 1 : M <= 256 ? 2 : 3};
+    const int nb = LF_TILES * LF_NT(c.v), half = swiglu ? nb / 2 : nb, rows = 16 * c.v;
+    c.n_blocks = (N + half - 1) / half;
+    c.kp = (K + 15) / 16 * 16;
+    const int64_t slab = M < LF_MSLAB ? M : LF_MSLAB, slab_blocks = (slab + rows - 1) / rows;
+    const int64_t work = M * N * (K > 0 ? K : 1) * (swiglu ? 2 : 1);
+    const int max_threads = qk_threads_for(work, a->num_threads > 0 ? a->num_threads : 1);
+    int nthreads = max_threads;
+    if (nthreads > c.n_blocks * slab_blocks) nthreads = (int)(c.n_blocks * slab_blocks);
+    c.scratch_floats = LF_TILES * 28 * 16 + 48 * LF_NB + 28 * LF_KC;
+    c.scratch = malloc(sizeof(float) * (size_t)c.scratch_floats * (size_t)nthreads);
+    c.xt = malloc(sizeof(float) * (size_t)slab_blocks * (size_t)rows * (size_t)(c.kp > 0 ? c.kp : 1));
+    if (!c.scratch || !c.xt) {
+        free(c.scratch);
+        free(c.xt);
+        return QK_E_NOMEM;
+    }
+    int status = QK_OK;
+    for (int64_t m0 = 0; m0 < M && status == QK_OK; m0 += LF_MSLAB) {
+        c.m_begin = m0;
+        c.m_rows = M - m0 < LF_MSLAB ? M - m0 : LF_MSLAB;
+        c.m_blocks = (c.m_rows + rows - 1) / rows;
+        const int64_t pack_units = c.m_blocks * c.v * (c.kp / 16);
+        if (pack_units > 0)
+            status = qk_parallel_run(max_threads < pack_units ? max_threads : (int)pack_units, lf_pack_worker, &c);
+        int t = nthreads;
+        if (t > c.n_blocks * c.m_blocks) t = (int)(c.n_blocks * c.m_blocks);
+        if (status == QK_OK) status = qk_parallel_run(t, lf_worker, &c);
+    }
+    free(c.scratch);
+    free(c.xt);
     return status;
 }
 
@@ -588,7 +772,7 @@ int qk_linear_fast(const qk_linear_args *a, int swiglu, int *status) {
     if (isa < QK_CPU_ISA_AVX512 || a->M <= 0 || a->N <= 0) return 0;
     if (a->dtype == QK_BF16 && isa >= QK_CPU_ISA_AMX) *status = ax_run(a, swiglu);
     else if (a->dtype == QK_BF16 && isa >= QK_CPU_ISA_AVX512_BF16) *status = lx_run(a, swiglu, 1);
-    else if (a->dtype == QK_F32 || a->dtype == QK_F16 || a->dtype == QK_BF16) *status = lx_run(a, swiglu, 0);
+    else if (a->dtype == QK_F32 || a->dtype == QK_F16 || a->dtype == QK_BF16) *status = lf_run(a, swiglu);
     else return 0;
     return 1;
 }
