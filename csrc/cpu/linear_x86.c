@@ -605,6 +605,7 @@ typedef struct {
     const qk_linear_args *a;
     int swiglu;
     uint16_t *xp; /* packed slab */
+    float *park;  /* per thread: AX_MSLAB / 32 blocks of 4 C tiles */
     int64_t m_begin, m_rows, m_tiles, k_blocks, n_blocks, m_blocks, mt_per_unit;
 } ax_ctx;
 
@@ -637,6 +638,37 @@ TAMX void ax_pad_a(const uint16_t *w, int64_t stride, int64_t valid, int64_t kre
 }
 
 #define AX_PREFETCH 256 /* bytes ahead in each weight row */
+#define AX_KCB 64       /* k blocks per chunk: 2 weight tiles of 64 KB each */
+
+/* a finished unit's outputs, waiting in cb while the next unit's tile products run, so that the
+ * vector work of its epilogue overlaps them: step t writes the 16 rows of x of B tile t */
+typedef struct {
+    float cb[4][256] __attribute__((aligned(64)));
+    int64_t n0, valid[2], mt0;
+    int steps; /* 0: nothing pending */
+} ax_pending;
+
+TAMX void ax_epilogue_step(const ax_ctx *c, const ax_pending *q, int t) {
+    const qk_linear_args *a = c->a;
+    __m512 r0[16], r1[16];
+    for (int i = 0; i < 16; i++) {
+        r0[i] = _mm512_load_ps(q->cb[t] + i * 16);
+        r1[i] = _mm512_load_ps(q->cb[2 + t] + i * 16);
+    }
+    transpose16(r0); /* [16 weight rows][16 rows of x] -> rows of x */
+    transpose16(r1);
+    for (int i = 0; i < 16; i++) {
+        const int64_t m = (q->mt0 + t) * 16 + i;
+        if (m >= c->m_rows) break;
+        const int64_t row = c->m_begin + m;
+        if (c->swiglu) {
+            epilogue16(a, 1, row, q->n0, q->valid[0], r0[i], r1[i]);
+        } else {
+            epilogue16(a, 0, row, q->n0, q->valid[0], r0[i], r0[i]);
+            if (q->valid[1] > 0) epilogue16(a, 0, row, q->n0 + 16, q->valid[1], r1[i], r1[i]);
+        }
+    }
+}
 
 TAMX void ax_worker(void *p, int tid, int nthreads) {
     const ax_ctx *c = p;
@@ -651,14 +683,20 @@ TAMX void ax_worker(void *p, int tid, int nthreads) {
     }
     _tile_loadconfig(&cfg);
     uint16_t pad[2][16 * 32] __attribute__((aligned(64)));
-    float cb[4][256] __attribute__((aligned(64)));
+    ax_pending pend[2];
+    int cur = 0, done = 0; /* pend[cur]: the unit whose epilogue runs; done: its steps taken */
+    pend[0].steps = pend[1].steps = 0;
+    float *park = c->park + (int64_t)tid * AX_MSLAB / 32 * 1024; /* C tiles between k chunks, per block of x */
     const int per = c->swiglu ? 16 : 32; /* output columns per unit */
+    const int stream = c->m_blocks == 1;  /* each weight read once: fetch ahead of the tile loads */
     int64_t u0, u1;
     qk_share(c->n_blocks * c->m_blocks, tid, nthreads, &u0, &u1);
-    for (int64_t u = u0; u < u1; u++) {
-        const int64_t nb = u / c->m_blocks, mb = u % c->m_blocks;
-        const int64_t n0 = nb * per, mt0 = mb * c->mt_per_unit;
-        const int two = c->mt_per_unit == 2 && mt0 + 1 < c->m_tiles;
+    for (int64_t u = u0; u < u1;) {
+        /* a group: the thread's units on one block of weight rows */
+        const int64_t nb = u / c->m_blocks, mb0 = u % c->m_blocks;
+        const int64_t mb1 = mb0 + (u1 - u) < c->m_blocks ? mb0 + (u1 - u) : c->m_blocks;
+        u += mb1 - mb0;
+        const int64_t n0 = nb * per;
         const uint16_t *src[2];
         int64_t stride[2], valid[2];
         if (c->swiglu) {
@@ -675,65 +713,83 @@ TAMX void ax_worker(void *p, int tid, int nthreads) {
             valid[1] = N - n0 - 16 < 16 ? (N - n0 - 16 > 0 ? N - n0 - 16 : 0) : 16;
         }
         if (valid[1] == 0) src[1] = src[0]; /* never read: its products are skipped */
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        const uint16_t *b0 = c->xp + mt0 * KB * 512, *b1 = two ? b0 + KB * 512 : b0;
-        for (int64_t kb = 0; kb < KB; kb++) {
-            const int64_t k0 = kb * 32;
-            const int full = k0 + 32 <= K;
-            if (k0 * 2 + AX_PREFETCH < K * 2)
-                for (int h = 0; h < 2; h++)
-                    for (int i = 0; i < valid[h]; i++)
-                        _mm_prefetch((const char *)(src[h] + i * stride[h] + k0) + AX_PREFETCH, _MM_HINT_T0);
-            if (full && valid[0] == 16) _tile_loadd(4, src[0] + k0, stride[0] * 2);
-            else {
-                ax_pad_a(src[0] + k0, stride[0], valid[0], K - k0, pad[0]);
-                _tile_loadd(4, pad[0], 64);
-            }
-            _tile_loadd(6, b0 + kb * 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            if (valid[1] > 0) {
-                if (full && valid[1] == 16) _tile_loadd(5, src[1] + k0, stride[1] * 2);
-                else {
-                    ax_pad_a(src[1] + k0, stride[1], valid[1], K - k0, pad[1]);
-                    _tile_loadd(5, pad[1], 64);
-                }
-                _tile_dpbf16ps(2, 5, 6);
-            }
-            if (two) {
-                _tile_loadd(7, b1 + kb * 512, 64);
-                _tile_dpbf16ps(1, 4, 7);
-                if (valid[1] > 0) _tile_dpbf16ps(3, 5, 7);
-            }
-        }
-        _tile_stored(0, cb[0], 64);
-        _tile_stored(1, cb[1], 64);
-        _tile_stored(2, cb[2], 64);
-        _tile_stored(3, cb[3], 64);
-        for (int t = 0; t <= two; t++) {
-            /* cb[h * 2 + t]: [16 weight rows][16 rows of x] -> rows of x */
-            __m512 r0[16], r1[16];
-            for (int i = 0; i < 16; i++) {
-                r0[i] = _mm512_load_ps(cb[t] + i * 16);
-                r1[i] = _mm512_load_ps(cb[2 + t] + i * 16);
-            }
-            transpose16(r0);
-            transpose16(r1);
-            for (int i = 0; i < 16; i++) {
-                const int64_t m = (mt0 + t) * 16 + i;
-                if (m >= c->m_rows) break;
-                const int64_t row = c->m_begin + m;
-                if (c->swiglu) {
-                    epilogue16(a, 1, row, n0, valid[0], r0[i], r1[i]);
+        /* k in chunks whose weight tiles (2 x AX_KCB KB) stay in L1 while the group's blocks of x
+         * stream past them from L2 */
+        const int64_t kcb = mb1 - mb0 > 1 ? AX_KCB : (KB > 0 ? KB : 1);
+        for (int64_t kc0 = 0; kc0 < KB || kc0 == 0; kc0 += kcb) {
+            const int64_t kc1 = kc0 + kcb < KB ? kc0 + kcb : KB, last = kc1 >= KB;
+            for (int64_t mb = mb0; mb < mb1; mb++) {
+                const int64_t mt0 = mb * c->mt_per_unit;
+                const int two = c->mt_per_unit == 2 && mt0 + 1 < c->m_tiles;
+                float *pk = park + (mb - mb0) * 1024;
+                if (kc0 == 0) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
                 } else {
-                    epilogue16(a, 0, row, n0, valid[0], r0[i], r0[i]);
-                    if (valid[1] > 0) epilogue16(a, 0, row, n0 + 16, valid[1], r1[i], r1[i]);
+                    _tile_loadd(0, pk, 64);
+                    _tile_loadd(1, pk + 256, 64);
+                    _tile_loadd(2, pk + 512, 64);
+                    _tile_loadd(3, pk + 768, 64);
                 }
+                const uint16_t *b0 = c->xp + mt0 * KB * 512, *b1 = two ? b0 + KB * 512 : b0;
+                for (int64_t kb = kc0; kb < kc1; kb++) {
+                    const int64_t k0 = kb * 32;
+                    const int full = k0 + 32 <= K;
+                    if (stream && k0 * 2 + AX_PREFETCH < K * 2 && valid[0] == 16 && valid[1] == 16)
+#pragma GCC unroll 16
+                        for (int i = 0; i < 16; i++) {
+                            _mm_prefetch((const char *)(src[0] + i * stride[0] + k0) + AX_PREFETCH, _MM_HINT_T0);
+                            _mm_prefetch((const char *)(src[1] + i * stride[1] + k0) + AX_PREFETCH, _MM_HINT_T0);
+                        }
+                    if (full && valid[0] == 16) _tile_loadd(4, src[0] + k0, stride[0] * 2);
+                    else {
+                        ax_pad_a(src[0] + k0, stride[0], valid[0], K - k0, pad[0]);
+                        _tile_loadd(4, pad[0], 64);
+                    }
+                    _tile_loadd(6, b0 + kb * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (valid[1] > 0) {
+                        if (full && valid[1] == 16) _tile_loadd(5, src[1] + k0, stride[1] * 2);
+                        else {
+                            ax_pad_a(src[1] + k0, stride[1], valid[1], K - k0, pad[1]);
+                            _tile_loadd(5, pad[1], 64);
+                        }
+                        _tile_dpbf16ps(2, 5, 6);
+                    }
+                    if (two) {
+                        _tile_loadd(7, b1 + kb * 512, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                        if (valid[1] > 0) _tile_dpbf16ps(3, 5, 7);
+                    }
+                    if (done < pend[cur].steps) ax_epilogue_step(c, &pend[cur], done++);
+                }
+                if (!last) {
+                    _tile_stored(0, pk, 64);
+                    _tile_stored(1, pk + 256, 64);
+                    _tile_stored(2, pk + 512, 64);
+                    _tile_stored(3, pk + 768, 64);
+                    continue;
+                }
+                while (done < pend[cur].steps) ax_epilogue_step(c, &pend[cur], done++);
+                cur ^= 1;
+                done = 0;
+                ax_pending *q = &pend[cur];
+                _tile_stored(0, q->cb[0], 64);
+                _tile_stored(1, q->cb[1], 64);
+                _tile_stored(2, q->cb[2], 64);
+                _tile_stored(3, q->cb[3], 64);
+                q->n0 = n0;
+                q->valid[0] = valid[0];
+                q->valid[1] = valid[1];
+                q->mt0 = mt0;
+                q->steps = 1 + two;
             }
+            if (KB == 0) break;
         }
     }
+    while (done < pend[cur].steps) ax_epilogue_step(c, &pend[cur], done++);
     _tile_release();
 }
 
@@ -745,10 +801,15 @@ static int ax_run(const qk_linear_args *a, int swiglu) {
     c.mt_per_unit = M <= 16 ? 1 : 2;
     const int64_t slab = M < AX_MSLAB ? M : AX_MSLAB;
     const int64_t slab_tiles = (slab + 15) / 16;
-    c.xp = aligned_alloc(64, (size_t)slab_tiles * (size_t)(c.k_blocks > 0 ? c.k_blocks : 1) * 1024);
-    if (!c.xp) return QK_E_NOMEM;
     const int64_t work = M * N * (K > 0 ? K : 1) * (swiglu ? 2 : 1);
     const int max_threads = qk_threads_for(work, a->num_threads > 0 ? a->num_threads : 1);
+    c.xp = aligned_alloc(64, (size_t)slab_tiles * (size_t)(c.k_blocks > 0 ? c.k_blocks : 1) * 1024);
+    c.park = aligned_alloc(64, (size_t)max_threads * AX_MSLAB / 32 * 4096);
+    if (!c.xp || !c.park) {
+        free(c.xp);
+        free(c.park);
+        return QK_E_NOMEM;
+    }
     int status = QK_OK;
     for (int64_t m0 = 0; m0 < M && status == QK_OK; m0 += AX_MSLAB) {
         c.m_begin = m0;
@@ -763,6 +824,7 @@ static int ax_run(const qk_linear_args *a, int swiglu) {
         if (status == QK_OK) status = qk_parallel_run(t, ax_worker, &c);
     }
     free(c.xp);
+    free(c.park);
     return status;
 }
 
