@@ -604,30 +604,31 @@ typedef struct __attribute__((aligned(64))) {
 typedef struct {
     const qk_linear_args *a;
     int swiglu;
-    uint16_t *xp; /* packed slab */
+    uint16_t *xp; /* per thread: the blocks of x it uses, packed */
+    int64_t xp_per_thread;
+    int msplit;   /* threads split the blocks of x (else the units) */
     float *park;  /* per thread: AX_MSLAB / 32 blocks of 4 C tiles */
     int64_t m_begin, m_rows, m_tiles, k_blocks, n_blocks, m_blocks, mt_per_unit;
 } ax_ctx;
 
-TAMX void ax_pack_worker(void *p, int tid, int nthreads) {
-    const ax_ctx *c = p;
+/* m tiles [t0, t1) of the slab into xp (its tile t0 first) */
+TAMX void ax_pack(const ax_ctx *c, int64_t t0, int64_t t1, uint16_t *xp) {
     const qk_linear_args *a = c->a;
-    int64_t u0, u1;
-    qk_share(c->m_tiles * c->k_blocks, tid, nthreads, &u0, &u1);
-    for (int64_t u = u0; u < u1; u++) {
-        const int64_t mt = u / c->k_blocks, kb = u % c->k_blocks, k0 = kb * 32;
-        const __mmask32 km = mask32(a->K - k0);
-        __m512 r[16];
-        for (int i = 0; i < 16; i++) {
-            const int64_t m = mt * 16 + i;
-            r[i] = m < c->m_rows ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(
-                                       km, (const uint16_t *)a->x + (c->m_begin + m) * a->x_stride + k0))
-                                 : _mm512_setzero_ps();
+    for (int64_t mt = t0; mt < t1; mt++)
+        for (int64_t kb = 0; kb < c->k_blocks; kb++) {
+            const int64_t k0 = kb * 32;
+            const __mmask32 km = mask32(a->K - k0);
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) {
+                const int64_t m = mt * 16 + i;
+                r[i] = m < c->m_rows ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(
+                                           km, (const uint16_t *)a->x + (c->m_begin + m) * a->x_stride + k0))
+                                     : _mm512_setzero_ps();
+            }
+            transpose16(r); /* row j: the pair k0 + 2 j, k0 + 2 j + 1 of the 16 rows of x */
+            float *dst = (float *)(xp + ((mt - t0) * c->k_blocks + kb) * 512);
+            for (int i = 0; i < 16; i++) _mm512_store_ps(dst + i * 16, r[i]);
         }
-        transpose16(r); /* row j: the pair k0 + 2 j, k0 + 2 j + 1 of the 16 rows of x */
-        float *dst = (float *)(c->xp + u * 512);
-        for (int i = 0; i < 16; i++) _mm512_store_ps(dst + i * 16, r[i]);
-    }
 }
 
 /* the A tile of weight rows [n, n + valid) at k0 into buf, zero past valid rows and K */
@@ -638,7 +639,7 @@ TAMX void ax_pad_a(const uint16_t *w, int64_t stride, int64_t valid, int64_t kre
 }
 
 #define AX_PREFETCH 256 /* bytes ahead in each weight row */
-#define AX_KCB 64       /* k blocks per chunk: 2 weight tiles of 64 KB each */
+#define AX_KCB 8        /* k blocks per chunk: 2 weight tiles of 8 KB each */
 
 /* a finished unit's outputs, waiting in cb while the next unit's tile products run, so that the
  * vector work of its epilogue overlaps them: step t writes the 16 rows of x of B tile t */
@@ -689,12 +690,25 @@ TAMX void ax_worker(void *p, int tid, int nthreads) {
     float *park = c->park + (int64_t)tid * AX_MSLAB / 32 * 1024; /* C tiles between k chunks, per block of x */
     const int per = c->swiglu ? 16 : 32; /* output columns per unit */
     const int stream = c->m_blocks == 1;  /* each weight read once: fetch ahead of the tile loads */
-    int64_t u0, u1;
-    qk_share(c->n_blocks * c->m_blocks, tid, nthreads, &u0, &u1);
+    /* Many blocks of x: each thread takes a range of them across every weight block, packing only
+     * its own; else ranges of (weight block, block of x) units, each thread packing every block. */
+    int64_t mb_lo = 0, mb_cnt = c->m_blocks, u0, u1;
+    if (c->msplit) {
+        qk_share(c->m_blocks, tid, nthreads, &mb_lo, &mb_cnt);
+        mb_cnt -= mb_lo;
+        u0 = 0;
+        u1 = c->n_blocks * mb_cnt;
+    } else {
+        qk_share(c->n_blocks * c->m_blocks, tid, nthreads, &u0, &u1);
+    }
+    const int64_t mt_lo = mb_lo * c->mt_per_unit;
+    const int64_t mt_hi = (mb_lo + mb_cnt) * c->mt_per_unit < c->m_tiles ? (mb_lo + mb_cnt) * c->mt_per_unit : c->m_tiles;
+    uint16_t *xp = c->xp + (int64_t)tid * c->xp_per_thread;
+    ax_pack(c, mt_lo, mt_hi, xp);
     for (int64_t u = u0; u < u1;) {
         /* a group: the thread's units on one block of weight rows */
-        const int64_t nb = u / c->m_blocks, mb0 = u % c->m_blocks;
-        const int64_t mb1 = mb0 + (u1 - u) < c->m_blocks ? mb0 + (u1 - u) : c->m_blocks;
+        const int64_t nb = u / mb_cnt, mb0 = mb_lo + u % mb_cnt;
+        const int64_t mb1 = mb0 + (u1 - u) < mb_lo + mb_cnt ? mb0 + (u1 - u) : mb_lo + mb_cnt;
         u += mb1 - mb0;
         const int64_t n0 = nb * per;
         const uint16_t *src[2];
@@ -733,7 +747,7 @@ TAMX void ax_worker(void *p, int tid, int nthreads) {
                     _tile_loadd(2, pk + 512, 64);
                     _tile_loadd(3, pk + 768, 64);
                 }
-                const uint16_t *b0 = c->xp + mt0 * KB * 512, *b1 = two ? b0 + KB * 512 : b0;
+                const uint16_t *b0 = xp + (mt0 - mt_lo) * KB * 512, *b1 = two ? b0 + KB * 512 : b0;
                 for (int64_t kb = kc0; kb < kc1; kb++) {
                     const int64_t k0 = kb * 32;
                     const int full = k0 + 32 <= K;
@@ -803,7 +817,8 @@ static int ax_run(const qk_linear_args *a, int swiglu) {
     const int64_t slab_tiles = (slab + 15) / 16;
     const int64_t work = M * N * (K > 0 ? K : 1) * (swiglu ? 2 : 1);
     const int max_threads = qk_threads_for(work, a->num_threads > 0 ? a->num_threads : 1);
-    c.xp = aligned_alloc(64, (size_t)slab_tiles * (size_t)(c.k_blocks > 0 ? c.k_blocks : 1) * 1024);
+    c.xp_per_thread = slab_tiles * (c.k_blocks > 0 ? c.k_blocks : 1) * 512;
+    c.xp = aligned_alloc(64, (size_t)max_threads * (size_t)c.xp_per_thread * 2);
     c.park = aligned_alloc(64, (size_t)max_threads * AX_MSLAB / 32 * 4096);
     if (!c.xp || !c.park) {
         free(c.xp);
@@ -817,11 +832,10 @@ static int ax_run(const qk_linear_args *a, int swiglu) {
         c.m_tiles = (c.m_rows + 15) / 16;
         c.m_blocks = (c.m_tiles + c.mt_per_unit - 1) / c.mt_per_unit;
         int t = max_threads;
-        if (t > c.m_tiles * c.k_blocks) t = (int)(c.m_tiles * c.k_blocks > 0 ? c.m_tiles * c.k_blocks : 1);
-        if (c.k_blocks > 0) status = qk_parallel_run(t, ax_pack_worker, &c);
-        t = max_threads;
         if (t > c.n_blocks * c.m_blocks) t = (int)(c.n_blocks * c.m_blocks);
-        if (status == QK_OK) status = qk_parallel_run(t, ax_worker, &c);
+        /* enough blocks of x for every thread: each reads all weights but packs only its own x */
+        c.msplit = c.m_blocks >= 4 * t;
+        status = qk_parallel_run(t, ax_worker, &c);
     }
     free(c.xp);
     free(c.park);
