@@ -550,8 +550,108 @@ TFMA void lf_worker(void *p, int tid, int nthreads) {
     }
 }
 
+/* Few rows of x (M <= LS_MAX_M): the same fma chains with the weights in the lanes instead, 16
+ * weight rows transposed in registers per 16 k, and each row of x broadcast; one fma per 16
+ * products instead of one per product and block of x rows, for the same bits. */
+#define LS_MAX_M 8
+#define LS_PREFETCH 1024 /* bytes ahead in each weight row */
+
+typedef struct {
+    const qk_linear_args *a;
+    int swiglu;
+    const float *x; /* [M][x_stride] fp32 */
+    int64_t x_stride, n_blocks;
+} ls_ctx;
+
+/* acc[b * M + m] += the products of the 16 weight rows of block b < NB (rows past N repeat the
+ * block's first, k past K masked) with the M rows of x, k in increasing order.  Several blocks
+ * give the fma chains of a lone row of x something to overlap. */
+static inline __attribute__((target(T512_ISA), always_inline)) void
+ls_rows(const ls_ctx *c, const char *const *w, int64_t ws, const int64_t *nvalid, int NB, int M, __m512 *acc) {
+    const qk_linear_args *a = c->a;
+    const int64_t K = a->K;
+    const int esize = a->dtype == QK_F32 ? 4 : 2;
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+        const __mmask16 km = mask16(K - k0);
+        const int kn = K - k0 < 16 ? (int)(K - k0) : 16;
+        for (int b = 0; b < NB; b++) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) {
+                const char *row = w[b] + ((i < nvalid[b] ? i : 0) * ws + k0) * esize;
+                _mm_prefetch(row + LS_PREFETCH, _MM_HINT_T0);
+                r[i] = load16(row, a->dtype, km);
+            }
+            transpose16(r); /* r[kk]: k0 + kk of the 16 rows */
+            for (int kk = 0; kk < kn; kk++)
+                for (int m = 0; m < M; m++)
+                    acc[b * M + m] = _mm512_fmadd_ps(_mm512_set1_ps(c->x[m * c->x_stride + k0 + kk]), r[kk], acc[b * M + m]);
+        }
+    }
+}
+
+TFMA void ls_worker(void *p, int tid, int nthreads) {
+    const ls_ctx *c = p;
+    const qk_linear_args *a = c->a;
+    const int M = (int)a->M, NB = a->dtype == QK_F32 ? (M <= 4 ? 2 : 1) : (M <= 2 ? 4 : M <= 4 ? 2 : 1);
+    const int esize = a->dtype == QK_F32 ? 4 : 2;
+    int64_t u0, u1;
+    qk_share((c->n_blocks + NB - 1) / NB, tid, nthreads, &u0, &u1);
+    for (int64_t u = u0; u < u1; u++) {
+        int64_t nvalid[4];
+        const char *wu[4], *wg[4];
+        int nb = 0;
+        for (; nb < NB && (u * NB + nb) * 16 < a->N; nb++) {
+            const int64_t n0 = (u * NB + nb) * 16;
+            nvalid[nb] = a->N - n0 < 16 ? a->N - n0 : 16;
+            wu[nb] = (const char *)a->w + n0 * a->w_stride * esize;
+            wg[nb] = c->swiglu ? (const char *)a->gate + n0 * a->gate_stride * esize : NULL;
+        }
+        __m512 up[LS_MAX_M], gate[LS_MAX_M];
+        for (int m = 0; m < LS_MAX_M; m++) up[m] = gate[m] = _mm512_setzero_ps();
+        for (int h = 0; h <= c->swiglu; h++) {
+            const char *const *w = h ? wg : wu;
+            const int64_t ws = h ? a->gate_stride : a->w_stride;
+            __m512 *acc = h ? gate : up;
+            if (nb == 4 && M == 1) ls_rows(c, w, ws, nvalid, 4, 1, acc);
+            else if (nb == 4 && M == 2) ls_rows(c, w, ws, nvalid, 4, 2, acc);
+            else if (nb == 2 && M == 1) ls_rows(c, w, ws, nvalid, 2, 1, acc);
+            else if (nb == 2 && M == 2) ls_rows(c, w, ws, nvalid, 2, 2, acc);
+            else if (nb == 2 && M == 3) ls_rows(c, w, ws, nvalid, 2, 3, acc);
+            else if (nb == 2 && M == 4) ls_rows(c, w, ws, nvalid, 2, 4, acc);
+            else
+                for (int b = 0; b < nb; b++) ls_rows(c, w + b, ws, nvalid + b, 1, M, acc + b * M);
+        }
+        for (int b = 0; b < nb; b++)
+            for (int m = 0; m < M; m++)
+                epilogue16(a, c->swiglu, m, (u * NB + b) * 16, nvalid[b], up[b * M + m], gate[b * M + m]);
+    }
+}
+
+static int ls_run(const qk_linear_args *a, int swiglu) {
+    const int64_t M = a->M, N = a->N, K = a->K;
+    ls_ctx c = {.a = a, .swiglu = swiglu, .n_blocks = (N + 15) / 16};
+    float *x32 = NULL;
+    if (a->dtype == QK_F32) {
+        c.x = a->x;
+        c.x_stride = a->x_stride;
+    } else {
+        x32 = malloc(sizeof(float) * (size_t)M * (size_t)(K > 0 ? K : 1));
+        if (!x32) return QK_E_NOMEM;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k++) x32[m * K + k] = qk_load_f32(a->x, m * a->x_stride + k, a->dtype);
+        c.x = x32;
+        c.x_stride = K;
+    }
+    int t = qk_threads_for(M * N * (K > 0 ? K : 1) * (swiglu ? 2 : 1), a->num_threads > 0 ? a->num_threads : 1);
+    if (t > c.n_blocks) t = (int)c.n_blocks;
+    const int status = qk_parallel_run(t, ls_worker, &c);
+    free(x32);
+    return status;
+}
+
 static int lf_run(const qk_linear_args *a, int swiglu) {
     const int64_t M = a->M, N = a->N, K = a->K;
+    if (M <= LS_MAX_M) return ls_run(a, swiglu);
     lf_ctx c = {.a = a, .swiglu = swiglu, .v = M <= 16 ? 1 : M <= 256 ? 2 : 3};
     const int nb = LF_TILES * LF_NT(c.v), half = swiglu ? nb / 2 : nb, rows = 16 * c.v;
     c.n_blocks = (N + half - 1) / half;
