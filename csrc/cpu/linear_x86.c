@@ -213,200 +213,132 @@ T512 float reduce16(__m512 v) {
     return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
 }
 
-/* ---- the lane kernels (fma, bf16) -------------------------------------------------------------
+/* ---- the bf16 kernel (VDPBF16PS) -------------------------------------------------------------
  * A unit is a block of LX_NB weight rows (swiglu: LX_NB / 2 up rows and the same gate rows) by a
- * block of up to LX_MB rows of x.  It walks k in chunks of LX_KC steps (L1-sized rows), and within
- * a chunk every LX_MT x LX_NT register tile of the unit; partial sums wait in the thread's scratch
- * between chunks.  Rows past M or N point at a valid row; their results are dropped. */
+ * block of up to LX_MB rows of x, both read in place as bfloat16.  It walks k in chunks of LX_KC
+ * steps of 32 (2 KB of a row, so a tile's rows stay in L1), and within a chunk every
+ * LX_MT x LX_NT register tile of the unit; partial sums wait in the thread's scratch between
+ * chunks.  Rows past M or N point at a valid row; their results are dropped. */
 
 #define LX_MT 4
 #define LX_NT 6
 #define LX_NB 24 /* 4 tiles of LX_NT rows */
 #define LX_MB 64
-#define LX_KC 32 /* steps per chunk: 512 fp32 or 1024 bf16 values of a row */
-#define LX_MSLAB 256
+#define LX_KC 32
+#define LX_ACC_FLOATS ((LX_MB / LX_MT) * (LX_NB / LX_NT) * LX_MT * LX_NT * 16)
 
 typedef struct {
     const qk_linear_args *a;
-    int swiglu, kind; /* kind: 0 fma, 1 bf16 */
-    const void *x;    /* the slab's first row: fp32 (fma) or bf16 (bf16) */
-    int64_t x_stride, m_begin, m_rows, n_blocks, m_blocks, steps;
-    float *scratch;
-    int64_t scratch_floats; /* per thread */
+    int swiglu;
+    int64_t n_blocks, m_blocks, steps;
+    float *scratch; /* per thread: LX_ACC_FLOATS + LX_MB * LX_NB */
 } lx_ctx;
 
-/* acc[i][j] (+)= the chunk's sums; acc laid out [LX_MT][LX_NT][16].  Whole steps load without a
- * mask (a masked load costs an extra ALU uop on the FMA ports); a partial last step zero-fills. */
-#define LX_STEP(LOADX, LOADW, FMA, k, ...)                                                          \
+/* acc[i][j] (+)= the chunk's sums, acc laid out [LX_MT][LX_NT][16].  Whole steps load without a
+ * mask (a masked load costs an extra uop on the ports the dot products use); a partial last step
+ * zero-fills. */
+#define LX_STEP(k, ...)                                                                             \
     do {                                                                                            \
-        __typeof__(LOADX(__VA_ARGS__ xr[0] + (k))) xv[LX_MT];                                       \
-        for (int i = 0; i < mt; i++) xv[i] = LOADX(__VA_ARGS__ xr[i] + (k));                        \
+        __m512i xv[LX_MT];                                                                          \
+        for (int i = 0; i < mt; i++) xv[i] = LX_LOAD(__VA_ARGS__ xr[i] + (k));                      \
         for (int j = 0; j < LX_NT; j++) {                                                           \
-            const __typeof__(xv[0]) w = LOADW(__VA_ARGS__ wr[j] + (k));                             \
-            for (int i = 0; i < mt; i++) c[i][j] = FMA(c[i][j], xv[i], w);                          \
+            const __m512i w = LX_LOAD(__VA_ARGS__ wr[j] + (k));                                     \
+            for (int i = 0; i < mt; i++) c[i][j] = _mm512_dpbf16_ps(c[i][j], (__m512bh)xv[i], (__m512bh)w); \
         }                                                                                           \
     } while (0)
 
-#define LX_TILE_BODY(LOADX, LOADW, MLOADX, MLOADW, FMA, STEP, MASK)                                 \
-    __m512 c[LX_MT][LX_NT];                                                                         \
-    for (int i = 0; i < mt; i++)                                                                    \
-        for (int j = 0; j < LX_NT; j++)                                                             \
-            c[i][j] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (i * LX_NT + j) * 16);     \
-    const int64_t whole = krem / STEP < steps ? krem / STEP : steps;                                \
-    for (int64_t s = 0; s < whole; s++) LX_STEP(LOADX, LOADW, FMA, s * STEP, );                     \
-    if (whole < steps) {                                                                            \
-        const MASK m = (MASK)((1ull << (krem - whole * STEP)) - 1);                                 \
-        LX_STEP(MLOADX, MLOADW, FMA, whole * STEP, m, );                                            \
-    }                                                                                               \
-    for (int i = 0; i < mt; i++)                                                                    \
-        for (int j = 0; j < LX_NT; j++) _mm512_storeu_ps(acc + (i * LX_NT + j) * 16, c[i][j]);
-
-#define FMA_OP(c, x, w) _mm512_fmadd_ps(x, w, c)
-#define BF16_OP(c, x, w) _mm512_dpbf16_ps(c, (__m512bh)(x), (__m512bh)(w))
-
-static inline __attribute__((target(T512_ISA), always_inline)) void
-fma_tile(const float *const *xr, const float *const *wr, int mt, int64_t steps, int64_t krem, float *acc, int init) {
-    LX_TILE_BODY(_mm512_loadu_ps, _mm512_loadu_ps, _mm512_maskz_loadu_ps, _mm512_maskz_loadu_ps, FMA_OP, 16, __mmask16)
-}
-
 static inline __attribute__((target(T512_ISA ",avx512bf16"), always_inline)) void
-bf16_tile(const uint16_t *const *xr, const uint16_t *const *wr, int mt, int64_t steps, int64_t krem, float *acc,
-          int init) {
-    LX_TILE_BODY(_mm512_loadu_si512, _mm512_loadu_si512, _mm512_maskz_loadu_epi16, _mm512_maskz_loadu_epi16, BF16_OP, 32,
-                 __mmask32)
+lx_tile(const uint16_t *const *xr, const uint16_t *const *wr, int mt, int64_t steps, int64_t krem, float *acc,
+        int init) {
+    __m512 c[LX_MT][LX_NT];
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < LX_NT; j++)
+            c[i][j] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (i * LX_NT + j) * 16);
+    const int64_t whole = krem / 32 < steps ? krem / 32 : steps;
+#define LX_LOAD(p) _mm512_loadu_si512(p)
+    for (int64_t s = 0; s < whole; s++) LX_STEP(s * 32, );
+#undef LX_LOAD
+    if (whole < steps) {
+        const __mmask32 m = mask32(krem - whole * 32);
+#define LX_LOAD(m, p) _mm512_maskz_loadu_epi16(m, p)
+        LX_STEP(whole * 32, m, );
+#undef LX_LOAD
+    }
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < LX_NT; j++) _mm512_storeu_ps(acc + (i * LX_NT + j) * 16, c[i][j]);
 }
 
-/* rows r of the unit's weight block: up (or w) rows n0 .. n0 + half, then gate rows for swiglu */
-static inline const void *lx_wrow(const lx_ctx *c, int64_t n0, int r, int esize) {
+TBF16 void lx_worker(void *p, int tid, int nthreads) {
+    const lx_ctx *c = p;
     const qk_linear_args *a = c->a;
+    const int64_t K = a->K, N = a->N;
+    float *acc = c->scratch + tid * (LX_ACC_FLOATS + LX_MB * LX_NB), *res = acc + LX_ACC_FLOATS;
     const int half = c->swiglu ? LX_NB / 2 : LX_NB;
-    int64_t n = n0 + (r % half);
-    if (n >= a->N) n = n0;
-    const int gate = c->swiglu && r >= half;
-    return (const char *)(gate ? a->gate : a->w) + n * (gate ? a->gate_stride : a->w_stride) * esize;
-}
-
-#define LX_WORKER(NAME, ATTR, TILE, ET, XSIZE, STEP)                                                           \
-    ATTR void NAME(void *p, int tid, int nthreads) {                                                           \
-        const lx_ctx *c = p;                                                                                   \
-        const qk_linear_args *a = c->a;                                                                        \
-        const int64_t K = a->K, N = a->N;                                                                      \
-        const int conv = c->kind == 0 && a->dtype != QK_F32; /* fma on 16-bit weights: convert a chunk */     \
-        float *acc = c->scratch + tid * c->scratch_floats;                                                     \
-        float *res = acc + (LX_MB / LX_MT) * (LX_NB / LX_NT) * LX_MT * LX_NT * 16;                             \
-        float *wbuf = res + LX_MB * LX_NB;                                                                     \
-        const int half = c->swiglu ? LX_NB / 2 : LX_NB;                                                        \
-        const int wsize = a->dtype == QK_F32 ? 4 : 2;                                                          \
-        int64_t u0, u1;                                                                                        \
-        qk_share(c->n_blocks * c->m_blocks, tid, nthreads, &u0, &u1);                                          \
-        for (int64_t u = u0; u < u1; u++) {                                                                    \
-            const int64_t nb = u / c->m_blocks, mb = u % c->m_blocks;                                          \
-            const int64_t n0 = nb * half, m0 = mb * LX_MB;                                                     \
-            const int64_t mrows = c->m_rows - m0 < LX_MB ? c->m_rows - m0 : LX_MB;                             \
-            const int mt = mrows < LX_MT ? 1 : LX_MT;                                                          \
-            const int64_t mtiles = (mrows + mt - 1) / mt;                                                      \
-            const void *wsrc[LX_NB];                                                                           \
-            for (int r = 0; r < LX_NB; r++) wsrc[r] = lx_wrow(c, n0, r, wsize);                                \
-            for (int64_t s0 = 0; s0 < c->steps || s0 == 0; s0 += LX_KC) {                                      \
-                const int64_t steps = c->steps - s0 < LX_KC ? c->steps - s0 : LX_KC;                           \
-                const int64_t k0 = s0 * STEP, krem = K - k0;                                                   \
-                const ET *wr[LX_NB];                                                                           \
-                for (int r = 0; r < LX_NB; r++) {                                                              \
-                    if (!conv) {                                                                               \
-                        wr[r] = (const ET *)wsrc[r] + k0;                                                      \
-                        continue;                                                                              \
-                    }                                                                                          \
-                    float *dst = wbuf + r * LX_KC * 16;                                                        \
-                    for (int64_t k = 0; k < steps * 16; k += 16) {                                             \
-                        const __mmask16 m = mask16(krem - k);                                                  \
-                        _mm512_storeu_ps(dst + k, load16((const uint16_t *)wsrc[r] + k0 + k, a->dtype, m));    \
-                    }                                                                                          \
-                    wr[r] = (const ET *)dst;                                                                   \
-                }                                                                                              \
-                for (int t = 0; t < LX_NB / LX_NT; t++)                                                        \
-                    for (int64_t i = 0; i < mtiles; i++) {                                                     \
-                        const ET *xr[LX_MT];                                                                   \
-                        for (int q = 0; q < mt; q++) {                                                         \
-                            int64_t m = m0 + i * mt + q;                                                       \
-                            if (m >= c->m_rows) m = m0;                                                        \
-                            xr[q] = (const ET *)((const char *)c->x + m * c->x_stride * XSIZE) + k0;           \
-                        }                                                                                      \
-                        float *ac = acc + (i * (LX_NB / LX_NT) + t) * LX_MT * LX_NT * 16;                      \
-                        if (mt == LX_MT) TILE(xr, wr + t * LX_NT, LX_MT, steps, krem, ac, s0 == 0);            \
-                        else TILE(xr, wr + t * LX_NT, 1, steps, krem, ac, s0 == 0);                            \
-                    }                                                                                          \
-                if (c->steps == 0) break;                                                                      \
-            }                                                                                                  \
-            for (int64_t i = 0; i < mtiles; i++)                                                               \
-                for (int q = 0; q < mt; q++)                                                                   \
-                    for (int t = 0; t < LX_NB / LX_NT; t++)                                                    \
-                        for (int j = 0; j < LX_NT; j++)                                                        \
-                            res[(i * mt + q) * LX_NB + t * LX_NT + j] = reduce16(                              \
-                                _mm512_loadu_ps(acc + ((i * (LX_NB / LX_NT) + t) * LX_MT * LX_NT + q * LX_NT + j) * 16)); \
-            const int64_t ncnt = N - n0 < half ? N - n0 : half;                                                \
-            for (int64_t i = 0; i < mrows; i++) {                                                              \
-                const float *rr = res + i * LX_NB;                                                             \
-                for (int64_t j = 0; j < ncnt; j += 16) {                                                       \
-                    const __mmask16 m = mask16(ncnt - j);                                                      \
-                    const __m512 up = _mm512_maskz_loadu_ps(m, rr + j);                                        \
-                    const __m512 gate = c->swiglu ? _mm512_maskz_loadu_ps(m, rr + half + j) : up;              \
-                    epilogue16(a, c->swiglu, c->m_begin + m0 + i, n0 + j, ncnt - j, up, gate);                 \
-                }                                                                                              \
-            }                                                                                                  \
-        }                                                                                                      \
-    }
-
-LX_WORKER(fma_worker, TFMA, fma_tile, float, 4, 16)
-LX_WORKER(bf16_worker, TBF16, bf16_tile, uint16_t, 2, 32)
-
-/* x rows [m0, m0 + rows) as fp32, row stride K */
-TFMA void lx_convert_x(const qk_linear_args *a, int64_t m0, int64_t rows, float *dst) {
-    for (int64_t m = 0; m < rows; m++) {
-        const uint16_t *src = (const uint16_t *)a->x + (m0 + m) * a->x_stride;
-        for (int64_t k = 0; k < a->K; k += 16) {
-            const __mmask16 msk = mask16(a->K - k);
-            _mm512_mask_storeu_ps(dst + m * a->K + k, msk, load16(src + k, a->dtype, msk));
+    int64_t u0, u1;
+    qk_share(c->n_blocks * c->m_blocks, tid, nthreads, &u0, &u1);
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t nb = u / c->m_blocks, mb = u % c->m_blocks;
+        const int64_t n0 = nb * half, m0 = mb * LX_MB;
+        const int64_t mrows = a->M - m0 < LX_MB ? a->M - m0 : LX_MB;
+        const int mt = mrows < LX_MT ? 1 : LX_MT;
+        const int64_t mtiles = (mrows + mt - 1) / mt;
+        const uint16_t *wsrc[LX_NB];
+        for (int r = 0; r < LX_NB; r++) { /* up (or w) rows n0 .. n0 + half, then swiglu's gate rows */
+            int64_t n = n0 + r % half;
+            if (n >= N) n = n0;
+            const int gate = c->swiglu && r >= half;
+            wsrc[r] = (const uint16_t *)(gate ? a->gate : a->w) + n * (gate ? a->gate_stride : a->w_stride);
+        }
+        for (int64_t s0 = 0; s0 < c->steps || s0 == 0; s0 += LX_KC) {
+            const int64_t steps = c->steps - s0 < LX_KC ? c->steps - s0 : LX_KC;
+            const int64_t k0 = s0 * 32;
+            const uint16_t *wr[LX_NB];
+            for (int r = 0; r < LX_NB; r++) wr[r] = wsrc[r] + k0;
+            for (int t = 0; t < LX_NB / LX_NT; t++)
+                for (int64_t i = 0; i < mtiles; i++) {
+                    const uint16_t *xr[LX_MT];
+                    for (int q = 0; q < mt; q++) {
+                        int64_t m = m0 + i * mt + q;
+                        if (m >= a->M) m = m0;
+                        xr[q] = (const uint16_t *)a->x + m * a->x_stride + k0;
+                    }
+                    float *ac = acc + (i * (LX_NB / LX_NT) + t) * LX_MT * LX_NT * 16;
+                    if (mt == LX_MT) lx_tile(xr, wr + t * LX_NT, LX_MT, steps, K - k0, ac, s0 == 0);
+                    else lx_tile(xr, wr + t * LX_NT, 1, steps, K - k0, ac, s0 == 0);
+                }
+            if (c->steps == 0) break;
+        }
+        for (int64_t i = 0; i < mtiles; i++)
+            for (int q = 0; q < mt; q++)
+                for (int t = 0; t < LX_NB / LX_NT; t++)
+                    for (int j = 0; j < LX_NT; j++)
+                        res[(i * mt + q) * LX_NB + t * LX_NT + j] =
+                            reduce16(_mm512_loadu_ps(acc + ((i * (LX_NB / LX_NT) + t) * LX_MT * LX_NT + q * LX_NT + j) * 16));
+        const int64_t ncnt = N - n0 < half ? N - n0 : half;
+        for (int64_t i = 0; i < mrows; i++) {
+            const float *rr = res + i * LX_NB;
+            for (int64_t j = 0; j < ncnt; j += 16) {
+                const __mmask16 m = mask16(ncnt - j);
+                const __m512 up = _mm512_maskz_loadu_ps(m, rr + j);
+                const __m512 gate = c->swiglu ? _mm512_maskz_loadu_ps(m, rr + half + j) : up;
+                epilogue16(a, c->swiglu, m0 + i, n0 + j, ncnt - j, up, gate);
+            }
         }
     }
 }
 
-static int lx_run(const qk_linear_args *a, int swiglu, int kind) {
+static int lx_run(const qk_linear_args *a, int swiglu) {
     const int64_t M = a->M, N = a->N, K = a->K;
-    const int half = swiglu ? LX_NB / 2 : LX_NB;
-    lx_ctx c = {.a = a, .swiglu = swiglu, .kind = kind};
-    c.n_blocks = (N + half - 1) / half;
-    c.steps = (K + (kind ? 31 : 15)) / (kind ? 32 : 16);
-    const int64_t work = M * N * (K > 0 ? K : 1) * (swiglu ? 2 : 1);
-    int nthreads = qk_threads_for(work, a->num_threads > 0 ? a->num_threads : 1);
-    const int64_t slab = M < LX_MSLAB ? M : LX_MSLAB;
-    const int64_t max_units = c.n_blocks * ((slab + LX_MB - 1) / LX_MB);
-    if (nthreads > max_units) nthreads = (int)max_units;
-    c.scratch_floats = (LX_MB / LX_MT) * (LX_NB / LX_NT) * LX_MT * LX_NT * 16 + LX_MB * LX_NB + LX_NB * LX_KC * 16;
-    c.scratch = malloc(sizeof(float) * (size_t)c.scratch_floats * (size_t)nthreads);
-    const int convert_x = kind == 0 && a->dtype != QK_F32;
-    float *x32 = convert_x ? malloc(sizeof(float) * (size_t)slab * (size_t)(K > 0 ? K : 1)) : NULL;
-    if (!c.scratch || (convert_x && !x32)) {
-        free(c.scratch);
-        free(x32);
-        return QK_E_NOMEM;
-    }
-    int status = QK_OK;
-    for (int64_t m0 = 0; m0 < M && status == QK_OK; m0 += LX_MSLAB) {
-        c.m_begin = m0;
-        c.m_rows = M - m0 < LX_MSLAB ? M - m0 : LX_MSLAB;
-        c.m_blocks = (c.m_rows + LX_MB - 1) / LX_MB;
-        if (convert_x) {
-            lx_convert_x(a, m0, c.m_rows, x32);
-            c.x = x32;
-            c.x_stride = K;
-        } else {
-            c.x = (const char *)a->x + m0 * a->x_stride * (a->dtype == QK_F32 ? 4 : 2);
-            c.x_stride = a->x_stride;
-        }
-        status = qk_parallel_run(nthreads, kind ? bf16_worker : fma_worker, &c);
-    }
+    lx_ctx c = {.a = a, .swiglu = swiglu};
+    c.n_blocks = (N + (swiglu ? LX_NB / 2 : LX_NB) - 1) / (swiglu ? LX_NB / 2 : LX_NB);
+    c.m_blocks = (M + LX_MB - 1) / LX_MB;
+    c.steps = (K + 31) / 32;
+    int nthreads = qk_threads_for(M * N * (K > 0 ? K : 1) * (swiglu ? 2 : 1), a->num_threads > 0 ? a->num_threads : 1);
+    if (nthreads > c.n_blocks * c.m_blocks) nthreads = (int)(c.n_blocks * c.m_blocks);
+    c.scratch = malloc(sizeof(float) * (size_t)(LX_ACC_FLOATS + LX_MB * LX_NB) * (size_t)nthreads);
+    if (!c.scratch) return QK_E_NOMEM;
+    const int status = qk_parallel_run(nthreads, lx_worker, &c);
     free(c.scratch);
-    free(x32);
     return status;
 }
 
@@ -947,7 +879,7 @@ int qk_linear_fast(const qk_linear_args *a, int swiglu, int *status) {
     if (a->cpu_isa > 0 && a->cpu_isa < isa) isa = a->cpu_isa;
     if (isa < QK_CPU_ISA_AVX512 || a->M <= 0 || a->N <= 0) return 0;
     if (a->dtype == QK_BF16 && isa >= QK_CPU_ISA_AMX) *status = ax_run(a, swiglu);
-    else if (a->dtype == QK_BF16 && isa >= QK_CPU_ISA_AVX512_BF16) *status = lx_run(a, swiglu, 1);
+    else if (a->dtype == QK_BF16 && isa >= QK_CPU_ISA_AVX512_BF16) *status = lx_run(a, swiglu);
     else if (a->dtype == QK_F32 || a->dtype == QK_F16 || a->dtype == QK_BF16) *status = lf_run(a, swiglu);
     else return 0;
     return 1;
