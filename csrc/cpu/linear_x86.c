@@ -360,32 +360,33 @@ static int lx_run(const qk_linear_args *a, int swiglu) {
 typedef struct {
     const qk_linear_args *a;
     int swiglu, v; /* v: vectors of x rows per tile, 1 or 2 */
-    float *xt;     /* packed slab: [m block][kp][16 v] */
-    int64_t kp, m_begin, m_rows, m_blocks, n_blocks, per_unit;
+    float *xt;     /* per thread: the blocks of x it uses, packed [block][kp][16 v] */
+    int64_t xt_per_thread, kp, m_begin, m_rows, m_blocks, n_blocks;
+    int msplit;    /* threads split the blocks of x (else the units) */
     float *scratch;
     int64_t scratch_floats;
 } lf_ctx;
 
-TFMA void lf_pack_worker(void *p, int tid, int nthreads) {
-    const lf_ctx *c = p;
+/* blocks [b0, b1) of the slab's rows of x into xt (its block b0 first) */
+TFMA void lf_pack(const lf_ctx *c, int64_t b0, int64_t b1, float *xt) {
     const qk_linear_args *a = c->a;
-    const int64_t kb = c->kp / 16, rows = 16 * c->v;
+    const int64_t rows = 16 * c->v;
     const int esize = a->dtype == QK_F32 ? 4 : 2;
-    int64_t u0, u1;
-    qk_share(c->m_blocks * c->v * kb, tid, nthreads, &u0, &u1);
-    for (int64_t u = u0; u < u1; u++) {
-        const int64_t g = u / kb, k0 = u % kb * 16, mb = g / c->v, h = g % c->v;
-        const __mmask16 km = mask16(a->K - k0);
-        __m512 r[16];
-        for (int i = 0; i < 16; i++) {
-            const int64_t m = mb * rows + h * 16 + i;
-            r[i] = m < c->m_rows ? load16((const char *)a->x + ((c->m_begin + m) * a->x_stride + k0) * esize, a->dtype, km)
-                                 : _mm512_setzero_ps();
-        }
-        transpose16(r);
-        float *dst = c->xt + mb * c->kp * rows + k0 * rows + h * 16;
-        for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * rows, r[i]);
-    }
+    for (int64_t mb = b0; mb < b1; mb++)
+        for (int64_t h = 0; h < c->v; h++)
+            for (int64_t k0 = 0; k0 < c->kp; k0 += 16) {
+                const __mmask16 km = mask16(a->K - k0);
+                __m512 r[16];
+                for (int i = 0; i < 16; i++) {
+                    const int64_t m = mb * rows + h * 16 + i;
+                    r[i] = m < c->m_rows
+                               ? load16((const char *)a->x + ((c->m_begin + m) * a->x_stride + k0) * esize, a->dtype, km)
+                               : _mm512_setzero_ps();
+                }
+                transpose16(r);
+                float *dst = xt + (mb - b0) * c->kp * rows + k0 * rows + h * 16;
+                for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * rows, r[i]);
+            }
 }
 
 /* acc[j][h] (+)= sum over the chunk of w_j[k] xt[k][16 h ..]: one fma chain per element.  The
@@ -424,13 +425,23 @@ TFMA void lf_worker(void *p, int tid, int nthreads) {
     const int V = c->v, nt = LF_NT(V), nb = LF_TILES * nt, half = c->swiglu ? nb / 2 : nb, rows = 16 * V;
     const int conv = a->dtype != QK_F32, esize = conv ? 2 : 4;
     float *acc = c->scratch + tid * c->scratch_floats; /* [LF_TILES][nt][V][16] */
-    float *res = acc + LF_TILES * 28 * 16;             /* [rows][nb] */
-    float *wbuf = res + 48 * LF_NB;                    /* [nt][LF_KC] */
-    int64_t u0, u1;
-    qk_share(c->n_blocks * c->m_blocks, tid, nthreads, &u0, &u1);
+    float *wbuf = acc + LF_TILES * 28 * 16;            /* [nt][LF_KC] */
+    /* as the AMX kernel: ranges of blocks of x across all weights when there are many, else ranges
+     * of units; each thread packs the blocks of x it uses */
+    int64_t mb_lo = 0, mb_cnt = c->m_blocks, u0, u1;
+    if (c->msplit) {
+        qk_share(c->m_blocks, tid, nthreads, &mb_lo, &mb_cnt);
+        mb_cnt -= mb_lo;
+        u0 = 0;
+        u1 = c->n_blocks * mb_cnt;
+    } else {
+        qk_share(c->n_blocks * c->m_blocks, tid, nthreads, &u0, &u1);
+    }
+    float *xts = c->xt + (int64_t)tid * c->xt_per_thread;
+    lf_pack(c, mb_lo, mb_lo + mb_cnt, xts);
     for (int64_t u = u0; u < u1; u++) {
-        const int64_t ib = u / c->m_blocks, mb = u % c->m_blocks, n0 = ib * half, m0 = mb * rows;
-        const float *xt = c->xt + mb * c->kp * rows;
+        const int64_t ib = u / mb_cnt, mb = mb_lo + u % mb_cnt, n0 = ib * half, m0 = mb * rows;
+        const float *xt = xts + (mb - mb_lo) * c->kp * rows;
         const char *wsrc[LF_NB];
         for (int r = 0; r < nb; r++) { /* rows past N repeat row n0; their results are dropped */
             int64_t n = n0 + r % half;
@@ -462,23 +473,22 @@ TFMA void lf_worker(void *p, int tid, int nthreads) {
             }
             if (K == 0) break;
         }
-        /* acc [tile][j][h][lane] -> res [m][weight row] */
-        for (int t = 0; t < LF_TILES; t++)
-            for (int j = 0; j < nt; j++)
-                for (int h = 0; h < V; h++) {
-                    const float *v = acc + ((t * nt + j) * V + h) * 16;
-                    for (int l = 0; l < 16; l++) res[(h * 16 + l) * LF_NB + t * nt + j] = v[l];
+        /* acc [weight row][h][16 rows of x]: 16 weight rows at a time transposed into rows of x */
+        const int64_t mrows = c->m_rows - m0 < rows ? c->m_rows - m0 : rows;
+        for (int h = 0; h < V; h++)
+            for (int j0 = 0; j0 < half; j0 += 16) {
+                const int64_t cnt = half - j0 < 16 ? half - j0 : 16, ncnt = N - n0 - j0 < cnt ? N - n0 - j0 : cnt;
+                if (ncnt <= 0 || h * 16 >= mrows) break;
+                __m512 up[16], gate[16];
+                for (int q = 0; q < 16; q++) {
+                    up[q] = q < cnt ? _mm512_loadu_ps(acc + ((j0 + q) * V + h) * 16) : _mm512_setzero_ps();
+                    gate[q] = c->swiglu && q < cnt ? _mm512_loadu_ps(acc + ((half + j0 + q) * V + h) * 16) : up[q];
                 }
-        const int64_t ncnt = N - n0 < half ? N - n0 : half, mrows = c->m_rows - m0 < rows ? c->m_rows - m0 : rows;
-        for (int64_t i = 0; i < mrows; i++) {
-            const float *rr = res + i * LF_NB;
-            for (int64_t j = 0; j < ncnt; j += 16) {
-                const __mmask16 m = mask16(ncnt - j);
-                const __m512 up = _mm512_maskz_loadu_ps(m, rr + j);
-                const __m512 gate = c->swiglu ? _mm512_maskz_loadu_ps(m, rr + half + j) : up;
-                epilogue16(a, c->swiglu, c->m_begin + m0 + i, n0 + j, ncnt - j, up, gate);
+                transpose16(up);
+                if (c->swiglu) transpose16(gate);
+                for (int q = 0; q < 16 && h * 16 + q < mrows; q++)
+                    epilogue16(a, c->swiglu, c->m_begin + m0 + h * 16 + q, n0 + j0, ncnt, up[q], c->swiglu ? gate[q] : up[q]);
             }
-        }
     }
 }
 
@@ -593,9 +603,10 @@ static int lf_run(const qk_linear_args *a, int swiglu) {
     const int max_threads = qk_threads_for(work, a->num_threads > 0 ? a->num_threads : 1);
     int nthreads = max_threads;
     if (nthreads > c.n_blocks * slab_blocks) nthreads = (int)(c.n_blocks * slab_blocks);
-    c.scratch_floats = LF_TILES * 28 * 16 + 48 * LF_NB + 28 * LF_KC;
+    c.scratch_floats = LF_TILES * 28 * 16 + 12 * LF_KC;
     c.scratch = malloc(sizeof(float) * (size_t)c.scratch_floats * (size_t)nthreads);
-    c.xt = malloc(sizeof(float) * (size_t)slab_blocks * (size_t)rows * (size_t)(c.kp > 0 ? c.kp : 1));
+    c.xt_per_thread = slab_blocks * rows * (c.kp > 0 ? c.kp : 1);
+    c.xt = malloc(sizeof(float) * (size_t)c.xt_per_thread * (size_t)nthreads);
     if (!c.scratch || !c.xt) {
         free(c.scratch);
         free(c.xt);
@@ -606,12 +617,10 @@ static int lf_run(const qk_linear_args *a, int swiglu) {
         c.m_begin = m0;
         c.m_rows = M - m0 < LF_MSLAB ? M - m0 : LF_MSLAB;
         c.m_blocks = (c.m_rows + rows - 1) / rows;
-        const int64_t pack_units = c.m_blocks * c.v * (c.kp / 16);
-        if (pack_units > 0)
-            status = qk_parallel_run(max_threads < pack_units ? max_threads : (int)pack_units, lf_pack_worker, &c);
         int t = nthreads;
         if (t > c.n_blocks * c.m_blocks) t = (int)(c.n_blocks * c.m_blocks);
-        if (status == QK_OK) status = qk_parallel_run(t, lf_worker, &c);
+        c.msplit = c.m_blocks >= 4 * t;
+        status = qk_parallel_run(t, lf_worker, &c);
     }
     free(c.scratch);
     free(c.xt);
