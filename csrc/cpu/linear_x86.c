@@ -344,17 +344,17 @@ static int lx_run(const qk_linear_args *a, int swiglu) {
 
 /* ---- the fma kernel ----------------------------------------------------------------------------
  * Each output is one chain of fused multiply-adds over k in increasing order, the product computed
- * transposed: x is packed per slab into blocks of LF_MB rows of x laid out [k][rows] (fp32, zero
- * past M), so a vector holds 16 rows of x at one k; a weight element is broadcast from its row
- * (converted to fp32 a chunk at a time when 16-bit).  A register tile is LF_NT(V) weight rows by V
- * vectors of rows of x (V = 2, or 1 when M <= 16 so that a lone row wastes less); a unit is
- * LF_TILES such tiles by one block of x, and walks k in chunks of LF_KC so that the block's chunk
- * (32 KB) stays in L1. */
+ * transposed: x is packed into blocks of 16 V rows laid out [k][rows] (fp32, zero past M), so a
+ * vector holds 16 rows of x at one k; a weight element is broadcast from its row (converted to fp32
+ * a chunk at a time when 16-bit).  A register tile is LF_NT weight rows by V vectors of rows of x
+ * (V = 2: 24 accumulators; 1 when M <= 16); a unit is LF_TILES such tiles by one block of x and
+ * walks k in chunks of LF_KC, so that the block's chunk (16 KB) stays in L1 for the 4 tiles.
+ * M <= LS_MAX_M goes to the transposed-weights form below, with the same chains. */
 
 #define LF_KC 128
 #define LF_TILES 4
 #define LF_MSLAB 512
-#define LF_NT(v) ((v) == 3 ? 8 : 12)
+#define LF_NT(v) 12
 #define LF_NB (LF_TILES * 12) /* weight rows per unit */
 
 typedef struct {
@@ -395,26 +395,26 @@ TFMA void lf_pack(const lf_ctx *c, int64_t b0, int64_t b1, float *xt) {
 static inline __attribute__((target(T512_ISA), always_inline)) void
 lf_tile(const float *const *wr, const float *wbuf, const float *xt, int64_t kc, int V, float *acc, int init) {
     enum { NT = 12 };
-    __m512 c[NT][3];
+    __m512 c[NT][2];
     const int nt = LF_NT(V);
 #pragma GCC unroll 12
     for (int j = 0; j < nt; j++)
-#pragma GCC unroll 3
+#pragma GCC unroll 2
         for (int h = 0; h < V; h++) c[j][h] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (j * V + h) * 16);
     for (int64_t k = 0; k < kc; k++) {
-        __m512 xv[3];
-#pragma GCC unroll 3
+        __m512 xv[2];
+#pragma GCC unroll 2
         for (int h = 0; h < V; h++) xv[h] = _mm512_loadu_ps(xt + k * 16 * V + h * 16);
 #pragma GCC unroll 12
         for (int j = 0; j < nt; j++) {
             const __m512 w = _mm512_set1_ps(wr ? wr[j][k] : wbuf[j * LF_KC + k]);
-#pragma GCC unroll 3
+#pragma GCC unroll 2
             for (int h = 0; h < V; h++) c[j][h] = _mm512_fmadd_ps(w, xv[h], c[j][h]);
         }
     }
 #pragma GCC unroll 12
     for (int j = 0; j < nt; j++)
-#pragma GCC unroll 3
+#pragma GCC unroll 2
         for (int h = 0; h < V; h++) _mm512_storeu_ps(acc + (j * V + h) * 16, c[j][h]);
 }
 
@@ -465,9 +465,7 @@ TFMA void lf_worker(void *p, int tid, int nthreads) {
                 }
                 float *ac = acc + t * nt * V * 16;
                 if (direct && V == 1) lf_tile(wr, NULL, xt + k0 * rows, kc, 1, ac, k0 == 0);
-                else if (direct && V == 3) lf_tile(wr, NULL, xt + k0 * rows, kc, 3, ac, k0 == 0);
                 else if (direct) lf_tile(wr, NULL, xt + k0 * rows, kc, 2, ac, k0 == 0);
-                else if (V == 3) lf_tile(NULL, wbuf, xt + k0 * rows, kc, 3, ac, k0 == 0);
                 else if (V == 2) lf_tile(NULL, wbuf, xt + k0 * rows, kc, 2, ac, k0 == 0);
                 else lf_tile(NULL, wbuf, xt + k0 * rows, kc, 1, ac, k0 == 0);
             }
@@ -594,7 +592,7 @@ static int ls_run(const qk_linear_args *a, int swiglu) {
 static int lf_run(const qk_linear_args *a, int swiglu) {
     const int64_t M = a->M, N = a->N, K = a->K;
     if (M <= LS_MAX_M) return ls_run(a, swiglu);
-    lf_ctx c = {.a = a, .swiglu = swiglu, .v = M <= 16 ? 1 : M <= 256 ? 2 : 3};
+    lf_ctx c = {.a = a, .swiglu = swiglu, .v = M <= 16 ? 1 : 2};
     const int nb = LF_TILES * LF_NT(c.v), half = swiglu ? nb / 2 : nb, rows = 16 * c.v;
     c.n_blocks = (N + half - 1) / half;
     c.kp = (K + 15) / 16 * 16;
