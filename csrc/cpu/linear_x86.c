@@ -205,143 +205,6 @@ T512 void transpose16(__m512 r[16]) {
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
-/* the lanes of v added in one fixed tree */
-T512 float reduce16(__m512 v) {
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
-}
-
-/* ---- the bf16 kernel (VDPBF16PS) -------------------------------------------------------------
- * A unit is a block of LX_NB weight rows (swiglu: LX_NB / 2 up rows and the same gate rows) by a
- * block of up to LX_MB rows of x, both read in place as bfloat16.  It walks k in chunks of LX_KC
- * steps of 32 (2 KB of a row, so a tile's rows stay in L1), and within a chunk every
- * LX_MT x LX_NT register tile of the unit; partial sums wait in the thread's scratch between
- * chunks.  Rows past M or N point at a valid row; their results are dropped. */
-
-#define LX_MT 4
-#define LX_NT 6
-#define LX_NB 24 /* 4 tiles of LX_NT rows */
-#define LX_MB 64
-#define LX_KC 32
-#define LX_ACC_FLOATS ((LX_MB / LX_MT) * (LX_NB / LX_NT) * LX_MT * LX_NT * 16)
-
-typedef struct {
-    const qk_linear_args *a;
-    int swiglu;
-    int64_t n_blocks, m_blocks, steps;
-    float *scratch; /* per thread: LX_ACC_FLOATS + LX_MB * LX_NB */
-} lx_ctx;
-
-/* acc[i][j] (+)= the chunk's sums, acc laid out [LX_MT][LX_NT][16].  Whole steps load without a
- * mask (a masked load costs an extra uop on the ports the dot products use); a partial last step
- * zero-fills. */
-#define LX_STEP(k, ...)                                                                             \
-    do {                                                                                            \
-        __m512i xv[LX_MT];                                                                          \
-        for (int i = 0; i < mt; i++) xv[i] = LX_LOAD(__VA_ARGS__ xr[i] + (k));                      \
-        for (int j = 0; j < LX_NT; j++) {                                                           \
-            const __m512i w = LX_LOAD(__VA_ARGS__ wr[j] + (k));                                     \
-            for (int i = 0; i < mt; i++) c[i][j] = _mm512_dpbf16_ps(c[i][j], (__m512bh)xv[i], (__m512bh)w); \
-        }                                                                                           \
-    } while (0)
-
-static inline __attribute__((target(T512_ISA ",avx512bf16"), always_inline)) void
-lx_tile(const uint16_t *const *xr, const uint16_t *const *wr, int mt, int64_t steps, int64_t krem, float *acc,
-        int init) {
-    __m512 c[LX_MT][LX_NT];
-    for (int i = 0; i < mt; i++)
-        for (int j = 0; j < LX_NT; j++)
-            c[i][j] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (i * LX_NT + j) * 16);
-    const int64_t whole = krem / 32 < steps ? krem / 32 : steps;
-#define LX_LOAD(p) _mm512_loadu_si512(p)
-    for (int64_t s = 0; s < whole; s++) LX_STEP(s * 32, );
-#undef LX_LOAD
-    if (whole < steps) {
-        const __mmask32 m = mask32(krem - whole * 32);
-#define LX_LOAD(m, p) _mm512_maskz_loadu_epi16(m, p)
-        LX_STEP(whole * 32, m, );
-#undef LX_LOAD
-    }
-    for (int i = 0; i < mt; i++)
-        for (int j = 0; j < LX_NT; j++) _mm512_storeu_ps(acc + (i * LX_NT + j) * 16, c[i][j]);
-}
-
-TBF16 void lx_worker(void *p, int tid, int nthreads) {
-    const lx_ctx *c = p;
-    const qk_linear_args *a = c->a;
-    const int64_t K = a->K, N = a->N;
-    float *acc = c->scratch + tid * (LX_ACC_FLOATS + LX_MB * LX_NB), *res = acc + LX_ACC_FLOATS;
-    const int half = c->swiglu ? LX_NB / 2 : LX_NB;
-    int64_t u0, u1;
-    qk_share(c->n_blocks * c->m_blocks, tid, nthreads, &u0, &u1);
-    for (int64_t u = u0; u < u1; u++) {
-        const int64_t nb = u / c->m_blocks, mb = u % c->m_blocks;
-        const int64_t n0 = nb * half, m0 = mb * LX_MB;
-        const int64_t mrows = a->M - m0 < LX_MB ? a->M - m0 : LX_MB;
-        const int mt = mrows < LX_MT ? 1 : LX_MT;
-        const int64_t mtiles = (mrows + mt - 1) / mt;
-        const uint16_t *wsrc[LX_NB];
-        for (int r = 0; r < LX_NB; r++) { /* up (or w) rows n0 .. n0 + half, then swiglu's gate rows */
-            int64_t n = n0 + r % half;
-            if (n >= N) n = n0;
-            const int gate = c->swiglu && r >= half;
-            wsrc[r] = (const uint16_t *)(gate ? a->gate : a->w) + n * (gate ? a->gate_stride : a->w_stride);
-        }
-        for (int64_t s0 = 0; s0 < c->steps || s0 == 0; s0 += LX_KC) {
-            const int64_t steps = c->steps - s0 < LX_KC ? c->steps - s0 : LX_KC;
-            const int64_t k0 = s0 * 32;
-            const uint16_t *wr[LX_NB];
-            for (int r = 0; r < LX_NB; r++) wr[r] = wsrc[r] + k0;
-            for (int t = 0; t < LX_NB / LX_NT; t++)
-                for (int64_t i = 0; i < mtiles; i++) {
-                    const uint16_t *xr[LX_MT];
-                    for (int q = 0; q < mt; q++) {
-                        int64_t m = m0 + i * mt + q;
-                        if (m >= a->M) m = m0;
-                        xr[q] = (const uint16_t *)a->x + m * a->x_stride + k0;
-                    }
-                    float *ac = acc + (i * (LX_NB / LX_NT) + t) * LX_MT * LX_NT * 16;
-                    if (mt == LX_MT) lx_tile(xr, wr + t * LX_NT, LX_MT, steps, K - k0, ac, s0 == 0);
-                    else lx_tile(xr, wr + t * LX_NT, 1, steps, K - k0, ac, s0 == 0);
-                }
-            if (c->steps == 0) break;
-        }
-        for (int64_t i = 0; i < mtiles; i++)
-            for (int q = 0; q < mt; q++)
-                for (int t = 0; t < LX_NB / LX_NT; t++)
-                    for (int j = 0; j < LX_NT; j++)
-                        res[(i * mt + q) * LX_NB + t * LX_NT + j] =
-                            reduce16(_mm512_loadu_ps(acc + ((i * (LX_NB / LX_NT) + t) * LX_MT * LX_NT + q * LX_NT + j) * 16));
-        const int64_t ncnt = N - n0 < half ? N - n0 : half;
-        for (int64_t i = 0; i < mrows; i++) {
-            const float *rr = res + i * LX_NB;
-            for (int64_t j = 0; j < ncnt; j += 16) {
-                const __mmask16 m = mask16(ncnt - j);
-                const __m512 up = _mm512_maskz_loadu_ps(m, rr + j);
-                const __m512 gate = c->swiglu ? _mm512_maskz_loadu_ps(m, rr + half + j) : up;
-                epilogue16(a, c->swiglu, m0 + i, n0 + j, ncnt - j, up, gate);
-            }
-        }
-    }
-}
-
-static int lx_run(const qk_linear_args *a, int swiglu) {
-    const int64_t M = a->M, N = a->N, K = a->K;
-    lx_ctx c = {.a = a, .swiglu = swiglu};
-    c.n_blocks = (N + (swiglu ? LX_NB / 2 : LX_NB) - 1) / (swiglu ? LX_NB / 2 : LX_NB);
-    c.m_blocks = (M + LX_MB - 1) / LX_MB;
-    c.steps = (K + 31) / 32;
-    int nthreads = qk_threads_for(M * N * (K > 0 ? K : 1) * (swiglu ? 2 : 1), a->num_threads > 0 ? a->num_threads : 1);
-    if (nthreads > c.n_blocks * c.m_blocks) nthreads = (int)(c.n_blocks * c.m_blocks);
-    c.scratch = malloc(sizeof(float) * (size_t)(LX_ACC_FLOATS + LX_MB * LX_NB) * (size_t)nthreads);
-    if (!c.scratch) return QK_E_NOMEM;
-    const int status = qk_parallel_run(nthreads, lx_worker, &c);
-    free(c.scratch);
-    return status;
-}
-
 /* ---- the fma kernel ----------------------------------------------------------------------------
  * Each output is one chain of fused multiply-adds over k in increasing order, the product computed
  * transposed: x is packed into blocks of 16 V rows laid out [k][rows] (fp32, zero past M), so a
@@ -360,7 +223,8 @@ static int lx_run(const qk_linear_args *a, int swiglu) {
 typedef struct {
     const qk_linear_args *a;
     int swiglu, v; /* v: vectors of x rows per tile, 1 or 2 */
-    float *xt;     /* per thread: the blocks of x it uses, packed [block][kp][16 v] */
+    int pairs;     /* bfloat16 by VDPBF16PS: a step is a pair of k (K odd: the last pair ends in 0) */
+    float *xt;     /* per thread: the blocks of x it uses, packed [block][kp][16 v] (pairs: 32-bit pairs) */
     int64_t xt_per_thread, kp, m_begin, m_rows, m_blocks, n_blocks;
     int msplit;    /* threads split the blocks of x (else the units) */
     float *scratch;
@@ -376,12 +240,14 @@ TFMA void lf_pack(const lf_ctx *c, int64_t b0, int64_t b1, float *xt) {
         for (int64_t h = 0; h < c->v; h++)
             for (int64_t k0 = 0; k0 < c->kp; k0 += 16) {
                 const __mmask16 km = mask16(a->K - k0);
+                const __mmask32 pm = mask32(a->K - 2 * k0);
                 __m512 r[16];
                 for (int i = 0; i < 16; i++) {
                     const int64_t m = mb * rows + h * 16 + i;
-                    r[i] = m < c->m_rows
-                               ? load16((const char *)a->x + ((c->m_begin + m) * a->x_stride + k0) * esize, a->dtype, km)
-                               : _mm512_setzero_ps();
+                    const int64_t row = (c->m_begin + m) * a->x_stride;
+                    r[i] = m >= c->m_rows ? _mm512_setzero_ps()
+                           : c->pairs     ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(pm, (const uint16_t *)a->x + row + 2 * k0))
+                                          : load16((const char *)a->x + (row + k0) * esize, a->dtype, km);
                 }
                 transpose16(r);
                 float *dst = xt + (mb - b0) * c->kp * rows + k0 * rows + h * 16;
@@ -418,12 +284,64 @@ lf_tile(const float *const *wr, const float *wbuf, const float *xt, int64_t kc, 
         for (int h = 0; h < V; h++) _mm512_storeu_ps(acc + (j * V + h) * 16, c[j][h]);
 }
 
+/* lf_tile for bfloat16 pairs: acc[j][h] (+)= the dot products of kc pairs of w_j with xt; with
+ * odd, one more pair whose second element is past K (0; never read from the row) */
+static inline __attribute__((target(T512_ISA ",avx512bf16"), always_inline)) void
+lp_tile(const uint16_t *const *wr, const float *xt, int64_t kc, int odd, int V, float *acc, int init) {
+    enum { NT = 12 };
+    __m512 c[NT][2];
+    const int nt = LF_NT(V);
+#pragma GCC unroll 12
+    for (int j = 0; j < nt; j++)
+#pragma GCC unroll 2
+        for (int h = 0; h < V; h++) c[j][h] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (j * V + h) * 16);
+    for (int64_t k = 0; k < kc + odd; k++) {
+        __m512 xv[2];
+#pragma GCC unroll 2
+        for (int h = 0; h < V; h++) xv[h] = _mm512_loadu_ps(xt + k * 16 * V + h * 16);
+#pragma GCC unroll 12
+        for (int j = 0; j < nt; j++) {
+            uint32_t pair;
+            if (k < kc) memcpy(&pair, wr[j] + 2 * k, 4);
+            else pair = wr[j][2 * k];
+            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
+#pragma GCC unroll 2
+            for (int h = 0; h < V; h++) c[j][h] = _mm512_dpbf16_ps(c[j][h], (__m512bh)xv[h], w);
+        }
+    }
+#pragma GCC unroll 12
+    for (int j = 0; j < nt; j++)
+#pragma GCC unroll 2
+        for (int h = 0; h < V; h++) _mm512_storeu_ps(acc + (j * V + h) * 16, c[j][h]);
+}
+
+/* the tile variants, called through a pointer so that the worker itself needs no AVX512-BF16 */
+typedef void (*lf_tile_fn)(const void *const *wr, const float *wbuf, const float *xt, int64_t kc, int odd, float *acc,
+                           int init);
+#define LF_TILE_VARIANT(NAME, ATTR, CALL)                                                                 \
+    ATTR void NAME(const void *const *wr, const float *wbuf, const float *xt, int64_t kc, int odd, float *acc, \
+                   int init) {                                                                            \
+        (void)wr, (void)wbuf, (void)odd;                                                                  \
+        CALL;                                                                                             \
+    }
+LF_TILE_VARIANT(lf_tile_d1, TFMA, lf_tile((const float *const *)wr, NULL, xt, kc, 1, acc, init))
+LF_TILE_VARIANT(lf_tile_d2, TFMA, lf_tile((const float *const *)wr, NULL, xt, kc, 2, acc, init))
+LF_TILE_VARIANT(lf_tile_b1, TFMA, lf_tile(NULL, wbuf, xt, kc, 1, acc, init))
+LF_TILE_VARIANT(lf_tile_b2, TFMA, lf_tile(NULL, wbuf, xt, kc, 2, acc, init))
+LF_TILE_VARIANT(lp_tile_1, TBF16, lp_tile((const uint16_t *const *)wr, xt, kc, odd, 1, acc, init))
+LF_TILE_VARIANT(lp_tile_2, TBF16, lp_tile((const uint16_t *const *)wr, xt, kc, odd, 2, acc, init))
+
 TFMA void lf_worker(void *p, int tid, int nthreads) {
     const lf_ctx *c = p;
     const qk_linear_args *a = c->a;
     const int64_t K = a->K, N = a->N;
     const int V = c->v, nt = LF_NT(V), nb = LF_TILES * nt, half = c->swiglu ? nb / 2 : nb, rows = 16 * V;
-    const int conv = a->dtype != QK_F32, esize = conv ? 2 : 4;
+    const int conv = a->dtype != QK_F32 && !c->pairs, esize = a->dtype != QK_F32 ? 2 : 4;
+    const int64_t steps = c->pairs ? K / 2 : K; /* whole steps; pairs: K odd adds a half pair */
+    const int odd = c->pairs && K % 2;
+    const lf_tile_fn tile = c->pairs ? (V == 2 ? lp_tile_2 : lp_tile_1)
+                            : conv   ? (V == 2 ? lf_tile_b2 : lf_tile_b1)
+                                     : (V == 2 ? lf_tile_d2 : lf_tile_d1);
     float *acc = c->scratch + tid * c->scratch_floats; /* [LF_TILES][nt][V][16] */
     float *wbuf = acc + LF_TILES * 28 * 16;            /* [nt][LF_KC] */
     /* as the AMX kernel: ranges of blocks of x across all weights when there are many, else ranges
@@ -449,27 +367,21 @@ TFMA void lf_worker(void *p, int tid, int nthreads) {
             const int gate = c->swiglu && r >= half;
             wsrc[r] = (const char *)(gate ? a->gate : a->w) + n * (gate ? a->gate_stride : a->w_stride) * esize;
         }
-        for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += LF_KC) {
-            const int64_t kc = K - k0 < LF_KC ? K - k0 : LF_KC;
+        for (int64_t k0 = 0; k0 < steps || k0 == 0; k0 += LF_KC) {
+            const int64_t kc = steps - k0 < LF_KC ? steps - k0 : LF_KC;
+            const int last = k0 + LF_KC >= steps; /* the half pair of an odd K ends the last chunk */
             for (int t = 0; t < LF_TILES; t++) {
-                const float *wr[12];
-                const int direct = !conv;
+                const void *wr[12];
                 for (int j = 0; j < nt; j++) {
-                    const char *src = wsrc[t * nt + j] + k0 * esize;
-                    if (direct) {
-                        wr[j] = (const float *)src;
-                        continue;
-                    }
-                    for (int64_t k = 0; k < kc; k += 16)
-                        _mm512_storeu_ps(wbuf + j * LF_KC + k, load16(src + k * esize, a->dtype, mask16(kc - k)));
+                    const char *src = wsrc[t * nt + j] + k0 * esize * (c->pairs ? 2 : 1);
+                    wr[j] = src;
+                    if (conv)
+                        for (int64_t k = 0; k < kc; k += 16)
+                            _mm512_storeu_ps(wbuf + j * LF_KC + k, load16(src + k * esize, a->dtype, mask16(kc - k)));
                 }
-                float *ac = acc + t * nt * V * 16;
-                if (direct && V == 1) lf_tile(wr, NULL, xt + k0 * rows, kc, 1, ac, k0 == 0);
-                else if (direct) lf_tile(wr, NULL, xt + k0 * rows, kc, 2, ac, k0 == 0);
-                else if (V == 2) lf_tile(NULL, wbuf, xt + k0 * rows, kc, 2, ac, k0 == 0);
-                else lf_tile(NULL, wbuf, xt + k0 * rows, kc, 1, ac, k0 == 0);
+                tile(wr, wbuf, xt + k0 * rows, kc, odd && last, acc + t * nt * V * 16, k0 == 0);
             }
-            if (K == 0) break;
+            if (steps == 0) break;
         }
         /* acc [weight row][h][16 rows of x]: 16 weight rows at a time transposed into rows of x */
         const int64_t mrows = c->m_rows - m0 < rows ? c->m_rows - m0 : rows;
@@ -499,7 +411,8 @@ TFMA void lf_worker(void *p, int tid, int nthreads) {
 typedef struct {
     const qk_linear_args *a;
     int swiglu;
-    const float *x; /* [M][x_stride] fp32 */
+    const float *x;     /* [M][x_stride] fp32 */
+    const uint32_t *xp; /* pairs: [M][x_stride] pairs of bfloat16, the half pair of an odd K ending in 0 */
     int64_t x_stride, n_blocks;
 } ls_ctx;
 
@@ -529,49 +442,89 @@ ls_rows(const ls_ctx *c, const char *const *w, int64_t ws, const int64_t *nvalid
     }
 }
 
-TFMA void ls_worker(void *p, int tid, int nthreads) {
-    const ls_ctx *c = p;
-    const qk_linear_args *a = c->a;
-    const int M = (int)a->M, NB = a->dtype == QK_F32 ? (M <= 4 ? 2 : 1) : (M <= 2 ? 4 : M <= 4 ? 2 : 1);
-    const int esize = a->dtype == QK_F32 ? 4 : 2;
-    int64_t u0, u1;
-    qk_share((c->n_blocks + NB - 1) / NB, tid, nthreads, &u0, &u1);
-    for (int64_t u = u0; u < u1; u++) {
-        int64_t nvalid[4];
-        const char *wu[4], *wg[4];
-        int nb = 0;
-        for (; nb < NB && (u * NB + nb) * 16 < a->N; nb++) {
-            const int64_t n0 = (u * NB + nb) * 16;
-            nvalid[nb] = a->N - n0 < 16 ? a->N - n0 : 16;
-            wu[nb] = (const char *)a->w + n0 * a->w_stride * esize;
-            wg[nb] = c->swiglu ? (const char *)a->gate + n0 * a->gate_stride * esize : NULL;
+/* ls_rows for bfloat16 pairs (VDPBF16PS): the chains of lf's pairs */
+static inline __attribute__((target(T512_ISA ",avx512bf16"), always_inline)) void
+lsp_rows(const ls_ctx *c, const char *const *w, int64_t ws, const int64_t *nvalid, int NB, int M, __m512 *acc) {
+    const int64_t K = c->a->K, P = (K + 1) / 2;
+    for (int64_t p0 = 0; p0 < P; p0 += 16) {
+        const __mmask32 km = mask32(K - 2 * p0);
+        const int pn = P - p0 < 16 ? (int)(P - p0) : 16;
+        for (int b = 0; b < NB; b++) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) {
+                const uint16_t *row = (const uint16_t *)w[b] + (i < nvalid[b] ? i : 0) * ws + 2 * p0;
+                _mm_prefetch((const char *)row + LS_PREFETCH, _MM_HINT_T0);
+                r[i] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(km, row));
+            }
+            transpose16(r); /* r[pp]: pair p0 + pp of the 16 rows */
+            for (int pp = 0; pp < pn; pp++)
+                for (int m = 0; m < M; m++)
+                    acc[b * M + m] = _mm512_dpbf16_ps(acc[b * M + m],
+                                                      (__m512bh)_mm512_set1_epi32((int)c->xp[m * c->x_stride + p0 + pp]),
+                                                      (__m512bh)_mm512_castps_si512(r[pp]));
         }
-        __m512 up[LS_MAX_M], gate[LS_MAX_M];
-        for (int m = 0; m < LS_MAX_M; m++) up[m] = gate[m] = _mm512_setzero_ps();
-        for (int h = 0; h <= c->swiglu; h++) {
-            const char *const *w = h ? wg : wu;
-            const int64_t ws = h ? a->gate_stride : a->w_stride;
-            __m512 *acc = h ? gate : up;
-            if (nb == 4 && M == 1) ls_rows(c, w, ws, nvalid, 4, 1, acc);
-            else if (nb == 4 && M == 2) ls_rows(c, w, ws, nvalid, 4, 2, acc);
-            else if (nb == 2 && M == 1) ls_rows(c, w, ws, nvalid, 2, 1, acc);
-            else if (nb == 2 && M == 2) ls_rows(c, w, ws, nvalid, 2, 2, acc);
-            else if (nb == 2 && M == 3) ls_rows(c, w, ws, nvalid, 2, 3, acc);
-            else if (nb == 2 && M == 4) ls_rows(c, w, ws, nvalid, 2, 4, acc);
-            else
-                for (int b = 0; b < nb; b++) ls_rows(c, w + b, ws, nvalid + b, 1, M, acc + b * M);
-        }
-        for (int b = 0; b < nb; b++)
-            for (int m = 0; m < M; m++)
-                epilogue16(a, c->swiglu, m, (u * NB + b) * 16, nvalid[b], up[b * M + m], gate[b * M + m]);
     }
 }
 
-static int ls_run(const qk_linear_args *a, int swiglu) {
+#define LS_WORKER(NAME, ATTR, ROWS) \
+    ATTR void NAME(void *p, int tid, int nthreads) {                                                           \
+        const ls_ctx *c = p;                                                                                   \
+        const qk_linear_args *a = c->a;                                                                        \
+        const int M = (int)a->M, NB = a->dtype == QK_F32 ? (M <= 4 ? 2 : 1) : (M <= 2 ? 4 : M <= 4 ? 2 : 1);   \
+        const int esize = a->dtype == QK_F32 ? 4 : 2;                                                          \
+        int64_t u0, u1;                                                                                        \
+        qk_share((c->n_blocks + NB - 1) / NB, tid, nthreads, &u0, &u1);                                        \
+        for (int64_t u = u0; u < u1; u++) {                                                                    \
+            int64_t nvalid[4];                                                                                 \
+            const char *wu[4], *wg[4];                                                                         \
+            int nb = 0;                                                                                        \
+            for (; nb < NB && (u * NB + nb) * 16 < a->N; nb++) {                                               \
+                const int64_t n0 = (u * NB + nb) * 16;                                                         \
+                nvalid[nb] = a->N - n0 < 16 ? a->N - n0 : 16;                                                  \
+                wu[nb] = (const char *)a->w + n0 * a->w_stride * esize;                                        \
+                wg[nb] = c->swiglu ? (const char *)a->gate + n0 * a->gate_stride * esize : NULL;               \
+            }                                                                                                  \
+            __m512 up[LS_MAX_M], gate[LS_MAX_M];                                                               \
+            for (int m = 0; m < LS_MAX_M; m++) up[m] = gate[m] = _mm512_setzero_ps();                          \
+            for (int h = 0; h <= c->swiglu; h++) {                                                             \
+                const char *const *w = h ? wg : wu;                                                            \
+                const int64_t ws = h ? a->gate_stride : a->w_stride;                                           \
+                __m512 *acc = h ? gate : up;                                                                   \
+                if (nb == 4 && M == 1) ROWS(c, w, ws, nvalid, 4, 1, acc);                                      \
+                else if (nb == 4 && M == 2) ROWS(c, w, ws, nvalid, 4, 2, acc);                                 \
+                else if (nb == 2 && M == 1) ROWS(c, w, ws, nvalid, 2, 1, acc);                                 \
+                else if (nb == 2 && M == 2) ROWS(c, w, ws, nvalid, 2, 2, acc);                                 \
+                else if (nb == 2 && M == 3) ROWS(c, w, ws, nvalid, 2, 3, acc);                                 \
+                else if (nb == 2 && M == 4) ROWS(c, w, ws, nvalid, 2, 4, acc);                                 \
+                else                                                                                           \
+                    for (int b = 0; b < nb; b++) ROWS(c, w + b, ws, nvalid + b, 1, M, acc + b * M);            \
+            }                                                                                                  \
+            for (int b = 0; b < nb; b++)                                                                       \
+                for (int m = 0; m < M; m++)                                                                    \
+                    epilogue16(a, c->swiglu, m, (u * NB + b) * 16, nvalid[b], up[b * M + m], gate[b * M + m]); \
+        }                                                                                                      \
+    }
+
+LS_WORKER(ls_worker, TFMA, ls_rows)
+LS_WORKER(lsp_worker, TBF16, lsp_rows)
+
+static int ls_run(const qk_linear_args *a, int swiglu, int pairs) {
     const int64_t M = a->M, N = a->N, K = a->K;
     ls_ctx c = {.a = a, .swiglu = swiglu, .n_blocks = (N + 15) / 16};
     float *x32 = NULL;
-    if (a->dtype == QK_F32) {
+    uint32_t *xp = NULL;
+    if (pairs) {
+        const int64_t P = (K + 1) / 2;
+        xp = malloc(sizeof(uint32_t) * (size_t)M * (size_t)(P > 0 ? P : 1));
+        if (!xp) return QK_E_NOMEM;
+        for (int64_t m = 0; m < M; m++) {
+            const uint16_t *row = (const uint16_t *)a->x + m * a->x_stride;
+            for (int64_t q = 0; q < P; q++)
+                xp[m * P + q] = row[2 * q] | (2 * q + 1 < K ? (uint32_t)row[2 * q + 1] << 16 : 0u);
+        }
+        c.xp = xp;
+        c.x_stride = P;
+    } else if (a->dtype == QK_F32) {
         c.x = a->x;
         c.x_stride = a->x_stride;
     } else {
@@ -584,18 +537,19 @@ static int ls_run(const qk_linear_args *a, int swiglu) {
     }
     int t = qk_threads_for(M * N * (K > 0 ? K : 1) * (swiglu ? 2 : 1), a->num_threads > 0 ? a->num_threads : 1);
     if (t > c.n_blocks) t = (int)c.n_blocks;
-    const int status = qk_parallel_run(t, ls_worker, &c);
+    const int status = qk_parallel_run(t, pairs ? lsp_worker : ls_worker, &c);
     free(x32);
+    free(xp);
     return status;
 }
 
-static int lf_run(const qk_linear_args *a, int swiglu) {
+static int lf_run(const qk_linear_args *a, int swiglu, int pairs) {
     const int64_t M = a->M, N = a->N, K = a->K;
-    if (M <= LS_MAX_M) return ls_run(a, swiglu);
-    lf_ctx c = {.a = a, .swiglu = swiglu, .v = M <= 16 ? 1 : 2};
+    if (M <= LS_MAX_M) return ls_run(a, swiglu, pairs);
+    lf_ctx c = {.a = a, .swiglu = swiglu, .v = M <= 16 ? 1 : 2, .pairs = pairs};
     const int nb = LF_TILES * LF_NT(c.v), half = swiglu ? nb / 2 : nb, rows = 16 * c.v;
     c.n_blocks = (N + half - 1) / half;
-    c.kp = (K + 15) / 16 * 16;
+    c.kp = ((pairs ? (K + 1) / 2 : K) + 15) / 16 * 16;
     const int64_t slab = M < LF_MSLAB ? M : LF_MSLAB, slab_blocks = (slab + rows - 1) / rows;
     const int64_t work = M * N * (K > 0 ? K : 1) * (swiglu ? 2 : 1);
     const int max_threads = qk_threads_for(work, a->num_threads > 0 ? a->num_threads : 1);
@@ -886,8 +840,8 @@ int qk_linear_fast(const qk_linear_args *a, int swiglu, int *status) {
     if (a->cpu_isa > 0 && a->cpu_isa < isa) isa = a->cpu_isa;
     if (isa < QK_CPU_ISA_AVX512 || a->M <= 0 || a->N <= 0) return 0;
     if (a->dtype == QK_BF16 && isa >= QK_CPU_ISA_AMX) *status = ax_run(a, swiglu);
-    else if (a->dtype == QK_BF16 && isa >= QK_CPU_ISA_AVX512_BF16) *status = lx_run(a, swiglu);
-    else if (a->dtype == QK_F32 || a->dtype == QK_F16 || a->dtype == QK_BF16) *status = lf_run(a, swiglu);
+    else if (a->dtype == QK_BF16 && isa >= QK_CPU_ISA_AVX512_BF16) *status = lf_run(a, swiglu, 1);
+    else if (a->dtype == QK_F32 || a->dtype == QK_F16 || a->dtype == QK_BF16) *status = lf_run(a, swiglu, 0);
     else return 0;
     return 1;
 }
