@@ -1,28 +1,27 @@
 /* linear and swiglu on x86-64 with AVX-512 and AMX, picked at run time (csrc/cpu/linear_isa.h).
  *
- * Three kernels, each compiled for its own instruction set with target attributes, so the rest of
+ * The kernels are compiled for their own instruction sets with target attributes, so the rest of
  * the build stays x86-64 baseline:
- *   amx      bfloat16: TDPBF16PS on 16 x 32 tiles.  The product is computed transposed,
- *            out^T [N, M] = W x^T: the weight rows load straight into A tiles (no repacking of the
- *            large operand); x is packed once per call into VNNI pairs for the B tiles.
- *   bf16     bfloat16: VDPBF16PS, 16 lanes of fp32 partial sums over pairs of k.
- *   fma      float32, and float16 (or bfloat16 without VDPBF16PS) converted to fp32 exactly:
- *            FMA, 16 lanes of fp32 partial sums.
+ *   amx   bfloat16: TDPBF16PS on 16 x 32 tiles.  The product is computed transposed,
+ *         out^T [N, M] = W x^T: the weight rows load straight into A tiles (no repacking of the
+ *         large operand); x is packed per call into VNNI pairs for the B tiles.
+ *   fma   float32, and float16 (or bfloat16 without AVX512-BF16) converted to fp32 exactly: fused
+ *         multiply-adds, x packed as [k][rows] and each weight element broadcast (M > 8), or 16
+ *         weight rows transposed in registers and each row of x broadcast (M <= 8).
+ *   pairs bfloat16 with AVX512-BF16 but no AMX: the fma kernel's forms with a pair of k as the step
+ *         and VDPBF16PS as the multiply-add.
  *
  * Determinism.  On one machine every output is reduced in one fixed order whatever M, the tiling,
- * the thread count or the share of rows a thread gets:
- *   amx:  one fp32 chain over k in increasing order (TDPBF16PS adds its 32 products of a row in k
- *         order; the tiles follow in k order).  Padding (k past K, rows past N or M) is zeros, and
- *         each output element depends on its own row and column only.
- *   bf16: lane l sums the pairs k = 32 s + 2 l, 32 s + 2 l + 1 for s = 0, 1, ... in order (a
- *         masked load zero-fills the last step); the lanes are added in one fixed tree.
- *   fma:  lane l sums k = 16 s + l in increasing s (fused multiply-adds); the same tree.
- * Partial sums parked in memory between k chunks are stored exactly.  The level is fixed per
- * process (the best the CPU offers, or the cap the caller passes), never chosen from M.
+ * the thread count or the share of rows a thread gets: one fp32 chain over k (pairs of k) in
+ * increasing order, from 0.  TDPBF16PS adds a row's 16 pairs in k order and the tiles follow in k
+ * order; padding (k past K, rows past N or M) is zeros, and each output element depends on its own
+ * row and column only.  Both fma forms run the same chains (a * b + c rounded once is symmetric in
+ * a and b).  Partial sums parked in memory between k chunks are stored exactly.  The level is fixed
+ * per process (the best the CPU offers, or the cap the caller passes), never chosen from M.
  *
  * The epilogue (bias, silu, the rounding to the output dtype) runs on 16 outputs of a row at a
  * time, with masks for the edges, in the same vector code for every position: silu's exp is a
- * polynomial of our own (within 2 ulp of expf), so its bits do not depend on libm. */
+ * polynomial of our own, so its bits do not depend on libm. */
 #define _GNU_SOURCE
 #include "cpu.h"
 #include "half.h"
