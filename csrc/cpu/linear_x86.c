@@ -215,6 +215,7 @@ T512 void transpose16(__m512 r[16]) {
 
 #define LF_KC 128
 #define LF_TILES 4
+#define LF_WB (LF_KC + 16) /* floats per row of the weight copy: a chunk and a half pair, rounded */
 #define LF_MSLAB 512
 #define LF_NT(v) 12
 #define LF_NB (LF_TILES * 12) /* weight rows per unit */
@@ -254,16 +255,19 @@ TFMA void lf_pack(const lf_ctx *c, int64_t b0, int64_t b1, float *xt) {
             }
 }
 
-/* acc[j][h] (+)= sum over the chunk of w_j[k] xt[k][16 h ..]: one fma chain per element.  The
- * weight rows come from wr[j] or, when wr is NULL, from wbuf at a fixed stride (addressed by
- * immediates, and clear of the 4 KB aliasing that rows of a power-of-two K suffer in L1). */
+/* The 12 weight rows of a tile sit one stride apart (sb bytes: the weight's row stride, or the
+ * scratch copy's), addressed from 4 bases as b[j / 3] + (j % 3) sb: 4 + 2 registers instead of 12
+ * row pointers, which did not fit beside the accumulators and were reloaded at every k. */
+#define LF_ROW(b, sb, j) ((const char *)(b)[(j) / 3] + ((j) % 3) * (sb))
+
+/* acc[j][h] (+)= sum over the chunk of w_j[k] xt[k][16 h ..]: one fma chain per element */
 static inline __attribute__((target(T512_ISA), always_inline)) void
-lf_tile(const float *const *wr, const float *wbuf, const float *xt, int64_t kc, int V, float *acc, int init) {
+lf_tile(const char *w, int64_t sb, const float *xt, int64_t kc, int V, float *acc, int init) {
     enum { NT = 12 };
     __m512 c[NT][2];
-    const int nt = LF_NT(V);
+    const char *b[4] = {w, w + 3 * sb, w + 6 * sb, w + 9 * sb};
 #pragma GCC unroll 12
-    for (int j = 0; j < nt; j++)
+    for (int j = 0; j < NT; j++)
 #pragma GCC unroll 2
         for (int h = 0; h < V; h++) c[j][h] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (j * V + h) * 16);
     for (int64_t k = 0; k < kc; k++) {
@@ -271,14 +275,15 @@ lf_tile(const float *const *wr, const float *wbuf, const float *xt, int64_t kc, 
 #pragma GCC unroll 2
         for (int h = 0; h < V; h++) xv[h] = _mm512_loadu_ps(xt + k * 16 * V + h * 16);
 #pragma GCC unroll 12
-        for (int j = 0; j < nt; j++) {
-            const __m512 w = _mm512_set1_ps(wr ? wr[j][k] : wbuf[j * LF_KC + k]);
+        for (int j = 0; j < NT; j++) {
+            const __m512 wv = _mm512_set1_ps(*(const float *)LF_ROW(b, sb, j));
 #pragma GCC unroll 2
-            for (int h = 0; h < V; h++) c[j][h] = _mm512_fmadd_ps(w, xv[h], c[j][h]);
+            for (int h = 0; h < V; h++) c[j][h] = _mm512_fmadd_ps(wv, xv[h], c[j][h]);
         }
+        for (int q = 0; q < 4; q++) b[q] += 4;
     }
 #pragma GCC unroll 12
-    for (int j = 0; j < nt; j++)
+    for (int j = 0; j < NT; j++)
 #pragma GCC unroll 2
         for (int h = 0; h < V; h++) _mm512_storeu_ps(acc + (j * V + h) * 16, c[j][h]);
 }
@@ -286,12 +291,12 @@ lf_tile(const float *const *wr, const float *wbuf, const float *xt, int64_t kc, 
 /* lf_tile for bfloat16 pairs: acc[j][h] (+)= the dot products of kc pairs of w_j with xt; with
  * odd, one more pair whose second element is past K (0; never read from the row) */
 static inline __attribute__((target(T512_ISA ",avx512bf16"), always_inline)) void
-lp_tile(const uint16_t *const *wr, const float *xt, int64_t kc, int odd, int V, float *acc, int init) {
+lp_tile(const char *w, int64_t sb, const float *xt, int64_t kc, int odd, int V, float *acc, int init) {
     enum { NT = 12 };
     __m512 c[NT][2];
-    const int nt = LF_NT(V);
+    const char *b[4] = {w, w + 3 * sb, w + 6 * sb, w + 9 * sb};
 #pragma GCC unroll 12
-    for (int j = 0; j < nt; j++)
+    for (int j = 0; j < NT; j++)
 #pragma GCC unroll 2
         for (int h = 0; h < V; h++) c[j][h] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (j * V + h) * 16);
     for (int64_t k = 0; k < kc + odd; k++) {
@@ -299,36 +304,33 @@ lp_tile(const uint16_t *const *wr, const float *xt, int64_t kc, int odd, int V, 
 #pragma GCC unroll 2
         for (int h = 0; h < V; h++) xv[h] = _mm512_loadu_ps(xt + k * 16 * V + h * 16);
 #pragma GCC unroll 12
-        for (int j = 0; j < nt; j++) {
+        for (int j = 0; j < NT; j++) {
             uint32_t pair;
-            if (k < kc) memcpy(&pair, wr[j] + 2 * k, 4);
-            else pair = wr[j][2 * k];
-            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
+            if (k < kc) memcpy(&pair, LF_ROW(b, sb, j), 4);
+            else pair = *(const uint16_t *)LF_ROW(b, sb, j);
+            const __m512bh wv = (__m512bh)_mm512_set1_epi32((int)pair);
 #pragma GCC unroll 2
-            for (int h = 0; h < V; h++) c[j][h] = _mm512_dpbf16_ps(c[j][h], (__m512bh)xv[h], w);
+            for (int h = 0; h < V; h++) c[j][h] = _mm512_dpbf16_ps(c[j][h], (__m512bh)xv[h], wv);
         }
+        for (int q = 0; q < 4; q++) b[q] += 4;
     }
 #pragma GCC unroll 12
-    for (int j = 0; j < nt; j++)
+    for (int j = 0; j < NT; j++)
 #pragma GCC unroll 2
         for (int h = 0; h < V; h++) _mm512_storeu_ps(acc + (j * V + h) * 16, c[j][h]);
 }
 
 /* the tile variants, called through a pointer so that the worker itself needs no AVX512-BF16 */
-typedef void (*lf_tile_fn)(const void *const *wr, const float *wbuf, const float *xt, int64_t kc, int odd, float *acc,
-                           int init);
-#define LF_TILE_VARIANT(NAME, ATTR, CALL)                                                                 \
-    ATTR void NAME(const void *const *wr, const float *wbuf, const float *xt, int64_t kc, int odd, float *acc, \
-                   int init) {                                                                            \
-        (void)wr, (void)wbuf, (void)odd;                                                                  \
-        CALL;                                                                                             \
+typedef void (*lf_tile_fn)(const char *w, int64_t sb, const float *xt, int64_t kc, int odd, float *acc, int init);
+#define LF_TILE_VARIANT(NAME, ATTR, CALL)                                                                   \
+    ATTR void NAME(const char *w, int64_t sb, const float *xt, int64_t kc, int odd, float *acc, int init) { \
+        (void)odd;                                                                                          \
+        CALL;                                                                                               \
     }
-LF_TILE_VARIANT(lf_tile_d1, TFMA, lf_tile((const float *const *)wr, NULL, xt, kc, 1, acc, init))
-LF_TILE_VARIANT(lf_tile_d2, TFMA, lf_tile((const float *const *)wr, NULL, xt, kc, 2, acc, init))
-LF_TILE_VARIANT(lf_tile_b1, TFMA, lf_tile(NULL, wbuf, xt, kc, 1, acc, init))
-LF_TILE_VARIANT(lf_tile_b2, TFMA, lf_tile(NULL, wbuf, xt, kc, 2, acc, init))
-LF_TILE_VARIANT(lp_tile_1, TBF16, lp_tile((const uint16_t *const *)wr, xt, kc, odd, 1, acc, init))
-LF_TILE_VARIANT(lp_tile_2, TBF16, lp_tile((const uint16_t *const *)wr, xt, kc, odd, 2, acc, init))
+LF_TILE_VARIANT(lf_tile_1, TFMA, lf_tile(w, sb, xt, kc, 1, acc, init))
+LF_TILE_VARIANT(lf_tile_2, TFMA, lf_tile(w, sb, xt, kc, 2, acc, init))
+LF_TILE_VARIANT(lp_tile_1, TBF16, lp_tile(w, sb, xt, kc, odd, 1, acc, init))
+LF_TILE_VARIANT(lp_tile_2, TBF16, lp_tile(w, sb, xt, kc, odd, 2, acc, init))
 
 TFMA void lf_worker(void *p, int tid, int nthreads) {
     const lf_ctx *c = p;
@@ -338,11 +340,9 @@ TFMA void lf_worker(void *p, int tid, int nthreads) {
     const int conv = a->dtype != QK_F32 && !c->pairs, esize = a->dtype != QK_F32 ? 2 : 4;
     const int64_t steps = c->pairs ? K / 2 : K; /* whole steps; pairs: K odd adds a half pair */
     const int odd = c->pairs && K % 2;
-    const lf_tile_fn tile = c->pairs ? (V == 2 ? lp_tile_2 : lp_tile_1)
-                            : conv   ? (V == 2 ? lf_tile_b2 : lf_tile_b1)
-                                     : (V == 2 ? lf_tile_d2 : lf_tile_d1);
+    const lf_tile_fn tile = c->pairs ? (V == 2 ? lp_tile_2 : lp_tile_1) : (V == 2 ? lf_tile_2 : lf_tile_1);
     float *acc = c->scratch + tid * c->scratch_floats; /* [LF_TILES][nt][V][16] */
-    float *wbuf = acc + LF_TILES * 28 * 16;            /* [nt][LF_KC] */
+    float *wbuf = acc + LF_TILES * 28 * 16;            /* [nt][LF_WB] */
     /* as the AMX kernel: ranges of blocks of x across all weights when there are many, else ranges
      * of units; each thread packs the blocks of x it uses */
     int64_t mb_lo = 0, mb_cnt = c->m_blocks, u0, u1;
@@ -370,15 +370,29 @@ TFMA void lf_worker(void *p, int tid, int nthreads) {
             const int64_t kc = steps - k0 < LF_KC ? steps - k0 : LF_KC;
             const int last = k0 + LF_KC >= steps; /* the half pair of an odd K ends the last chunk */
             for (int t = 0; t < LF_TILES; t++) {
-                const void *wr[12];
-                for (int j = 0; j < nt; j++) {
-                    const char *src = wsrc[t * nt + j] + k0 * esize * (c->pairs ? 2 : 1);
-                    wr[j] = src;
-                    if (conv)
-                        for (int64_t k = 0; k < kc; k += 16)
-                            _mm512_storeu_ps(wbuf + j * LF_KC + k, load16(src + k * esize, a->dtype, mask16(kc - k)));
+                /* rows in place when the tile's 12 rows all exist, one stride apart; else (16-bit
+                 * weights for fp32, the edge of N) a copy, rows past N repeating the first */
+                const int64_t first = n0 + (t * nt) % half;
+                const int whole = first + nt <= N;
+                const int64_t wsb = (c->swiglu && t * nt >= half ? a->gate_stride : a->w_stride) * esize;
+                const char *src = wsrc[t * nt] + k0 * esize * (c->pairs ? 2 : 1);
+                if (whole && !conv) {
+                    tile(src, wsb, xt + k0 * rows, kc, odd && last, acc + t * nt * V * 16, k0 == 0);
+                    continue;
                 }
-                tile(wr, wbuf, xt + k0 * rows, kc, odd && last, acc + t * nt * V * 16, k0 == 0);
+                for (int j = 0; j < nt; j++) {
+                    const char *row = wsrc[t * nt + j] + k0 * esize * (c->pairs ? 2 : 1);
+                    if (c->pairs) {
+                        const int64_t n16 = 2 * kc + (odd && last);
+                        for (int64_t k = 0; k < n16; k += 32)
+                            _mm512_storeu_si512((char *)(wbuf + j * LF_WB) + k * 2,
+                                                _mm512_maskz_loadu_epi16(mask32(n16 - k), row + k * 2));
+                    } else {
+                        for (int64_t k = 0; k < kc; k += 16)
+                            _mm512_storeu_ps(wbuf + j * LF_WB + k, load16(row + k * esize, a->dtype, mask16(kc - k)));
+                    }
+                }
+                tile((const char *)wbuf, LF_WB * 4, xt + k0 * rows, kc, odd && last, acc + t * nt * V * 16, k0 == 0);
             }
             if (steps == 0) break;
         }
@@ -554,7 +568,7 @@ static int lf_run(const qk_linear_args *a, int swiglu, int pairs) {
     const int max_threads = qk_threads_for(work, a->num_threads > 0 ? a->num_threads : 1);
     int nthreads = max_threads;
     if (nthreads > c.n_blocks * slab_blocks) nthreads = (int)(c.n_blocks * slab_blocks);
-    c.scratch_floats = LF_TILES * 28 * 16 + 12 * LF_KC;
+    c.scratch_floats = LF_TILES * 28 * 16 + 12 * LF_WB;
     c.scratch = malloc(sizeof(float) * (size_t)c.scratch_floats * (size_t)nthreads);
     c.xt_per_thread = slab_blocks * rows * (c.kp > 0 ? c.kp : 1);
     c.xt = malloc(sizeof(float) * (size_t)c.xt_per_thread * (size_t)nthreads);
