@@ -419,7 +419,7 @@ TFMA void lf_worker(void *p, int tid, int nthreads) {
  * weight rows transposed in registers per 16 k, and each row of x broadcast; one fma per 16
  * products instead of one per product and block of x rows, for the same bits. */
 #define LS_MAX_M 8
-#define LS_PREFETCH 1024 /* bytes ahead in each weight row */
+#define LS_PREFETCH 512 /* bytes ahead in each weight row */
 
 typedef struct {
     const qk_linear_args *a;
