@@ -655,25 +655,47 @@ typedef struct {
     int steps; /* 0: nothing pending */
 } ax_pending;
 
+/* the bfloat16 bits of v (nearest even, NaN kept quiet: qk_f32_to_bf16) in the low halves */
+T512 __m512i bf16_bits(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+}
+
+/* The outputs of B tile t, still [weight row][row of x]: bias or silu there (per element, as in
+ * epilogue16), rounded, two weight rows packed per 32-bit lane, and one 16 x 16 transpose of those
+ * pairs gives each row of x its 32 outputs (linear: both A tiles; swiglu: 16) as one store. */
 TAMX void ax_epilogue_step(const ax_ctx *c, const ax_pending *q, int t) {
     const qk_linear_args *a = c->a;
-    __m512 r0[16], r1[16];
-    for (int i = 0; i < 16; i++) {
-        r0[i] = _mm512_load_ps(q->cb[t] + i * 16);
-        r1[i] = _mm512_load_ps(q->cb[2 + t] + i * 16);
-    }
-    transpose16(r0); /* [16 weight rows][16 rows of x] -> rows of x */
-    transpose16(r1);
+    __m512 v[16];
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 8; i++) {
+            __m512i bits[2];
+            for (int e = 0; e < 2; e++) {
+                const int r = 2 * i + e;
+                __m512 y = _mm512_load_ps(q->cb[2 * h + t] + r * 16);
+                if (c->swiglu) {
+                    if (h == 1) break;
+                    const __m512 g = _mm512_load_ps(q->cb[2 + t] + r * 16);
+                    const __m512 ex = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+                    y = _mm512_mul_ps(y, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), ex)));
+                } else if (a->bias && r < q->valid[h]) {
+                    y = _mm512_add_ps(y, _mm512_set1_ps(qk_load_f32(a->bias, (q->n0 + 16 * h + r) * a->bias_stride, a->dtype)));
+                }
+                bits[e] = bf16_bits(y);
+            }
+            v[8 * h + i] = c->swiglu && h == 1 ? _mm512_setzero_ps()
+                                               : _mm512_castsi512_ps(_mm512_or_si512(bits[0], _mm512_slli_epi32(bits[1], 16)));
+        }
+    transpose16(v); /* v[m]: the 16 pairs of weight rows of row m of x */
+    const int64_t cols = c->swiglu ? q->valid[0] : q->valid[0] + q->valid[1];
+    const __mmask32 cm = mask32(cols);
     for (int i = 0; i < 16; i++) {
         const int64_t m = (q->mt0 + t) * 16 + i;
         if (m >= c->m_rows) break;
-        const int64_t row = c->m_begin + m;
-        if (c->swiglu) {
-            epilogue16(a, 1, row, q->n0, q->valid[0], r0[i], r1[i]);
-        } else {
-            epilogue16(a, 0, row, q->n0, q->valid[0], r0[i], r0[i]);
-            if (q->valid[1] > 0) epilogue16(a, 0, row, q->n0 + 16, q->valid[1], r1[i], r1[i]);
-        }
+        _mm512_mask_storeu_epi16((uint16_t *)a->out + (c->m_begin + m) * a->out_stride + q->n0, cm, _mm512_castps_si512(v[i]));
     }
 }
 
