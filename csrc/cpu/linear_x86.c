@@ -95,6 +95,9 @@ int qk_cpu_isa_best(void) {
     return isa_best;
 }
 
+/* 64-byte aligned scratch: a vector load that straddles two cache lines costs two */
+static void *alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
 /* ---- AVX-512 helpers ------------------------------------------------------------------------- */
 
 #define T512_ISA "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"
@@ -569,9 +572,9 @@ static int lf_run(const qk_linear_args *a, int swiglu, int pairs) {
     int nthreads = max_threads;
     if (nthreads > c.n_blocks * slab_blocks) nthreads = (int)(c.n_blocks * slab_blocks);
     c.scratch_floats = LF_TILES * 28 * 16 + 12 * LF_WB;
-    c.scratch = malloc(sizeof(float) * (size_t)c.scratch_floats * (size_t)nthreads);
+    c.scratch = alloc64(sizeof(float) * (size_t)c.scratch_floats * (size_t)nthreads);
     c.xt_per_thread = slab_blocks * rows * (c.kp > 0 ? c.kp : 1);
-    c.xt = malloc(sizeof(float) * (size_t)c.xt_per_thread * (size_t)nthreads);
+    c.xt = alloc64(sizeof(float) * (size_t)c.xt_per_thread * (size_t)nthreads);
     if (!c.scratch || !c.xt) {
         free(c.scratch);
         free(c.xt);
@@ -846,8 +849,8 @@ static int ax_run(const qk_linear_args *a, int swiglu) {
     const int64_t work = M * N * (K > 0 ? K : 1) * (swiglu ? 2 : 1);
     const int max_threads = qk_threads_for(work, a->num_threads > 0 ? a->num_threads : 1);
     c.xp_per_thread = slab_tiles * (c.k_blocks > 0 ? c.k_blocks : 1) * 512;
-    c.xp = aligned_alloc(64, (size_t)max_threads * (size_t)c.xp_per_thread * 2);
-    c.park = aligned_alloc(64, (size_t)max_threads * AX_MSLAB / 32 * 4096);
+    c.xp = alloc64((size_t)max_threads * (size_t)c.xp_per_thread * 2);
+    c.park = alloc64((size_t)max_threads * AX_MSLAB / 32 * 4096);
     if (!c.xp || !c.park) {
         free(c.xp);
         free(c.park);
