@@ -176,6 +176,8 @@ static PyObject *qk_live_storages(PyObject *module, PyObject *Py_UNUSED(ignored)
     return PyLong_FromLong(qk_tensor_live_storages());
 }
 
+PyObject *qk_cpu_isa_py(PyObject *module, PyObject *Py_UNUSED(ignored)); /* csrc/ops/linear.c */
+
 static PyMethodDef qk_methods[] = {
 #define QK_METHODS(op, launcher, family, deciding)                                                  \
     {#op "_raw", (PyCFunction)(void (*)(void))qk_op_##op, METH_FASTCALL | METH_KEYWORDS, qk_raw_doc_##op}, \
@@ -200,6 +202,8 @@ static PyMethodDef qk_methods[] = {
     {"_parallel_selftest", (PyCFunction)qk_parallel_selftest_py, METH_VARARGS,
      "_parallel_selftest(jobs, few, many)\n--\n\n(shares that ran other than once, shares still running after "
      "their call returned) over `jobs` CPU-pool calls alternating between `few` and `many` threads (for tests)."},
+    {"_cpu_isa", (PyCFunction)qk_cpu_isa_py, METH_NOARGS,
+     "_cpu_isa()\n--\n\nThe best instruction-set level of the cpu linear and swiglu here (tests)."},
     {"_live_storages", (PyCFunction)qk_live_storages, METH_NOARGS,
      "_live_storages()\n--\n\nNumber of qkernels.Tensor memory blocks not yet freed (for leak tests)."},
 #ifdef QK_JAX_FFI

@@ -5,10 +5,13 @@
  * argument checks, then the CPU or CUDA launcher by device.  All fill qk_linear_args.  x is [*, K]
  * like torch.nn.functional.linear: its leading dimensions are the M rows, which must step by one
  * stride (a 1-D x is one row).  The raw forward ops also take the private tuning keywords _variant=
- * (a name below), _split= and _tile_m= (qk_linear_args' variant, split and tile_m); the raw backward
+ * (a name below), _split= and _tile_m= (qk_linear_args' variant, split and tile_m), and _isa= (the
+ * cpu backend's highest instruction set, a name of qk_cpu_isa_names: tests run each path the machine
+ * has; levels above the machine's fall back to the best it has); the raw backward
  * ops _variant= and _split= (the partial sums the CUDA kernels reduce). */
 #include "../qk.h"
 #include "../cpu/cpu.h"
+#include "../cpu/linear_isa.h"
 
 QK_DOCS(linear, "x, weight, bias=None, *, out=None",
     "x @ weight^T + bias.\n\n"
@@ -105,20 +108,21 @@ static void ln_fill(qk_linear_args *la, const qk_view *x, int64_t M, int64_t x_s
 /* in[0] x, in[1] the (up) weight, in[2] bias (linear) or gate_weight (swiglu) */
 static PyObject *ln_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int swiglu) {
     static const char *const linear_names[] = {"x", "weight", "bias", "out", "stream", "_variant", "_split", "_tile_m",
-                                               NULL};
+                                               "_isa", NULL};
     static const char *const swiglu_names[] = {"x", "up_weight", "gate_weight", "out", "stream", "_variant", "_split",
-                                               "_tile_m", NULL};
+                                               "_tile_m", "_isa", NULL};
     const char *const op = swiglu ? "swiglu" : "linear";
     const char *const *names = swiglu ? swiglu_names : linear_names;
     qk_state *st = qk_get_state(module);
-    PyObject *a[8] = {NULL};
+    PyObject *a[9] = {NULL};
     if (qk_parse_args(op, args, nargs, kwnames, names, 3, swiglu ? 3 : 2, a) < 0) return NULL;
     void *stream;
-    int stream_given, variant, split, tile_m;
+    int stream_given, variant, split, tile_m, isa;
     if (qk_stream_arg(op, a[4], &stream, &stream_given) < 0 ||
         qk_variant_arg(op, "_variant", a[5], ln_variants, QK_COUNT(ln_variants), &variant) < 0 ||
         qk_tuning_int_arg(op, "_split", a[6], 8, 1, &split) < 0 ||
-        qk_tuning_int_arg(op, "_tile_m", a[7], 64, 0, &tile_m) < 0)
+        qk_tuning_int_arg(op, "_tile_m", a[7], 64, 0, &tile_m) < 0 ||
+        qk_variant_arg(op, "_isa", a[8], qk_cpu_isa_names, QK_CPU_ISA_COUNT, &isa) < 0)
         return NULL;
     const int has_third = swiglu || (a[2] != NULL && a[2] != Py_None); /* swiglu's gate None: a TypeError */
 
@@ -168,6 +172,7 @@ static PyObject *ln_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     la.out = ov.data;
     la.out_stride = out_stride;
     la.tile_m = tile_m;
+    la.cpu_isa = isa;
     int status = QK_OK;
     if (M > 0 && N > 0) {
         if (swiglu) QK_RUN(status, &l, swiglu, &la);
@@ -291,4 +296,10 @@ PyObject *qk_op_linear_backward(PyObject *module, PyObject *const *args, Py_ssiz
 
 PyObject *qk_op_swiglu_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     return lb_op(module, args, nargs, kwnames, 1);
+}
+
+/* _C._cpu_isa(): the best instruction-set level of the cpu linear and swiglu on this machine */
+PyObject *qk_cpu_isa_py(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+    (void)module;
+    return PyUnicode_FromString(qk_cpu_isa_names[qk_cpu_isa_best()]);
 }

@@ -36,6 +36,14 @@ enum {
     QK_LINEAR_GEMV, /* the CUDA-core GEMV wherever M <= 8; neither cuBLASLt nor the sm_90 row kernel */
     QK_LINEAR_ROWS, /* the sm_90 one-CTA-per-SM row kernel wherever M <= 64; neither cuBLASLt nor the GEMV */
 };
+enum { /* qk_linear_args.cpu_isa: the highest instruction set the cpu linear and swiglu may use */
+    QK_CPU_ISA_AUTO = 0,    /* the best this machine has */
+    QK_CPU_ISA_PORTABLE,    /* plain C (vectorised by the compiler), every machine */
+    QK_CPU_ISA_AVX512,      /* AVX-512F FMA, 16-bit inputs converted to fp32 */
+    QK_CPU_ISA_AVX512_BF16, /* + VDPBF16PS for bfloat16 */
+    QK_CPU_ISA_AMX,         /* + AMX tiles (TDPBF16PS) for bfloat16 */
+    QK_CPU_ISA_COUNT
+};
 enum { /* linear_backward and swiglu_backward (qk_linear_args.variant) */
     QK_LINEAR_BWD_AUTO = 0,
     QK_LINEAR_BWD_TILES, /* linear_backward.cu's kernels at every M (no cuBLASLt) */
@@ -384,6 +392,7 @@ typedef struct {
     int variant;        /* 0 auto, QK_LINEAR_MMA, QK_LINEAR_GEMV, QK_LINEAR_ROWS */
     int split;          /* 0 auto, else the cluster size 1, 2, 4 or 8 over which sm_90 splits K */
     int tile_m;         /* 0 auto, else 1..64: the mma.sync kernel's tile configuration for that M */
+    int cpu_isa;        /* cpu: 0 auto, else the highest QK_CPU_ISA_* level to use */
     /* the backward ops: rows unit-stride along their last dimension; bias stride in elements */
     const void *grad_out;                           /* [M, N] */
     void *grad_x, *grad_w, *grad_gate, *grad_bias;  /* [M, K], [N, K], [N, K], [N]; NULL: not wanted */
