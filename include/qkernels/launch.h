@@ -449,7 +449,7 @@ typedef struct {
     X(attn_paged_prefill, attn_prefill, attention, 0)
 
 /* The CUDA shared object exports one symbol, qk_cuda_get_api, returning this table. */
-#define QK_CUDA_ABI 10
+#define QK_CUDA_ABI 11
 
 typedef struct {
     int abi;
