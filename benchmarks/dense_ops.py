@@ -185,13 +185,23 @@ def rotary_complex(x, freqs_cis, interleaved):
     return out.to(x.dtype)
 
 
-def rotary_case(tokens, heads, dim, interleaved, min_ratio, min_gbps):
+def rotary_op_case(op, arg, tokens, heads, dim, interleaved, impls):
+    """The Case of rotary_emb or its backward: arg (x or g) [T, H, D] bfloat16 and freqs_cis [T, D/2]
+    complex64; checked against qkernels.testing on the first CHECK_TOKENS tokens."""
     def make_inputs(gen):
         angles = 10 * torch.rand(tokens, dim // 2, generator=gen, device="cuda")
-        return {"x": randn(gen, tokens, heads, dim), "freqs_cis": torch.polar(torch.ones_like(angles), angles)}
+        return {arg: randn(gen, tokens, heads, dim), "freqs_cis": torch.polar(torch.ones_like(angles), angles)}
 
-    # Minimal bytes: x read and the output written once, the (cos, sin) table read once.
+    # Minimal bytes: the tensor read and the output written once, the (cos, sin) table read once.
     nbytes = 2 * tokens * heads * dim * BF16 + tokens * (dim // 2) * 2 * F32
+    convention = "interleaved" if interleaved else "rotate-half"
+    check = CHECK_TOKENS
+    return Case(op, f"T={count(tokens)} H={heads} D={dim} {convention}", make_inputs, nbytes, impls,
+                lambda s: reference(op, s[arg][:check], torch.view_as_real(s["freqs_cis"][:check]),
+                                    interleaved=interleaved), lambda out: out[:check])
+
+
+def rotary_case(tokens, heads, dim, interleaved, min_ratio, min_gbps):
     compiled = torch.compile(rotary_complex, dynamic=False)
     impls = [
         Impl("qkernels", lambda s: qkernels.rotary_emb(s["x"], torch.view_as_real(s["freqs_cis"]),
@@ -200,11 +210,7 @@ def rotary_case(tokens, heads, dim, interleaved, min_ratio, min_gbps):
         Impl("eager complex multiply", lambda s: rotary_complex(s["x"], s["freqs_cis"], interleaved)),
         Impl("torch.compile", lambda s: compiled(s["x"], s["freqs_cis"], interleaved), min_ratio=min_ratio),
     ]
-    convention = "interleaved" if interleaved else "rotate-half"
-    check = CHECK_TOKENS
-    return Case("rotary_emb", f"T={count(tokens)} H={heads} D={dim} {convention}", make_inputs, nbytes, impls,
-                lambda s: reference("rotary_emb", s["x"][:check], torch.view_as_real(s["freqs_cis"][:check]),
-                                    interleaved=interleaved), lambda out: out[:check])
+    return rotary_op_case("rotary_emb", "x", tokens, heads, dim, interleaved, impls)
 
 
 def rotary_emb_cases(quick):
@@ -302,22 +308,13 @@ def swiglu_backward_cases(quick):
 
 
 def rotary_backward_case(tokens, heads, dim, interleaved):
-    def make_inputs(gen):
-        angles = 10 * torch.rand(tokens, dim // 2, generator=gen, device="cuda")
-        return {"g": randn(gen, tokens, heads, dim), "freqs_cis": torch.polar(torch.ones_like(angles), angles)}
-
-    nbytes = 2 * tokens * heads * dim * BF16 + tokens * (dim // 2) * 2 * F32
     conj = lambda s: s["freqs_cis"].conj()  # noqa: E731  the inverse rotation
     impls = [
         Impl("qkernels", lambda s: qkernels.rotary_emb_backward(s["g"], torch.view_as_real(s["freqs_cis"]),
                                                                 interleaved=interleaved, backend="cuda"), ours=True),
         Impl("eager complex multiply", lambda s: rotary_complex(s["g"], conj(s), interleaved)),
     ]
-    convention = "interleaved" if interleaved else "rotate-half"
-    check = CHECK_TOKENS
-    return Case("rotary_emb_backward", f"T={count(tokens)} H={heads} D={dim} {convention}", make_inputs, nbytes, impls,
-                lambda s: reference("rotary_emb_backward", s["g"][:check], torch.view_as_real(s["freqs_cis"][:check]),
-                                    interleaved=interleaved), lambda out: out[:check])
+    return rotary_op_case("rotary_emb_backward", "g", tokens, heads, dim, interleaved, impls)
 
 
 def rotary_emb_backward_cases(quick):

@@ -10,7 +10,10 @@ median over replays), inputs rotate over sets spanning >= 1 GiB so they are cold
 gradients of every implementation are first checked against those of a float64 PyTorch run of the
 same function (relative error in the 2-norm).  The ratio is anchor time / qkernels time.
 
---cpu: 1/50 of the sizes on the CPU, qkernels backend cpu against PyTorch CPU eager, perf_counter.
+--cpu: 1/50 of the sizes on the CPU, qkernels backend cpu against PyTorch CPU eager, perf_counter;
+each implementation is first called --warmup times (default 3): the first calls after the float64
+check fault in fresh pages for their outputs (glibc hands freed memory back to the system), which
+would otherwise land on whichever implementation is timed first.
 
     python3 benchmarks/graph_backward.py [--quick] [--cpu] [--markdown FILE]
 """
@@ -135,6 +138,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true")
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--replays", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls before the timed ones (CPU)")
     p.add_argument("--markdown")
     a = p.parse_args(argv)
     device = torch.device("cpu" if a.cpu or not torch.cuda.is_available() else "cuda")
@@ -176,7 +180,8 @@ def main(argv=None):
             if device.type == "cuda":
                 times[name] = gpu_replay_time_us(call, sets, a.replays)
             else:
-                call(s)
+                for _ in range(max(1, a.warmup)):
+                    call(s)
                 samples = []
                 for _ in range(a.replays):
                     t0 = time.perf_counter()

@@ -5,9 +5,13 @@ CPU (default): tiny sizes (qkernels.testing's samples), where the per-call cost 
 arithmetic: the median time of one call of jax.jit(op) (block_until_ready after each) against
 jax.jit of the same computation in jax.numpy.  --sizes work uses WORK_SIZES instead.
 
-GPU (--device cuda): WORK_SIZES in bfloat16 where the kernels take it; the time per call of many
-back-to-back jitted calls (one wait at the end: the device time once dispatch overlaps), against
-the same op on torch tensors through qkernels' DLPack path timed with CUDA events.
+GPU (--device cuda): WORK_SIZES in bfloat16 where the kernels take it.  Two figures per op:
+  - wall: one jitted call after another from Python, one wait at the end (JAX's dispatch included);
+  - device: the same kernel's time per call with no host in the way.  Under JAX, one jitted program
+    of n calls, each on its own copy of the inputs (so XLA cannot merge them), timed at two n and the
+    difference divided by the difference in n (the program's own dispatch cancels).
+    Through the torch path (qkernels' DLPack binding), n calls captured in one torch CUDA graph,
+    replayed between CUDA events.  The ratio of the two is the cost of running inside XLA.
 
     python benchmarks/jax_ops.py [--device cpu|cuda] [--sizes tiny|work] [--ops linear,...] [--iters 2000]
 """
@@ -114,24 +118,86 @@ def back_to_back(f, xs, iters):
     return (time.perf_counter() - t0) / iters
 
 
-def torch_time(op, args, kwargs, iters):
+def _many(fn, args, kwargs, n):
+    """jax.jit of n calls of fn in one program, each on its own copy of the arrays (program parameters
+    XLA cannot merge: identical operands would be one call after CSE) and every result returned (no
+    call is dead).  Takes the n copies flattened."""
+    arrays, static = _split(args)
+    k = len(arrays)
+
+    def call(xs):
+        it = iter(xs)
+        return fn(*[static[i] if i in static else next(it) for i in range(len(args))], **kwargs)
+
+    return jax.jit(lambda *flat: [call(flat[j * k:(j + 1) * k]) for j in range(n)])
+
+
+def jax_device_time(fn, args, kwargs, xs, n1=10, n2=60, reps=15):
+    """Seconds of device time per call under jit: (t(n2) - t(n1)) / (n2 - n1) over medians."""
+    copies = [jnp.array(x, copy=True) for _ in range(n2) for x in xs]
+    times = {}
+    for n in (n1, n2):
+        f, flat = _many(fn, args, kwargs, n), copies[:n * len(xs)]
+        jax.block_until_ready(f(*flat))
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*flat))
+            ts.append(time.perf_counter() - t0)
+        times[n] = statistics.median(ts)
+    return (times[n2] - times[n1]) / (n2 - n1)
+
+
+def _torch(a):
+    import torch
+
+    if isinstance(a, (int, float)):
+        return a
+    a = np.asarray(a)
+    if a.dtype == jnp.bfloat16:  # numpy's ml_dtypes bfloat16 has no torch counterpart to share memory with
+        return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16).cuda()
+    return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+
+def torch_device_time(op, args, kwargs, n=50, reps=10):
+    """Seconds of device time per call through the torch path: n calls captured in a CUDA graph,
+    replayed reps times between CUDA events.  (seconds, "graph"), or where capture fails, back-to-back
+    eager calls timed by events (host launch gaps included): (seconds, "eager")."""
     import torch
 
     import qkernels
 
-    ts = [torch.as_tensor(np.asarray(a)).cuda() if not isinstance(a, (int, float)) else a for a in args]
-    ts = [t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and i in T.FLOAT_ARGS[op] and op not in
-          ("sparse_aggregate", "fused_edge_features", "fused_norm_residual", "graph_norm_bce") and
-          not (op == "rotary_emb" and i == 1) else t for i, t in enumerate(ts)]
+    ts = [_torch(a) for a in args]
     f = getattr(qkernels, op)
-    f(*ts, **kwargs)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        f(*ts, **kwargs)
-    end.record()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream (first-use setup, allocator pools)
+        for _ in range(3):
+            f(*ts, **kwargs)
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                f(*ts, **kwargs)
+        g.replay()
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / (reps * n), "graph"
+    except RuntimeError:
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(reps * n):
+            f(*ts, **kwargs)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / (reps * n), "eager"
 
 
 def main(argv=None):
@@ -145,11 +211,7 @@ def main(argv=None):
     iters = a.iters or (2000 if sizes == "tiny" else 50)
     if a.device == "cuda":
         jax.config.update("jax_default_device", jax.devices("gpu")[0])
-    print(f"jax {jax.__version__} on {a.device}, {sizes} sizes, {iters} calls per timing")
-    if a.device == "cpu":
-        print(f"  {'op':<22} {'qkernels.jax':>13} {'jax.numpy':>11} {'ratio':>6}")
-    else:
-        print(f"  {'op':<22} {'qkernels.jax':>13} {'torch path':>11} {'ratio':>6}")
+    rows = []
     rng = np.random.default_rng(0)
     for op in a.ops.split(","):
         options = T.WORK_SIZES[op] if sizes == "work" else {}
@@ -160,10 +222,25 @@ def main(argv=None):
         ours, xs = _jitted(getattr(qj, op), args, kwargs)
         if a.device == "cpu":
             ref, _ = _jitted(JNP[op](args), args, {})
-            t_q, t_r = per_call(ours, xs, iters), per_call(ref, xs, iters)
+            rows.append((op, per_call(ours, xs, iters), per_call(ref, xs, iters)))
         else:
-            t_q, t_r = back_to_back(ours, xs, iters), torch_time(op, args, kwargs, iters)
-        print(f"  {op:<22} {t_q * 1e6:>10.1f} us {t_r * 1e6:>8.1f} us {t_q / t_r:>6.2f}")
+            wall = back_to_back(ours, xs, iters)
+            dev = jax_device_time(getattr(qj, op), args, kwargs, xs)
+            ref, how = torch_device_time(op, args, kwargs)
+            rows.append((op, wall, dev, ref, how))
+        print(f"  {op} done", flush=True)
+    print(f"jax {jax.__version__} on {a.device}, {sizes} sizes")
+    if a.device == "cpu":
+        print(f"median of one jitted call, {iters} calls a timing")
+        print(f"  {'op':<22} {'qkernels.jax':>13} {'jax.numpy':>11} {'ratio':>6}")
+        for op, t_q, t_r in rows:
+            print(f"  {op:<22} {t_q * 1e6:>10.1f} us {t_r * 1e6:>8.1f} us {t_q / t_r:>6.2f}")
+    else:
+        print("wall: jitted calls back to back (dispatch included); device: per call with no host in the way")
+        print(f"  {'op':<22} {'jax wall':>10} {'jax device':>11} {'torch device':>13} {'ratio':>6}")
+        for op, wall, dev, ref, how in rows:
+            mark = "" if how == "graph" else " (torch eager)"
+            print(f"  {op:<22} {wall * 1e6:>7.1f} us {dev * 1e6:>8.1f} us {ref * 1e6:>10.1f} us {dev / ref:>6.3f}{mark}")
 
 
 if __name__ == "__main__":

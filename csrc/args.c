@@ -101,6 +101,14 @@ int qk_tuning_int_arg(const char *fname, const char *arg, PyObject *obj, int max
     return 0;
 }
 
+int qk_bool_arg(const char *fname, const char *arg, PyObject *obj, int dflt, int *value) {
+    *value = obj ? PyObject_IsTrue(obj) : dflt;
+    if (*value >= 0) return 0;
+    PyErr_Clear(); /* e.g. a NumPy array of several elements: name the op and the argument */
+    PyErr_Format(PyExc_TypeError, "%s: %s must be a bool, got %.200s", fname, arg, Py_TYPE(obj)->tp_name);
+    return -1;
+}
+
 void qk_shape_str(char *buf, size_t n, const int64_t *shape, int ndim) {
     size_t k = 0;
     k += snprintf(buf + k, n - k, "[");

@@ -55,6 +55,20 @@ void qk_launch_end(qk_launch *l) {
     l->switched = 0;
 }
 
+int qk_index_check(const qk_state *st, const qk_launch *l, const void *idx, int dtype, int64_t n, int64_t stride,
+                   int64_t hi, int64_t *bad_pos, int64_t *bad_value) {
+    if (l->device_type != kDLCUDA || !st->check_indices) return QK_OK;
+    return l->cuda->index_check(idx, dtype, n, stride, 0, hi, bad_pos, bad_value, l->stream);
+}
+
+int qk_graph_status(const char *op, int status, const char *arg, int64_t bad_pos, int64_t bad_value,
+                    int64_t num_graphs) {
+    if (status != QK_E_INDEX || arg == NULL) return qk_raise_status(op, status);
+    PyErr_Format(PyExc_ValueError, "%s: %s[%lld] = %lld is out of range for num_graphs = %lld", op, arg,
+                 (long long)bad_pos, (long long)bad_value, (long long)num_graphs);
+    return -1;
+}
+
 static void qk_set_error(void *ctx, const char *kind, const char *message) {
     (void)ctx;
     PyObject *exc = PyExc_RuntimeError;

@@ -176,6 +176,8 @@ static PyObject *qk_live_storages(PyObject *module, PyObject *Py_UNUSED(ignored)
     return PyLong_FromLong(qk_tensor_live_storages());
 }
 
+PyObject *qk_cpu_isa_py(PyObject *module, PyObject *Py_UNUSED(ignored)); /* csrc/ops/linear.c */
+
 static PyMethodDef qk_methods[] = {
 #define QK_METHODS(op, launcher, family, deciding)                                                  \
     {#op "_raw", (PyCFunction)(void (*)(void))qk_op_##op, METH_FASTCALL | METH_KEYWORDS, qk_raw_doc_##op}, \
@@ -200,6 +202,8 @@ static PyMethodDef qk_methods[] = {
     {"_parallel_selftest", (PyCFunction)qk_parallel_selftest_py, METH_VARARGS,
      "_parallel_selftest(jobs, few, many)\n--\n\n(shares that ran other than once, shares still running after "
      "their call returned) over `jobs` CPU-pool calls alternating between `few` and `many` threads (for tests)."},
+    {"_cpu_isa", (PyCFunction)qk_cpu_isa_py, METH_NOARGS,
+     "_cpu_isa()\n--\n\nThe best instruction-set level of the cpu linear and swiglu here (tests)."},
     {"_live_storages", (PyCFunction)qk_live_storages, METH_NOARGS,
      "_live_storages()\n--\n\nNumber of qkernels.Tensor memory blocks not yet freed (for leak tests)."},
 #ifdef QK_JAX_FFI
@@ -289,41 +293,27 @@ static int qk_exec(PyObject *module) {
     return PyModule_AddObjectRef(module, "CUDA_LIBRARY", st->cuda_path);
 }
 
+/* Every reference qk_state owns besides api_types, in one list so that traverse and clear agree
+ * (visiting the strings and tuples too is harmless: the collector skips what it does not track). */
+#define QK_STATE_OBJECTS(X)                                                                                \
+    X(tensor_type) X(str_dlpack) X(str_dlpack_device) X(str_exchange_api) X(str_requires_grad) X(str_is_neg) \
+    X(str_detach) X(grad_enabled) X(bump_version) X(grad_required) X(str_training) X(kw_versioned)           \
+    X(kw_legacy) X(max_version) X(cuda_path) X(dispatch_ctx) X(direct_plans) X(direct_types) X(fallbacks)
+
 static int qk_traverse(PyObject *module, visitproc visit, void *arg) {
     qk_state *st = qk_get_state(module);
-    Py_VISIT(st->tensor_type);
-    Py_VISIT(st->dispatch_ctx);
-    Py_VISIT(st->direct_plans);
-    Py_VISIT(st->direct_types);
-    Py_VISIT(st->fallbacks);
-    Py_VISIT(st->grad_enabled);
-    Py_VISIT(st->bump_version);
-    Py_VISIT(st->grad_required);
+#define QK_VISIT(member) Py_VISIT(st->member);
+    QK_STATE_OBJECTS(QK_VISIT)
+#undef QK_VISIT
     for (int i = 0; i < st->num_api_types; i++) Py_VISIT(st->api_types[i]);
     return 0;
 }
 
 static int qk_clear(PyObject *module) {
     qk_state *st = qk_get_state(module);
-    Py_CLEAR(st->tensor_type);
-    Py_CLEAR(st->str_dlpack);
-    Py_CLEAR(st->str_dlpack_device);
-    Py_CLEAR(st->str_exchange_api);
-    Py_CLEAR(st->str_requires_grad);
-    Py_CLEAR(st->str_is_neg);
-    Py_CLEAR(st->str_detach);
-    Py_CLEAR(st->grad_enabled);
-    Py_CLEAR(st->bump_version);
-    Py_CLEAR(st->grad_required);
-    Py_CLEAR(st->str_training);
-    Py_CLEAR(st->kw_versioned);
-    Py_CLEAR(st->kw_legacy);
-    Py_CLEAR(st->max_version);
-    Py_CLEAR(st->cuda_path);
-    Py_CLEAR(st->dispatch_ctx);
-    Py_CLEAR(st->direct_plans);
-    Py_CLEAR(st->direct_types);
-    Py_CLEAR(st->fallbacks);
+#define QK_CLEAR(member) Py_CLEAR(st->member);
+    QK_STATE_OBJECTS(QK_CLEAR)
+#undef QK_CLEAR
     for (int i = 0; i < st->num_api_types; i++) Py_CLEAR(st->api_types[i]);
     st->num_api_types = 0;
     return 0;

@@ -114,6 +114,8 @@ int qk_variant_arg(const char *fname, const char *arg, PyObject *obj, const char
 long long qk_num_graphs_arg(const char *fname, PyObject *obj, int64_t scratch_bytes);
 /* An int in [0, max], with pow2 a power of two (or 0); else ValueError (a non-int TypeError). */
 int qk_tuning_int_arg(const char *fname, const char *arg, PyObject *obj, int max, int pow2, int *value);
+/* A bool keyword: its truth (absent: dflt) in *value; where truth cannot be taken TypeError naming fname and arg. */
+int qk_bool_arg(const char *fname, const char *arg, PyObject *obj, int dflt, int *value);
 #define QK_COUNT(array) ((int)(sizeof(array) / sizeof *(array)))
 
 /* launch.c: device selection, stream choice and output allocation shared by every op */
@@ -153,6 +155,16 @@ PyObject *qk_op_finish(qk_launch *l, int launched, qk_output *o, qk_view *ov, in
 PyObject *qk_op_finish_many(qk_launch *l, int launched, qk_output *o, qk_view *ov, int n_out, int ok, qk_view *in,
                             int n_in);
 
+/* QKERNELS_CHECK=1 on cuda: the first of the n indices idx[i * stride] (dtype) outside [0, hi), found
+ * before a kernel follows them -> QK_E_INDEX with *bad_pos, *bad_value.  QK_OK unchecked (the CPU
+ * launchers check as they read). */
+int qk_index_check(const qk_state *st, const qk_launch *l, const void *idx, int dtype, int64_t n, int64_t stride,
+                   int64_t hi, int64_t *bad_pos, int64_t *bad_value);
+/* A graph op's status: 0 for QK_OK, else -1 with the exception; QK_E_INDEX with arg (not NULL) as
+ * ValueError naming the graph id arg[bad_pos] outside [0, num_graphs). */
+int qk_graph_status(const char *op, int status, const char *arg, int64_t bad_pos, int64_t bad_value,
+                    int64_t num_graphs);
+
 /* Run launcher `name` of QK_LAUNCHERS where the data lives: qk_<name>_cuda on the launch stream,
  * or qk_<name>_cpu with the GIL released. */
 #define QK_RUN(status, l, name, args)                               \
@@ -164,6 +176,19 @@ PyObject *qk_op_finish_many(qk_launch *l, int launched, qk_output *o, qk_view *o
             (status) = qk_##name##_cpu((args), NULL);               \
             Py_END_ALLOW_THREADS                                    \
         }                                                           \
+    } while (0)
+
+/* QK_RUN for a graph op whose args hold n graph ids `ids` (args->index_dtype, at stride; NULL: none)
+ * in [0, args->num_graphs): QKERNELS_CHECK's validation first on cuda, then the launcher when `run`;
+ * ok = 1, or the exception raised (a bad id named as arg[i], as args->bad_pos/bad_value give it). */
+#define QK_RUN_GRAPH_IDS(ok, st, l, name, args, op, run, arg, ids, n, stride)                                    \
+    do {                                                                                                       \
+        int status_ = (ids) ? qk_index_check(st, l, ids, (args)->index_dtype, n, stride, (args)->num_graphs,    \
+                                             &(args)->bad_pos, &(args)->bad_value)                             \
+                            : QK_OK;                                                                           \
+        if (status_ == QK_OK && (run)) QK_RUN(status_, l, name, args);                                          \
+        (ok) = qk_graph_status(op, status_, (ids) ? (arg) : NULL, (args)->bad_pos, (args)->bad_value,           \
+                               (args)->num_graphs) == 0;                                                       \
     } while (0)
 
 /* Shape/dtype checks raising ValueError/TypeError with the op and argument named. */

@@ -18,27 +18,41 @@ it): the training step (forward, loss, backward, Adam) and the forward pass alon
                                  [--dropout 0.1] [--variants qkernels:eager,...] [--check]
     python examples/train_gnn.py --check      # tiny, on the CPU: the comparison run only
 
+Data-parallel (--ddp, under torchrun: NCCL with one GPU per rank, gloo on the CPU): each rank trains on
+its own --batch syndromes through DistributedDataParallel, the model code unchanged.  First every
+rank checks its all-reduced gradients against one process on the ranks' concatenated batches
+(dropout off), then the timed runs give one GPU's step beside the data-parallel step and the speed-up:
+
+    torchrun --nproc-per-node 2 examples/train_gnn.py --ddp [--batch 256] [--variants ...]
+    torchrun --nproc-per-node 2 examples/train_gnn.py --ddp --check   # tiny, gloo on the CPU
+
 The examples import the installed qkernels (`pip install .`); in a source checkout built in place,
 put it on the path: PYTHONPATH=. python examples/train_gnn.py
 """
 
 from __future__ import annotations
 
-import argparse
+import datetime
 import os
 import sys
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see eval_gnn.py
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast (NVLS) is off on the lent hosts
+if "LOCAL_WORLD_SIZE" in os.environ:  # under torchrun the ranks of one host share its cores: each rank's
+    os.environ.setdefault("QKERNELS_NUM_THREADS",  # qkernels pool its share (read at import), like OMP_NUM_THREADS
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"]))))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import qkernels  # noqa: E402
 import qkernels.torch  # noqa: E402,F401  registers the operators before torch.compile traces
 
 from eval_gnn import batch_structure, build_graph, init_weights, node_inputs, sample  # noqa: E402  (it sits beside this file)
+from gnn_args import training_parser  # noqa: E402  (beside this file too)
 
 # Loss curves of qkernels and pure PyTorch over the comparison steps, float32 both.  The losses are
 # small (~5e-4 at p = 0.003: most edges have logits near -7.6), and PyTorch's BCE-with-logits computes
@@ -97,7 +111,7 @@ class TorchOps:
 
     def loss(self, logits, labels):
         bce = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
-        sums = torch.zeros(self.st.num_graphs, device=logits.device).index_add(0, self.graph, bce)
+        sums = logits.new_zeros(self.st.num_graphs).index_add(0, self.graph, bce)
         return (sums / self.per_graph).mean()
 
 
@@ -187,29 +201,27 @@ def timed(fn, iters, device):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--distance", type=int, default=5)
-    p.add_argument("--rounds", type=int)
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=32)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--p", type=float, default=0.003)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--steps", type=int, default=30, help="steps of the comparison run")
-    p.add_argument("--iters", type=int, default=50, help="timed steps per variant")
-    p.add_argument("--dropout", type=float, default=0.1, help="dropout of the timed runs")
-    p.add_argument("--seed", type=int, default=0)
+    p = training_parser(__doc__.split("\n\n")[0], "timed steps per variant", "dropout of the timed runs")
     p.add_argument("--device", choices=("cuda", "cpu"))
     p.add_argument("--variants", default="qkernels:eager,qkernels:compile,qkernels:reduce-overhead,pytorch:eager,"
                    "pytorch:compile,pytorch:reduce-overhead", help="comma-separated impl:mode of the timed runs")
     p.add_argument("--check", action="store_true", help="tiny sizes on the CPU, the comparison run only")
     p.add_argument("--profile", action="store_true", help="after the timed runs, where a training step's device "
                    "time goes: the kernels of one step per variant (torch.profiler), largest first")
+    p.add_argument("--ddp", action="store_true", help="data-parallel over the ranks of torchrun (NCCL on GPUs, "
+                   "gloo on the CPU); --batch is per rank")
+    p.add_argument("--timeout", type=float, default=1800, help="--ddp: seconds a collective may wait")
     a = p.parse_args(argv)
     if a.check:
         a.distance, a.batch, a.steps, a.device = 3, 4, 8, a.device or "cpu"
+        a.timeout = min(a.timeout, 120)
     a.rounds = a.rounds or a.distance
+    if a.ddp:
+        if "RANK" not in os.environ:
+            p.error("--ddp runs under torchrun: torchrun --nproc-per-node N examples/train_gnn.py --ddp")
+        if a.variants == p.get_default("variants"):  # CUDA graphs under DDP: by request only
+            a.variants = "qkernels:eager,qkernels:compile,pytorch:eager,pytorch:compile"
+        return ddp_main(a)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() and qkernels.AVAILABLE else "cpu"))
 
     graph = build_graph(a.distance, a.rounds, a.p, a.p)
@@ -266,6 +278,230 @@ def main(argv=None):
             model.train()
             profile(step, device)
     return 0 if ok else 1
+
+
+# ---- data-parallel training: --ddp under torchrun ------------------------------------------------
+
+# DDP's gradients (each rank's loss is the mean over its graphs, the all-reduce averages the ranks)
+# against one process on the concatenated batch: the same fp32 terms summed in another order, and
+# after some Adam steps weights a few ulps apart; a missing or wrong all-reduce is off by O(1).
+GRAD_ATOL, GRAD_RTOL = 1e-8, 1e-4
+
+
+def global_batches(graph, a, count, seed, world):
+    """count batches of world * a.batch syndromes, (detectors, labels) as NumPy: rank r trains on rows
+    [r * a.batch, (r + 1) * a.batch) of each, the single-process reference on all of them."""
+    rng = np.random.default_rng(seed)
+    return [sample(graph, world * a.batch, a.p, a.p, rng) for _ in range(count)]
+
+
+def inputs(st, det, labels, device):
+    """The model's (node inputs, edge inputs, labels) for syndromes det/labels on st's graphs."""
+    det_t = torch.from_numpy(det).to(device, torch.float32)
+    return node_inputs(st, det_t), st.edge_raw, torch.from_numpy(labels.reshape(-1)).to(device, torch.float32)
+
+
+def build_ddp(impl, mode, weights, st, a, dropout):
+    """build() with the module wrapped in DistributedDataParallel (compiled around the wrapper, so
+    Dynamo's DDP optimizer splits the graph at the gradient buckets)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    device = st.row_ptr.device
+    model = Decoder(weights, a.heads, (QkernelsOps if impl == "qkernels" else TorchOps)(st), dropout).to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.Adam(model.parameters(), lr=a.lr, **({"fused": True} if device.type == "cuda" else {}))
+    fwd = ddp if mode == "eager" else torch.compile(ddp, mode=None if mode == "compile" else mode)
+    return ddp, opt, fwd
+
+
+def ddp_compare(graph, weights, a, device, rank, world):
+    """a.steps steps of DDP (qkernels, eager, dropout off) beside one process on the concatenated
+    batches, both with Adam from the same weights -> (worst gradient error, worst loss error) as
+    fractions of their tolerances, the largest over steps, parameters and ranks; inf if any
+    parameter or gradient left this rank's device."""
+    st = batch_structure(graph, a.batch, device)  # this rank's graphs, indices local to them
+    st_all = batch_structure(graph, world * a.batch, device)
+    mine = slice(rank * a.batch, (rank + 1) * a.batch)
+    ddp, opt, _ = build_ddp("qkernels", "eager", weights, st, a, 0.0)
+    ref, opt_ref, _ = build("qkernels", "eager", weights, st_all, a, 0.0)
+    worst = torch.zeros(2, dtype=torch.float64, device=device)
+    for det, labels in global_batches(graph, a, a.steps, a.seed + 1, world):
+        opt.zero_grad(set_to_none=True)
+        opt_ref.zero_grad(set_to_none=True)
+        loss = ddp(*inputs(st, det[mine], labels[mine], device))
+        loss.backward()
+        want = ref(*inputs(st_all, det, labels, device))
+        want.backward()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        mean /= world
+        worst[1] = torch.maximum(worst[1], (mean - want.detach()).abs() / (LOSS_ATOL + LOSS_RTOL * want.detach().abs()))
+        for p, q in zip(ddp.module.parameters(), ref.parameters()):
+            if p.device != device or p.grad is None or p.grad.device != device:
+                worst.fill_(float("inf"))
+                continue
+            err = (p.grad - q.grad).abs().max() / (GRAD_ATOL + GRAD_RTOL * q.grad.abs().max())
+            worst[0] = torch.maximum(worst[0], err.double())
+        opt.step()
+        opt_ref.step()
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.tolist()
+
+
+def host_syncs(fn, device, strict):
+    """Run fn() behind a kernel that keeps the device busy for about a second -> (whether fn returned
+    while that kernel still ran, fn's host seconds, torch's synchronisations reported).  A host wait
+    for the device, from torch or from any library calling the CUDA runtime itself, lets the kernel
+    finish first; torch's sync debug mode names torch's own (strict: raises at the first)."""
+    import warnings
+
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda._sleep(2_000_000_000)  # clock cycles: about a second at Hopper's clocks
+        torch.cuda.set_sync_debug_mode("error" if strict else "warn")
+        t0 = time.perf_counter()
+        try:
+            fn()
+        finally:
+            host = time.perf_counter() - t0
+            torch.cuda.set_sync_debug_mode("default")
+            busy = not torch.cuda.current_stream(device).query()
+            torch.cuda.synchronize(device)
+    return busy, host, sum("synchroniz" in str(w.message) for w in seen)
+
+
+def qkernels_step(st, a, device):
+    """Forward and backward of the four graph ops on st (dropout on), every gradient asked for."""
+    gen = torch.Generator(device=device).manual_seed(a.seed)
+    N, E, H = st.node_static.shape[0], st.edge_raw.shape[0], a.hidden
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen, device=device).requires_grad_()
+
+    x, e, att, v, g, b, logits = (leaf(N, H), leaf(E, H), leaf(2 * E, a.heads), leaf(N, a.heads, H // a.heads),
+                                  leaf(H), leaf(H), leaf(E))
+    labels = (torch.rand(E, generator=gen, device=device) < 0.1).float()
+
+    def run():
+        ef = qkernels.fused_edge_features(x, st.edge_index, e)
+        agg = qkernels.sparse_aggregate(st.row_ptr, st.col_idx, att, v)
+        y = qkernels.fused_norm_residual(x, agg.view(N, H), g, b, p=0.1, training=True)
+        loss = qkernels.graph_norm_bce(logits, labels, st.edge_graph, st.num_graphs)
+        total = loss + ef.square().mean() + y.square().mean()
+        torch.autograd.grad(total, [x, e, att, v, g, b, logits])
+
+    return run
+
+
+def time_step(model, opt, fwd, args, iters, device):
+    """Seconds per training step (forward, loss, backward, Adam) of fwd on args."""
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = fwd(*args)
+        loss.backward()
+        opt.step()
+
+    return timed(step, iters, device)
+
+
+def ddp_timed(graph, weights, a, device, rank, world):
+    """Per variant: one device alone (rank 0, the others waiting) at a.batch, then the DDP step on
+    every rank at a.batch each; rank 0 prints both, the slowest rank's DDP step, throughput and the
+    speed-up."""
+    st = batch_structure(graph, a.batch, device)
+    det, labels = global_batches(graph, a, 1, a.seed + 2, world)[0]
+    mine = slice(rank * a.batch, (rank + 1) * a.batch)
+    args = inputs(st, det[mine], labels[mine], device)
+    torch.manual_seed(a.seed + 1000 * rank)  # each rank its own dropout masks
+    one, many = ("GPU", "GPUs") if device.type == "cuda" else ("proc", "procs")
+    if rank == 0:
+        print(f"timed: {a.iters} steps per variant (forward, loss, backward with the gradient all-reduce, Adam), "
+              f"dropout {a.dropout}, batch {a.batch} per rank")
+        print(f"  {'variant':<28} {'1 ' + one:>12} {f'{world} ' + many:>13} {'ratio':>6} "
+              f"{'graphs/s, 1':>12} {f'graphs/s, {world}':>12} {'speed-up':>8}")
+    results = []
+    for variant in a.variants.split(","):
+        impl, mode = variant.split(":")
+        t = torch.zeros(2, dtype=torch.float64, device=device)
+        for which, make in ((0, build), (1, build_ddp)):
+            if which == 0 and rank != 0:
+                dist.barrier()
+                continue
+            torch._dynamo.reset()
+            t[which] = time_step(*make(impl, mode, weights, st, a, a.dropout), args, a.iters, device)
+            if which == 0:
+                dist.barrier()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        t1, tn = t.tolist()
+        results.append((variant, t1, tn))
+        if rank == 0:
+            print(f"  {variant:<28} {t1 * 1e3:>9.3f} ms {tn * 1e3:>10.3f} ms {tn / t1:>6.3f} {a.batch / t1:>12.0f} "
+                  f"{world * a.batch / tn:>12.0f} {t1 * world / tn:>7.2f}x")
+    if rank == 0 and device.type == "cuda":
+        print("  targets (2 H200, batch 256 per GPU): speed-up >= 1.8x, DDP step within 10% of one GPU's "
+              "(ratio <= 1.10)")
+    return results
+
+
+def ddp_main(a):
+    """--ddp: the comparison (and on CUDA the host-synchronisation check), then the timed runs."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    want = a.device or ("cuda" if torch.cuda.is_available() and qkernels.AVAILABLE else "cpu")
+    device = torch.device(want, local_rank) if want == "cuda" else torch.device("cpu")
+    timeout = datetime.timedelta(seconds=a.timeout)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    try:
+        graph = build_graph(a.distance, a.rounds, a.p, a.p)
+        prior = min(max(float(graph.edge_prior.mean()), 1e-6), 0.5)
+        weights = init_weights(a.seed, a.layers, a.hidden, a.heads, np.log(prior / (1 - prior)))
+        if rank == 0:
+            print(f"train_gnn --ddp: {world} ranks ({dist.get_backend()}), device {device.type}, d={a.distance}, "
+                  f"{a.rounds} rounds, batch {a.batch} per rank ({world * a.batch} in all), {a.layers} layers, "
+                  f"hidden {a.hidden}, {a.heads} heads; float32, Adam lr {a.lr}")
+        g_err, l_err = ddp_compare(graph, weights, a, device, rank, world)
+        ok = g_err <= 1.0 and l_err <= 1.0
+        if rank == 0:
+            print(f"DDP vs one process on the concatenated batches ({a.steps} steps, dropout off): gradients "
+                  f"{g_err:.2f} of the tolerance {GRAD_ATOL:.0e} + {GRAD_RTOL:.0e} max|grad| per parameter, "
+                  f"losses {l_err:.2f} of theirs, every op on its rank's device: {'PASS' if ok else 'FAIL'}")
+        if device.type == "cuda":
+            st = batch_structure(graph, a.batch, device)
+            run = qkernels_step(st, a, device)
+            run()
+            try:
+                clean, host, _ = host_syncs(run, device, strict=True)
+            except RuntimeError as e:  # torch's sync debug mode: an op inside synchronised
+                print(f"rank {rank}: {e}", file=sys.stderr)
+                clean, host = False, float("nan")
+            flag = torch.tensor([0 if clean else 1], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            ok &= flag.item() == 0
+            ddp, opt, fwd = build_ddp("qkernels", "eager", weights, st, a, a.dropout)
+            args = inputs(st, *global_batches(graph, a, 1, a.seed + 3, 1)[0], device)
+            for _ in range(2):
+                fwd(*args).backward()
+            busy, ddp_host, n = host_syncs(lambda: fwd(*args).backward(), device, strict=False)
+            if rank == 0:
+                print(f"host synchronisations: qkernels' ops forward + backward returned in {host * 1e3:.1f} ms with "
+                      f"the device still busy: {'PASS' if flag.item() == 0 else 'FAIL'}; a DDP forward + backward "
+                      f"of the qkernels model ({ddp_host * 1e3:.1f} ms): device still busy {busy}, "
+                      f"{n} synchronisations reported by torch")
+            del ddp, opt, fwd
+        if not a.check:
+            ddp_timed(graph, weights, a, device, rank, world)
+        elif rank == 0:
+            print("check passed" if ok else "check FAILED")
+        status = torch.tensor([0 if ok else 1], device=device)
+        dist.all_reduce(status, op=dist.ReduceOp.MAX)  # every rank exits with the same verdict
+        return int(status.item())
+    finally:
+        dist.destroy_process_group()
 
 
 def profile(step, device, top=30):

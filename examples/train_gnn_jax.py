@@ -10,14 +10,20 @@ train_gnn.py's PyTorch model on the same batches.  Dropout takes an explicit see
                                      [--steps 30] [--iters 50] [--dropout 0.1] [--check]
     python examples/train_gnn_jax.py --check   # tiny, on the CPU: the loss curve against PyTorch's
 
+Data-parallel over N devices (--devices N, --batch per device): the batch splits by graph, each device
+runs the step on its own graphs inside shard_map (see data_parallel_step) and the loss and gradients
+are averaged over the devices; the run is checked against one device on the whole batch.  On the CPU:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python examples/train_gnn_jax.py --devices 2 --check
+
 The examples import the installed qkernels (`QKERNELS_JAX=1 pip install '.[jax]'`); in a source
 checkout built in place, put it on the path: PYTHONPATH=. python examples/train_gnn_jax.py
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
+import math
 import sys
 import time
 
@@ -28,7 +34,14 @@ import numpy as np
 import qkernels.jax as qj
 
 from eval_gnn import batch_structure, build_graph, init_weights, node_inputs, sample  # noqa: E402  (beside this file)
+from gnn_args import training_parser  # noqa: E402
 
+# The loss curve against train_gnn.py's PyTorch model (float32, on the CPU).  The model is the same;
+# two steps differed and are now PyTorch's: jax.numpy's float32 matmuls may run as TF32 on a GPU at
+# XLA's default precision (--precision highest keeps float32), and Adam's bias corrections cancelled
+# in float32.  What remains is float32 summation order, which Adam amplifies (its first steps move
+# every weight by ~lr whatever the gradient's size, so rounding in near-zero gradients shows): ~1e-4
+# relative on the CPU check, hence 1e-3.
 LOSS_ATOL, LOSS_RTOL = 1e-6, 1e-3
 
 
@@ -70,7 +83,10 @@ def adam_update(w, g, state, lr, b1=0.9, b2=0.999, eps=1e-8):
     t = state["t"] + 1
     m = jax.tree_util.tree_map(lambda m, g: b1 * m + (1 - b1) * g, state["m"], g)
     v = jax.tree_util.tree_map(lambda v, g: b2 * v + (1 - b2) * g * g, state["v"], g)
-    bc1, bc2 = 1 - b1 ** t.astype(jnp.float32), 1 - b2 ** t.astype(jnp.float32)
+    # 1 - b^t as -expm1(t log(b)) with log(b) from float64: float32's 1 - 0.999^t cancels to ~1e-5
+    # relative error, where torch forms the corrections in Python floats
+    tf = t.astype(jnp.float32)
+    bc1, bc2 = -jnp.expm1(tf * math.log(b1)), -jnp.expm1(tf * math.log(b2))
     w = jax.tree_util.tree_map(lambda w, m, v: w - (lr / bc1) * m / (jnp.sqrt(v) / jnp.sqrt(bc2) + eps), w, m, v)
     return w, {"m": m, "v": v, "t": t}
 
@@ -80,6 +96,98 @@ def train_step(w, opt, st, node_x, labels, seed, *, num_graphs, heads, p, lr):
     loss, g = jax.value_and_grad(forward)(w, st, node_x, labels, num_graphs, heads, p, seed)
     w, opt = adam_update(w, g, opt, lr)
     return w, opt, loss
+
+
+def data_parallel_step(mesh, *, num_graphs, heads, p, lr):
+    """train_step over the mesh's axis "batch" (n devices): each device takes num_graphs / n graphs of
+    the batch, and st is one shard's structure (indices local to its graphs, the same on every device,
+    since the batch is n copies of one shard's layout).  The custom calls run per device inside
+    shard_map on their shard alone; the only communication is the mean of the loss and gradients."""
+    from jax.sharding import PartitionSpec as P
+
+    n = mesh.shape["batch"]
+
+    def local(w, opt, st, node_x, labels, seed):
+        # every device its own dropout masks: disjoint seeds for its 2 * layers norms
+        shard_seed = (seed * n + jax.lax.axis_index("batch")) * (2 * len(w["layers"]))
+        loss, g = jax.value_and_grad(forward)(w, st, node_x, labels, num_graphs // n, heads, p, shard_seed)
+        loss, g = jax.lax.pmean((loss, g), "batch")  # each shard's loss is the mean over its graphs
+        w, opt = adam_update(w, g, opt, lr)
+        return w, opt, loss
+
+    # check_vma off: the gradients are taken per device and averaged explicitly, as written above
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P("batch"), P("batch"), P()),
+                                 out_specs=(P(), P(), P()), check_vma=False))
+
+
+def collectives(compiled_text):
+    """{collective: count} in a compiled XLA module's text."""
+    ops = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+    return {op: compiled_text.count(f" {op}(") + compiled_text.count(f" {op}-start(") for op in ops}
+
+
+def run_data_parallel(a, graph, st, w0, batches, losses, w_one):
+    """--devices N: the comparison batches through data_parallel_step against the one-device losses
+    and final weights w_one (dropout off), the compiled step's collectives, and unless --check the timed steps: one device on
+    a.batch / N graphs beside N devices on a.batch.  -> whether the comparison passed."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    n, local_batch = a.devices, a.batch // a.devices
+    mesh = Mesh(np.array(jax.devices()[:n]), ("batch",))
+    rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("batch"))
+    st_local, _ = structure(graph, local_batch)
+    st_local = jax.device_put(st_local, rep)
+    static = dict(num_graphs=a.batch, heads=a.heads, lr=a.lr)
+    w, opt, got = jax.device_put(w0, rep), jax.device_put(adam_init(w0), rep), []
+    step = data_parallel_step(mesh, p=0.0, **static)
+    for node_x, labels in batches:
+        w, opt, loss = step(w, opt, st_local, jax.device_put(node_x, split), jax.device_put(labels, split),
+                            jnp.int32(0))
+        got.append(float(loss))
+    g, q = np.array(got), np.array(losses)
+    worst = float(np.max(np.abs(g - q) / (LOSS_ATOL + LOSS_RTOL * np.abs(q))))
+    # weights after the same Adam steps: per array within a few ulps of its largest entry
+    w_err = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))) / (1e-7 + 1e-5 * np.max(np.abs(np.asarray(y)))))
+                for x, y in zip(jax.tree_util.tree_leaves(w), jax.tree_util.tree_leaves(w_one)))
+    ok = worst <= 1.0 and w_err <= 1.0
+    node_x, labels = (jax.device_put(v, split) for v in batches[0])
+    text = step.lower(w, opt, st_local, node_x, labels, jnp.int32(0)).compile().as_text()
+    found = collectives(text)
+    ok &= found["all-gather"] == 0 and found["all-reduce"] > 0
+    print(f"sharded over {n} devices ({local_batch} graphs each, shard_map): loss {g[0]:.6f} -> {g[-1]:.6f}, "
+          f"max abs diff to one device {np.max(np.abs(g - q)):.1e}, {worst:.2f} of the tolerance, final weights "
+          f"{w_err:.2f} of theirs; compiled step: "
+          + ", ".join(f"{k} {v}" for k, v in found.items() if v or k == "all-gather") + f": {'PASS' if ok else 'FAIL'}")
+    # For contrast: plain jit on the sharded batch, the custom calls having no sharding rule.
+    plain = train_step.lower(w, opt, jax.device_put(st, rep), node_x, labels, jnp.int32(0), p=0.0, **static)
+    print("  plain jit on the same sharded batch (no shard_map), compiled step: " + ", ".join(
+        f"{k} {v}" for k, v in collectives(plain.compile().as_text()).items() if v) + " (the custom calls gathered)")
+    if a.check:
+        return ok
+
+    def per_step(fn, *args):
+        w, opt = args[0], args[1]
+        for i in range(3):
+            w, opt, loss = fn(w, opt, *args[2:], jnp.int32(i))
+        jax.block_until_ready(loss)
+        t0 = time.perf_counter()
+        for i in range(a.iters):
+            w, opt, loss = fn(w, opt, *args[2:], jnp.int32(1000 + 16 * i))
+        jax.block_until_ready(loss)
+        return (time.perf_counter() - t0) / a.iters
+
+    dev0 = jax.devices()[0]
+    one = functools.partial(train_step, p=a.dropout, num_graphs=local_batch, heads=a.heads, lr=a.lr)
+    t1 = per_step(one, *jax.device_put((w0, adam_init(w0), st_local, batches[0][0][:local_batch * graph.num_nodes],
+                                        batches[0][1][:local_batch * graph.num_edges]), dev0))
+    tn = per_step(data_parallel_step(mesh, p=a.dropout, **static), *jax.device_put((w0, adam_init(w0)), rep),
+                  st_local, node_x, labels)
+    print(f"timed: dropout {a.dropout}, {local_batch} graphs per device: 1 device {t1 * 1e3:.3f} ms/step "
+          f"({local_batch / t1:.0f} graphs/s), {n} devices {tn * 1e3:.3f} ms/step ({a.batch / tn:.0f} graphs/s): "
+          f"step ratio {tn / t1:.3f}, speed-up {t1 * n / tn:.2f}x")
+    if jax.default_backend() == "gpu":
+        print("  targets (2 H200, batch 256 per GPU): speed-up >= 1.8x, step ratio <= 1.10")
+    return ok
 
 
 def make_batches(graph, torch_st, a, count, seed):
@@ -107,31 +215,34 @@ def torch_curve(graph, a, weights, seed):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--distance", type=int, default=5)
-    p.add_argument("--rounds", type=int)
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=32)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--p", type=float, default=0.003)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--steps", type=int, default=30, help="steps of the comparison run")
-    p.add_argument("--iters", type=int, default=50, help="timed steps")
-    p.add_argument("--dropout", type=float, default=0.1, help="dropout of the timed run")
-    p.add_argument("--seed", type=int, default=0)
+    p = training_parser(__doc__.split("\n\n")[0], "timed steps", "dropout of the timed run")
+    p.add_argument("--precision", default="highest", choices=("highest", "default"),
+                   help="jax.numpy's float32 matmuls: highest = float32 as PyTorch; default lets a GPU use TF32")
     p.add_argument("--check", action="store_true", help="tiny sizes on the CPU, the comparison run only")
+    p.add_argument("--devices", type=int, default=1, help="data-parallel over this many devices; --batch is per "
+                   "device (the one-device comparison takes the whole batch)")
     a = p.parse_args(argv)
+    with jax.default_matmul_precision(a.precision):
+        return run(a)
+
+
+def run(a):
     if a.check:
-        a.distance, a.batch, a.steps = 3, 4, 8
+        a.distance, a.batch, a.steps = 3, max(1, 4 // a.devices), 8
     a.rounds = a.rounds or a.distance
+    a.batch *= a.devices
+    if len(jax.devices()) < a.devices:
+        print(f"--devices {a.devices}: jax sees {len(jax.devices())} device(s) ({jax.default_backend()}); on the CPU "
+              f"set XLA_FLAGS=--xla_force_host_platform_device_count={a.devices} before jax starts")
+        return 1
 
     graph = build_graph(a.distance, a.rounds, a.p, a.p)
     st, torch_st = structure(graph, a.batch)
     prior = min(max(float(graph.edge_prior.mean()), 1e-6), 0.5)
     weights = init_weights(a.seed, a.layers, a.hidden, a.heads, np.log(prior / (1 - prior)))
     print(f"train_gnn_jax: d={a.distance}, {a.rounds} rounds, batch {a.batch}, {a.layers} layers, hidden {a.hidden}, "
-          f"{a.heads} heads; jax {jax.__version__} on {jax.default_backend()}, float32, Adam lr {a.lr}")
+          f"{a.heads} heads; jax {jax.__version__} on {jax.default_backend()}, float32 (matmul precision "
+          f"{a.precision}), Adam lr {a.lr}")
 
     batches = make_batches(graph, torch_st, a, a.steps, a.seed + 1)
     w0 = jax.tree_util.tree_map(jnp.asarray, weights)
@@ -154,6 +265,8 @@ def main(argv=None):
         print(f"comparison ({a.steps} steps, dropout off): loss {q[0]:.6f} -> {q[-1]:.6f} (jax), "
               f"{t[0]:.6f} -> {t[-1]:.6f} (pytorch); max abs diff {np.max(np.abs(q - t)):.1e}, "
               f"{worst:.2f} of the tolerance {LOSS_ATOL:.0e} + {LOSS_RTOL:.0e} |loss|: {'PASS' if ok else 'FAIL'}")
+    if a.devices > 1:
+        ok &= run_data_parallel(a, graph, st, w0, batches, losses, w)
     if a.check:
         print("check passed" if ok else "check FAILED")
         return 0 if ok else 1

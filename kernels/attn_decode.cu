@@ -572,7 +572,8 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     }
     const int64_t chunk = lcap > 0 ? (lcap + nsplit - 1) / nsplit : 1;
     float *ws = nullptr;
-    if (nsplit > 1) QK_CUDA_TRY(cudaMallocAsync((void **)&ws, (size_t)(a->B * a->Hq * nsplit * (D + 2)) * sizeof(float), s));
+    const size_t ws_bytes = nsplit > 1 ? (size_t)(a->B * a->Hq * nsplit * (D + 2)) * sizeof(float) : 0;
+    QK_SCRATCH_TRY(a->scratch, ws_bytes, s, &ws);
     qk_attn_decode_args p = *a;
     int ns = (int)nsplit;
     int64_t ch = chunk;
@@ -587,7 +588,7 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
             status = qk_launch_dependent(wide ? (const void *)decode_combine<T, D, true> : (const void *)decode_combine<T, D, false>,
                                          dim3((unsigned)((warps + kWarps - 1) / kWarps)), dim3(kThreads), 0, s, cargs);
         }
-        const int freed = (int)cudaFreeAsync(ws, s);
+        const int freed = qk_scratch_free(a->scratch, ws, ws_bytes, s);
         if (!status) status = freed;
     }
     return status;

@@ -94,6 +94,25 @@ inline int qk_grid_for(int64_t work, int per_block, int max_blocks = 65536) {
         if (qk_err_ != cudaSuccess) return (int)qk_err_;   \
     } while (0)
 
+// A launcher's temporary device memory: from the args struct's scratch hook when it has one (XLA's
+// allocator under qkernels.jax), else the stream-ordered pool.  Every launcher goes through these two.
+inline int qk_scratch_alloc(const qk_scratch *sc, size_t bytes, cudaStream_t s, void **p) {
+    *p = nullptr;
+    if (bytes == 0) return QK_OK;
+    if (sc && sc->alloc) return sc->alloc(sc->ctx, bytes, (void *)s, p);
+    return (int)cudaMallocAsync(p, bytes, s);
+}
+inline int qk_scratch_free(const qk_scratch *sc, void *p, size_t bytes, cudaStream_t s) {
+    if (!p) return QK_OK;
+    if (sc && sc->free) return sc->free(sc->ctx, p, bytes, (void *)s);
+    return (int)cudaFreeAsync(p, s);
+}
+#define QK_SCRATCH_TRY(sc, bytes, s, pp)                                  \
+    do {                                                                  \
+        const int qk_st_ = qk_scratch_alloc((sc), (bytes), (s), (void **)(pp)); \
+        if (qk_st_) return qk_st_;                                        \
+    } while (0)
+
 // Launch `kernel` (a __global__ function's address) with its parameters in `args`, through the
 // driver's cuLaunchKernel and a context-independent kernel handle: less host time per call than
 // <<<>>> (benchmarks/probe/launch_cost.cu), which matters for decode-sized calls.  Falls back to

@@ -324,7 +324,7 @@ int efb_grouped(const EfbArgs *a, int G, int K, cudaStream_t s) {
                  o_slots = plan.take(vector ? (size_t)(2 * nchunks * a->H) * sizeof(float) : 0),
                  o_temp = plan.take(temp_bytes);
     char *base = nullptr;
-    QK_CUDA_TRY(cudaMallocAsync((void **)&base, plan.bytes, s));
+    QK_SCRATCH_TRY(a->scratch, plan.bytes, s, &base);
     keys = cub::DoubleBuffer<U>((U *)(base + o_keys0), (U *)(base + o_keys1));
     items = cub::DoubleBuffer<U>((U *)(base + o_items0), (U *)(base + o_items1));
     uint8_t *marked = (uint8_t *)(base + o_marked);
@@ -379,7 +379,7 @@ int efb_grouped(const EfbArgs *a, int G, int K, cudaStream_t s) {
         status = qk_launch((const void *)efb_scalar<T, I, U>, dim3(qk_grid_for(a->num_nodes * a->H, 256, 132 * 16)),
                            dim3(256), 0, s, args);
     }
-    const int freed = (int)cudaFreeAsync(base, s);
+    const int freed = qk_scratch_free(a->scratch, base, plan.bytes, s);
     return status ? status : freed;
 }
 

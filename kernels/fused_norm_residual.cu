@@ -467,7 +467,7 @@ int nr_bwd_launch(const qk_fused_norm_residual_backward_args *a, cudaStream_t s)
         scratch_bytes = partial_bytes + (size_t)a->R * sizeof(float2);
     }
     char *scratch = nullptr;
-    QK_CUDA_TRY(cudaMallocAsync((void **)&scratch, scratch_bytes, s));
+    QK_SCRATCH_TRY(a->scratch, scratch_bytes, s, &scratch);
     float *partial = reinterpret_cast<float *>(scratch);
     int status;
     if (kernel) {
@@ -489,7 +489,7 @@ int nr_bwd_launch(const qk_fused_norm_residual_backward_args *a, cudaStream_t s)
     if (!status)
         status = qk_launch_dependent((const void *)nr_bwd_columns<T>, dim3(col_blocks), dim3(32 * kColGroups), 0, s,
                                      args);
-    const int freed = (int)cudaFreeAsync(scratch, s);
+    const int freed = qk_scratch_free(a->scratch, scratch, scratch_bytes, s);
     return status ? status : freed;
 }
 
@@ -926,7 +926,7 @@ int gn_forward(const qk_fused_norm_residual_args *a, cudaStream_t s) {
                     {0, 0}, a->gamma_stride, a->batch_stride, a->eps, a->scale, a->drop_threshold, 0, 0, nullptr};
     const GraphScratch layout = gn_scratch(a->R, a->num_graphs, chunks, 0);
     char *scratch = nullptr;
-    QK_CUDA_TRY(cudaMallocAsync((void **)&scratch, layout.total, s));
+    QK_SCRATCH_TRY(a->scratch, layout.total, s, &scratch);
     GraphWork w = gn_work(scratch, layout);
     int status = gn_statistics<T, I>(ga, w, chunks, false, s);
     qk_fused_norm_residual_args p = *a;
@@ -934,7 +934,7 @@ int gn_forward(const qk_fused_norm_residual_args *a, cudaStream_t s) {
     if (!status)
         status = qk_launch(a->training ? (const void *)gn_out<T, I, true> : (const void *)gn_out<T, I, false>,
                            dim3(qk_grid_for(a->R, kGraphWarps, 1 << 20)), dim3(kGraphWarps * 32), 0, s, args);
-    const int freed = (int)cudaFreeAsync(scratch, s);
+    const int freed = qk_scratch_free(a->scratch, scratch, layout.total, s);
     return status ? status : freed;
 }
 
@@ -950,7 +950,7 @@ int gn_backward(const qk_fused_norm_residual_backward_args *a, cudaStream_t s) {
     const size_t partial_bytes = (size_t)nblocks * 2 * (size_t)a->H * sizeof(float);
     const GraphScratch layout = gn_scratch(a->R, a->num_graphs, chunks, partial_bytes);
     char *scratch = nullptr;
-    QK_CUDA_TRY(cudaMallocAsync((void **)&scratch, layout.total, s));
+    QK_SCRATCH_TRY(a->scratch, layout.total, s, &scratch);
     GraphWork w = gn_work(scratch, layout);
     float *partial = reinterpret_cast<float *>(scratch + layout.partial);
     int status = gn_statistics<T, I>(ga, w, chunks, true, s);
@@ -968,7 +968,7 @@ int gn_backward(const qk_fused_norm_residual_backward_args *a, cudaStream_t s) {
     if (!status)
         status = qk_launch((const void *)gn_grad_x<T, I>, dim3(qk_grid_for(a->R, kGraphWarps, 1 << 20)),
                            dim3(kGraphWarps * 32), 0, s, gx_args);
-    const int freed = (int)cudaFreeAsync(scratch, s);
+    const int freed = qk_scratch_free(a->scratch, scratch, layout.total, s);
     return status ? status : freed;
 }
 

@@ -579,7 +579,7 @@ extern "C" int qk_graph_norm_bce_cuda(const qk_graph_norm_bce_args *a, void *str
     const size_t off_sum = off_bu + align16(nblocks * sizeof(int));
     const size_t off_count = off_sum + align16(G * sizeof(float)), total = off_count + align16(G * sizeof(unsigned));
     char *scratch = nullptr;
-    QK_CUDA_TRY(cudaMallocAsync((void **)&scratch, total, s));
+    QK_SCRATCH_TRY(a->scratch, total, s, &scratch);
     Work w = {(Boundary *)(scratch + off_first), (Boundary *)(scratch + off_last), (double *)(scratch + off_partial),
               (int *)(scratch + off_bu), (unsigned int *)scratch, (int *)(scratch + off_flag),
               (float *)(scratch + off_sum), (unsigned int *)(scratch + off_count), (long long)run_len};
@@ -603,7 +603,7 @@ extern "C" int qk_graph_norm_bce_cuda(const qk_graph_norm_bce_args *a, void *str
             return QK_OK;
         }();
     }
-    const int freed = (int)cudaFreeAsync(scratch, s);
+    const int freed = qk_scratch_free(a->scratch, scratch, total, s);
     return status ? status : freed;
 }
 
@@ -615,7 +615,7 @@ extern "C" int qk_graph_norm_bce_backward_cuda(const qk_graph_norm_bce_args *a, 
     const int64_t blocks = (E + (int64_t)kBwdThreads * kRun - 1) / ((int64_t)kBwdThreads * kRun);
     if (blocks > 0x7fffffff) return QK_E_UNSUPPORTED;
     unsigned long long *count = nullptr;
-    QK_CUDA_TRY(cudaMallocAsync((void **)&count, (size_t)G * sizeof(unsigned long long), s));
+    QK_SCRATCH_TRY(a->scratch, (size_t)G * sizeof(unsigned long long), s, &count);
     int status = (int)cudaMemsetAsync(count, 0, (size_t)G * sizeof(unsigned long long), s);
     const bool vector_ids = a->graph_stride == 1 && qk_aligned16(a->edge_graph);
     const bool vector = vector_ids && a->logits_stride == 1 && a->target_stride == 1 && a->grad_stride == 1 &&
@@ -638,6 +638,6 @@ extern "C" int qk_graph_norm_bce_backward_cuda(const qk_graph_norm_bce_args *a, 
             return QK_OK;
         }();
     }
-    const int freed = (int)cudaFreeAsync(count, s);
+    const int freed = qk_scratch_free(a->scratch, count, (size_t)G * sizeof(unsigned long long), s);
     return status ? status : freed;
 }

@@ -25,7 +25,8 @@
 //   (what the products' tensor cores take, as autograd of the unfused formulation would hold them).
 // lb_colsum (grad_b): a thread per column over a range of rows, split ranges added by lb_finish.
 //
-// Scratch (workspaces, ga / gb) comes from cudaMallocAsync on the caller's stream; grids come from the
+// Scratch (workspaces, ga / gb) comes from a->scratch (qk_scratch_alloc: XLA's allocator under
+// qkernels.jax, else cudaMallocAsync on the caller's stream); grids come from the
 // shapes and the SM count only and nothing is read back: CUDA-graph safe.  Rows that are not 16-byte
 // vectorisable (K or N % 8, unaligned pointers or strides) are loaded element by element into the same
 // tiles (the kVec = false instances).
@@ -33,7 +34,7 @@
 
 extern "C" int qk_linear_lt_gemm(int in_dtype, int transa, int transb, int64_t m, int64_t n, int64_t k, const void *A,
                                  int64_t lda, const void *B, int64_t ldb, void *D, int out_f32, int64_t ldd, int accumulate,
-                                 cudaStream_t stream);  // linear_lt.cu
+                                 cudaStream_t stream, const qk_scratch *sc);  // linear_lt.cu
 
 namespace {
 
@@ -237,18 +238,23 @@ int lb_finish_run(const float *ws, int S, int64_t R, int64_t C, T *out, int64_t 
     return qk_launch((const void *)lb_finish<T>, dim3(qk_grid_for(R * C, 256)), dim3(256), 0, stream, args);
 }
 
-// A buffer from the stream-ordered allocator, freed on the stream when the guard goes.
+// A scratch buffer (qk_scratch_alloc), freed on the stream when the guard goes.
 struct lb_scratch {
     void *p = nullptr;
+    size_t bytes = 0;
     cudaStream_t stream;
-    explicit lb_scratch(cudaStream_t s) : stream(s) {}
-    int alloc(size_t bytes) { return bytes ? (int)cudaMallocAsync(&p, bytes, stream) : QK_OK; }
+    const qk_scratch *sc;
+    lb_scratch(cudaStream_t s, const qk_scratch *hook) : stream(s), sc(hook) {}
+    int alloc(size_t n) {
+        bytes = n;
+        return qk_scratch_alloc(sc, n, stream, &p);
+    }
     // the free's status where nothing failed before
     int release(int status) {
         if (!p) return status;
-        const cudaError_t f = cudaFreeAsync(p, stream);
+        const int f = qk_scratch_free(sc, p, bytes, stream);
         p = nullptr;
-        return status != QK_OK ? status : (int)f;
+        return status != QK_OK ? status : f;
     }
     ~lb_scratch() { release(QK_OK); }
 };
@@ -258,7 +264,7 @@ inline bool lb_al16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 // grad_x = sum of the terms' products into out [M, K] (row stride out_stride).  forced: a->split.
 template <typename T, int MT>
 int lb_dgrad_mt(const lb_terms &tm, int64_t M, int64_t N, int64_t K, T *out, int64_t out_stride, int forced,
-                cudaStream_t stream) {
+                cudaStream_t stream, const qk_scratch *sc) {
     using C = lb_dcfg<MT>;
     bool vec = N % 8 == 0 && K % 8 == 0;
     for (int p = 0; p < tm.np; p++)
@@ -285,7 +291,7 @@ int lb_dgrad_mt(const lb_terms &tm, int64_t M, int64_t N, int64_t K, T *out, int
     nsplit = nsplit < steps ? nsplit : steps;
     if (nsplit < 1) nsplit = 1;
     if (base > 0x7fffffff) return QK_E_UNSUPPORTED;
-    lb_scratch ws(stream);
+    lb_scratch ws(stream, sc);
     if (nsplit > 1) QK_CUDA_TRY((cudaError_t)ws.alloc((size_t)nsplit * M * K * sizeof(float)));
     lb_terms tm_ = tm;
     int64_t M_ = M, N_ = N, K_ = K, kt_ = ktiles, os_ = out_stride;
@@ -300,14 +306,14 @@ int lb_dgrad_mt(const lb_terms &tm, int64_t M, int64_t N, int64_t K, T *out, int
 
 template <typename T>
 int lb_dgrad_run(const lb_terms &tm, int64_t M, int64_t N, int64_t K, T *out, int64_t out_stride, int forced,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, const qk_scratch *sc) {
     if (M <= 0 || K <= 0) return QK_OK;
     if (N <= 0) return lb_finish_run<T>(nullptr, 0, M, K, out, out_stride, 1, stream);  // no terms: zeros
     switch (lb_mt(M)) {
-    case 1: return lb_dgrad_mt<T, 1>(tm, M, N, K, out, out_stride, forced, stream);
-    case 2: return lb_dgrad_mt<T, 2>(tm, M, N, K, out, out_stride, forced, stream);
-    case 4: return lb_dgrad_mt<T, 4>(tm, M, N, K, out, out_stride, forced, stream);
-    default: return lb_dgrad_mt<T, 8>(tm, M, N, K, out, out_stride, forced, stream);
+    case 1: return lb_dgrad_mt<T, 1>(tm, M, N, K, out, out_stride, forced, stream, sc);
+    case 2: return lb_dgrad_mt<T, 2>(tm, M, N, K, out, out_stride, forced, stream, sc);
+    case 4: return lb_dgrad_mt<T, 4>(tm, M, N, K, out, out_stride, forced, stream, sc);
+    default: return lb_dgrad_mt<T, 8>(tm, M, N, K, out, out_stride, forced, stream, sc);
     }
 }
 
@@ -455,7 +461,8 @@ __global__ void lb_colsum(const T *dy, int64_t dys, int64_t M, int64_t N, int ns
 }
 
 template <typename T>
-int lb_colsum_run(const T *dy, int64_t dys, int64_t M, int64_t N, T *out, int64_t obs, int forced, cudaStream_t stream) {
+int lb_colsum_run(const T *dy, int64_t dys, int64_t M, int64_t N, T *out, int64_t obs, int forced, cudaStream_t stream,
+                  const qk_scratch *sc) {
     if (N <= 0) return QK_OK;
     int sms;
     QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
@@ -467,7 +474,7 @@ int lb_colsum_run(const T *dy, int64_t dys, int64_t M, int64_t N, T *out, int64_
     if (nsplit > M) nsplit = M;
     if (nsplit < 1) nsplit = 1;
     if (bx > 0x7fffffff) return QK_E_UNSUPPORTED;
-    lb_scratch ws(stream);
+    lb_scratch ws(stream, sc);
     if (nsplit > 1) QK_CUDA_TRY((cudaError_t)ws.alloc((size_t)nsplit * N * sizeof(float)));
     int64_t dys_ = dys, M_ = M, N_ = N, obs_ = obs;
     int ns_ = (int)nsplit;
@@ -684,24 +691,24 @@ int lb_linear(const qk_linear_args *a, cudaStream_t stream) {
     if (a->grad_x && M > 0 && K > 0) {
         // grad_x^T [K, M] = (W as K x N) (dy as N x M)
         st = lt ? qk_linear_lt_gemm(a->dtype, 0, 0, K, M, N, w, a->w_stride, dy, a->grad_out_stride, a->grad_x, 0,
-                                    a->grad_x_stride, 0, stream)
+                                    a->grad_x_stride, 0, stream, a->scratch)
                 : QK_E_UNSUPPORTED;
         if (st == QK_E_UNSUPPORTED) {
             lb_terms tm = {{dy, nullptr}, {w, nullptr}, {a->grad_out_stride, 0}, {a->w_stride, 0}, 1};
-            st = lb_dgrad_run<T>(tm, M, N, K, (T *)a->grad_x, a->grad_x_stride, a->split, stream);
+            st = lb_dgrad_run<T>(tm, M, N, K, (T *)a->grad_x, a->grad_x_stride, a->split, stream, a->scratch);
         }
     }
     if (st == QK_OK && a->grad_w && N > 0 && K > 0) {
         // grad_w^T [K, N] = (x as K x M) (dy as N x M)^T
         st = lt_w && M > 0 ? qk_linear_lt_gemm(a->dtype, 0, 1, K, N, M, x, a->x_stride, dy, a->grad_out_stride, a->grad_w, 0,
-                                             a->grad_w_stride, 0, stream)
+                                             a->grad_w_stride, 0, stream, a->scratch)
                          : QK_E_UNSUPPORTED;
         if (st == QK_E_UNSUPPORTED)
             st = lb_wgrad_run<T>(dy, a->grad_out_stride, x, a->x_stride, M, N, K, (T *)a->grad_w, a->grad_w_stride, stream);
     }
     if (st == QK_OK && a->grad_bias)
         st = lb_colsum_run<T>((const T *)a->grad_out, a->grad_out_stride, M, N, (T *)a->grad_bias, a->grad_bias_stride,
-                              a->split, stream);
+                              a->split, stream, a->scratch);
     return st;
 }
 
@@ -717,13 +724,13 @@ int lb_swiglu(const qk_linear_args *a, cudaStream_t stream) {
         return st;
     }
     const bool lt = lb_use_lt(a, 2);
-    lb_scratch gab(stream);  // ga, gb [M, N]
+    lb_scratch gab(stream, a->scratch);  // ga, gb [M, N]
     QK_CUDA_TRY((cudaError_t)gab.alloc(2 * (size_t)M * N * sizeof(T)));
     T *ga = (T *)gab.p, *gb = ga + M * N;
     int st;
     {
         // a and b in fp32: cuBLASLt's two products, or lb_fwd's split partials
-        lb_scratch ps(stream);
+        lb_scratch ps(stream, a->scratch);
         float *part = nullptr;
         int nsplit = 1;
         st = QK_E_UNSUPPORTED;
@@ -732,10 +739,10 @@ int lb_swiglu(const qk_linear_args *a, cudaStream_t stream) {
             part = (float *)ps.p;
             // a^T [N, M] = (up as K x N)^T (x as K x M), into part[0] (row-major [M, N])
             if (st == QK_OK)
-                st = qk_linear_lt_gemm(a->dtype, 1, 0, N, M, K, up, a->w_stride, x, a->x_stride, part, 1, N, 0, stream);
+                st = qk_linear_lt_gemm(a->dtype, 1, 0, N, M, K, up, a->w_stride, x, a->x_stride, part, 1, N, 0, stream, a->scratch);
             if (st == QK_OK)
                 st = qk_linear_lt_gemm(a->dtype, 1, 0, N, M, K, gate, a->gate_stride, x, a->x_stride, part + M * N, 1, N, 0,
-                                       stream);
+                                       stream, a->scratch);
             if (st == QK_E_UNSUPPORTED) st = ps.release(QK_E_UNSUPPORTED);
         }
         if (st == QK_E_UNSUPPORTED) {
@@ -758,20 +765,20 @@ int lb_swiglu(const qk_linear_args *a, cudaStream_t stream) {
     if (st == QK_OK && a->grad_x && K > 0) {
         st = QK_E_UNSUPPORTED;
         if (lt) {  // grad_x^T [K, M] = (up as K x N)(ga as N x M) + (gate as K x N)(gb as N x M), in fp32
-            lb_scratch acc(stream);
+            lb_scratch acc(stream, a->scratch);
             st = acc.alloc((size_t)M * K * sizeof(float));
             float *d = (float *)acc.p;
             if (st == QK_OK)
-                st = qk_linear_lt_gemm(a->dtype, 0, 0, K, M, N, up, a->w_stride, ga, N, d, 1, K, 0, stream);
+                st = qk_linear_lt_gemm(a->dtype, 0, 0, K, M, N, up, a->w_stride, ga, N, d, 1, K, 0, stream, a->scratch);
             if (st == QK_OK)
-                st = qk_linear_lt_gemm(a->dtype, 0, 0, K, M, N, gate, a->gate_stride, gb, N, d, 1, K, 1, stream);
+                st = qk_linear_lt_gemm(a->dtype, 0, 0, K, M, N, gate, a->gate_stride, gb, N, d, 1, K, 1, stream, a->scratch);
             if (st == QK_OK) st = lb_finish_run<T>(d, 1, M, K, (T *)a->grad_x, a->grad_x_stride, 1, stream);
             st = acc.release(st);
         }
         if (st == QK_E_UNSUPPORTED) {
             const lb_terms tm = {{(const uint16_t *)ga, (const uint16_t *)gb}, {up, gate}, {N, N},
                                  {a->w_stride, a->gate_stride}, 2};
-            st = lb_dgrad_run<T>(tm, M, N, K, (T *)a->grad_x, a->grad_x_stride, a->split, stream);
+            st = lb_dgrad_run<T>(tm, M, N, K, (T *)a->grad_x, a->grad_x_stride, a->split, stream, a->scratch);
         }
     }
     for (int qq = 0; qq < 2 && st == QK_OK; qq++) {
@@ -780,7 +787,7 @@ int lb_swiglu(const qk_linear_args *a, cudaStream_t stream) {
         const uint16_t *g = (const uint16_t *)(qq ? gb : ga);
         if (!out || K <= 0) continue;
         // grad^T [K, N] = (x as K x M) (g as N x M)^T
-        st = lt ? qk_linear_lt_gemm(a->dtype, 0, 1, K, N, M, x, a->x_stride, g, N, out, 0, os, 0, stream) : QK_E_UNSUPPORTED;
+        st = lt ? qk_linear_lt_gemm(a->dtype, 0, 1, K, N, M, x, a->x_stride, g, N, out, 0, os, 0, stream, a->scratch) : QK_E_UNSUPPORTED;
         if (st == QK_E_UNSUPPORTED) st = lb_wgrad_run<T>(g, N, x, a->x_stride, M, N, K, out, os, stream);
     }
     return gab.release(st);

@@ -6,10 +6,11 @@
 // linear: one cublasLtMatmul computing out^T [N, M] (column-major, ld out_stride) = W^T' x^T: W [N, K]
 // row-major is the K x N column-major A taken transposed, x [M, K] the K x M column-major B; the
 // bias through the BIAS epilogue, added to the fp32 sum before the one rounding.  swiglu: the two
-// products in fp32 into stream-ordered scratch, then silu(gate) * up in fp32 and one rounding
-// (lt_swiglu_combine), as the other kernels.  Split-K algorithms may reduce only in fp32
-// (CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE), never in the output type (lt_plan); workspace comes from
-// cudaMallocAsync on the caller's stream, so graphs capture it and concurrent streams never share it.
+// products in fp32 into scratch, then silu(gate) * up in fp32 and one rounding (lt_swiglu_combine),
+// as the other kernels.  Split-K algorithms may reduce only in fp32
+// (CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE), never in the output type (lt_plan); workspace and scratch
+// come from a->scratch (qk_scratch_alloc: cudaMallocAsync on the caller's stream by default, so graphs
+// capture it and concurrent streams never share it).
 //
 // No cuBLAS header ships with every toolkit image (this machine's has none), so the few ABI pieces
 // used are declared below from cublasLt.h's documented values.  The library: the copy already
@@ -242,7 +243,8 @@ LtPlan *lt_plan(const LtKey &k, const void *bias) {
 
 // D = op(A) op(B) (+ bias, + D when accumulate) on stream, as LtKey describes: 0, a CUDA error, or
 // QK_E_UNSUPPORTED where cuBLASLt is absent or declines (nothing was enqueued then).
-int lt_run(LtKey k, const void *A, const void *B, void *D, const void *bias, bool accumulate, cudaStream_t stream) {
+int lt_run(LtKey k, const void *A, const void *B, void *D, const void *bias, bool accumulate, cudaStream_t stream,
+           const qk_scratch *sc) {
     int dev;
     QK_CUDA_TRY(cudaGetDevice(&dev));
     if (dev < 0 || dev >= kLtDevices) return QK_E_UNSUPPORTED;
@@ -254,7 +256,7 @@ int lt_run(LtKey k, const void *A, const void *B, void *D, const void *bias, boo
     int st = QK_E_UNSUPPORTED;
     if (p) {
         void *ws = nullptr;
-        cudaError_t e = p->workspace ? cudaMallocAsync(&ws, p->workspace, stream) : cudaSuccess;
+        int e = qk_scratch_alloc(sc, p->workspace, stream, &ws);
         if (e == cudaSuccess && bias) e = g_lt.desc_set(p->desc, kLtDescBiasPointer, &bias, sizeof bias) ? cudaErrorInvalidValue : cudaSuccess;
         if (e == cudaSuccess) {
             const float one = 1.f, beta = accumulate ? 1.f : 0.f;
@@ -266,11 +268,11 @@ int lt_run(LtKey k, const void *A, const void *B, void *D, const void *bias, boo
             else if (s == 0) st = QK_OK;
             else st = s == kLtStatusAllocFailed ? (int)cudaErrorMemoryAllocation : QK_E_UNSUPPORTED;
         } else {
-            st = (int)e;
+            st = e;
         }
         if (ws) {
-            const cudaError_t f = cudaFreeAsync(ws, stream);
-            if (st == QK_OK && f != cudaSuccess) st = (int)f;
+            const int f = qk_scratch_free(sc, ws, p->workspace, stream);
+            if (st == QK_OK && f != QK_OK) st = f;
         }
     }
     pthread_mutex_unlock(&g_lt_mu);
@@ -292,7 +294,7 @@ int lt_matmul(const qk_linear_args *a, const void *w, int64_t ldw, void *out, in
     k.ta = kLtOpT, k.tb = kLtOpN;
     k.m = a->N, k.n = a->M, k.k = a->K;
     k.lda = ldw, k.ldb = a->x_stride, k.ldd = ldo;
-    return lt_run(k, w, a->x, out, bias, false, stream);
+    return lt_run(k, w, a->x, out, bias, false, stream, a->scratch);
 }
 
 // out[m, n] = up * silu(gate) from the two fp32 products ([M, N] each, contiguous), one rounding.
@@ -355,12 +357,12 @@ extern "C" int qk_linear_lt(const qk_linear_args *a, int swiglu, cudaStream_t st
     }
     const size_t each = (size_t)a->M * (size_t)a->N;
     float *scratch = nullptr;
-    QK_CUDA_TRY(cudaMallocAsync((void **)&scratch, 2 * each * sizeof(float), stream));
+    QK_SCRATCH_TRY(a->scratch, 2 * each * sizeof(float), stream, &scratch);
     int st = lt_matmul(a, a->w, a->w_stride, scratch, kLtR32F, a->N, nullptr, stream);
     if (st == QK_OK) st = lt_matmul(a, a->gate, a->gate_stride, scratch + each, kLtR32F, a->N, nullptr, stream);
     if (st == QK_OK) st = a->dtype == QK_BF16 ? lt_combine<__nv_bfloat16>(scratch, a, stream) : lt_combine<__half>(scratch, a, stream);
-    const cudaError_t f = cudaFreeAsync(scratch, stream);
-    return st != QK_OK ? st : (int)f;
+    const int f = qk_scratch_free(a->scratch, scratch, 2 * each * sizeof(float), stream);
+    return st != QK_OK ? st : f;
 }
 
 // The backward ops' products past the decode range (linear_backward.cu), in cuBLAS's column-major
@@ -370,7 +372,7 @@ extern "C" int qk_linear_lt(const qk_linear_args *a, int swiglu, cudaStream_t st
 // enqueued).
 extern "C" int qk_linear_lt_gemm(int in_dtype, int transa, int transb, int64_t m, int64_t n, int64_t k, const void *A,
                                  int64_t lda, const void *B, int64_t ldb, void *D, int out_f32, int64_t ldd, int accumulate,
-                                 cudaStream_t stream) {
+                                 cudaStream_t stream, const qk_scratch *sc) {
     pthread_once(&g_lt_once, lt_load);
     if (!g_lt_ok || (in_dtype != QK_BF16 && in_dtype != QK_F16)) return QK_E_UNSUPPORTED;
     const int64_t lim = 1ll << 31;
@@ -380,5 +382,5 @@ extern "C" int qk_linear_lt_gemm(int in_dtype, int transa, int transb, int64_t m
     key.ta = transa ? kLtOpT : kLtOpN, key.tb = transb ? kLtOpT : kLtOpN;
     key.m = m, key.n = n, key.k = k;
     key.lda = lda, key.ldb = ldb, key.ldd = ldd;
-    return lt_run(key, A, B, D, nullptr, accumulate != 0, stream);
+    return lt_run(key, A, B, D, nullptr, accumulate != 0, stream, sc);
 }

@@ -224,14 +224,15 @@ int sa_launch_fast(const qk_sparse_aggregate_args *a, cudaStream_t s) {
     qk_sparse_aggregate_args p = *a;
     float *partial = nullptr;
     const int64_t hd = a->num_heads * a->head_dim, nchunks = (a->num_edges + kSplit - 1) / kSplit;
+    const size_t partial_bytes = (size_t)(2 * nchunks * hd) * sizeof(float);
     if (a->num_edges > kSplit) {  // only then can a row be long
-        QK_CUDA_TRY(cudaMallocAsync((void **)&partial, (size_t)(2 * nchunks * hd) * sizeof(float), s));
+        QK_SCRATCH_TRY(a->scratch, partial_bytes, s, &partial);
         void *args[] = {&p, &partial};
         const int status = qk_launch((const void *)sa_long_rows<T, I, K>,
                                      dim3(qk_grid_for(nchunks, kWarpsPerBlock, 132 * 32)), dim3(kWarpsPerBlock * 32), 0,
                                      s, args);
         if (status) {
-            cudaFreeAsync(partial, s);
+            qk_scratch_free(a->scratch, partial, partial_bytes, s);
             return status;
         }
     }
@@ -245,7 +246,7 @@ int sa_launch_fast(const qk_sparse_aggregate_args *a, cudaStream_t s) {
     int status = qk_launch(rows, dim3(qk_grid_for(a->num_dst, kWarpsPerBlock * 32 / lanes, 132 * 64)),
                            dim3(kWarpsPerBlock * 32), 0, s, args);
     if (partial) {
-        const int freed = (int)cudaFreeAsync(partial, s);
+        const int freed = qk_scratch_free(a->scratch, partial, partial_bytes, s);
         if (!status) status = freed;
     }
     return status;
@@ -726,7 +727,7 @@ int sab_grouped(const SabArgs *a, int k, cudaStream_t s) {
                  o_slots = plan.take(vector ? (size_t)(2 * nchunks * hd) * sizeof(float) : 0),
                  o_temp = plan.take(temp_bytes);
     char *base = nullptr;
-    QK_CUDA_TRY(cudaMallocAsync((void **)&base, plan.bytes, s));
+    QK_SCRATCH_TRY(a->scratch, plan.bytes, s, &base);
     keys = cub::DoubleBuffer<U>((U *)(base + o_keys0), (U *)(base + o_keys1));
     edges = cub::DoubleBuffer<U>((U *)(base + o_edges0), (U *)(base + o_edges1));
     U *row_of = (U *)(base + o_rows);
@@ -784,7 +785,7 @@ int sab_grouped(const SabArgs *a, int k, cudaStream_t s) {
                                dim3(256), 0, s, gargs);
         }
     }
-    const int freed = (int)cudaFreeAsync(base, s);
+    const int freed = qk_scratch_free(a->scratch, base, plan.bytes, s);
     return status ? status : freed;
 }
 

@@ -859,9 +859,68 @@ def swiglu_backward(grad_out, x, up_weight, gate_weight, *, x_grad=True, weight_
 
 # ---- attention (forward only) -------------------------------------------------------------------
 
-def _no_mask(op, mask):
-    _check(mask is None, NotImplementedError, op, "mask= is not supported under qkernels.jax yet (kv_lens, "
-           "is_causal and the token pools' lengths are)")
+def _mask_dtype(op, m, q):
+    """The bindings' rule (scaled_dot_product_attention's): bool (True = keep), or a float mask added to
+    the scores: float32 for any query, or q's own dtype for float16 / bfloat16 queries."""
+    dt, qd = _dt(m), _dt(q)
+    if dt == "bool" or dt == "float32" or (dt == qd and qd in ("float16", "bfloat16")):
+        return
+    raise _err(TypeError, op, "mask must be bool (True = keep) or float32 (added to the scores), got " + dt
+               if qd == "float32" else f"mask must be bool (True = keep), or float32 or q's dtype {qd} (added to "
+               f"the scores), got {dt}")
+
+
+def _bad_mask_shape(op, m, layout):
+    return _err(ValueError, op, f"mask must have shape {layout}, got {tuple(m.shape)}")
+
+
+def _decode_mask(op, mask, q, B, L, paged):
+    """attn_decode's and attn_paged_decode's mask -> [B|1, W] (the handler reads a size-1 batch with
+    stride 0).  [B|1, L], [B|1, 1, L] or [B|1, 1, 1, L]; paged, any width 1 <= W <= max_ctx."""
+    m = _arr(mask)
+    _mask_dtype(op, m, q)
+    name = "max_ctx" if paged else "Lkv"
+    W = "W" if paged else name
+    layout = {2: f"[B|1, {W}]", 3: f"[B|1, 1, {W}]", 4: f"[B|1, 1, 1, {W}]"}.get(m.ndim)
+    if layout is None:
+        raise _err(ValueError, op, f"mask must be [B|1, {W}], [B|1, 1, {W}] or [B|1, 1, 1, {W}], got shape "
+                   f"{tuple(m.shape)}")
+    layout += f" with B = {B}, {name} = {L}"
+    if m.shape[0] not in (1, B) or any(d != 1 for d in m.shape[1:-1]):
+        raise _bad_mask_shape(op, m, layout)
+    w = m.shape[-1]
+    if (paged and not 1 <= w <= L) or (not paged and w != L):
+        raise _bad_mask_shape(op, m, layout + (" (1 <= W <= max_ctx: positions from W on are masked out)"
+                                               if paged else ""))
+    return m.reshape(m.shape[0], w)
+
+
+def _prefill_mask(op, mask, q, B, Hq, Lq, L, paged):
+    """attn_prefill's and attn_paged_prefill's mask -> [B, W] (per key) or [B|1, 1|Hq, rows, W] (per
+    query; size-1 dims read with stride 0).  Per key: [B, L].  Per query, trailing dims aligned as SDPA
+    broadcasts: [B|1, 1|Hq, Lq|1, L] or [1|Hq, Lq|1, L]; paged, any Mq query rows (row i: query i of a
+    request) and any width 1 <= W <= max_ctx."""
+    m = _arr(mask)
+    _mask_dtype(op, m, q)
+    name, W, rows = ("max_ctx", "W", "Mq") if paged else ("Lkv", "Lkv", "Lq|1")
+    if m.ndim not in (2, 3, 4):
+        raise _err(ValueError, op, f"mask must be [B, {W}], [1|Hq, {rows}, {W}] or [B|1, 1|Hq, {rows}, {W}] "
+                   f"(2, 3 or 4 dimensions), got shape {tuple(m.shape)}")
+    w = m.shape[-1]
+    width_ok = 1 <= w <= L if paged else w == L
+    if m.ndim == 2:
+        layout = f"[B, {W}] with B = {B}, {name} = {L}"
+        if m.shape[0] != B or not width_ok:
+            raise _bad_mask_shape(op, m, layout)
+        return m
+    if m.ndim == 3:
+        m = m.reshape((1,) + tuple(m.shape))
+    layout = f"[B|1, 1|Hq, {rows}, {W}] with B = {B}, Hq = {Hq}, " + ("" if paged else f"Lq = {Lq}, ") + \
+        f"{name} = {L}"
+    ok = m.shape[0] in (1, B) and m.shape[1] in (1, Hq) and width_ok and (paged or m.shape[2] in (1, Lq))
+    if not ok:
+        raise _bad_mask_shape(op, m, layout)
+    return m
 
 
 def _check_heads(op, q, k, Hq, Hkv, D):
@@ -874,17 +933,18 @@ def _scale_attr(scale):
     return {} if scale is None else {"scale": np.float32(scale)}
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "platform"))
-def _attn_decode(q, k, v, *kv_lens, scale, platform):
-    return _ffi("attn_decode", _sds(q.shape, q.dtype), q, k, v, *kv_lens, **_scale_attr(scale))
+@functools.partial(jax.jit, static_argnames=("has_kv_lens", "scale", "platform"))
+def _attn_decode(q, k, v, *extra, has_kv_lens, scale, platform):
+    return _ffi("attn_decode", _sds(q.shape, q.dtype), q, k, v, *extra, has_kv_lens=bool(has_kv_lens),
+                **_scale_attr(scale))
 
 
 def attn_decode(q, k, v, *, kv_lens=None, mask=None, scale=None, backend=None):
     """One query per sequence: q [B, 1, Hq, D], k and v [B, Lkv, Hkv, D] -> [B, 1, Hq, D]; kv_lens [B]
-    keeps keys j < kv_lens[b]."""
+    keeps keys j < kv_lens[b]; mask [B|1, Lkv] ([B|1, 1, Lkv], [B|1, 1, 1, Lkv]): bool (True = keep) or
+    float (float32, or q's dtype) added to the scores."""
     op = "attn_decode"
     q, k, v = map(_arr, (q, k, v))
-    _no_mask(op, mask)
     _need_rank(op, "q", q, 4, "[B, 1, Hq, D]")
     _need_dim(op, "q", q, 1, 1, "[B, 1, Hq, D]")
     B, _, Hq, D = q.shape
@@ -900,7 +960,11 @@ def attn_decode(q, k, v, *, kv_lens=None, mask=None, scale=None, backend=None):
         _need_index(op, "kv_lens", kl)
         _check(tuple(kl.shape) == (B,), ValueError, op, f"kv_lens must have shape [B] = [{B}], got {tuple(kl.shape)}")
         extra = (kl,)
-    return _attn_decode(q, k, v, *extra, scale=scale, platform=_platform(op, q, backend, (q,), {}))
+    has_kv_lens = bool(extra)
+    if mask is not None:
+        extra += (_decode_mask(op, mask, q, B, k.shape[1], False),)
+    return _attn_decode(q, k, v, *extra, has_kv_lens=has_kv_lens, scale=scale,
+                        platform=_platform(op, q, backend, (q,), {"mask": mask}))
 
 
 def _check_pool(op, q, pool, B):
@@ -920,24 +984,25 @@ def _check_pool(op, q, pool, B):
     _check_heads(op, q, k_cache, q.shape[-2], k_cache.shape[1], q.shape[-1])
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "platform"))
-def _attn_paged_decode(q, kc, vc, r2t, rpi, ind, *new, scale, platform):
-    if not new:
-        return _ffi("attn_paged_decode", _sds(q.shape, q.dtype), q, kc, vc, r2t, rpi, ind, **_scale_attr(scale))
+@functools.partial(jax.jit, static_argnames=("has_new", "scale", "platform"))
+def _attn_paged_decode(q, kc, vc, r2t, rpi, ind, *extra, has_new, scale, platform):
+    # operands: the pools, then new_k, new_v when has_new, then the mask when given
+    attrs = dict(has_new=bool(has_new), **_scale_attr(scale))
+    if not has_new:
+        return _ffi("attn_paged_decode", _sds(q.shape, q.dtype), q, kc, vc, r2t, rpi, ind, *extra, **attrs)
     outs = [_sds(q.shape, q.dtype), _sds(kc.shape, kc.dtype), _sds(vc.shape, vc.dtype)]
-    return tuple(_ffi("attn_paged_decode", outs, q, kc, vc, r2t, rpi, ind, *new, aliases={1: 1, 2: 2},
-                      **_scale_attr(scale)))
+    return tuple(_ffi("attn_paged_decode", outs, q, kc, vc, r2t, rpi, ind, *extra, aliases={1: 1, 2: 2}, **attrs))
 
 
 def attn_paged_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, *, new_k=None, new_v=None,
                       mask=None, scale=None, backend=None):
     """Decode attention over token pools: q [B, Hq, D] -> [B, Hq, D]; with new_k/new_v [B, Hkv, D]
     (written at position len_b - 1 first) -> (out, k_cache, v_cache), the pools updated functionally
-    (XLA aliases them to the results, so a donated pool is written in place)."""
+    (XLA aliases them to the results, so a donated pool is written in place).  mask [B|1, W] (or
+    [B|1, 1, W], [B|1, 1, 1, W]) over each request's positions, W <= max_ctx: bool or additive float."""
     op = "attn_paged_decode"
     q = _arr(q)
     pool = tuple(map(_arr, (k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr)))
-    _no_mask(op, mask)
     _need_rank(op, "q", q, 3, "[B, Hq, D]")
     _check_pool(op, q, pool, q.shape[0])
     _check((new_k is None) == (new_v is None), ValueError, op, "new_k and new_v go together")
@@ -949,19 +1014,25 @@ def attn_paged_decode(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_in
             _check(tuple(a.shape) == want, ValueError, op, f"{name} must have shape [B, Hkv, D] = {list(want)}, "
                    f"got {tuple(a.shape)}")
             _same_dtype(op, name, a, "q's", q)
-    return _attn_paged_decode(q, *pool, *new, scale=scale, platform=_platform(op, q, backend, (q,), {}))
+    extra = new
+    if mask is not None:
+        extra += (_decode_mask(op, mask, q, q.shape[0], pool[2].shape[1], True),)
+    return _attn_paged_decode(q, *pool, *extra, has_new=bool(new), scale=scale,
+                              platform=_platform(op, q, backend, (q,), {"mask": mask}))
 
 
 @functools.partial(jax.jit, static_argnames=("is_causal", "scale", "platform"))
-def _attn_prefill(q, k, v, is_causal, scale, platform):
-    return _ffi("attn_prefill", _sds(q.shape, q.dtype), q, k, v, is_causal=bool(is_causal), **_scale_attr(scale))
+def _attn_prefill(q, k, v, *mask, is_causal, scale, platform):
+    return _ffi("attn_prefill", _sds(q.shape, q.dtype), q, k, v, *mask, is_causal=bool(is_causal),
+                **_scale_attr(scale))
 
 
 def attn_prefill(q, k, v, *, is_causal=False, mask=None, scale=None, backend=None):
-    """q [B, Lq, Hq, D], k and v [B, Lkv, Hkv, D] -> [B, Lq, Hq, D]; is_causal aligns bottom-right."""
+    """q [B, Lq, Hq, D], k and v [B, Lkv, Hkv, D] -> [B, Lq, Hq, D]; is_causal aligns bottom-right.
+    mask [B, Lkv] per key, or per query [B|1, 1|Hq, Lq|1, Lkv] / [1|Hq, Lq|1, Lkv]: bool (True = keep)
+    or float (float32, or q's dtype) added to the scores."""
     op = "attn_prefill"
     q, k, v = map(_arr, (q, k, v))
-    _no_mask(op, mask)
     _need_rank(op, "q", q, 4, "[B, Lq, Hq, D]")
     for name, a in (("k", k), ("v", v)):
         _need_rank(op, name, a, 4, "[B, Lkv, Hkv, D]")
@@ -969,33 +1040,36 @@ def attn_prefill(q, k, v, *, is_causal=False, mask=None, scale=None, backend=Non
         _check(a.shape[0] == q.shape[0] and tuple(a.shape) == tuple(k.shape), ValueError, op,
                f"{name} must have shape [B, Lkv, Hkv, D] with B = {q.shape[0]}, as k, got {tuple(a.shape)}")
     _check_heads(op, q, k, q.shape[2], k.shape[2], q.shape[3])
-    return _attn_prefill(q, k, v, is_causal=bool(is_causal), scale=scale,
-                         platform=_platform(op, q, backend, (q,), {}))
+    m = () if mask is None else (_prefill_mask(op, mask, q, q.shape[0], q.shape[2], q.shape[1], k.shape[1], False),)
+    return _attn_prefill(q, k, v, *m, is_causal=bool(is_causal), scale=scale,
+                         platform=_platform(op, q, backend, (q,), {"mask": mask}))
 
 
 @functools.partial(jax.jit, static_argnames=("is_causal", "scale", "platform"))
-def _attn_paged_prefill(q, kc, vc, r2t, rpi, kvi, qoi, is_causal, scale, platform):
-    return _ffi("attn_paged_prefill", _sds(q.shape, q.dtype), q, kc, vc, r2t, rpi, kvi, qoi,
+def _attn_paged_prefill(q, kc, vc, r2t, rpi, kvi, qoi, *mask, is_causal, scale, platform):
+    return _ffi("attn_paged_prefill", _sds(q.shape, q.dtype), q, kc, vc, r2t, rpi, kvi, qoi, *mask,
                 is_causal=bool(is_causal), **_scale_attr(scale))
 
 
 def attn_paged_prefill(q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, qo_indptr, *, is_causal=False,
                        mask=None, scale=None, backend=None):
     """Prefill over token pools: q [total_q, Hq, D] -> [total_q, Hq, D]; request b's queries are rows
-    qo_indptr[b] .. qo_indptr[b + 1] - 1."""
+    qo_indptr[b] .. qo_indptr[b + 1] - 1.  mask [B, W] per key, or per query [B|1, 1|Hq, Mq, W] /
+    [1|Hq, Mq, W] (row i: query i of the request; Mq = 1 broadcasts), W <= max_ctx: bool or additive
+    float."""
     op = "attn_paged_prefill"
     q = _arr(q)
     pool = tuple(map(_arr, (k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr)))
     qoi = _arr(qo_indptr)
-    _no_mask(op, mask)
     _need_rank(op, "q", q, 3, "[total_q, Hq, D]")
     B = pool[3].shape[0] if pool[3].ndim == 1 else -1
     _check_pool(op, q, pool, B)
     _need_index(op, "qo_indptr", qoi)
     _check(tuple(qoi.shape) == (B + 1,), ValueError, op, f"qo_indptr must have shape [B + 1] = [{B + 1}], got "
            f"{tuple(qoi.shape)}")
-    return _attn_paged_prefill(q, *pool, qoi, is_causal=bool(is_causal), scale=scale,
-                               platform=_platform(op, q, backend, (q,), {}))
+    m = () if mask is None else (_prefill_mask(op, mask, q, B, q.shape[1], -1, pool[2].shape[1], True),)
+    return _attn_paged_prefill(q, *pool, qoi, *m, is_causal=bool(is_causal), scale=scale,
+                               platform=_platform(op, q, backend, (q,), {"mask": mask}))
 
 
 # ---- rmsnorm and fused_add_rmsnorm ----------------------------------------------------------------

@@ -145,6 +145,19 @@ def capture_graph(calls):
     return graph, outs
 
 
+def replay_like_eager(graph, outs, calls):
+    """graph replayed into its outputs outs, poisoned with NaN first, gives bitwise what calls() gives
+    eagerly on the current inputs."""
+    import torch
+
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = calls()
+    assert all(torch.equal(o, e) for o, e in zip(outs, eager))
+
+
 def f64(a):
     """A NumPy array or a torch tensor (any device and dtype) as float64 NumPy."""
     if type(a).__module__.startswith("torch"):
@@ -309,6 +322,61 @@ class RecordingOut:
         self.got = src
 
 
+def assert_compiles_like_eager(step, grads, *args):
+    """step(*args) -> a loss compiles with fullgraph=True without graph breaks, and grads(f) -> (loss,
+    gradients) of the compiled step equals that of the eager one."""
+    import torch
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(*args)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    loss_c, g_c = grads(torch.compile(step, fullgraph=True))
+    loss_e, g_e = grads(step)
+    torch.testing.assert_close(loss_c, loss_e)
+    for a, b in zip(g_c, g_e):
+        torch.testing.assert_close(a, b)
+
+
+def large_bce_batch(rng, shape):
+    """A large sorted graph_norm_bce batch on the host: (num_graphs, edge_graph, logits, target) with shape
+    "three" (3 graphs, 1.5M edges), "uniform" (1000 graphs) or "skewed" (200,000 graphs of heavy-tailed
+    sizes: a third empty, a sixth with one edge, ~15 above 1e4 edges)."""
+    if shape == "three":
+        g, eg = 3, np.sort(rng.integers(0, 3, 1_500_001))
+    elif shape == "uniform":
+        g, eg = 1000, np.sort(rng.integers(0, 1000, 1_500_000))
+    else:  # heavy-tailed sizes: a third empty, a sixth with one edge, ~15 above 1e4 edges
+        sizes = np.minimum((rng.pareto(1.1, 200_000) * 2).astype(np.int64), 200_000)
+        g, eg = 200_000, np.repeat(np.arange(200_000), sizes)
+    e = len(eg)
+    lg_h, t_h = (3 * rng.standard_normal(e)).astype(np.float32), (rng.random(e) < 0.3).astype(np.float32)
+    return g, eg, lg_h, t_h
+
+
+def behind_held_copy(dst, src, calls):
+    """calls() on a fresh side stream made current, queued behind dst.copy_(src) that a ~0.1 s GPU sleep
+    holds back there; its result once that stream is done.  An op that does not run on the caller's
+    current stream reads dst before the copy."""
+    import torch
+
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # hold the side stream back ~0.1 s
+        dst.copy_(src)
+        result = calls()
+    side.synchronize()
+    return result
+
+
+def cuda_randn(*shape, dtype="bfloat16", scale=1.0, seed=0):
+    """scale * a standard normal draw on the GPU from torch's generator seeded with seed, in torch's dtype of
+    that name (drawn in float32, rounded once)."""
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (scale * torch.randn(*shape, device="cuda", generator=g)).to(getattr(torch, dtype))
+
+
 def cuda(a, dtype=None):
     """A NumPy array as a torch CUDA tensor (cast there to the torch dtype named dtype)."""
     import torch
@@ -395,3 +463,14 @@ def fake_flash(monkeypatch):
     yield calls
     monkeypatch.undo()
     _dispatch._cache.clear()
+
+
+def jax_attn_mask(rng, shape, kind, dtype=np.float32, drop=0.4):
+    """A bool attention mask (True = keep) or an additive float one (normal values, -inf = drop) of the
+    given shape; with a batch dim > 1, sequence 0's rows are dropped whole (its output is 0)."""
+    keep = rng.random(shape) >= drop
+    if len(shape) > 1 and shape[0] > 1:
+        keep[0] = False
+    if kind == "bool":
+        return keep
+    return np.where(keep, 2 * rng.standard_normal(shape), -np.inf).astype(dtype)

@@ -17,7 +17,8 @@ import pytest
 
 import qkernels
 from qkernels.testing import reference
-from conftest import capture_graph, close_to_naive, f64, naive_rotary, Ops, outputs, requires_cuda
+from conftest import (behind_held_copy, capture_graph, close_to_naive, cuda_randn as randn, f64, naive_rotary, Ops,
+                      outputs, replay_like_eager, requires_cuda)
 
 pytestmark = [requires_cuda,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
@@ -38,15 +39,6 @@ def kernels(request):
     if request.param == "picked":
         return Ops()
     return Ops(request.param, _variant=request.param)
-
-
-def tdtype(name):
-    return getattr(torch, name)
-
-
-def randn(*shape, dtype="bfloat16", scale=1.0, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return (scale * torch.randn(*shape, device="cuda", generator=g)).to(tdtype(dtype))
 
 
 @functools.lru_cache(maxsize=8)
@@ -235,14 +227,8 @@ def test_runs_on_the_callers_current_stream(rows, kernels):
     up, gate = weights(4096, 1536, "bfloat16")
     x, g = randn(rows, 1536), randn(rows, 4096, seed=3)
     new_g = randn(rows, 4096, seed=9)
-    side = torch.cuda.Stream()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(200_000_000)  # hold the side stream back ~0.1 s
-        g.copy_(new_g)
-        lin = kernels.linear_backward(g, x, up, bias_grad=True)  # must queue behind the copy, on `side`
-        swi = kernels.swiglu_backward(g, x, up, gate)
-    side.synchronize()
+    lin, swi = behind_held_copy(g, new_g, lambda: (kernels.linear_backward(g, x, up, bias_grad=True),
+                                                   kernels.swiglu_backward(g, x, up, gate)))
     close_all(lin, naive_linear(new_g, x, up), "linear_backward", new_g, x, up, bias_grad=True)
     close_all(swi, naive_swiglu(new_g, x, up, gate), "swiglu_backward", new_g, x, up, gate)
 
@@ -261,12 +247,7 @@ def test_cuda_graph_capture_and_replay(rows, kernels):
         q.copy_(randn(8, 32, 128, seed=300 + i))
         ang = torch.rand(8, 64, device="cuda") * 10
         f.copy_(torch.stack([ang.cos(), ang.sin()], -1))
-        for o in outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = calls()
-        assert all(torch.equal(o, e) for o, e in zip(outs, eager))
+        replay_like_eager(graph, outs, calls)
         close_all(outs[:3], naive_linear(g, x, up), "linear_backward", g, x, up, bias_grad=True)
 
 

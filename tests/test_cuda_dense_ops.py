@@ -15,7 +15,8 @@ import pytest
 
 import qkernels
 from qkernels.testing import reference
-from conftest import capture_graph, close_to_naive, f64, naive_rotary, Ops, requires_cuda
+from conftest import (behind_held_copy, capture_graph, close_to_naive, cuda_randn as randn, f64, naive_rotary, Ops,
+                      replay_like_eager, requires_cuda)
 
 pytestmark = [requires_cuda,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
@@ -48,15 +49,6 @@ def close(ours, naive, op, *args, **kwargs):
     """close_to_naive against qkernels.testing.reference(op) of the tensors' float64 host copies."""
     ref = reference(op, *(None if a is None else f64(a) for a in args), **kwargs)
     close_to_naive(ours, naive, ref, slack=1e-5)
-
-
-def tdtype(name):
-    return getattr(torch, name)
-
-
-def randn(*shape, dtype="bfloat16", scale=1.0, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return (scale * torch.randn(*shape, device="cuda", generator=g)).to(tdtype(dtype))
 
 
 @functools.lru_cache(maxsize=8)
@@ -141,7 +133,7 @@ def test_gemv_kernel(dtype, m, k, n):
     x = xb[:, 32:32 + k]
     wb = torch.cat([up, gate], 1)
     ws, gs = wb[:, :k], wb[:, k:]
-    big = torch.full((m, n + 16), float("nan"), device="cuda", dtype=tdtype(dtype))
+    big = torch.full((m, n + 16), float("nan"), device="cuda", dtype=getattr(torch, dtype))
     out = big[:, 8:8 + n]
     ops.linear(x, ws, b, out=out)
     close(out, F.linear(x, ws, b), "linear", x, ws, b)
@@ -198,7 +190,7 @@ def test_poisoned_strided_out_and_strided_rows(dtype, m, linear_kernel):
     x = xb[:, 32:32 + k]  # row stride k + 64
     wb = torch.cat([up, gate], 1)  # [n, 2k]: rows of up and gate with stride 2k
     ws, gs = wb[:, :k], wb[:, k:]
-    big = torch.full((m, n + 16), float("nan"), device="cuda", dtype=tdtype(dtype))
+    big = torch.full((m, n + 16), float("nan"), device="cuda", dtype=getattr(torch, dtype))
     out = big[:, 8:8 + n]
     ops = linear_kernel
     assert ops.linear(x, ws, b, out=out) is out
@@ -286,14 +278,7 @@ def test_runs_on_the_callers_current_stream(rows, linear_kernel):
     w, g, b = weights(4096, 4096, "bfloat16")
     x = randn(rows, 4096)
     new_x = randn(rows, 4096, seed=9)
-    side = torch.cuda.Stream()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(200_000_000)  # hold the side stream back ~0.1 s
-        x.copy_(new_x)
-        out = linear_kernel.linear(x, w, b)  # must queue behind the copy, on `side`
-        out2 = linear_kernel.swiglu(x, w, g)
-    side.synchronize()
+    out, out2 = behind_held_copy(x, new_x, lambda: (linear_kernel.linear(x, w, b), linear_kernel.swiglu(x, w, g)))
     close(out, F.linear(new_x, w, b), "linear", new_x, w, b)
     close(out2, F.linear(new_x, w) * F.silu(F.linear(new_x, g)), "swiglu", new_x, w, g)
 
@@ -312,12 +297,7 @@ def test_cuda_graph_capture_and_replay(rows, linear_kernel):
         x.copy_(randn(rows, 4096, seed=100 + i))
         q.copy_(randn(8, 32, 128, seed=200 + i))
         f.copy_(freqs_for((8,), 128, seed=300 + i))
-        for o in outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = calls()
-        assert all(torch.equal(o, e) for o, e in zip(outs, eager))
+        replay_like_eager(graph, outs, calls)
         close(outs[0], F.linear(x, w, b), "linear", x, w, b)
         close(outs[2], naive_rotary(q, f), "rotary_emb", q, f)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import qkernels
-from conftest import capture_graph, cuda, f64, rel_err, requires_cuda, zero_variance_scale
+from conftest import capture_graph, cuda, f64, large_bce_batch, rel_err, requires_cuda, zero_variance_scale
 from qkernels.testing import dropout_keep, reference, sample
 
 pytestmark = [requires_cuda,
@@ -218,16 +218,8 @@ def test_bce_backward_half(rng, dtype, pw, pw_dtype, idx):
 @pytest.mark.parametrize("layout", ["contiguous", "strided", "int32"])
 def test_bce_backward_large_sorted(rng, shape, layout):
     """Graphs spanning many warps, blocks and count atomics, empty graphs, one-edge graphs."""
-    if shape == "three":
-        g, eg = 3, np.sort(rng.integers(0, 3, 1_500_001))
-    elif shape == "uniform":
-        g, eg = 1000, np.sort(rng.integers(0, 1000, 1_500_000))
-    else:  # heavy-tailed sizes: a third empty, a sixth with one edge, ~15 above 1e4 edges
-        sizes = np.minimum((rng.pareto(1.1, 200_000) * 2).astype(np.int64), 200_000)
-        g, eg = 200_000, np.repeat(np.arange(200_000), sizes)
-    e = len(eg)
-    lg_h, t_h = (3 * rng.standard_normal(e)).astype(np.float32), (rng.random(e) < 0.3).astype(np.float32)
-    pw_h = (3 * rng.random(e)).astype(np.float32)
+    g, eg, lg_h, t_h = large_bce_batch(rng, shape)
+    pw_h = (3 * rng.random(len(eg))).astype(np.float32)
     if layout == "strided":  # every other element of a buffer twice as long: the scalar loads
         lg, t, egd, pw = (cuda(np.repeat(a, 2))[::2] for a in (lg_h, t_h, eg, pw_h))
     else:

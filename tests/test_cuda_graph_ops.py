@@ -9,7 +9,7 @@ import pytest
 
 import qkernels
 from qkernels.testing import reference, sample
-from conftest import capture_graph, close_to_naive, cuda, f64, rel_err, requires_cuda
+from conftest import capture_graph, close_to_naive, cuda, f64, large_bce_batch, rel_err, requires_cuda
 
 pytestmark = [requires_cuda,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
@@ -127,15 +127,7 @@ def test_graph_bce(rng, sorted_, e, g, pos_weight):
 def test_graph_bce_large_sorted(rng, shape, layout):
     """Large enough that each block owns several chunks: graphs continue across chunks inside a
     block, across blocks, span many blocks, or are empty, next to one-edge graphs."""
-    if shape == "three":
-        g, eg = 3, np.sort(rng.integers(0, 3, 1_500_001))
-    elif shape == "uniform":
-        g, eg = 1000, np.sort(rng.integers(0, 1000, 1_500_000))
-    else:  # heavy-tailed sizes: a third empty, a sixth with one edge, ~15 above 1e4 edges
-        sizes = np.minimum((rng.pareto(1.1, 200_000) * 2).astype(np.int64), 200_000)
-        g, eg = 200_000, np.repeat(np.arange(200_000), sizes)
-    e = len(eg)
-    lg_h, t_h = (3 * rng.standard_normal(e)).astype(np.float32), (rng.random(e) < 0.3).astype(np.float32)
+    g, eg, lg_h, t_h = large_bce_batch(rng, shape)
     if layout == "strided":  # every other element of a buffer twice as long: the scalar loads
         lg = cuda(np.repeat(lg_h, 2))[::2]
         t = cuda(np.repeat(t_h, 2))[::2]

@@ -9,7 +9,7 @@ import pytest
 import qkernels
 from qkernels import testing as T
 
-from conftest import requires_cuda
+from conftest import jax_attn_mask, requires_cuda
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
@@ -19,6 +19,7 @@ try:
     GPU = jax.devices("gpu")[0]
 except RuntimeError:
     GPU = None
+CPU = jax.devices("cpu")[0]
 pytestmark = [requires_cuda, pytest.mark.skipif(GPU is None, reason="jax has no GPU platform")]
 
 import qkernels.jax as qj  # noqa: E402
@@ -103,12 +104,13 @@ def test_op_jit_on_gpu(op, dtype, rng):
                                 "linear", "swiglu", "rotary_emb"))
 def test_grad_on_gpu_matches_cpu(op, rng):
     """jax.grad on the GPU handlers against the same on the CPU handlers (float32 graph ops; the dense
-    ops in bfloat16 on the GPU against float32 on the CPU)."""
+    ops in bfloat16 on the GPU against float32 on the CPU).  Inside jit a tracer has no device, so the
+    dispatcher reads the default device: the CPU reference runs with the CPU as default, else it would
+    trace for cuda (where the dense kernels take no float32, and the graph ops would run on the GPU)."""
     args, kwargs = T.sample(op, rng)
     dtype = "float32" if op in GRAPH else "bfloat16"
     dev = _cast(op, args, dtype)
-    cpu = [a if isinstance(a, (int, float)) else jax.device_put(jnp.asarray(np.asarray(a)), jax.devices("cpu")[0])
-           for a in args]
+    cpu = [a if isinstance(a, (int, float)) else jax.device_put(jnp.asarray(np.asarray(a)), CPU) for a in args]
     diff = [i for i in T.FLOAT_ARGS[op] if not (op == "rotary_emb" and i == 1)
             and not (op == "graph_norm_bce" and i == 1)]
 
@@ -121,7 +123,13 @@ def test_grad_on_gpu_matches_cpu(op, rng):
 
         return jax.jit(jax.grad(loss, argnums=tuple(range(len(diff)))))(*[full[i] for i in diff])
 
-    for g, r in zip(grads(dev), grads(cpu)):
+    got = grads(dev)
+    with jax.default_device(CPU):
+        ref = grads(cpu)
+    for r in ref:
+        assert next(iter(r.devices())).platform == "cpu"
+    for g, r in zip(got, ref):
+        assert next(iter(g.devices())).platform == "gpu"
         _close(g, _f64(r), dtype)
 
 
@@ -133,13 +141,39 @@ def test_paged_decode_appends_on_gpu(rng):
     new_v = rng.standard_normal((B, Hkv, D)).astype(np.float32)
     dev = _cast("attn_paged_decode", args, "bfloat16")
     nk, nv = (jax.device_put(jnp.asarray(a, jnp.bfloat16), GPU) for a in (new_k, new_v))
+    # the caches are donated: read them back before the call deletes them
+    host = [_f64(a).astype(np.float32) if i < 3 else np.asarray(a) for i, a in enumerate(dev)]
     run = jax.jit(lambda *a: qj.attn_paged_decode(*a[:6], new_k=a[6], new_v=a[7]), donate_argnums=(1, 2))
     out, k2, v2 = run(*dev, nk, nv)
-    host = [_f64(a).astype(np.float32) if i < 3 else np.asarray(a) for i, a in enumerate(dev)]
+    assert dev[1].is_deleted() and dev[2].is_deleted()  # updated in place, not copied
     nkh, nvh = _f64(nk).astype(np.float32), _f64(nv).astype(np.float32)
     _close(out, T.reference("attn_paged_decode", *host, new_k=nkh, new_v=nvh), "bfloat16")
     _close(k2, T.appended(host[1], nkh, r2t, rpi, kv_indptr), "bfloat16")
     _close(v2, T.appended(host[2], nvh, r2t, rpi, kv_indptr), "bfloat16")
+
+
+@pytest.mark.parametrize("kind", ["bool", "float32", "q_dtype"])
+@pytest.mark.parametrize("op,shape", [("attn_decode", "B,L"), ("attn_decode", "1,1,1,L"),
+                                      ("attn_paged_decode", "B,W"), ("attn_prefill", "B,L"),
+                                      ("attn_prefill", "B,1,Q,L"), ("attn_prefill", "1,H,1,L"),
+                                      ("attn_paged_prefill", "B,W"), ("attn_paged_prefill", "B,1,Q,W")])
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+def test_attention_masks_on_gpu(op, shape, kind, dtype, rng):
+    """Bool and additive float masks (float32, or q's own dtype) through the CUDA handlers, under jit."""
+    args, kwargs = T.sample(op, rng, **_sizes(op))
+    q = args[0]
+    B = q.shape[0] if op in ("attn_decode", "attn_prefill") else args[4].shape[0]
+    L = args[1].shape[1] if op in ("attn_decode", "attn_prefill") else args[3].shape[1]
+    Q = q.shape[1] if op == "attn_prefill" else int(max(np.diff(args[6]))) if op == "attn_paged_prefill" else 1
+    dims = tuple({"B": B, "L": L, "W": L - 2, "H": q.shape[-2], "Q": Q}.get(d, 1) for d in shape.split(","))
+    mask = jax_attn_mask(rng, dims, "bool" if kind == "bool" else "float")
+    dev = _cast(op, args, dtype)
+    m = jax.device_put(jnp.asarray(mask, None if kind != "q_dtype" else getattr(jnp, dtype)), GPU)
+    host = [_f64(a).astype(np.float32) if i < 3 else np.asarray(a) for i, a in enumerate(dev)]
+    out = jax.jit(lambda *a: getattr(qj, op)(*a[:-1], mask=a[-1], **kwargs))(*dev, m)
+    assert next(iter(out.devices())).platform == "gpu"
+    ref = T.reference(op, *host, mask=_f64(m) if kind != "bool" else np.asarray(m), **kwargs)
+    _close(out, ref, dtype)
 
 
 def test_dropout_mask_same_on_gpu_and_cpu(rng):
@@ -147,6 +181,8 @@ def test_dropout_mask_same_on_gpu_and_cpu(rng):
     args, _ = T.sample("fused_norm_residual", rng, rows=64, h=96)
     kw = dict(p=0.2, training=True, seed=2**33 + 5)
     gpu = qj.fused_norm_residual(*_cast("fused_norm_residual", args, "float32"), **kw)
-    cpu = qj.fused_norm_residual(*[jax.device_put(jnp.asarray(a), jax.devices("cpu")[0]) for a in args], **kw)
+    with jax.default_device(CPU):
+        cpu = qj.fused_norm_residual(*[jax.device_put(jnp.asarray(a), CPU) for a in args], **kw)
+    assert next(iter(cpu.devices())).platform == "cpu"
     _close(gpu, _f64(cpu), "float32")
     _close(gpu, T.reference("fused_norm_residual", *args, **kw), "float32")

@@ -11,7 +11,7 @@ import pytest
 
 import qkernels
 from qkernels.testing import reference, sample
-from conftest import capture_graph, close_to_naive, cuda, f64, fp32_sum_tol, rel_err, requires_cuda
+from conftest import behind_held_copy, capture_graph, close_to_naive, cuda, f64, fp32_sum_tol, rel_err, requires_cuda
 
 pytestmark = requires_cuda
 _C = qkernels._C
@@ -116,13 +116,7 @@ def test_runs_on_the_callers_current_stream(rng):
     args = sample("sparse_aggregate", rng, n_dst=4000, n_src=4000, heads=4, dim=64, avg_degree=16)[0]
     rp, ci, ew, nf = to_cuda(args)
     new_nf = torch.from_numpy(rng.standard_normal(args[3].shape).astype(np.float32)).cuda()
-    side = torch.cuda.Stream()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(200_000_000)  # hold the side stream back ~0.1 s
-        nf.copy_(new_nf)
-        out = qkernels.sparse_aggregate(rp, ci, ew, nf)  # must queue behind the copy, on `side`
-    side.synchronize()
+    out = behind_held_copy(nf, new_nf, lambda: qkernels.sparse_aggregate(rp, ci, ew, nf))
     ref = reference("sparse_aggregate", args[0], args[1], args[2], new_nf.cpu().numpy())
     assert rel_err(out.cpu().numpy(), ref) < 1e-5
 

@@ -418,8 +418,8 @@ def test_swiglu_backward_empty_and_zero_sizes(rng):
         args = swiglu_case(rng, (m,), k, n)
         r = qkernels.swiglu_backward(*args)
         assert [o.shape for o in r] == [(m, k), (n, k), (n, k)]
-        for got, ref in zip(r, reference("swiglu_backward", *args)):
-            np.testing.assert_allclose(f64(got), ref, atol=1e-6)
+        for got, ref in zip(r, reference("swiglu_backward", *args)):  # fp32: a few roundings of values ~10
+            np.testing.assert_allclose(f64(got), ref, rtol=1e-5, atol=1e-6)
     dx, dup, dgate = qkernels.swiglu_backward(randn(rng, 0, 6), randn(rng, 0, 9), randn(rng, 6, 9), randn(rng, 6, 9))
     assert not dup.any() and not dgate.any()
     dx, _, _ = qkernels.swiglu_backward(randn(rng, 3, 0), randn(rng, 3, 9), randn(rng, 0, 9), randn(rng, 0, 9))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import qkernels
-from conftest import check_norm_grads, rel_err, requires_torch, strided_all
+from conftest import assert_compiles_like_eager, check_norm_grads, rel_err, requires_torch, strided_all
 from qkernels import _dispatch
 from qkernels.testing import dropout_keep, graph_batch, reference, sample
 
@@ -162,7 +162,8 @@ def test_dropout_mask_is_the_row_modes(rng):
     go = rng.standard_normal((90, 24)).astype(np.float32)
     _, _, gb = qkernels.fused_norm_residual_backward(go, x, np.ones(24, np.float32), p=p, training=True, seed=seed,
                                                      batch=graph_batch(rng, 90, 4, sort=False), num_graphs=4)
-    np.testing.assert_allclose(gb, np.where(kept, go / (1 - p), 0).sum(0), rtol=1e-5, atol=1e-6)
+    terms = np.where(kept, go.astype(np.float64) / (1 - p), 0)  # fp32 sums of 90 terms: error ~ sum |terms|
+    assert np.all(np.abs(gb - terms.sum(0)) <= 1e-6 * np.abs(terms).sum(0))
 
 
 def test_seed_tensor(rng):
@@ -348,14 +349,7 @@ def test_torch_compile_and_opcheck(rng):
         loss.backward()
         return loss, [a.grad for a in leaves]
 
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(step)(*[a.detach().requires_grad_() for a in args])
-    assert explained.graph_break_count == 0, explained.break_reasons
-    loss_c, g_c = grads(torch.compile(step, fullgraph=True))
-    loss_e, g_e = grads(step)
-    torch.testing.assert_close(loss_c, loss_e)
-    for a, b in zip(g_c, g_e):
-        torch.testing.assert_close(a, b)
+    assert_compiles_like_eager(step, grads, *[a.detach().requires_grad_() for a in args])
     torch.library.opcheck(torch.ops.qkernels.fused_norm_residual.default,
                           tuple(a.detach().requires_grad_() for a in args) + (None, batch),
                           dict(p=0.1, training=True, seed=3, num_graphs=4))

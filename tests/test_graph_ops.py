@@ -6,6 +6,7 @@ import pytest
 
 import qkernels
 from conftest import rel_err, requires_torch
+from qkernels import _dispatch
 from qkernels.testing import reference, sample
 
 FP32_TOL = 1e-5
@@ -197,6 +198,60 @@ def test_graph_bce_errors(rng):
         qkernels.graph_norm_bce(logits, target.astype(np.float64), eg, 5)
     with pytest.raises(TypeError, match="pos_weight must be a float, a tensor or None, got str"):
         qkernels.graph_norm_bce(logits, target, eg, 5, pos_weight="a")
+
+
+def mixed_runs(rng, e, g):
+    """Graph ids in runs of 1 to 600 edges, graphs in random order and revisited: long runs, short
+    runs and unsorted stretches side by side, across block and chunk boundaries."""
+    ids, n = [], 0
+    while n < e:
+        k = int(min(e - n, rng.choice([1, 2, 3, 5, 40, 600])))
+        ids.append(np.full(k, rng.integers(0, g)))
+        n += k
+    return np.concatenate(ids).astype(np.int64)
+
+
+@pytest.mark.parametrize("e,g", [(90_000, 300), (20_000, 5000)])
+def test_graph_bce_mixed_runs_any_thread_count(rng, e, g):
+    (logits, target, _, _), _ = sample("graph_norm_bce", rng, e=e, graphs=g)
+    eg = mixed_runs(rng, e, g)
+    ref = reference("graph_norm_bce", logits, target, eg, g, pos_weight=1.5)
+    old = _dispatch.configure(num_threads=1)
+    try:
+        one = qkernels.graph_norm_bce(logits, target, eg, g, pos_weight=1.5)
+        assert abs(float(one) - ref) <= FP32_TOL * abs(ref)
+        for n in (2, 3, 7):
+            _dispatch.configure(num_threads=n)
+            assert float(qkernels.graph_norm_bce(logits, target, eg, g, pos_weight=1.5)).hex() == float(one).hex(), n
+    finally:
+        _dispatch.configure(num_threads=old["num_threads"])
+
+
+def test_graph_bce_softplus_sweep():
+    # one edge per call: each result is one term, so the fp32 exp and log1p are checked across
+    # their whole range, not only where the few hand-picked values of the test above fall
+    logits = np.concatenate([np.linspace(-95, 95, 1901), -np.logspace(-8, 2, 101), np.logspace(-8, 2, 101)])
+    worst = 0.0
+    for t in (0.0, 1.0, 0.3):
+        for lg in logits.astype(np.float32):
+            args = (np.array([lg]), np.array([t], np.float32), np.zeros(1, np.int64), 1)
+            r = float(qkernels.graph_norm_bce(*args))
+            ref = reference("graph_norm_bce", *args)
+            worst = max(worst, abs(r - ref) / (abs(ref) + 1e-30 / 3e-7))
+    assert worst <= 3e-7
+
+
+def test_norm_residual_dropout_any_thread_count(rng):
+    (x, res, g, b), _ = sample("fused_norm_residual", rng, rows=3000, h=100)
+    old = _dispatch.configure(num_threads=1)
+    try:
+        one = qkernels.fused_norm_residual(x, res, g, b, p=0.3, training=True, seed=2**40 + 3)
+        for n in (2, 5):
+            _dispatch.configure(num_threads=n)
+            assert np.array_equal(one, qkernels.fused_norm_residual(x, res, g, b, p=0.3, training=True,
+                                                                    seed=2**40 + 3)), n
+    finally:
+        _dispatch.configure(num_threads=old["num_threads"])
 
 
 # ---- through torch and the dispatcher -------------------------------------------------------

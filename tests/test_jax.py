@@ -18,6 +18,7 @@ if not hasattr(qkernels._C, "_jax_handlers"):
     pytest.skip("qkernels was built without its XLA FFI handlers (QKERNELS_JAX=1 pip install '.[jax]')",
                 allow_module_level=True)
 import qkernels.jax as qj  # noqa: E402
+from conftest import jax_attn_mask  # noqa: E402
 
 
 
@@ -404,10 +405,83 @@ def test_index_error_at_run_time(rng):
         jax.block_until_ready(qj.sparse_aggregate(*_jargs((args[0], col) + args[2:])))
 
 
-def test_mask_not_supported(rng):
+# mask shapes per op, in the bindings' forms: B batch, L keys (Lkv, or a width W < max_ctx for the
+# token pools), H query heads, Q query rows (Lq, or Mq for the pools)
+MASK_SHAPES = {
+    "attn_decode": ["B,L", "1,L", "B,1,L", "1,1,1,L"],
+    "attn_paged_decode": ["B,L", "1,1,L", "B,1,1,L"],
+    "attn_prefill": ["B,L", "B,1,Q,L", "1,H,1,L", "H,Q,L", "B,H,Q,L"],
+    "attn_paged_prefill": ["B,L", "B,1,Q,L", "1,H,1,L", "1,Q,L"],
+}
+
+
+def _mask_case(op, rng, shape, kind):
+    args, kwargs = _sample(op, rng)
+    q = args[0]
+    if op in ("attn_decode", "attn_prefill"):
+        B, L = q.shape[0], args[1].shape[1]
+    else:
+        B, L = args[4].shape[0], args[3].shape[1] - 2  # narrower than max_ctx: positions from W on drop
+    H = q.shape[-2]
+    Q = q.shape[1] if op == "attn_prefill" else max(np.diff(args[6])) if op == "attn_paged_prefill" else 1
+    dims = tuple({"B": B, "L": L, "H": H, "Q": Q}.get(d, 1) for d in shape.split(","))
+    return args, kwargs, jax_attn_mask(rng, dims, kind)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("op,shape", [(op, s) for op, shapes in MASK_SHAPES.items() for s in shapes])
+def test_attention_masks(op, shape, kind, rng):
+    """Bool and additive float masks in the bindings' broadcast forms, under jit, against the float64
+    references."""
+    args, kwargs, mask = _mask_case(op, rng, shape, kind)
+    kwargs = dict(kwargs, mask=mask)
+    if op == "attn_decode" and shape == "B,L":
+        kwargs["kv_lens"] = np.array([args[1].shape[1], 4], np.int32)[:args[0].shape[0]]
+    arrays = [i for i, a in enumerate(args) if not isinstance(a, (int, float))]
+    f = getattr(qj, op)
+
+    @jax.jit
+    def run(*ts):
+        full = list(args)
+        for i, t in zip(arrays, ts[:-1]):
+            full[i] = t
+        return f(*full, **dict(kwargs, mask=ts[-1]))
+
+    out = run(*[jnp.asarray(args[i]) for i in arrays], jnp.asarray(mask))
+    _close(out, T.reference(op, *args, **kwargs))
+
+
+def test_paged_decode_appends_with_a_mask(rng):
+    args, _, mask = _mask_case("attn_paged_decode", rng, "B,L", "float")
+    B, Hkv, D = args[0].shape[0], args[1].shape[1], args[0].shape[2]
+    nk, nv = (rng.standard_normal((B, Hkv, D)).astype(np.float32) for _ in range(2))
+    out, k2, v2 = qj.attn_paged_decode(*_jargs(args), new_k=nk, new_v=nv, mask=mask)
+    _close(out, T.reference("attn_paged_decode", *args, new_k=nk, new_v=nv, mask=mask))
+    _close(k2, T.appended(args[1], nk, *args[3:6]))
+
+
+def test_mask_errors(rng):
     args, _ = T.sample("attn_prefill", rng)
-    with pytest.raises(NotImplementedError, match="attn_prefill: mask"):
-        qj.attn_prefill(*_jargs(args), mask=jnp.ones((2, 9), bool))
+    B, Lkv, Hq = args[0].shape[0], args[1].shape[1], args[0].shape[2]
+    with pytest.raises(TypeError, match="attn_prefill: mask must be bool .* float32 .* got int32"):
+        qj.attn_prefill(*_jargs(args), mask=jnp.ones((B, Lkv), jnp.int32))
+    with pytest.raises(TypeError, match="attn_prefill: mask .* got float16"):
+        qj.attn_prefill(*_jargs(args), mask=jnp.zeros((B, Lkv), jnp.float16))  # q is float32
+    with pytest.raises(ValueError, match="attn_prefill: mask must have shape"):
+        qj.attn_prefill(*_jargs(args), mask=jnp.ones((B, Lkv + 1), bool))
+    with pytest.raises(ValueError, match="attn_prefill: mask must have shape"):
+        qj.attn_prefill(*_jargs(args), mask=jnp.ones((B, Hq + 1, 1, Lkv), bool))
+    with pytest.raises(ValueError, match="attn_prefill: mask must be"):
+        qj.attn_prefill(*_jargs(args), mask=jnp.ones((Lkv,), bool))
+    dargs, _ = T.sample("attn_decode", rng)
+    with pytest.raises(ValueError, match="attn_decode: mask must have shape"):
+        qj.attn_decode(*_jargs(dargs), mask=jnp.ones((dargs[0].shape[0], 2, dargs[1].shape[1]), bool))
+    pargs, _ = T.sample("attn_paged_decode", rng)
+    with pytest.raises(ValueError, match="attn_paged_decode: mask must have shape .*W <= max_ctx"):
+        qj.attn_paged_decode(*_jargs(pargs), mask=jnp.ones((pargs[0].shape[0], pargs[3].shape[1] + 1), bool))
+    hq = T.sample("attn_prefill", rng)[0]
+    half = tuple(jnp.asarray(a, jnp.bfloat16) for a in hq[:3])
+    qj.attn_prefill(*half, mask=jnp.zeros((B, Lkv), jnp.bfloat16))  # q's own 16-bit dtype is taken
 
 
 def test_registered_and_import_isolation():

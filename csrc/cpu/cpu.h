@@ -5,6 +5,8 @@
 
 #include "qkernels/launch.h"
 
+#include <stdatomic.h>
+
 /* Hot loops are compiled for AVX-512 and AVX2 besides the x86-64 baseline, the best picked at
  * load time (GCC function multiversioning); PyTorch's CPU kernels dispatch the same way. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
@@ -60,6 +62,21 @@ static inline int64_t qk_group_at(const int64_t *offsets, int64_t n, int64_t tar
     }
     return lo;
 }
+
+/* The next item of a job whose threads take items from a shared counter (atomic_init to 0 before
+ * the run): a thread that starts late (a woken worker) takes only what is left, and the pool runs
+ * a share no worker has taken on the caller's thread.  Only for items whose results do not depend
+ * on the thread that computes them. */
+static inline int64_t qk_next_item(atomic_llong *next) {
+    return (int64_t)atomic_fetch_add_explicit(next, 1, memory_order_relaxed);
+}
+
+/* Per-call work arrays from a block kept between calls: fresh pages cost a fault each, and malloc
+ * hands freed memory back to the system, so a malloc'd array can fault in again at every call.
+ * One caller at a time gets the kept block, grown as needed (up to 16 MiB); concurrent callers and
+ * larger sizes get malloc.  NULL when out of memory.  Give it back with qk_cpu_scratch_release. */
+void *qk_cpu_scratch(size_t bytes);
+void qk_cpu_scratch_release(void *p);
 
 /* Threads worth using for `work` multiply-adds: one per ~1M, at most max_threads. */
 int qk_threads_for(int64_t work, int max_threads);

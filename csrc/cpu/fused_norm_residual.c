@@ -12,7 +12,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define NR_LANES 8
+/* Row sums in 32 lanes (lane j: elements h = j mod 32, in order), added pairwise in a fixed tree:
+ * four independent 8-wide chains, so a 128-wide row is not one chain of dependent adds.  The
+ * order is the same in every clone, and C11 mode keeps GCC from contracting a*b+c, so the bits
+ * are too. */
+#define NR_LANES 32
+#define NRG_LANES 8 /* graph mode's double sums */
 
 /* Inlined into their callers, so a multiversioned caller runs them in its own instruction set
  * (a call from an AVX-512 clone into baseline SSE code stalls on the state transition). */
@@ -26,7 +31,16 @@
 static int nrg_forward(qk_fused_norm_residual_args *a);
 static int nrg_backward(qk_fused_norm_residual_backward_args *a);
 
-/* sum of (x - shift - mean), or with squares of its squares; 8 partial sums for SIMD */
+/* The lanes' sum: a pairwise tree, then the tail's sum t (elements past the last full 32) */
+NR_INLINE float nr_reduce(float *restrict part, float t) {
+    _Static_assert(NR_LANES == 32, "the tree below is written out for 32 lanes");
+    for (int j = 0; j < 16; j++) part[j] += part[j + 16]; /* constant widths: whole-vector adds */
+    for (int j = 0; j < 8; j++) part[j] += part[j + 8];
+    for (int j = 0; j < 4; j++) part[j] += part[j + 4];
+    return ((part[0] + part[2]) + (part[1] + part[3])) + t;
+}
+
+/* sum of (x - shift - mean), or with squares of its squares */
 NR_INLINE float nr_pass(const float *restrict p, int64_t n, float shift, float mean, int squares) {
     float part[NR_LANES] = {0};
     int64_t h = 0;
@@ -40,11 +54,38 @@ NR_INLINE float nr_pass(const float *restrict p, int64_t n, float shift, float m
         const float d = (p[h] - shift) - mean;
         s += squares ? d * d : d;
     }
-    for (int j = 0; j < NR_LANES; j++) s += part[j];
-    return s;
+    return nr_reduce(part, s);
 }
 
-static void nr_row_contiguous(const qk_fused_norm_residual_args *a, int64_t r) {
+/* The dropout draws of elements base .. base + n - 1 (qk_dropout_keep's words): one Philox
+ * evaluation per 4 elements, the rounds unrolled so the loop over evaluations vectorises.  buf
+ * holds n + 6 words; returns where element base's draw is in it. */
+NR_INLINE const uint32_t *nr_draws(uint64_t seed, uint64_t base, int64_t n, uint32_t *restrict buf) {
+    const uint64_t first = base >> 2;
+    const int64_t nb = (int64_t)(((base & 3) + (uint64_t)n + 3) >> 2);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint64_t ctr = first + (uint64_t)b;
+        uint32_t c0 = (uint32_t)ctr, c1 = (uint32_t)(ctr >> 32), c2 = 0, c3 = 0;
+        uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+#pragma GCC unroll 10
+        for (int round = 0; round < 10; round++) {
+            const uint64_t p0 = (uint64_t)c0 * 0xD2511F53u, p1 = (uint64_t)c2 * 0xCD9E8D57u;
+            c0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0;
+            c2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
+            c1 = (uint32_t)p1;
+            c3 = (uint32_t)p0;
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        buf[4 * b] = c0;
+        buf[4 * b + 1] = c1;
+        buf[4 * b + 2] = c2;
+        buf[4 * b + 3] = c3;
+    }
+    return buf + (base & 3);
+}
+
+NR_INLINE void nr_row_contiguous(const qk_fused_norm_residual_args *a, int64_t r, uint32_t *restrict buf) {
     const int64_t H = a->H;
     const float *restrict x = (const float *)a->x + r * a->x_stride[0];
     const float *restrict res = (const float *)a->residual + r * a->res_stride[0];
@@ -60,14 +101,16 @@ static void nr_row_contiguous(const qk_fused_norm_residual_args *a, int64_t r) {
         for (int64_t h = 0; h < H; h++) o[h] = ((x[h] - shift) - mean) * rstd * gamma[h] + beta[h] + res[h];
         return;
     }
+    const uint32_t *restrict draw = nr_draws(a->seed, (uint64_t)(r * H), H, buf);
+    const uint32_t thr = a->drop_threshold;
+    const float scale = a->scale;
     for (int64_t h = 0; h < H; h++) {
-        float y = ((x[h] - shift) - mean) * rstd * gamma[h] + beta[h];
-        y = qk_dropout_keep(a->seed, (uint64_t)(r * H + h), a->drop_threshold) ? y * a->scale : 0.f;
-        o[h] = y + res[h];
+        const float y = ((x[h] - shift) - mean) * rstd * gamma[h] + beta[h];
+        o[h] = (draw[h] >= thr ? y * scale : 0.f) + res[h];
     }
 }
 
-static void nr_row_strided(const qk_fused_norm_residual_args *a, int64_t r) {
+NR_INLINE void nr_row_strided(const qk_fused_norm_residual_args *a, int64_t r, uint32_t *restrict buf) {
     const int64_t H = a->H, xc = a->x_stride[1];
     const float *xr = (const float *)a->x + r * a->x_stride[0], *rr = (const float *)a->residual + r * a->res_stride[0];
     const float *gamma = a->gamma, *beta = a->beta;
@@ -81,22 +124,34 @@ static void nr_row_strided(const qk_fused_norm_residual_args *a, int64_t r) {
         sq += dv * dv;
     }
     const double rstd = 1.0 / sqrt(sq / (double)H + (double)a->eps);
+    const uint32_t *draw = a->training ? nr_draws(a->seed, (uint64_t)(r * H), H, buf) : NULL;
     for (int64_t h = 0; h < H; h++) {
         float y = (float)((xr[h * xc] - mean) * rstd) * gamma[h * a->gamma_stride] + beta[h * a->beta_stride];
-        if (a->training) y = qk_dropout_keep(a->seed, (uint64_t)(r * H + h), a->drop_threshold) ? y * a->scale : 0.f;
+        if (draw) y = draw[h] >= a->drop_threshold ? y * a->scale : 0.f;
         o[h * a->out_stride[1]] = y + rr[h * a->res_stride[1]];
     }
 }
 
+typedef struct {
+    const qk_fused_norm_residual_args *a;
+    uint32_t *draws; /* [nthreads][H + 8] when training */
+    int64_t group;     /* rows taken at a time */
+    atomic_llong next; /* the next group */
+} nr_job;
+
 QK_MULTIVERSION static void nr_worker(void *p, int tid, int nthreads) {
-    const qk_fused_norm_residual_args *a = p;
+    (void)nthreads;
+    nr_job *j = p;
+    const qk_fused_norm_residual_args *a = j->a;
     const int contiguous = a->x_stride[1] == 1 && a->res_stride[1] == 1 && a->out_stride[1] == 1 &&
                            a->gamma_stride == 1 && a->beta_stride == 1;
-    int64_t r0, r1;
-    qk_share(a->R, tid, nthreads, &r0, &r1);
-    for (int64_t r = r0; r < r1; r++) {
-        if (contiguous) nr_row_contiguous(a, r);
-        else nr_row_strided(a, r);
+    uint32_t *buf = j->draws ? j->draws + (size_t)tid * (size_t)(a->H + 8) : NULL;
+    for (int64_t grp; (grp = qk_next_item(&j->next)) * j->group < a->R;) {
+        const int64_t r1 = (grp + 1) * j->group < a->R ? (grp + 1) * j->group : a->R;
+        for (int64_t r = grp * j->group; r < r1; r++) {
+            if (contiguous) nr_row_contiguous(a, r, buf);
+            else nr_row_strided(a, r, buf);
+        }
     }
 }
 
@@ -105,7 +160,14 @@ int qk_fused_norm_residual_cpu(qk_fused_norm_residual_args *a, void *stream) {
     if (a->dtype != QK_F32) return QK_E_UNSUPPORTED;
     if (a->seed_ptr) a->seed = (uint64_t)*a->seed_ptr; /* a seed tensor: host memory here */
     if (a->batch) return nrg_forward(a);
-    return qk_parallel_run(qk_threads_for(a->R * a->H * 8, a->num_threads > 0 ? a->num_threads : 1), nr_worker, a);
+    const int nthreads = qk_threads_for(a->R * a->H * 8, a->num_threads > 0 ? a->num_threads : 1);
+    nr_job j = {.a = a, .group = 4096 / (a->H + 1) + 1}; /* ~16 KiB of x a group */
+    atomic_init(&j.next, 0);
+    if (a->training && !(j.draws = malloc(sizeof(uint32_t) * (size_t)nthreads * (size_t)(a->H + 8))))
+        return QK_E_NOMEM;
+    const int status = qk_parallel_run(nthreads, nr_worker, &j);
+    free(j.draws);
+    return status;
 }
 
 /* ---- fused_norm_residual_backward ------------------------------------------------------------
@@ -122,37 +184,40 @@ typedef struct {
     int64_t chunk, nchunks;
     float *partial; /* [nchunks][2H]: sum g*xhat, then sum g */
     float *gamma;   /* [H], contiguous */
-    float *rows;    /* [nthreads][6H]: gathered x and grad_out, xhat, g * gamma, the mask, grad_x */
+    atomic_llong next; /* the next chunk */
+    float *rows;    /* [nthreads][NRB_ROW(H)]: gathered x and grad_out, xhat, g * gamma, the mask, grad_x,
+                       the dropout draws */
 } nrb_job;
 
-/* mask[h] = scale or 0 for elements base .. base + n - 1: one Philox evaluation per 4 indices */
-NR_INLINE void nrb_mask(const qk_fused_norm_residual_backward_args *a, uint64_t base, int64_t n, float *restrict mask) {
-    int64_t h = 0;
-    while (h < n) {
-        const uint64_t i = base + (uint64_t)h;
-        const qk_philox_block b = qk_philox4x32(i >> 2, a->seed);
-        for (int w = (int)(i & 3); w < 4 && h < n; w++, h++) mask[h] = b.v[w] >= a->drop_threshold ? a->scale : 0.f;
-    }
+#define NRB_ROW(H) (7 * (size_t)(H) + 8)
+
+/* mask[h] = scale or 0 for elements base .. base + n - 1; draws: n + 6 words of scratch */
+NR_INLINE void nrb_mask(const qk_fused_norm_residual_backward_args *a, uint64_t base, int64_t n, float *restrict mask,
+                        uint32_t *restrict draws) {
+    const uint32_t *restrict d = nr_draws(a->seed, base, n, draws);
+    const uint32_t thr = a->drop_threshold;
+    const float scale = a->scale;
+    for (int64_t h = 0; h < n; h++) mask[h] = d[h] >= thr ? scale : 0.f;
 }
 
 /* One row: x, go (contiguous) -> gx, and its terms added to dgamma / dbeta.  One fused pass
- * makes x-hat, g * gamma, the column terms and the two row sums (8 partial sums for SIMD); a
- * second writes grad_x. */
-QK_MULTIVERSION static void nrb_row(const nrb_job *j, int64_t r, const float *restrict x, const float *restrict go,
-                                    float *restrict xh, float *restrict gg, float *restrict mask, float *restrict gx,
-                                    float *restrict dgamma, float *restrict dbeta) {
+ * makes x-hat, g * gamma, the column terms and the two row sums (32 lanes); a second writes
+ * grad_x. */
+NR_INLINE void nrb_row(const nrb_job *j, int64_t r, const float *restrict x, const float *restrict go,
+                       float *restrict xh, float *restrict gg, float *restrict mask, uint32_t *restrict draws,
+                       float *restrict gx, float *restrict dgamma, float *restrict dbeta, const int training) {
     const qk_fused_norm_residual_backward_args *a = j->a;
     const int64_t H = a->H;
     const float *restrict gamma = j->gamma;
     const float shift = x[0];
     const float mean = nr_pass(x, H, shift, 0.f, 0) / (float)H; /* of the shifted values */
     const float rstd = 1.f / sqrtf(nr_pass(x, H, shift, mean, 1) / (float)H + a->eps);
-    if (a->training) nrb_mask(a, (uint64_t)(r * H), H, mask);
+    if (training) nrb_mask(a, (uint64_t)(r * H), H, mask, draws);
     float p1[NR_LANES] = {0}, p2[NR_LANES] = {0};
     int64_t h = 0;
     for (; h + NR_LANES <= H; h += NR_LANES)
         for (int k = 0; k < NR_LANES; k++) {
-            const float xv = ((x[h + k] - shift) - mean) * rstd, g = a->training ? go[h + k] * mask[h + k] : go[h + k];
+            const float xv = ((x[h + k] - shift) - mean) * rstd, g = training ? go[h + k] * mask[h + k] : go[h + k];
             dgamma[h + k] += g * xv;
             dbeta[h + k] += g;
             xh[h + k] = xv;
@@ -162,7 +227,7 @@ QK_MULTIVERSION static void nrb_row(const nrb_job *j, int64_t r, const float *re
         }
     float s1 = 0.f, s2 = 0.f;
     for (; h < H; h++) {
-        const float xv = ((x[h] - shift) - mean) * rstd, g = a->training ? go[h] * mask[h] : go[h];
+        const float xv = ((x[h] - shift) - mean) * rstd, g = training ? go[h] * mask[h] : go[h];
         dgamma[h] += g * xv;
         dbeta[h] += g;
         xh[h] = xv;
@@ -170,24 +235,22 @@ QK_MULTIVERSION static void nrb_row(const nrb_job *j, int64_t r, const float *re
         s1 += gg[h];
         s2 += gg[h] * xv;
     }
-    for (int k = 0; k < NR_LANES; k++) {
-        s1 += p1[k];
-        s2 += p2[k];
-    }
+    s1 = nr_reduce(p1, s1);
+    s2 = nr_reduce(p2, s2);
     const float m1 = s1 / (float)H, m2 = s2 / (float)H;
     for (h = 0; h < H; h++) gx[h] = rstd * ((gg[h] - m1) - xh[h] * m2);
 }
 
-static void nrb_chunks(void *p, int tid, int nthreads) {
+QK_MULTIVERSION static void nrb_chunks(void *p, int tid, int nthreads) {
+    (void)nthreads;
     nrb_job *j = p;
     const qk_fused_norm_residual_backward_args *a = j->a;
     const int64_t H = a->H;
-    float *buf = j->rows + (size_t)tid * 6 * (size_t)H;
+    float *buf = j->rows + (size_t)tid * NRB_ROW(H);
     float *xb = buf, *gob = buf + H, *xh = buf + 2 * H, *g = buf + 3 * H, *mask = buf + 4 * H, *gxb = buf + 5 * H;
+    uint32_t *draws = (uint32_t *)(buf + 6 * H);
     const int x_unit = a->x_stride[1] == 1, go_unit = a->go_stride[1] == 1, gx_unit = a->gx_stride[1] == 1;
-    int64_t c0, c1;
-    qk_share(j->nchunks, tid, nthreads, &c0, &c1);
-    for (int64_t c = c0; c < c1; c++) {
+    for (int64_t c; (c = qk_next_item(&j->next)) < j->nchunks;) {
         float *dgamma = j->partial + (size_t)c * 2 * (size_t)H, *dbeta = dgamma + H;
         for (int64_t h = 0; h < 2 * H; h++) dgamma[h] = 0.f;
         const int64_t r1 = (c + 1) * j->chunk < a->R ? (c + 1) * j->chunk : a->R;
@@ -203,7 +266,10 @@ static void nrb_chunks(void *p, int tid, int nthreads) {
                 for (int64_t h = 0; h < H; h++) gob[h] = go[h * a->go_stride[1]];
                 go = gob;
             }
-            nrb_row(j, r, x, go, xh, g, mask, gx_unit ? gx : gxb, dgamma, dbeta);
+            if (a->training) /* two instances, so neither tests the flag per element */
+                nrb_row(j, r, x, go, xh, g, mask, draws, gx_unit ? gx : gxb, dgamma, dbeta, 1);
+            else
+                nrb_row(j, r, x, go, xh, g, mask, draws, gx_unit ? gx : gxb, dgamma, dbeta, 0);
             if (!gx_unit)
                 for (int64_t h = 0; h < H; h++) gx[h * a->gx_stride[1]] = gxb[h];
         }
@@ -218,6 +284,7 @@ int qk_fused_norm_residual_backward_cpu(qk_fused_norm_residual_backward_args *a,
     if (a->batch) return nrg_backward(a);
     nrb_job j = {0};
     j.a = a;
+    atomic_init(&j.next, 0);
     /* chunks of >= 64 rows, at most NRB_MAX_CHUNKS of them: a function of R alone */
     j.chunk = (R + NRB_MAX_CHUNKS - 1) / NRB_MAX_CHUNKS;
     if (j.chunk < 64) j.chunk = 64;
@@ -225,12 +292,20 @@ int qk_fused_norm_residual_backward_cpu(qk_fused_norm_residual_backward_args *a,
     const int maxt = a->num_threads > 0 ? a->num_threads : 1;
     int nthreads = qk_threads_for(R * H * 12, maxt);
     if (nthreads > j.nchunks) nthreads = j.nchunks > 0 ? (int)j.nchunks : 1;
-    j.partial = malloc(sizeof(float) * (size_t)(j.nchunks > 0 ? j.nchunks : 1) * 2 * (size_t)H);
-    j.gamma = malloc(sizeof(float) * (size_t)H);
-    j.rows = malloc(sizeof(float) * (size_t)nthreads * 6 * (size_t)H);
-    double *sum = calloc(2 * (size_t)H, sizeof(double));
+    /* one scratch block, kept between calls so its pages are not faulted in again: the sums in
+     * double first (alignment), then partials, gamma and the row buffers */
+    const size_t nparts = (size_t)(j.nchunks > 0 ? j.nchunks : 1) * 2 * (size_t)H;
+    char *mem = qk_cpu_scratch(sizeof(double) * 2 * (size_t)H +
+                           sizeof(float) * (nparts + (size_t)H + (size_t)nthreads * NRB_ROW(H)));
+    double *sum = (double *)mem;
+    if (mem) {
+        memset(sum, 0, sizeof(double) * 2 * (size_t)H);
+        j.partial = (float *)(sum + 2 * H);
+        j.gamma = j.partial + nparts;
+        j.rows = j.gamma + H;
+    }
     int status = QK_E_NOMEM;
-    if (j.partial && j.gamma && j.rows && sum) {
+    if (mem) {
         for (int64_t h = 0; h < H; h++) j.gamma[h] = ((const float *)a->gamma)[h * a->gamma_stride];
         status = j.nchunks > 0 ? qk_parallel_run(nthreads, nrb_chunks, &j) : QK_OK;
         if (status == QK_OK) {
@@ -244,10 +319,7 @@ int qk_fused_norm_residual_backward_cpu(qk_fused_norm_residual_backward_args *a,
             }
         }
     }
-    free(j.partial);
-    free(j.gamma);
-    free(j.rows);
-    free(sum);
+    qk_cpu_scratch_release(mem);
     return status;
 }
 
@@ -314,10 +386,10 @@ static void nrg_bounds(void *p, int tid, int nthreads) {
 
 /* sum over h < n of p[h * s] - mean, or of its squares; 8 partial sums for SIMD */
 NR_INLINE double nrg_row_sum(const float *restrict p, int64_t n, int64_t s, double mean, int squares) {
-    double part[NR_LANES] = {0};
+    double part[NRG_LANES] = {0};
     int64_t h = 0;
-    for (; h + NR_LANES <= n; h += NR_LANES)
-        for (int j = 0; j < NR_LANES; j++) {
+    for (; h + NRG_LANES <= n; h += NRG_LANES)
+        for (int j = 0; j < NRG_LANES; j++) {
             const double d = (double)p[(h + j) * s] - mean;
             part[j] += squares ? d * d : d;
         }
@@ -326,7 +398,7 @@ NR_INLINE double nrg_row_sum(const float *restrict p, int64_t n, int64_t s, doub
         const double d = (double)p[h * s] - mean;
         t += squares ? d * d : d;
     }
-    for (int j = 0; j < NR_LANES; j++) t += part[j];
+    for (int j = 0; j < NRG_LANES; j++) t += part[j];
     return t;
 }
 
@@ -439,11 +511,12 @@ static void nrg_init(nrg_graphs *gs, const void *x, const int64_t *x_stride, int
 typedef struct {
     const qk_fused_norm_residual_args *a;
     const nrg_graphs *gs;
+    uint32_t *draws; /* [nthreads][H + 8] when training */
 } nrg_forward_job;
 
 /* One output row; out may be x or residual itself (each element is read before it is written). */
 NR_INLINE void nrg_out_row(const qk_fused_norm_residual_args *a, int64_t r, double mean, double rstd, int64_t xs,
-                           int64_t rs, int64_t os, int64_t gs, int64_t bs) {
+                           int64_t rs, int64_t os, int64_t gs, int64_t bs, uint32_t *restrict buf) {
     const float *x = (const float *)a->x + r * a->x_stride[0], *res = (const float *)a->residual + r * a->res_stride[0];
     const float *gamma = a->gamma, *beta = a->beta;
     float *o = (float *)a->out + r * a->out_stride[0];
@@ -453,9 +526,10 @@ NR_INLINE void nrg_out_row(const qk_fused_norm_residual_args *a, int64_t r, doub
             o[h * os] = (float)(((double)x[h * xs] - mean) * rstd) * gamma[h * gs] + beta[h * bs] + res[h * rs];
         return;
     }
+    const uint32_t *restrict draw = nr_draws(a->seed, (uint64_t)(r * H), H, buf);
     for (int64_t h = 0; h < H; h++) {
         float y = (float)(((double)x[h * xs] - mean) * rstd) * gamma[h * gs] + beta[h * bs];
-        y = qk_dropout_keep(a->seed, (uint64_t)(r * H + h), a->drop_threshold) ? y * a->scale : 0.f;
+        y = draw[h] >= a->drop_threshold ? y * a->scale : 0.f;
         o[h * os] = y + res[h * rs];
     }
 }
@@ -465,15 +539,16 @@ QK_MULTIVERSION static void nrg_out(void *p, int tid, int nthreads) {
     const qk_fused_norm_residual_args *a = j->a;
     const int unit = a->x_stride[1] == 1 && a->res_stride[1] == 1 && a->out_stride[1] == 1 && a->gamma_stride == 1 &&
                      a->beta_stride == 1;
+    uint32_t *buf = j->draws ? j->draws + (size_t)tid * (size_t)(a->H + 8) : NULL;
     int64_t r0, r1;
     qk_share(a->R, tid, nthreads, &r0, &r1);
     for (int64_t r = r0; r < r1; r++) {
         const int64_t g = nrg_id(j->gs, r);
         const double mean = j->gs->mean[g], rstd = j->gs->rstd[g];
-        if (unit) nrg_out_row(a, r, mean, rstd, 1, 1, 1, 1, 1);
+        if (unit) nrg_out_row(a, r, mean, rstd, 1, 1, 1, 1, 1, buf);
         else
             nrg_out_row(a, r, mean, rstd, a->x_stride[1], a->res_stride[1], a->out_stride[1], a->gamma_stride,
-                        a->beta_stride);
+                        a->beta_stride, buf);
     }
 }
 
@@ -483,8 +558,13 @@ static int nrg_forward(qk_fused_norm_residual_args *a) {
     nrg_init(&gs, a->x, a->x_stride, a->R, a->H, a->num_graphs, a->batch, a->batch_stride, a->index_dtype);
     int status = nrg_prepare(&gs, maxt, a->eps, &a->bad_pos, &a->bad_value);
     if (status == QK_OK && a->H > 0) {
-        nrg_forward_job j = {a, &gs};
-        status = qk_parallel_run(qk_threads_for(a->R * a->H * 8, maxt), nrg_out, &j);
+        const int nthreads = qk_threads_for(a->R * a->H * 8, maxt);
+        nrg_forward_job j = {a, &gs, NULL};
+        if (a->training && !(j.draws = malloc(sizeof(uint32_t) * (size_t)nthreads * (size_t)(a->H + 8))))
+            status = QK_E_NOMEM;
+        else
+            status = qk_parallel_run(nthreads, nrg_out, &j);
+        free(j.draws);
     }
     nrg_free(&gs);
     return status;
@@ -498,8 +578,10 @@ typedef struct {
     int64_t chunk, nchunks;
     double *partial; /* [nchunks][2H]: sum g*xhat, then sum g */
     float *gamma;    /* [H], contiguous */
-    float *buf;      /* [threads][4H]: gathered x and grad_out, the mask, grad_x */
+    float *buf;      /* [threads][NRGB_ROW(H)]: gathered x and grad_out, the mask, grad_x, the dropout draws */
 } nrgb_job;
+
+#define NRGB_ROW(H) (5 * (size_t)(H) + 8)
 
 /* Row r's x and grad_out as contiguous rows (gathered into buf when strided), and its mask. */
 static inline void nrgb_load(const nrgb_job *j, int64_t r, float *buf, const float **x, const float **go) {
@@ -515,7 +597,7 @@ static inline void nrgb_load(const nrgb_job *j, int64_t r, float *buf, const flo
         for (int64_t h = 0; h < H; h++) buf[H + h] = (*go)[h * a->go_stride[1]];
         *go = buf + H;
     }
-    if (a->training) nrb_mask(a, (uint64_t)(r * H), H, buf + 2 * H);
+    if (a->training) nrb_mask(a, (uint64_t)(r * H), H, buf + 2 * H, (uint32_t *)(buf + 4 * H));
 }
 
 QK_MULTIVERSION static void nrgb_sums(void *p, int tid, int nthreads) {
@@ -524,7 +606,7 @@ QK_MULTIVERSION static void nrgb_sums(void *p, int tid, int nthreads) {
     nrg_graphs *gs = j->gs;
     const int64_t H = a->H;
     const int training = a->training;
-    float *buf = j->buf + (size_t)tid * 4 * (size_t)H;
+    float *buf = j->buf + (size_t)tid * NRGB_ROW(H);
     const float *restrict mask = buf + 2 * H, *restrict gamma = j->gamma;
     int64_t c0, c1;
     qk_share(j->nchunks, tid, nthreads, &c0, &c1);
@@ -537,10 +619,10 @@ QK_MULTIVERSION static void nrgb_sums(void *p, int tid, int nthreads) {
             nrgb_load(j, r, buf, &x, &go);
             const int64_t g = nrg_id(gs, r);
             const double mean = gs->mean[g], rstd = gs->rstd[g];
-            double p1[NR_LANES] = {0}, p2[NR_LANES] = {0};
+            double p1[NRG_LANES] = {0}, p2[NRG_LANES] = {0};
             int64_t h = 0;
-            for (; h + NR_LANES <= H; h += NR_LANES)
-                for (int k = 0; k < NR_LANES; k++) {
+            for (; h + NRG_LANES <= H; h += NRG_LANES)
+                for (int k = 0; k < NRG_LANES; k++) {
                     const float xv = (float)(((double)x[h + k] - mean) * rstd);
                     const float gm = training ? go[h + k] * mask[h + k] : go[h + k], gy = gm * gamma[h + k];
                     dgamma[h + k] += gm * xv;
@@ -557,7 +639,7 @@ QK_MULTIVERSION static void nrgb_sums(void *p, int tid, int nthreads) {
                 s1 += gy;
                 s2 += gy * xv;
             }
-            for (int k = 0; k < NR_LANES; k++) {
+            for (int k = 0; k < NRG_LANES; k++) {
                 s1 += p1[k];
                 s2 += p2[k];
             }
@@ -573,7 +655,7 @@ QK_MULTIVERSION static void nrgb_grad_x(void *p, int tid, int nthreads) {
     const nrg_graphs *gs = j->gs;
     const int64_t H = a->H, gxs = a->gx_stride[1];
     const int training = a->training;
-    float *buf = j->buf + (size_t)tid * 4 * (size_t)H;
+    float *buf = j->buf + (size_t)tid * NRGB_ROW(H);
     const float *restrict mask = buf + 2 * H, *restrict gamma = j->gamma;
     float *restrict gxb = buf + 3 * H;
     int64_t r0, r1;
@@ -612,7 +694,7 @@ static int nrg_backward(qk_fused_norm_residual_backward_args *a) {
     j.nchunks = (R + j.chunk - 1) / j.chunk;
     j.partial = malloc(sizeof(double) * (size_t)j.nchunks * 2 * (size_t)H);
     j.gamma = malloc(sizeof(float) * (size_t)H);
-    j.buf = malloc(sizeof(float) * (size_t)maxt * 4 * (size_t)H);
+    j.buf = malloc(sizeof(float) * (size_t)maxt * NRGB_ROW(H));
     sum = calloc(2 * (size_t)H, sizeof(double));
     status = QK_E_NOMEM;
     if (!j.partial || !j.gamma || !j.buf || !sum) goto done;

@@ -17,7 +17,12 @@
 
 #define QK_POOL_MAX 64
 _Static_assert(QK_POOL_MAX < 256, "a job's thread count fits the low byte of pool.gen");
-#define QK_SPIN 2000 /* pause-loop iterations before sleeping: ~0.1 ms */
+#define QK_SPIN 2000 /* the caller's pause-loop iterations before it yields: ~20 µs */
+/* A worker waits this long for the next job before it sleeps: a sleeping worker takes 10-25 µs to
+ * wake on a VM, more than a small job, and the Python between two ops (a forward and its backward)
+ * is tens of µs.  Past QK_WORKER_YIELD_NS it yields between checks, so other threads get the core. */
+#define QK_WORKER_SPIN_NS 300000
+#define QK_WORKER_YIELD_NS 50000
 
 #if defined(__x86_64__) || defined(__i386__)
 #define qk_relax() __builtin_ia32_pause()
@@ -39,10 +44,23 @@ static struct {
     atomic_int remaining;
     qk_worker_fn fn; /* read only by the job's participants, which the caller waits for */
     void *ctx;
+    /* claim[k] = the job's gen word while share k + 1 is free: worker k takes it by swapping in 0,
+     * or the caller does once its own share is done.  A worker that wakes late (a futex wake on a
+     * VM can take tens of µs) finds its share done and leaves, so no job waits for a wake-up; one
+     * still asleep from an older job fails the compare (the word is the new job's). */
+    atomic_ulong claim[QK_POOL_MAX];
     unsigned long start_gen[QK_POOL_MAX];
 } pool = {.owner = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+#define QK_SCRATCH_MAX ((size_t)16 << 20)
+
+static struct {
+    atomic_flag busy;      /* held by the caller using block */
+    _Atomic(void *) block; /* atomic: a release from a malloc'd pointer compares against it */
+    size_t size;
+} scratch = {ATOMIC_FLAG_INIT, NULL, 0};
 
 static void pool_after_fork_child(void) {
     pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
@@ -51,6 +69,7 @@ static void pool_after_fork_child(void) {
     pool.mu = m;
     pool.cv = c;
     pool.nworkers = 0; /* the parent's workers were not copied */
+    atomic_flag_clear(&scratch.busy); /* a call the fork interrupted does not exist here */
 }
 
 static void pool_init(void) { pthread_atfork(NULL, NULL, pool_after_fork_child); }
@@ -60,10 +79,17 @@ static void *pool_worker(void *arg) {
     unsigned long seen = pool.start_gen[id];
     for (;;) {
         unsigned long g;
-        int spins = 0;
+        unsigned spins = 0;
+        int64_t t0 = -1;
         while ((g = atomic_load_explicit(&pool.gen, memory_order_acquire)) == seen) {
-            if (++spins < QK_SPIN) {
-                qk_relax();
+            qk_relax();
+            if (++spins % 64) continue;
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            const int64_t t = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+            if (t0 < 0) t0 = t;
+            if (t - t0 < QK_WORKER_SPIN_NS) {
+                if (t - t0 > QK_WORKER_YIELD_NS) sched_yield();
                 continue;
             }
             pthread_mutex_lock(&pool.mu);
@@ -76,7 +102,9 @@ static void *pool_worker(void *arg) {
         /* fn and ctx were written before gen (release) and are read after it (acquire), by
          * participants only: the next job cannot start before each has counted itself done. */
         const int nthreads = (int)(g & 0xff);
-        if (id + 1 < nthreads) {
+        unsigned long expected = g;
+        if (id + 1 < nthreads && atomic_compare_exchange_strong_explicit(&pool.claim[id], &expected, 0,
+                                                                         memory_order_acq_rel, memory_order_relaxed)) {
             pool.fn(pool.ctx, id + 1, nthreads);
             atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_release);
         }
@@ -147,18 +175,53 @@ int qk_parallel_run(int nthreads, qk_worker_fn fn, void *ctx) {
     pool.fn = fn;
     pool.ctx = ctx;
     atomic_store_explicit(&pool.remaining, nthreads - 1, memory_order_relaxed);
+    const unsigned long g0 = atomic_load_explicit(&pool.gen, memory_order_relaxed); /* only the owner writes it */
+    const unsigned long g = (((g0 >> 8) + 1) << 8) | (unsigned long)nthreads;
+    for (int k = 0; k < nthreads - 1; k++) atomic_store_explicit(&pool.claim[k], g, memory_order_relaxed);
     pthread_mutex_lock(&pool.mu);
-    const unsigned long g = atomic_load_explicit(&pool.gen, memory_order_relaxed); /* only the owner writes it */
-    atomic_store_explicit(&pool.gen, (((g >> 8) + 1) << 8) | (unsigned long)nthreads, memory_order_release);
+    atomic_store_explicit(&pool.gen, g, memory_order_release);
     pthread_cond_broadcast(&pool.cv);
     pthread_mutex_unlock(&pool.mu);
     fn(ctx, 0, nthreads);
+    for (int k = 0; k < nthreads - 1; k++) { /* the shares no worker has taken yet: run them here */
+        unsigned long expected = g;
+        if (atomic_compare_exchange_strong_explicit(&pool.claim[k], &expected, 0, memory_order_acq_rel,
+                                                    memory_order_relaxed)) {
+            fn(ctx, k + 1, nthreads);
+            atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_relaxed);
+        }
+    }
     for (int spins = 0; atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0; spins++) {
         if (spins < QK_SPIN) qk_relax();
         else sched_yield(); /* few cores: let the workers run */
     }
     pthread_mutex_unlock(&pool.owner);
     return QK_OK;
+}
+
+void *qk_cpu_scratch(size_t bytes) {
+    if (bytes == 0) bytes = 1;
+    if (bytes > QK_SCRATCH_MAX || atomic_flag_test_and_set_explicit(&scratch.busy, memory_order_acquire))
+        return malloc(bytes);
+    void *b = atomic_load_explicit(&scratch.block, memory_order_relaxed);
+    if (scratch.size < bytes) {
+        free(b);
+        b = malloc(bytes);
+        scratch.size = b ? bytes : 0;
+        atomic_store_explicit(&scratch.block, b, memory_order_relaxed);
+        if (!b) {
+            atomic_flag_clear_explicit(&scratch.busy, memory_order_release);
+            return NULL;
+        }
+    }
+    return b;
+}
+
+void qk_cpu_scratch_release(void *p) {
+    if (p && p == atomic_load_explicit(&scratch.block, memory_order_relaxed))
+        atomic_flag_clear_explicit(&scratch.busy, memory_order_release);
+    else
+        free(p);
 }
 
 int qk_threads_for(int64_t work, int max_threads) {

@@ -31,11 +31,15 @@ static inline void sa_prefetch(const float *row, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)row + off);
 }
 
-/* node_feat's row for edge e, when its column is in range (the gather checks and reports it). */
-static inline void sa_prefetch_source(const void *col_idx, int index_dtype, int64_t col_stride, int64_t num_src,
-                                      const float *nf, int64_t nf_stride0, int64_t e, int64_t bytes) {
-    const int64_t src = qk_index(col_idx, index_dtype, e, col_stride);
-    if (src >= 0 && src < num_src) sa_prefetch(nf + src * nf_stride0, bytes);
+/* col_idx[e], for the caller to check and report; meanwhile node_feat's row for edge e + SA_AHEAD is
+ * prefetched when that edge is before end and its column in range. */
+static inline int64_t sa_source(const void *col_idx, int index_dtype, int64_t col_stride, int64_t num_src,
+                                const float *nf, int64_t nf_stride0, int64_t e, int64_t end, int64_t bytes) {
+    if (e + SA_AHEAD < end) {
+        const int64_t ahead = qk_index(col_idx, index_dtype, e + SA_AHEAD, col_stride);
+        if (ahead >= 0 && ahead < num_src) sa_prefetch(nf + ahead * nf_stride0, bytes);
+    }
+    return qk_index(col_idx, index_dtype, e, col_stride);
 }
 
 /* First row whose cost prefix (edges before it + the row index) reaches `target`. */
@@ -73,10 +77,8 @@ QK_MULTIVERSION static void sa_worker(void *p, int tid, int nthreads) {
         const int64_t end = qk_index(a->row_ptr, a->index_dtype, row + 1, a->row_ptr_stride);
         memset(acc, 0, sizeof(float) * (size_t)(H * D));
         for (int64_t e = begin; e < end; e++) {
-            if (e + SA_AHEAD < end)
-                sa_prefetch_source(a->col_idx, a->index_dtype, a->col_idx_stride, a->num_src, nf, a->nf_stride[0],
-                                   e + SA_AHEAD, row_bytes);
-            const int64_t src = qk_index(a->col_idx, a->index_dtype, e, a->col_idx_stride);
+            const int64_t src = sa_source(a->col_idx, a->index_dtype, a->col_idx_stride, a->num_src, nf,
+                                          a->nf_stride[0], e, end, row_bytes);
             if (src < 0 || src >= a->num_src) {
                 j->bad_pos[tid] = e;
                 j->bad_value[tid] = src;
@@ -101,31 +103,31 @@ QK_MULTIVERSION static void sa_worker(void *p, int tid, int nthreads) {
     free(acc);
 }
 
-/* Whether row_ptr [n + 1] is not a valid CSR prefix 0 <= row_ptr[0] <= ... <= row_ptr[n] <= E; the
- * first offending position and value in *pos, *value. */
-static int sa_bad_row_ptr(const void *row_ptr, int index_dtype, int64_t stride, int64_t n, int64_t E, int64_t *pos,
-                          int64_t *value) {
+/* The checks both launchers start with: float32 features and int32/int64 indices (else
+ * QK_E_UNSUPPORTED), and row_ptr [n + 1] a valid CSR prefix 0 <= row_ptr[0] <= ... <= row_ptr[n] <= E
+ * (else QK_E_INDEX with *bad_arg 0 and the first offending position and value in *pos, *value). */
+static int sa_check_csr(int dtype, const void *row_ptr, int index_dtype, int64_t stride, int64_t n, int64_t E,
+                        int *bad_arg, int64_t *pos, int64_t *value) {
+    if (dtype != QK_F32 || (index_dtype != QK_I32 && index_dtype != QK_I64)) return QK_E_UNSUPPORTED;
     int64_t prev = 0;
     for (int64_t i = 0; i <= n; i++) {
         const int64_t v = qk_index(row_ptr, index_dtype, i, stride);
         if (v < prev || v > E) {
+            *bad_arg = 0;
             *pos = i;
             *value = v;
-            return 1;
+            return QK_E_INDEX;
         }
         prev = v;
     }
-    return 0;
+    return QK_OK;
 }
 
 int qk_sparse_aggregate_cpu(qk_sparse_aggregate_args *a, void *stream) {
     (void)stream;
-    if (a->dtype != QK_F32 || (a->index_dtype != QK_I32 && a->index_dtype != QK_I64)) return QK_E_UNSUPPORTED;
-    if (sa_bad_row_ptr(a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst, a->num_edges, &a->bad_pos,
-                       &a->bad_value)) {
-        a->bad_arg = 0;
-        return QK_E_INDEX;
-    }
+    const int checked = sa_check_csr(a->dtype, a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst,
+                                     a->num_edges, &a->bad_arg, &a->bad_pos, &a->bad_value);
+    if (checked != QK_OK) return checked;
     if (a->num_dst == 0) return QK_OK;
     sa_job j = {0};
     j.a = a;
@@ -214,10 +216,8 @@ QK_MULTIVERSION static void sab_rows(sab_job *j, int tid, int64_t r0, int64_t r1
         }
         const float *g = go + row * a->go_stride[0];
         for (int64_t e = begin; e < end; e++) {
-            if (e + SA_AHEAD < end)
-                sa_prefetch_source(a->col_idx, a->index_dtype, a->col_idx_stride, a->num_src, nf, a->nf_stride[0],
-                                   e + SA_AHEAD, row_bytes);
-            const int64_t src = qk_index(a->col_idx, a->index_dtype, e, a->col_idx_stride);
+            const int64_t src = sa_source(a->col_idx, a->index_dtype, a->col_idx_stride, a->num_src, nf,
+                                          a->nf_stride[0], e, end, row_bytes);
             if (src < 0 || src >= a->num_src) {
                 j->bad_pos[tid] = e;
                 j->bad_value[tid] = src;
@@ -303,12 +303,9 @@ static int sab_run(sab_job *j, int phase, int64_t work) {
 
 int qk_sparse_aggregate_backward_cpu(qk_sparse_aggregate_backward_args *a, void *stream) {
     (void)stream;
-    if (a->dtype != QK_F32 || (a->index_dtype != QK_I32 && a->index_dtype != QK_I64)) return QK_E_UNSUPPORTED;
-    if (sa_bad_row_ptr(a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst, a->num_edges, &a->bad_pos,
-                       &a->bad_value)) {
-        a->bad_arg = 0;
-        return QK_E_INDEX;
-    }
+    const int checked = sa_check_csr(a->dtype, a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst,
+                                     a->num_edges, &a->bad_arg, &a->bad_pos, &a->bad_value);
+    if (checked != QK_OK) return checked;
     const int64_t H = a->num_heads, D = a->head_dim;
     sab_job j = {0};
     j.a = a;

@@ -28,7 +28,46 @@ typedef struct {
     int cuda;
     void *stream;
     XLA_FFI_Error *err;
+    qk_scratch scratch; /* cuda: the launchers' temporaries from XLA's allocator */
+    size_t scratch_failed; /* the size of a refused request, for the error */
 } fc;
+
+static void fc_drop(XLA_FFI_CallFrame *cf, XLA_FFI_Error *e) {
+    XLA_FFI_Error_Destroy_Args d = {XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, NULL, e};
+    cf->api->XLA_FFI_Error_Destroy(&d);
+}
+
+/* The launchers' scratch (qk_scratch) from the device allocator of the call's execution context, so
+ * that it comes out of the memory XLA already holds (its BFC arena) rather than a second pool beside
+ * it.  XLA orders that allocator on its compute stream, as it does for the scratch of its own
+ * library calls: a block freed here is handed out again only to work queued after ours. */
+static int fc_scratch_alloc(void *ctx, size_t bytes, void *stream, void **p) {
+    fc *c = (fc *)ctx;
+    (void)stream;
+    XLA_FFI_DeviceMemory_Allocate_Args a = {XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE, NULL, c->cf->ctx, bytes,
+                                            256, NULL};
+    XLA_FFI_Error *e = c->cf->api->XLA_FFI_DeviceMemory_Allocate(&a);
+    if (e || !a.data) {
+        if (e) fc_drop(c->cf, e);
+        c->scratch_failed = bytes;
+        return QK_E_NOMEM;
+    }
+    *p = a.data;
+    return QK_OK;
+}
+
+static int fc_scratch_free(void *ctx, void *p, size_t bytes, void *stream) {
+    fc *c = (fc *)ctx;
+    (void)stream;
+    XLA_FFI_DeviceMemory_Free_Args a = {XLA_FFI_DeviceMemory_Free_Args_STRUCT_SIZE, NULL, c->cf->ctx, bytes, p};
+    XLA_FFI_Error *e = c->cf->api->XLA_FFI_DeviceMemory_Free(&a);
+    if (!e) return QK_OK;
+    fc_drop(c->cf, e);
+    return QK_E_NOMEM;
+}
+
+/* The scratch hook for an args struct: XLA's allocator on cuda (the cpu launchers take none). */
+#define FC_SCRATCH(c) ((c)->cuda ? &(c)->scratch : NULL)
 
 static XLA_FFI_Error *fc_fail(fc *c, XLA_FFI_Error_Code code, const char *fmt, ...) {
     char msg[512];
@@ -154,6 +193,9 @@ static XLA_FFI_Error *fc_status(fc *c, int status) {
     if (status == QK_E_UNSUPPORTED)
         return fc_fail(c, XLA_FFI_Error_Code_UNIMPLEMENTED, "no %s kernel for this dtype/shape combination",
                        c->cuda ? "cuda" : "cpu");
+    if (status == QK_E_NOMEM && c->scratch_failed)
+        return fc_fail(c, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED, "out of memory: XLA's allocator refused %zu bytes of "
+                       "scratch", c->scratch_failed);
     if (status == QK_E_NOMEM) return fc_fail(c, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED, "out of memory");
     if (status == QK_E_THREAD) return fc_fail(c, XLA_FFI_Error_Code_INTERNAL, "a CPU worker thread could not start");
     if (status > 0 && g_cuda)
@@ -173,10 +215,15 @@ static XLA_FFI_Error *sa_index_error(fc *c, int bad_arg, int64_t pos, int64_t va
                    (long long)value, (long long)N_src);
 }
 
+/* Command-buffer (CUDA graph) trait: only where the CUDA launcher takes no scratch.  XLA records a
+ * compatible handler once by stream capture and replays the graph until its own buffers move; scratch
+ * from its allocator is released when the handler returns, so a replay would write to memory the
+ * allocator has since handed to other buffers.  Host-side first-use work in the launchers
+ * (cudaFuncSetAttribute, occupancy queries) is legal under capture; nothing reads device memory back. */
 enum { CB_NO = 0, CB_YES = XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE };
 
-/* sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat) -> out.  The CUDA launcher may take
- * stream-ordered scratch (cudaMallocAsync), which an XLA command buffer cannot hold. */
+/* sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat) -> out.  The CUDA launcher takes scratch
+ * for the long rows' partials past 512 edges. */
 static const unsigned cb_sparse_aggregate = CB_NO;
 static XLA_FFI_Error *ffi_sparse_aggregate(fc *c) {
     XLA_FFI_Buffer *rp = ARG(0, "row_ptr", 1), *ci = rp ? ARG(1, "col_idx", 1) : NULL,
@@ -192,6 +239,7 @@ static XLA_FFI_Error *ffi_sparse_aggregate(fc *c) {
     dense_strides(nf, a.nf_stride);
     dense_strides(out, a.out_stride);
     a.index_dtype = dtype_of(rp), a.dtype = dtype_of(nf), a.num_threads = g_threads;
+    a.scratch = FC_SCRATCH(c);
     int st;
     FC_RUN(st, c, sparse_aggregate, &a);
     if (st == QK_E_INDEX) return sa_index_error(c, a.bad_arg, a.bad_pos, a.bad_value, a.num_edges, a.num_src);
@@ -222,6 +270,7 @@ static XLA_FFI_Error *ffi_sparse_aggregate_backward(fc *c) {
     a.row_ptr_stride = a.col_idx_stride = 1;
     a.index_dtype = dtype_of(rp), a.dtype = dtype_of(nf), a.num_threads = g_threads;
     a.deterministic = fc_attr(c, "deterministic", 1) != 0;
+    a.scratch = FC_SCRATCH(c);
     int st = QK_OK;
     if (want_ew || want_nf) FC_RUN(st, c, sparse_aggregate_backward, &a);
     if (st == QK_E_INDEX) return sa_index_error(c, a.bad_arg, a.bad_pos, a.bad_value, a.num_edges, a.num_src);
@@ -269,6 +318,7 @@ static XLA_FFI_Error *ffi_fused_edge_features_backward(fc *c) {
     dense_strides(x, a.x_stride);
     dense_strides(ei, a.ei_stride);
     a.index_dtype = dtype_of(ei), a.dtype = dtype_of(x), a.num_threads = g_threads;
+    a.scratch = FC_SCRATCH(c);
     int st = QK_OK;
     if (a.num_nodes > 0 && a.H > 0) FC_RUN(st, c, fused_edge_features_backward, &a);
     if (st == QK_E_INDEX) return fe_index_error(c, a.bad_row, a.bad_pos, a.bad_value, a.num_nodes);
@@ -305,6 +355,7 @@ static void nr_dropout(double p, uint32_t *threshold, float *scale) {
             }                                                                                           \
         }                                                                                               \
         (a).num_threads = g_threads;                                                                    \
+        (a).scratch = FC_SCRATCH(c);                                                                    \
     } while (0)
 
 static XLA_FFI_Error *nr_status(fc *c, int st, int64_t pos, int64_t value, int64_t G) {
@@ -315,7 +366,7 @@ static XLA_FFI_Error *nr_status(fc *c, int st, int64_t pos, int64_t value, int64
 }
 
 /* fused_norm_residual(x, residual, gamma, beta, seed[, batch]) -> out; attributes p, training, eps,
- * num_graphs (0: row mode).  The graph-mode CUDA launcher takes stream-ordered scratch. */
+ * num_graphs (0: row mode).  The graph-mode CUDA launcher takes scratch. */
 static const unsigned cb_fused_norm_residual = CB_NO;
 static XLA_FFI_Error *ffi_fused_norm_residual(fc *c) {
     XLA_FFI_Buffer *x = ARG(0, "x", 2), *r = x ? ARG(1, "residual", 2) : NULL, *g = r ? ARG(2, "gamma", 1) : NULL,
@@ -380,6 +431,7 @@ static int gb_fill(fc *c, int first, qk_graph_norm_bce_args *a) {
         }
     }
     a->dtype = dtype_of(lg), a->index_dtype = dtype_of(eg), a->num_threads = g_threads;
+    a->scratch = FC_SCRATCH(c);
     return 0;
 }
 
@@ -448,7 +500,7 @@ static const unsigned cb_rotary_emb_backward = CB_YES;
 static XLA_FFI_Error *ffi_rotary_emb_backward(fc *c) { return ro_run(c, 1); }
 
 /* linear(x [M, K], weight [N, K][, bias [N]]) and swiglu(x, up, gate) -> [M, N].  Python flattens
- * leading dimensions.  Large M reaches cuBLASLt, whose workspace is stream-ordered scratch. */
+ * leading dimensions.  Large M reaches cuBLASLt, whose workspace is scratch. */
 static XLA_FFI_Error *ln_run(fc *c, int swiglu) {
     XLA_FFI_Buffer *x = ARG(0, "x", 2), *w = x ? ARG(1, swiglu ? "up_weight" : "weight", 2) : NULL,
                    *third = w && (swiglu || NARGS > 2) ? ARG(2, swiglu ? "gate_weight" : "bias", swiglu ? 2 : 1) : NULL,
@@ -462,6 +514,7 @@ static XLA_FFI_Error *ln_run(fc *c, int swiglu) {
     a.x_stride = a.K, a.w_stride = a.K, a.gate_stride = swiglu ? a.K : 0, a.out_stride = a.N;
     a.bias_stride = a.bias ? 1 : 0;
     a.dtype = dtype_of(x), a.num_threads = g_threads;
+    a.scratch = FC_SCRATCH(c);
     int st = QK_OK;
     if (a.M > 0 && a.N > 0) {
         if (swiglu) FC_RUN(st, c, swiglu, &a);
@@ -495,6 +548,7 @@ static XLA_FFI_Error *lb_run(fc *c, int swiglu) {
     a.grad_gate = swiglu && want_w ? r2->data : NULL, a.grad_gate_stride = swiglu ? a.K : 0;
     a.grad_bias = want_b ? r2->data : NULL, a.grad_bias_stride = 1;
     a.dtype = dtype_of(x), a.num_threads = g_threads;
+    a.scratch = FC_SCRATCH(c);
     int st = QK_OK;
     if ((want_x && a.M > 0 && a.K > 0) || (want_w && a.N > 0 && a.K > 0) || (want_b && a.N > 0)) {
         if (swiglu) FC_RUN(st, c, swiglu_backward, &a);
@@ -512,12 +566,71 @@ static XLA_FFI_Error *ffi_swiglu_backward(fc *c) { return lb_run(c, 1); }
 static XLA_FFI_Error *attn_pool_error(fc *c, int bad_arg, int64_t pos, int64_t value) {
     static const char *const what[] = {"req_pool_indices", "kv_indptr (a sequence length)", "req_to_token (a slot)",
                                        "qo_indptr (a query row range)"};
+    if (bad_arg == 4)
+        return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT,
+                       "mask has fewer query rows than request %lld has queries (%lld)", (long long)pos,
+                       (long long)value);
     return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "%s at position %lld holds %lld, out of range",
                    what[bad_arg >= 0 && bad_arg < 4 ? bad_arg : 0], (long long)pos, (long long)value);
 }
 
-/* attn_decode(q [B, 1, Hq, D], k, v [B, Lkv, Hkv, D][, kv_lens [B]]) -> out; attributes scale,
- * has_kv_lens.  The CUDA launcher may take a split-K workspace from the stream-ordered allocator. */
+/* A mask operand as qkernels.jax normalised it (shapes checked there, as the bindings check them):
+ * [B|1, W] (decode, or a prefill key mask) or [B|1, 1|Hq, rows, W] (prefill per query), bool (True =
+ * keep) or a float added to the scores; strides into s, 0 for a size-1 dimension (broadcast). */
+static XLA_FFI_Buffer *fc_mask(fc *c, int i, int rank, int64_t *s, int *is_float, int *dtype) {
+    XLA_FFI_Buffer *m = ARG(i, "mask", -1);
+    if (!m) return NULL;
+    if (m->rank != 2 && !(rank == 4 && m->rank == 4)) {
+        fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "mask must have 2%s dimensions, got %lld",
+                rank == 4 ? " or 4" : "", (long long)m->rank);
+        return NULL;
+    }
+    *dtype = dtype_of(m);
+    *is_float = *dtype != QK_BOOL;
+    if (*is_float && *dtype != QK_F32 && *dtype != QK_F16 && *dtype != QK_BF16) {
+        fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "mask must be bool or a float (float32, float16, bfloat16)");
+        return NULL;
+    }
+    if (m->dims[m->rank - 1] < 1) {
+        fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "mask must have at least one column");
+        return NULL;
+    }
+    dense_strides(m, s);
+    for (int64_t d = 0; d < m->rank; d++)
+        if (m->dims[d] == 1) s[d] = 0;
+    return m;
+}
+
+/* The decode ops' mask (operand i) into a. */
+static int ad_mask(fc *c, int i, qk_attn_decode_args *a) {
+    int64_t s[4];
+    XLA_FFI_Buffer *m = fc_mask(c, i, 2, s, &a->mask_float, &a->mask_dtype);
+    if (!m) return -1;
+    a->mask = m->data, a->mask_cols = m->dims[1];
+    a->mask_stride[0] = s[0], a->mask_stride[1] = 1;
+    return 0;
+}
+
+/* The prefill ops' mask (operand i) into a: a 2-D bool mask is a key list (mask_kind 1), everything
+ * else mask_kind 2; paged, a per-query mask's rows limit the queries of a request (mask_rows). */
+static int ap_mask(fc *c, int i, qk_attn_prefill_args *a) {
+    int64_t s[4];
+    XLA_FFI_Buffer *m = fc_mask(c, i, 4, s, &a->mask_float, &a->mask_dtype);
+    if (!m) return -1;
+    a->mask = m->data, a->mask_cols = m->dims[m->rank - 1];
+    if (m->rank == 2) {
+        a->mask_kind = a->mask_float ? 2 : 1;
+        a->mask_stride[0] = s[0], a->mask_stride[3] = 1;
+    } else {
+        a->mask_kind = 2;
+        for (int d = 0; d < 4; d++) a->mask_stride[d] = s[d];
+        a->mask_rows = a->paged && m->dims[2] > 1 ? m->dims[2] : 0;
+    }
+    return 0;
+}
+
+/* attn_decode(q [B, 1, Hq, D], k, v [B, Lkv, Hkv, D][, kv_lens [B]][, mask [B|1, Lkv]]) -> out;
+ * attributes scale, has_kv_lens.  The CUDA launcher may take a split-K workspace as scratch. */
 static const unsigned cb_attn_decode = CB_NO;
 static XLA_FFI_Error *ffi_attn_decode(fc *c) {
     XLA_FFI_Buffer *q = ARG(0, "q", 4), *k = q ? ARG(1, "k", 4) : NULL, *v = k ? ARG(2, "v", 4) : NULL,
@@ -531,21 +644,24 @@ static XLA_FFI_Error *ffi_attn_decode(fc *c) {
     a.q_stride[0] = a.out_stride[0] = s[0], a.q_stride[1] = a.out_stride[1] = s[2];
     dense_strides(k, s);
     for (int i = 0; i < 3; i++) a.k_stride[i] = a.v_stride[i] = s[i];
-    if (NARGS > 3) {
+    const int has_kl = fc_attr(c, "has_kv_lens", 0) != 0;
+    if (has_kl) {
         XLA_FFI_Buffer *kl = ARG(3, "kv_lens", 1);
         if (!kl) return c->err;
         a.kv_lens = kl->data, a.kv_lens_stride = 1, a.kv_lens_dtype = dtype_of(kl);
     }
+    if (NARGS > 3 + has_kl && ad_mask(c, 3 + has_kl, &a) < 0) return c->err;
     a.scale = (float)fc_attr(c, "scale", 1.0 / sqrt((double)(a.D > 0 ? a.D : 1)));
     a.dtype = dtype_of(q), a.num_threads = g_threads;
+    a.scratch = FC_SCRATCH(c);
     int st = QK_OK;
     if (a.B > 0 && a.Hq > 0) FC_RUN(st, c, attn_decode, &a);
     return fc_status(c, st);
 }
 
 /* attn_paged_decode(q [B, Hq, D], k_cache, v_cache [S, Hkv, D], req_to_token, req_pool_indices,
- * kv_indptr[, new_k, new_v]) -> out, or (out, k_cache, v_cache) with new_k/new_v: the caches alias
- * operands 1 and 2, so the pools are written in place. */
+ * kv_indptr[, new_k, new_v][, mask [B|1, W]]) -> out, or (out, k_cache, v_cache) with new_k/new_v
+ * (attribute has_new): the caches alias operands 1 and 2, so the pools are written in place. */
 static const unsigned cb_attn_paged_decode = CB_NO;
 static XLA_FFI_Error *ffi_attn_paged_decode(fc *c) {
     XLA_FFI_Buffer *q = ARG(0, "q", 3), *kc = q ? ARG(1, "k_cache", 3) : NULL, *vc = kc ? ARG(2, "v_cache", 3) : NULL,
@@ -556,7 +672,9 @@ static XLA_FFI_Error *ffi_attn_paged_decode(fc *c) {
     int64_t s[3];
     a.paged = 1;
     a.q = q->data, a.out = out->data, a.k = kc->data, a.v = vc->data;
-    if (NARGS > 6) {
+    const int has_new = fc_attr(c, "has_new", 0) != 0;
+    if (NARGS > 6 + 2 * has_new && ad_mask(c, 6 + 2 * has_new, &a) < 0) return c->err;
+    if (has_new) {
         XLA_FFI_Buffer *nk = ARG(6, "new_k", 3), *nv = nk ? ARG(7, "new_v", 3) : NULL,
                        *ko = nv ? RET(1, "k_cache", 3) : NULL, *vo = ko ? RET(2, "v_cache", 3) : NULL;
         if (!vo) return c->err;
@@ -577,13 +695,14 @@ static XLA_FFI_Error *ffi_attn_paged_decode(fc *c) {
     a.kv_indptr = ind->data, a.indptr_stride = 1, a.indptr_dtype = dtype_of(ind);
     a.scale = (float)fc_attr(c, "scale", 1.0 / sqrt((double)(a.D > 0 ? a.D : 1)));
     a.dtype = dtype_of(q), a.num_threads = g_threads;
+    a.scratch = FC_SCRATCH(c);
     int st = QK_OK;
     if (a.B > 0 && a.Hq > 0) FC_RUN(st, c, attn_decode, &a);
     if (st == QK_E_INDEX) return attn_pool_error(c, a.bad_arg, a.bad_pos, a.bad_value);
     return fc_status(c, st);
 }
 
-/* attn_prefill(q [B, Lq, Hq, D], k, v [B, Lkv, Hkv, D]) -> out; attributes is_causal, scale. */
+/* attn_prefill(q [B, Lq, Hq, D], k, v [B, Lkv, Hkv, D][, mask]) -> out; attributes is_causal, scale. */
 static const unsigned cb_attn_prefill = CB_YES;
 static XLA_FFI_Error *ffi_attn_prefill(fc *c) {
     XLA_FFI_Buffer *q = ARG(0, "q", 4), *k = q ? ARG(1, "k", 4) : NULL, *v = k ? ARG(2, "v", 4) : NULL,
@@ -597,6 +716,7 @@ static XLA_FFI_Error *ffi_attn_prefill(fc *c) {
     for (int i = 0; i < 3; i++) a.q_stride[i] = a.out_stride[i] = s[i];
     dense_strides(k, s);
     for (int i = 0; i < 3; i++) a.k_stride[i] = a.v_stride[i] = s[i];
+    if (NARGS > 3 && ap_mask(c, 3, &a) < 0) return c->err;
     a.causal = fc_attr(c, "is_causal", 0) != 0;
     a.scale = (float)fc_attr(c, "scale", 1.0 / sqrt((double)(a.D > 0 ? a.D : 1)));
     a.dtype = dtype_of(q), a.num_threads = g_threads;
@@ -606,7 +726,7 @@ static XLA_FFI_Error *ffi_attn_prefill(fc *c) {
 }
 
 /* attn_paged_prefill(q [total_q, Hq, D], k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr,
- * qo_indptr) -> out; attributes is_causal, scale. */
+ * qo_indptr[, mask]) -> out; attributes is_causal, scale. */
 static const unsigned cb_attn_paged_prefill = CB_YES;
 static XLA_FFI_Error *ffi_attn_paged_prefill(fc *c) {
     XLA_FFI_Buffer *q = ARG(0, "q", 3), *kc = q ? ARG(1, "k_cache", 3) : NULL, *vc = kc ? ARG(2, "v_cache", 3) : NULL,
@@ -628,6 +748,7 @@ static XLA_FFI_Error *ffi_attn_paged_prefill(fc *c) {
     a.req_pool_indices = rpi->data, a.rpi_stride = 1, a.rpi_dtype = dtype_of(rpi);
     a.kv_indptr = kvi->data, a.kv_indptr_stride = 1, a.kv_indptr_dtype = dtype_of(kvi);
     a.qo_indptr = qoi->data, a.qo_indptr_stride = 1, a.qo_indptr_dtype = dtype_of(qoi);
+    if (NARGS > 7 && ap_mask(c, 7, &a) < 0) return c->err;
     a.causal = fc_attr(c, "is_causal", 0) != 0;
     a.scale = (float)fc_attr(c, "scale", 1.0 / sqrt((double)(a.D > 0 ? a.D : 1)));
     a.dtype = dtype_of(q), a.num_threads = g_threads;
@@ -692,7 +813,8 @@ static XLA_FFI_Error *fc_enter(XLA_FFI_CallFrame *cf, const char *op, int cuda, 
                                XLA_FFI_Error *(*body)(fc *)) {
     if (cf->extension_start && cf->extension_start->type == XLA_FFI_Extension_Metadata)
         return fc_metadata(cf, traits);
-    fc c = {cf, op, cuda, NULL, NULL};
+    fc c = {cf, op, cuda, NULL, NULL, {fc_scratch_alloc, fc_scratch_free, NULL}, 0};
+    c.scratch.ctx = &c;
     if (cf->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL; /* only the execute stage is registered */
     if (cuda) {
         if (!g_cuda)

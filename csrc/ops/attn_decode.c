@@ -24,6 +24,44 @@ static int ad_check_mask(const char *op, const qk_view *m, const qk_view *q, int
     return 0;
 }
 
+/* The keywords both decode ops end with: kw = scale, out, stream, _variant, _splits. */
+static int ad_keywords(const char *op, PyObject *const *kw, void **stream, int *stream_given, int *variant,
+                       int *splits) {
+    return qk_stream_arg(op, kw[2], stream, stream_given) < 0 ||
+                   qk_variant_arg(op, "_variant", kw[3], ad_variants, QK_COUNT(ad_variants), variant) < 0 ||
+                   qk_tuning_int_arg(op, "_splits", kw[4], INT_MAX, 0, splits) < 0
+               ? -1
+               : 0;
+}
+
+/* The fields both decode ops fill alike: q [B, 1, Hq, D] or [B, Hq, D] and out of its shape; k and v
+ * [B, Lkv, Hkv, D] or token pools [S, Hkv, D] (strides {b, j, h}: a pool has no b); the options. */
+static void ad_fill(qk_attn_decode_args *ad, const qk_view *q, const qk_view *out, const qk_view *k, const qk_view *v,
+                    float scale, int variant, int splits, int num_threads) {
+    const int h = q->ndim - 2, lead = 4 - k->ndim;
+    ad->q = q->data;
+    ad->out = out->data;
+    ad->k = k->data;
+    ad->v = v->data;
+    ad->B = q->shape[0];
+    ad->Hq = q->shape[h];
+    ad->Hkv = k->shape[k->ndim - 2];
+    ad->D = q->shape[h + 1];
+    ad->q_stride[0] = qk_attn_stride(q, 0);
+    ad->q_stride[1] = qk_attn_stride(q, h);
+    ad->out_stride[0] = out->strides[0];
+    ad->out_stride[1] = out->strides[h];
+    for (int i = lead; i < 3; i++) {
+        ad->k_stride[i] = qk_attn_stride(k, i - lead);
+        ad->v_stride[i] = qk_attn_stride(v, i - lead);
+    }
+    ad->scale = scale;
+    ad->dtype = q->dtype;
+    ad->num_threads = num_threads;
+    ad->variant = variant;
+    ad->splits = splits;
+}
+
 #undef OP
 #define OP "attn_decode"
 
@@ -56,10 +94,7 @@ PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t 
     if (qk_parse_args(OP, args, nargs, kwnames, names, 3, 3, a) < 0) return NULL;
     void *stream;
     int stream_given, variant, splits;
-    if (qk_stream_arg(OP, a[7], &stream, &stream_given) < 0 ||
-        qk_variant_arg(OP, "_variant", a[8], ad_variants, QK_COUNT(ad_variants), &variant) < 0 ||
-        qk_tuning_int_arg(OP, "_splits", a[9], INT_MAX, 0, &splits) < 0)
-        return NULL;
+    if (ad_keywords(OP, a + NUM_INPUTS, &stream, &stream_given, &variant, &splits) < 0) return NULL;
 
     qk_view in[NUM_INPUTS] = {{0}}, ov = {0};
     qk_output o = {0};
@@ -72,7 +107,7 @@ PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t 
     snprintf(layout, sizeof layout, "[B, 1, Hq, D] = [%lld, 1, %lld, %lld]", (long long)B, (long long)Hq, (long long)D);
     if (qk_check_dim(OP, "q", &in[Q], 1, 1, layout) < 0 || qk_attn_check_dense_kv(OP, &in[Q], &in[K], &in[V]) < 0)
         goto done;
-    const int64_t Lkv = in[K].shape[1], Hkv = in[K].shape[2];
+    const int64_t Lkv = in[K].shape[1];
     if (QK_GIVEN(a[KV_LENS])) {
         snprintf(layout, sizeof layout, "[B] = [%lld]", (long long)B);
         if (qk_check_ndim(OP, "kv_lens", &in[KV_LENS], 1, "[B]") < 0 ||
@@ -92,33 +127,13 @@ PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t 
         qk_attn_check_unit(OP, "out", &ov) < 0)
         goto done;
 
-    ad.q = in[Q].data;
-    ad.out = ov.data;
-    ad.k = in[K].data;
-    ad.v = in[V].data;
-    ad.B = B;
-    ad.Hq = Hq;
-    ad.Hkv = Hkv;
-    ad.D = D;
+    ad_fill(&ad, &in[Q], &ov, &in[K], &in[V], scale, variant, splits, st->num_threads);
     ad.Lkv = Lkv;
-    ad.q_stride[0] = qk_attn_stride(&in[Q], 0);
-    ad.q_stride[1] = qk_attn_stride(&in[Q], 2);
-    ad.out_stride[0] = ov.strides[0];
-    ad.out_stride[1] = ov.strides[2];
-    for (int i = 0; i < 3; i++) {
-        ad.k_stride[i] = qk_attn_stride(&in[K], i);
-        ad.v_stride[i] = qk_attn_stride(&in[V], i);
-    }
     if (QK_GIVEN(a[KV_LENS])) {
         ad.kv_lens = in[KV_LENS].data;
         ad.kv_lens_stride = in[KV_LENS].strides[0];
         ad.kv_lens_dtype = in[KV_LENS].dtype;
     }
-    ad.scale = scale;
-    ad.dtype = in[Q].dtype;
-    ad.num_threads = st->num_threads;
-    ad.variant = variant;
-    ad.splits = splits;
     int status = QK_OK;
     if (B > 0 && Hq > 0) QK_RUN(status, &l, attn_decode, &ad);
     if (status) qk_raise_status(OP, status);
@@ -140,10 +155,7 @@ PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ss
     if (qk_parse_args(OP, args, nargs, kwnames, names, 6, 6, a) < 0) return NULL;
     void *stream;
     int stream_given, variant, splits;
-    if (qk_stream_arg(OP, a[11], &stream, &stream_given) < 0 ||
-        qk_variant_arg(OP, "_variant", a[12], ad_variants, QK_COUNT(ad_variants), &variant) < 0 ||
-        qk_tuning_int_arg(OP, "_splits", a[13], INT_MAX, 0, &splits) < 0)
-        return NULL;
+    if (ad_keywords(OP, a + NUM_INPUTS, &stream, &stream_given, &variant, &splits) < 0) return NULL;
     const int has_new_k = QK_GIVEN(a[NEW_K]), has_new_v = QK_GIVEN(a[NEW_V]);
     if (has_new_k != has_new_v) {
         PyErr_Format(PyExc_TypeError, OP ": new_k and new_v must be given together (got %s without %s)",
@@ -196,29 +208,14 @@ PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ss
         qk_attn_check_unit(OP, "out", &ov) < 0)
         goto done;
 
+    ad_fill(&ad, &in[Q], &ov, &in[KC], &in[VC], scale, variant, splits, st->num_threads);
     ad.paged = 1;
-    ad.q = in[Q].data;
-    ad.out = ov.data;
-    ad.k = in[KC].data;
-    ad.v = in[VC].data;
     ad.req_to_token = in[R2T].data;
     ad.req_pool_indices = in[RPI].data;
     ad.kv_indptr = in[INDPTR].data;
-    ad.B = B;
-    ad.Hq = Hq;
-    ad.Hkv = Hkv;
-    ad.D = D;
     ad.num_requests = R;
     ad.max_ctx = max_ctx;
     ad.pool_size = S;
-    ad.q_stride[0] = qk_attn_stride(&in[Q], 0);
-    ad.q_stride[1] = qk_attn_stride(&in[Q], 1);
-    ad.out_stride[0] = ov.strides[0];
-    ad.out_stride[1] = ov.strides[1];
-    ad.k_stride[1] = qk_attn_stride(&in[KC], 0);
-    ad.k_stride[2] = qk_attn_stride(&in[KC], 1);
-    ad.v_stride[1] = qk_attn_stride(&in[VC], 0);
-    ad.v_stride[2] = qk_attn_stride(&in[VC], 1);
     ad.r2t_stride[0] = in[R2T].strides[0];
     ad.r2t_stride[1] = in[R2T].strides[1];
     ad.rpi_stride = in[RPI].strides[0];
@@ -234,17 +231,10 @@ PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ss
             ad.new_v_stride[i] = qk_attn_stride(&in[NEW_V], i);
         }
     }
-    ad.scale = scale;
-    ad.dtype = in[Q].dtype;
-    ad.num_threads = st->num_threads;
-    ad.variant = variant;
-    ad.splits = splits;
     int status = QK_OK;
-    if (B > 0 && l.device_type == kDLCUDA && st->check_indices) { /* QKERNELS_CHECK=1: the pool rows */
-        status = l.cuda->index_check(ad.req_pool_indices, ad.rpi_dtype, B, ad.rpi_stride, 0, R, &ad.bad_pos,
-                                     &ad.bad_value, l.stream);
-        ad.bad_arg = 0;
-    }
+    if (B > 0) /* QKERNELS_CHECK=1: the pool rows (bad_arg stays 0) */
+        status = qk_index_check(st, &l, ad.req_pool_indices, ad.rpi_dtype, B, ad.rpi_stride, R, &ad.bad_pos,
+                                &ad.bad_value);
     if (B > 0 && status == QK_OK) QK_RUN(status, &l, attn_decode, &ad);
     if (status == QK_E_INDEX) qk_attn_raise_pool_index(OP, ad.bad_arg, ad.bad_pos, ad.bad_value, R, max_ctx, S);
     else if (status) qk_raise_status(OP, status);

@@ -34,14 +34,6 @@ QK_DOCS(attn_paged_prefill, "q, k_cache, v_cache, req_to_token, req_pool_indices
 static const char *const ap_variants[] = {[QK_PREFILL_AUTO] = "auto", [QK_PREFILL_MMA] = "mma",
                                           [QK_PREFILL_WGMMA] = "wgmma"};
 
-static int ap_causal(const char *op, PyObject *obj, int *causal) {
-    *causal = obj ? PyObject_IsTrue(obj) : 0;
-    if (*causal >= 0) return 0;
-    PyErr_Clear(); /* e.g. a NumPy array of several elements: name the op and the argument */
-    PyErr_Format(PyExc_TypeError, "%s: is_causal must be a bool, got %.200s", op, Py_TYPE(obj)->tp_name);
-    return -1;
-}
-
 /* The prefill ops' mask against [B, Hq, Lq, L] (dense: L = Lkv; paged, Lq < 0: L = max_ctx, any
  * query rows Mq, a key width W <= max_ctx).  2-D [B, L]: per key, bool as mask_kind 1 (masked keys
  * are never loaded), float as mask_kind 2 with stride-0 head and query dims.  Per query (mask_kind
@@ -117,6 +109,40 @@ static int ap_mask(const char *op, const qk_view *m, const qk_view *q, int64_t B
     return 0;
 }
 
+/* The keywords both prefill ops take after their tensors: kw = mask, is_causal, scale, out, stream, _variant. */
+static int ap_keywords(const char *op, PyObject *const *kw, void **stream, int *stream_given, int *causal,
+                       int *variant) {
+    return qk_stream_arg(op, kw[4], stream, stream_given) < 0 || qk_bool_arg(op, "is_causal", kw[1], 0, causal) < 0 ||
+                   qk_variant_arg(op, "_variant", kw[5], ap_variants, QK_COUNT(ap_variants), variant) < 0
+               ? -1
+               : 0;
+}
+
+/* The fields both prefill ops fill alike: q [B, Lq, Hq, D] or [total_q, Hq, D] and out of its shape,
+ * k and v [B, Lkv, Hkv, D] or token pools [S, Hkv, D] (strides {b, i or j, h}: the ragged forms have
+ * no b); the options. */
+static void ap_fill(qk_attn_prefill_args *pa, const qk_view *q, const qk_view *out, const qk_view *k, const qk_view *v,
+                    int causal, int variant, int num_threads) {
+    const int lead = 4 - q->ndim;
+    pa->q = q->data;
+    pa->out = out->data;
+    pa->k = k->data;
+    pa->v = v->data;
+    pa->Hq = q->shape[q->ndim - 2];
+    pa->Hkv = k->shape[k->ndim - 2];
+    pa->D = q->shape[q->ndim - 1];
+    for (int i = lead; i < 3; i++) {
+        pa->q_stride[i] = qk_attn_stride(q, i - lead);
+        pa->out_stride[i] = qk_attn_stride(out, i - lead);
+        pa->k_stride[i] = qk_attn_stride(k, i - lead);
+        pa->v_stride[i] = qk_attn_stride(v, i - lead);
+    }
+    pa->causal = causal;
+    pa->variant = variant;
+    pa->dtype = q->dtype;
+    pa->num_threads = num_threads;
+}
+
 #undef OP
 #define OP "attn_prefill"
 
@@ -128,9 +154,7 @@ PyObject *qk_op_attn_prefill(PyObject *module, PyObject *const *args, Py_ssize_t
     if (qk_parse_args(OP, args, nargs, kwnames, names, 3, 3, a) < 0) return NULL;
     void *stream;
     int stream_given, causal, variant;
-    if (qk_stream_arg(OP, a[7], &stream, &stream_given) < 0 || ap_causal(OP, a[4], &causal) < 0 ||
-        qk_variant_arg(OP, "_variant", a[8], ap_variants, QK_COUNT(ap_variants), &variant) < 0)
-        return NULL;
+    if (ap_keywords(OP, a + MASK, &stream, &stream_given, &causal, &variant) < 0) return NULL;
 
     qk_view in[NUM_INPUTS] = {{0}}, ov = {0};
     qk_output o = {0};
@@ -142,7 +166,7 @@ PyObject *qk_op_attn_prefill(PyObject *module, PyObject *const *args, Py_ssize_t
         qk_attn_check_dense_kv(OP, &in[Q], &in[K], &in[V]) < 0)
         goto done;
     const int64_t B = in[Q].shape[0], Lq = in[Q].shape[1], Hq = in[Q].shape[2], D = in[Q].shape[3];
-    const int64_t Lkv = in[K].shape[1], Hkv = in[K].shape[2];
+    const int64_t Lkv = in[K].shape[1];
     if (QK_GIVEN(a[MASK]) && ap_mask(OP, &in[MASK], &in[Q], B, Hq, Lq, Lkv, &pa) < 0) goto done;
     if (qk_attn_scale(OP, a[5], D, &pa.scale) < 0) goto done;
     if (qk_launch_begin(st, OP, &in[Q], stream, stream_given, &l) < 0) goto done;
@@ -153,26 +177,10 @@ PyObject *qk_op_attn_prefill(PyObject *module, PyObject *const *args, Py_ssize_t
         qk_attn_check_unit(OP, "out", &ov) < 0 || qk_attn_check_rows16(OP, "out", &ov) < 0)
         goto done;
 
-    pa.q = in[Q].data;
-    pa.out = ov.data;
-    pa.k = in[K].data;
-    pa.v = in[V].data;
+    ap_fill(&pa, &in[Q], &ov, &in[K], &in[V], causal, variant, st->num_threads);
     pa.B = B;
     pa.Lq = Lq;
     pa.Lkv = Lkv;
-    pa.Hq = Hq;
-    pa.Hkv = Hkv;
-    pa.D = D;
-    for (int i = 0; i < 3; i++) {
-        pa.q_stride[i] = qk_attn_stride(&in[Q], i);
-        pa.out_stride[i] = qk_attn_stride(&ov, i);
-        pa.k_stride[i] = qk_attn_stride(&in[K], i);
-        pa.v_stride[i] = qk_attn_stride(&in[V], i);
-    }
-    pa.causal = causal;
-    pa.variant = variant;
-    pa.dtype = in[Q].dtype;
-    pa.num_threads = st->num_threads;
     int status = QK_OK;
     if (B > 0 && Lq > 0 && Hq > 0) QK_RUN(status, &l, attn_prefill, &pa);
     if (status) qk_raise_status(OP, status);
@@ -212,9 +220,7 @@ PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_s
     if (qk_parse_args(OP, args, nargs, kwnames, names, 7, 7, a) < 0) return NULL;
     void *stream;
     int stream_given, causal, variant;
-    if (qk_stream_arg(OP, a[11], &stream, &stream_given) < 0 || ap_causal(OP, a[8], &causal) < 0 ||
-        qk_variant_arg(OP, "_variant", a[12], ap_variants, QK_COUNT(ap_variants), &variant) < 0)
-        return NULL;
+    if (ap_keywords(OP, a + MASK, &stream, &stream_given, &causal, &variant) < 0) return NULL;
 
     qk_view in[NUM_INPUTS] = {{0}}, ov = {0};
     qk_output o = {0};
@@ -227,7 +233,7 @@ PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_s
         qk_attn_check_pool(OP, &in[Q], &in[KC], in[RPI].shape[0]) < 0)
         goto done;
     const int64_t total_q = in[Q].shape[0], Hq = in[Q].shape[1], D = in[Q].shape[2];
-    const int64_t S = in[KC].shape[0], Hkv = in[KC].shape[1];
+    const int64_t S = in[KC].shape[0];
     const int64_t R = in[R2T].shape[0], max_ctx = in[R2T].shape[1], B = in[RPI].shape[0];
     char layout[64];
     snprintf(layout, sizeof layout, "[B + 1] = [%lld]", (long long)B + 1);
@@ -245,30 +251,18 @@ PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_s
         qk_attn_check_unit(OP, "out", &ov) < 0 || qk_attn_check_rows16(OP, "out", &ov) < 0)
         goto done;
 
+    ap_fill(&pa, &in[Q], &ov, &in[KC], &in[VC], causal, variant, st->num_threads);
     pa.paged = 1;
-    pa.q = in[Q].data;
-    pa.out = ov.data;
-    pa.k = in[KC].data;
-    pa.v = in[VC].data;
     pa.req_to_token = in[R2T].data;
     pa.req_pool_indices = in[RPI].data;
     pa.kv_indptr = in[KV_INDPTR].data;
     pa.qo_indptr = in[QO_INDPTR].data;
     pa.B = B;
-    pa.Hq = Hq;
-    pa.Hkv = Hkv;
-    pa.D = D;
     pa.total_q = total_q;
     pa.num_requests = R;
     pa.max_ctx = max_ctx;
     pa.pool_size = S;
-    for (int i = 0; i < 2; i++) {
-        pa.q_stride[i + 1] = qk_attn_stride(&in[Q], i);
-        pa.out_stride[i + 1] = qk_attn_stride(&ov, i);
-        pa.k_stride[i + 1] = qk_attn_stride(&in[KC], i);
-        pa.v_stride[i + 1] = qk_attn_stride(&in[VC], i);
-        pa.r2t_stride[i] = in[R2T].strides[i];
-    }
+    for (int i = 0; i < 2; i++) pa.r2t_stride[i] = in[R2T].strides[i];
     pa.rpi_stride = in[RPI].strides[0];
     pa.kv_indptr_stride = in[KV_INDPTR].strides[0];
     pa.qo_indptr_stride = in[QO_INDPTR].strides[0];
@@ -276,16 +270,10 @@ PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_s
     pa.rpi_dtype = in[RPI].dtype;
     pa.kv_indptr_dtype = in[KV_INDPTR].dtype;
     pa.qo_indptr_dtype = in[QO_INDPTR].dtype;
-    pa.causal = causal;
-    pa.variant = variant;
-    pa.dtype = in[Q].dtype;
-    pa.num_threads = st->num_threads;
     int status = QK_OK;
-    if (B > 0 && l.device_type == kDLCUDA && st->check_indices) { /* QKERNELS_CHECK=1: the pool rows */
-        status = l.cuda->index_check(pa.req_pool_indices, pa.rpi_dtype, B, pa.rpi_stride, 0, R, &pa.bad_pos,
-                                     &pa.bad_value, l.stream);
-        pa.bad_arg = 0;
-    }
+    if (B > 0) /* QKERNELS_CHECK=1: the pool rows (bad_arg stays 0) */
+        status = qk_index_check(st, &l, pa.req_pool_indices, pa.rpi_dtype, B, pa.rpi_stride, R, &pa.bad_pos,
+                                &pa.bad_value);
     /* B = 0 still runs when there are query rows: they belong to no request and are written as 0 */
     if ((B > 0 || total_q > 0) && Hq > 0 && status == QK_OK)
         QK_RUN(status, &l, attn_prefill, &pa);

@@ -2,6 +2,28 @@
 #include "../qk.h"
 #include "../cpu/cpu.h"
 
+/* The launch of both ops: QKERNELS_CHECK's validation of edge_index's two rows against [0, N) on cuda,
+ * the launcher `name` when run, then ok = 1 or the exception (a bad index named by row and position). */
+#define FE_RUN(ok, st, l, name, args, op, run)                                                                   \
+    do {                                                                                                       \
+        int status_ = QK_OK;                                                                                   \
+        const size_t row_bytes_ = (size_t)(args)->ei_stride[0] * qk_dtype_size((args)->index_dtype);            \
+        if ((l)->device_type == kDLCUDA && (st)->check_indices) /* QKERNELS_CHECK=1 */                         \
+            for (int row_ = 0; row_ < 2 && status_ == QK_OK; row_++) {                                         \
+                status_ = qk_index_check(st, l, (const char *)(args)->edge_index + row_ * row_bytes_,          \
+                                         (args)->index_dtype, (args)->num_edges, (args)->ei_stride[1],         \
+                                         (args)->num_nodes, &(args)->bad_pos, &(args)->bad_value);            \
+                (args)->bad_row = row_;                                                                        \
+            }                                                                                                  \
+        if (status_ == QK_OK && (run)) QK_RUN(status_, l, name, args);                                         \
+        if (status_ == QK_E_INDEX)                                                                             \
+            PyErr_Format(PyExc_ValueError, "%s: edge_index[%d, %lld] = %lld is out of range for x with N = %lld", \
+                         op, (args)->bad_row, (long long)(args)->bad_pos, (long long)(args)->bad_value,         \
+                         (long long)(args)->num_nodes);                                                        \
+        else                                                                                                   \
+            (ok) = qk_raise_status(op, status_) == 0;                                                          \
+    } while (0)
+
 #define OP "fused_edge_features"
 
 QK_DOCS(fused_edge_features, "x, edge_index, edge_attr=None, *, out=None",
@@ -65,23 +87,8 @@ PyObject *qk_op_fused_edge_features(PyObject *module, PyObject *const *args, Py_
     ef.index_dtype = in[1].dtype;
     ef.dtype = in[0].dtype;
     ef.num_threads = st->num_threads;
-    int status = QK_OK;
-    if (l.device_type == kDLCUDA && st->check_indices) /* QKERNELS_CHECK=1: both rows, before the kernel */
-        for (int row = 0; row < 2 && status == QK_OK; row++) {
-            status = l.cuda->index_check((const char *)ef.edge_index + row * ef.ei_stride[0] * qk_dtype_size(ef.index_dtype),
-                                         ef.index_dtype, E, ef.ei_stride[1], 0, ef.num_nodes, &ef.bad_pos, &ef.bad_value,
-                                         l.stream);
-            ef.bad_row = row;
-        }
     /* the CPU launcher validates edge_index even when there are no features to write */
-    if (status == QK_OK && E > 0 && (H > 0 || l.device_type != kDLCUDA)) QK_RUN(status, &l, fused_edge_features, &ef);
-    if (status == QK_E_INDEX)
-        PyErr_Format(PyExc_ValueError, OP ": edge_index[%d, %lld] = %lld is out of range for x with N = %lld",
-                     ef.bad_row, (long long)ef.bad_pos, (long long)ef.bad_value, (long long)ef.num_nodes);
-    else if (status)
-        qk_raise_status(OP, status);
-    else
-        ok = 1;
+    FE_RUN(ok, st, &l, fused_edge_features, &ef, OP, E > 0 && (H > 0 || l.device_type != kDLCUDA));
 done:
     return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);
 }
@@ -155,21 +162,7 @@ PyObject *qk_op_fused_edge_features_backward(PyObject *module, PyObject *const *
     eb.index_dtype = in[2].dtype;
     eb.dtype = in[1].dtype;
     eb.num_threads = st->num_threads;
-    int status = QK_OK;
-    if (l.device_type == kDLCUDA && st->check_indices) /* QKERNELS_CHECK=1: both rows, before the kernels */
-        for (int row = 0; row < 2 && status == QK_OK; row++) {
-            status = l.cuda->index_check((const char *)eb.edge_index + row * eb.ei_stride[0] * qk_dtype_size(eb.index_dtype),
-                                         eb.index_dtype, E, eb.ei_stride[1], 0, N, &eb.bad_pos, &eb.bad_value, l.stream);
-            eb.bad_row = row;
-        }
-    if (status == QK_OK) QK_RUN(status, &l, fused_edge_features_backward, &eb);
-    if (status == QK_E_INDEX)
-        PyErr_Format(PyExc_ValueError, OP ": edge_index[%d, %lld] = %lld is out of range for x with N = %lld",
-                     eb.bad_row, (long long)eb.bad_pos, (long long)eb.bad_value, (long long)N);
-    else if (status)
-        qk_raise_status(OP, status);
-    else
-        ok = 1;
+    FE_RUN(ok, st, &l, fused_edge_features_backward, &eb, OP, 1);
 done:
     return qk_op_finish_many(&l, launched, o, ov, 2, ok, in, n_in);
 }

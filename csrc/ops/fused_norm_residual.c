@@ -73,13 +73,7 @@ static int nr_options(const char *op, PyObject *p_obj, PyObject *training_obj, P
         PyErr_Format(PyExc_ValueError, "%s: eps must be a finite value >= 0, got %R", op, eps_obj);
         return -1;
     }
-    *training = training_obj ? PyObject_IsTrue(training_obj) : 0;
-    if (*training < 0) { /* e.g. a NumPy array of several elements: name the op and the argument */
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: training must be a bool, got %.200s", op, Py_TYPE(training_obj)->tp_name);
-        return -1;
-    }
-    return 0;
+    return qk_bool_arg(op, "training", training_obj, 0, training);
 }
 
 /* seed=: an int (its low 64 bits key the generator; 1 is returned), None (0), or a tensor (2),
@@ -147,25 +141,10 @@ static int nr_batch_check(const char *op, const qk_view *bv, int64_t R, int64_t 
     return 0;
 }
 
-/* Run the launcher; with batch on cuda and QKERNELS_CHECK=1 validate the ids first.  A bad id raises
- * ValueError naming batch and its first bad position. */
-#define NR_RUN(st, l, name, args, op, run)                                                                     \
-    do {                                                                                                    \
-        int status_ = QK_OK;                                                                                \
-        if ((args)->batch && (l)->device_type == kDLCUDA && (st)->check_indices) /* QKERNELS_CHECK=1 */     \
-            status_ = (l)->cuda->index_check((args)->batch, (args)->index_dtype, (args)->R,                 \
-                                             (args)->batch_stride, 0, (args)->num_graphs, &(args)->bad_pos, \
-                                             &(args)->bad_value, (l)->stream);                              \
-        if (status_ == QK_OK && (run)) QK_RUN(status_, l, name, args);                                      \
-        if (status_ == QK_E_INDEX && (args)->batch)                                                         \
-            PyErr_Format(PyExc_ValueError, "%s: batch[%lld] = %lld is out of range for num_graphs = %lld", op, \
-                         (long long)(args)->bad_pos, (long long)(args)->bad_value,                          \
-                         (long long)(args)->num_graphs);                                                    \
-        else if (status_)                                                                                   \
-            qk_raise_status(op, status_);                                                                   \
-        else                                                                                                \
-            ok = 1;                                                                                         \
-    } while (0)
+/* Run the launcher when run; with batch on cuda and QKERNELS_CHECK=1 validate the ids first.  A bad id
+ * raises ValueError naming batch and its first bad position; ok = 1 on success. */
+#define NR_RUN(ok, st, l, name, args, op, run) \
+    QK_RUN_GRAPH_IDS(ok, st, l, name, args, op, run, "batch", (args)->batch, (args)->R, (args)->batch_stride)
 
 /* drop when the 32-bit draw < p * 2^32; p = 1 drops everything (scale 0 zeroes the lone survivor) */
 static void nr_dropout(double p, uint32_t *threshold, float *scale) {
@@ -256,7 +235,7 @@ PyObject *qk_op_fused_norm_residual(PyObject *module, PyObject *const *args, Py_
         nr.num_graphs = G;
     }
     /* H = 0 in graph mode: the cpu launcher still checks the ids */
-    NR_RUN(st, &l, fused_norm_residual, &nr, OP, R > 0 && (H > 0 || nr.batch));
+    NR_RUN(ok, st, &l, fused_norm_residual, &nr, OP, R > 0 && (H > 0 || nr.batch));
 done:
     return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);
 }
@@ -354,7 +333,7 @@ PyObject *qk_op_fused_norm_residual_backward(PyObject *module, PyObject *const *
         nb.num_graphs = G;
     }
     /* R = 0: zero column sums; H = 0 in graph mode: the cpu launcher still checks the ids */
-    NR_RUN(st, &l, fused_norm_residual_backward, &nb, OP, H > 0 || nb.batch);
+    NR_RUN(ok, st, &l, fused_norm_residual_backward, &nb, OP, H > 0 || nb.batch);
 done:
     return qk_op_finish_many(&l, launched, o, ov, 3, ok, in, n_in);
 }

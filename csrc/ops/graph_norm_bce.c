@@ -106,25 +106,11 @@ static int gb_inputs(qk_state *st, const char *op, PyObject *const *objs, PyObje
     return 0;
 }
 
-/* Run launcher name (graph_norm_bce or graph_norm_bce_backward) with QKERNELS_CHECK's index check
- * first on cuda; raise for a bad index.  0 on success. */
-#define GB_RUN(st, l, name, gb, op)                                                                             \
-    do {                                                                                                       \
-        int status_ = QK_OK;                                                                                   \
-        if ((l)->device_type == kDLCUDA && (st)->check_indices) /* QKERNELS_CHECK=1 */                         \
-            status_ = (l)->cuda->index_check((gb)->edge_graph, (gb)->index_dtype, (gb)->num_edges,            \
-                                             (gb)->graph_stride, 0, (gb)->num_graphs, &(gb)->bad_pos,          \
-                                             &(gb)->bad_value, (l)->stream);                                   \
-        if (status_ == QK_OK) QK_RUN(status_, l, name, gb);                                                     \
-        if (status_ == QK_E_INDEX)                                                                             \
-            PyErr_Format(PyExc_ValueError, "%s: edge_graph[%lld] = %lld is out of range for num_graphs = %lld", \
-                         op, (long long)(gb)->bad_pos, (long long)(gb)->bad_value,                            \
-                         (long long)(gb)->num_graphs);                                                         \
-        else if (status_)                                                                                      \
-            qk_raise_status(op, status_);                                                                      \
-        else                                                                                                   \
-            ok = 1;                                                                                            \
-    } while (0)
+/* Run launcher name (graph_norm_bce or graph_norm_bce_backward), edge_graph checked first on cuda
+ * under QKERNELS_CHECK=1; ok = 1 on success. */
+#define GB_RUN(ok, st, l, name, gb, op)                                                               \
+    QK_RUN_GRAPH_IDS(ok, st, l, name, gb, op, 1, "edge_graph", (gb)->edge_graph, (gb)->num_edges, \
+                     (gb)->graph_stride)
 
 PyObject *qk_op_graph_norm_bce(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"logits", "target", "edge_graph", "num_graphs", "pos_weight", "stream", NULL};
@@ -147,7 +133,7 @@ PyObject *qk_op_graph_norm_bce(PyObject *module, PyObject *const *args, Py_ssize
     launched = 1;
     if (qk_output_prepare(st, OP, NULL, &in[0], QK_F32, 0, NULL, &l, &ov, &o) < 0) goto done;
     gb.out = (float *)ov.data;
-    GB_RUN(st, &l, graph_norm_bce, &gb, OP);
+    GB_RUN(ok, st, &l, graph_norm_bce, &gb, OP);
 done:
     return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);
 }
@@ -193,7 +179,7 @@ PyObject *qk_op_graph_norm_bce_backward(PyObject *module, PyObject *const *args,
     gb.grad = (const float *)in[0].data;
     gb.grad_logits = ov.data;
     gb.grad_stride = ov.strides[0];
-    if (E > 0) GB_RUN(st, &l, graph_norm_bce_backward, &gb, OP);
+    if (E > 0) GB_RUN(ok, st, &l, graph_norm_bce_backward, &gb, OP);
     else ok = 1;
 done:
     return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);

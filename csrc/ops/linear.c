@@ -5,10 +5,13 @@
  * argument checks, then the CPU or CUDA launcher by device.  All fill qk_linear_args.  x is [*, K]
  * like torch.nn.functional.linear: its leading dimensions are the M rows, which must step by one
  * stride (a 1-D x is one row).  The raw forward ops also take the private tuning keywords _variant=
- * (a name below), _split= and _tile_m= (qk_linear_args' variant, split and tile_m); the raw backward
+ * (a name below), _split= and _tile_m= (qk_linear_args' variant, split and tile_m), and _isa= (the
+ * cpu backend's highest instruction set, a name of qk_cpu_isa_names: tests run each path the machine
+ * has; levels above the machine's fall back to the best it has); the raw backward
  * ops _variant= and _split= (the partial sums the CUDA kernels reduce). */
 #include "../qk.h"
 #include "../cpu/cpu.h"
+#include "../cpu/linear_isa.h"
 
 QK_DOCS(linear, "x, weight, bias=None, *, out=None",
     "x @ weight^T + bias.\n\n"
@@ -83,23 +86,43 @@ static int ln_check_x(const char *op, const char *arg, const qk_view *x) {
     return -1;
 }
 
+/* The operands both directions fill alike: x as M rows of K at x_stride, the (up) weight w [N, K] and
+ * swiglu's gate_weight (NULL for linear), and the options. */
+static void ln_fill(qk_linear_args *la, const qk_view *x, int64_t M, int64_t x_stride, const qk_view *w,
+                    const qk_view *gate, int variant, int split, int num_threads) {
+    la->x = x->data;
+    la->w = w->data;
+    la->gate = gate ? gate->data : NULL;
+    la->M = M;
+    la->N = w->shape[0];
+    la->K = x->shape[x->ndim - 1];
+    la->x_stride = x_stride;
+    la->w_stride = w->strides[0];
+    la->gate_stride = gate ? gate->strides[0] : 0;
+    la->dtype = x->dtype;
+    la->num_threads = num_threads;
+    la->variant = variant;
+    la->split = split;
+}
+
 /* in[0] x, in[1] the (up) weight, in[2] bias (linear) or gate_weight (swiglu) */
 static PyObject *ln_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int swiglu) {
     static const char *const linear_names[] = {"x", "weight", "bias", "out", "stream", "_variant", "_split", "_tile_m",
-                                               NULL};
+                                               "_isa", NULL};
     static const char *const swiglu_names[] = {"x", "up_weight", "gate_weight", "out", "stream", "_variant", "_split",
-                                               "_tile_m", NULL};
+                                               "_tile_m", "_isa", NULL};
     const char *const op = swiglu ? "swiglu" : "linear";
     const char *const *names = swiglu ? swiglu_names : linear_names;
     qk_state *st = qk_get_state(module);
-    PyObject *a[8] = {NULL};
+    PyObject *a[9] = {NULL};
     if (qk_parse_args(op, args, nargs, kwnames, names, 3, swiglu ? 3 : 2, a) < 0) return NULL;
     void *stream;
-    int stream_given, variant, split, tile_m;
+    int stream_given, variant, split, tile_m, isa;
     if (qk_stream_arg(op, a[4], &stream, &stream_given) < 0 ||
         qk_variant_arg(op, "_variant", a[5], ln_variants, QK_COUNT(ln_variants), &variant) < 0 ||
         qk_tuning_int_arg(op, "_split", a[6], 8, 1, &split) < 0 ||
-        qk_tuning_int_arg(op, "_tile_m", a[7], 64, 0, &tile_m) < 0)
+        qk_tuning_int_arg(op, "_tile_m", a[7], 64, 0, &tile_m) < 0 ||
+        qk_variant_arg(op, "_isa", a[8], qk_cpu_isa_names, QK_CPU_ISA_COUNT, &isa) < 0)
         return NULL;
     const int has_third = swiglu || (a[2] != NULL && a[2] != Py_None); /* swiglu's gate None: a TypeError */
 
@@ -143,24 +166,13 @@ static PyObject *ln_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (qk_check_inner_unit(op, "out", &ov) < 0 || ln_rows(op, "out", &ov, &out_M, &out_stride) < 0) goto done;
 
     qk_linear_args la = {0};
-    la.x = x->data;
-    la.w = in[1].data;
-    la.gate = swiglu ? in[2].data : NULL;
+    ln_fill(&la, x, M, x_stride, &in[1], swiglu ? &in[2] : NULL, variant, split, st->num_threads);
     la.bias = !swiglu && has_third ? in[2].data : NULL;
-    la.out = ov.data;
-    la.M = M;
-    la.N = N;
-    la.K = K;
-    la.x_stride = x_stride;
-    la.w_stride = in[1].strides[0];
-    la.gate_stride = swiglu ? in[2].strides[0] : 0;
     la.bias_stride = !swiglu && has_third ? in[2].strides[0] : 0;
+    la.out = ov.data;
     la.out_stride = out_stride;
-    la.dtype = x->dtype;
-    la.num_threads = st->num_threads;
-    la.variant = variant;
-    la.split = split;
     la.tile_m = tile_m;
+    la.cpu_isa = isa;
     int status = QK_OK;
     if (M > 0 && N > 0) {
         if (swiglu) QK_RUN(status, &l, swiglu, &la);
@@ -180,17 +192,6 @@ PyObject *qk_op_swiglu(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     return ln_op(module, args, nargs, kwnames, 1);
 }
 
-/* A bool keyword (absent: dflt); -1 with TypeError naming it where truth cannot be taken. */
-static int lb_flag(const char *op, const char *arg, PyObject *obj, int dflt) {
-    if (obj == NULL) return dflt;
-    const int v = PyObject_IsTrue(obj);
-    if (v < 0) { /* e.g. a NumPy array of several elements */
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: %s must be a bool, got %.200s", op, arg, Py_TYPE(obj)->tp_name);
-    }
-    return v;
-}
-
 /* The backward ops.  in[0] grad_out, in[1] x, in[2] the (up) weight, in[3] gate_weight (swiglu);
  * outputs o[0] grad_x, o[1] grad_weight (up's), o[2] grad_bias (linear) or grad_gate_weight (swiglu). */
 static PyObject *lb_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, int swiglu) {
@@ -208,17 +209,13 @@ static PyObject *lb_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     PyObject *const *kw = p + n_tensors;
     const int n_flags = swiglu ? 2 : 3;
     void *stream;
-    int stream_given, variant, split;
+    int stream_given, variant, split, want_x, want_w, want_b = 0;
     if (qk_stream_arg(op, kw[n_flags], &stream, &stream_given) < 0 ||
         qk_variant_arg(op, "_variant", kw[n_flags + 1], lb_variants, QK_COUNT(lb_variants), &variant) < 0 ||
-        qk_tuning_int_arg(op, "_split", kw[n_flags + 2], 64, 0, &split) < 0)
+        qk_tuning_int_arg(op, "_split", kw[n_flags + 2], 64, 0, &split) < 0 ||
+        qk_bool_arg(op, "x_grad", kw[0], 1, &want_x) < 0 || qk_bool_arg(op, "weight_grad", kw[1], 1, &want_w) < 0 ||
+        (!swiglu && qk_bool_arg(op, "bias_grad", kw[2], 0, &want_b) < 0))
         return NULL;
-    const int want_x = lb_flag(op, "x_grad", kw[0], 1);
-    if (want_x < 0) return NULL;
-    const int want_w = lb_flag(op, "weight_grad", kw[1], 1);
-    if (want_w < 0) return NULL;
-    const int want_b = swiglu ? 0 : lb_flag(op, "bias_grad", kw[2], 0);
-    if (want_b < 0) return NULL;
 
     qk_view in[4] = {{0}}, ov[3] = {{0}};
     qk_output o[3] = {{0}};
@@ -269,15 +266,7 @@ static PyObject *lb_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (want_b && qk_output_prepare(st, op, NULL, x, x->dtype, 1, wshape, &l, &ov[2], &o[2]) < 0) goto done;
 
     qk_linear_args la = {0};
-    la.x = x->data;
-    la.w = in[2].data;
-    la.gate = swiglu ? in[3].data : NULL;
-    la.M = M;
-    la.N = N;
-    la.K = K;
-    la.x_stride = x_stride;
-    la.w_stride = in[2].strides[0];
-    la.gate_stride = swiglu ? in[3].strides[0] : 0;
+    ln_fill(&la, x, M, x_stride, &in[2], swiglu ? &in[3] : NULL, variant, split, st->num_threads);
     la.grad_out = g->data;
     la.grad_out_stride = g_stride;
     la.grad_x = want_x ? ov[0].data : NULL;
@@ -288,10 +277,6 @@ static PyObject *lb_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     la.grad_gate_stride = swiglu && want_w ? ov[2].strides[0] : 0;
     la.grad_bias = want_b ? ov[2].data : NULL;
     la.grad_bias_stride = want_b ? ov[2].strides[0] : 0;
-    la.dtype = x->dtype;
-    la.num_threads = st->num_threads;
-    la.variant = variant;
-    la.split = split;
     int status = QK_OK;
     /* empty gradients need no kernel; the launchers write zeros where a sum has no terms */
     const int work = (want_x && M > 0 && K > 0) || (want_w && N > 0 && K > 0) || (want_b && N > 0);
@@ -311,4 +296,10 @@ PyObject *qk_op_linear_backward(PyObject *module, PyObject *const *args, Py_ssiz
 
 PyObject *qk_op_swiglu_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     return lb_op(module, args, nargs, kwnames, 1);
+}
+
+/* _C._cpu_isa(): the best instruction-set level of the cpu linear and swiglu on this machine */
+PyObject *qk_cpu_isa_py(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+    (void)module;
+    return PyUnicode_FromString(qk_cpu_isa_names[qk_cpu_isa_best()]);
 }

@@ -32,14 +32,10 @@ static PyObject *ro_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     a[3] = backward ? NULL : p[3];
     a[4] = backward ? p[3] : p[4];
     void *stream;
-    int stream_given;
-    if (qk_stream_arg(OP, a[4], &stream, &stream_given) < 0) return NULL;
-    const int interleaved = a[2] ? PyObject_IsTrue(a[2]) : 1;
-    if (interleaved < 0) { /* e.g. a NumPy array of several elements: name the op and the argument */
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: interleaved must be a bool, got %.200s", OP, Py_TYPE(a[2])->tp_name);
+    int stream_given, interleaved;
+    if (qk_stream_arg(OP, a[4], &stream, &stream_given) < 0 ||
+        qk_bool_arg(OP, "interleaved", a[2], 1, &interleaved) < 0)
         return NULL;
-    }
 
     qk_view in[2] = {{0}}, ov = {0};
     qk_output o = {0};

@@ -133,14 +133,6 @@ QK_DOCS(sparse_aggregate_backward,
     "grouping the edges by source (nondeterministic: the last bits may differ from call to call); cpu,\n"
     "float16 and bfloat16 ignore it.\n" QK_GRAPH_DOC)
 
-static int sab_flag(PyObject *obj, const char *arg, int *value) {
-    *value = obj ? PyObject_IsTrue(obj) : 1;
-    if (*value >= 0) return 0;
-    PyErr_Clear(); /* e.g. a NumPy array of several elements: name the op and the argument */
-    PyErr_Format(PyExc_TypeError, OP ": %s must be a bool, got %.200s", arg, Py_TYPE(obj)->tp_name);
-    return -1;
-}
-
 PyObject *qk_op_sparse_aggregate_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                                           PyObject *kwnames) {
     static const char *const names[] = {"grad_out", "row_ptr", "col_idx", "edge_weight", "node_feat",
@@ -151,8 +143,10 @@ PyObject *qk_op_sparse_aggregate_backward(PyObject *module, PyObject *const *arg
     if (qk_parse_args(OP, args, nargs, kwnames, names, 5, 5, a) < 0) return NULL;
     void *stream;
     int stream_given, want_ew, want_nf, deterministic;
-    if (qk_stream_arg(OP, a[8], &stream, &stream_given) < 0 || sab_flag(a[5], "edge_weight_grad", &want_ew) < 0 ||
-        sab_flag(a[6], "node_feat_grad", &want_nf) < 0 || sab_flag(a[7], "deterministic", &deterministic) < 0)
+    if (qk_stream_arg(OP, a[8], &stream, &stream_given) < 0 ||
+        qk_bool_arg(OP, "edge_weight_grad", a[5], 1, &want_ew) < 0 ||
+        qk_bool_arg(OP, "node_feat_grad", a[6], 1, &want_nf) < 0 ||
+        qk_bool_arg(OP, "deterministic", a[7], 1, &deterministic) < 0)
         return NULL;
 
     enum { GRAD_OUT, NUM_VIEWS = 5 };

@@ -36,6 +36,14 @@ enum {
     QK_LINEAR_GEMV, /* the CUDA-core GEMV wherever M <= 8; neither cuBLASLt nor the sm_90 row kernel */
     QK_LINEAR_ROWS, /* the sm_90 one-CTA-per-SM row kernel wherever M <= 64; neither cuBLASLt nor the GEMV */
 };
+enum { /* qk_linear_args.cpu_isa: the highest instruction set the cpu linear and swiglu may use */
+    QK_CPU_ISA_AUTO = 0,    /* the best this machine has */
+    QK_CPU_ISA_PORTABLE,    /* plain C (vectorised by the compiler), every machine */
+    QK_CPU_ISA_AVX512,      /* AVX-512F FMA, 16-bit inputs converted to fp32 */
+    QK_CPU_ISA_AVX512_BF16, /* + VDPBF16PS for bfloat16 */
+    QK_CPU_ISA_AMX,         /* + AMX tiles (TDPBF16PS) for bfloat16 */
+    QK_CPU_ISA_COUNT
+};
 enum { /* linear_backward and swiglu_backward (qk_linear_args.variant) */
     QK_LINEAR_BWD_AUTO = 0,
     QK_LINEAR_BWD_TILES, /* linear_backward.cu's kernels at every M (no cuBLASLt) */
@@ -56,6 +64,17 @@ enum {
     QK_PREFILL_MMA,   /* the mma.sync kernel, also on sm_90 */
     QK_PREFILL_WGMMA, /* on sm_90 the cp.async wgmma kernel, not the TMA one */
 };
+
+/* Where a CUDA launcher takes its temporary device memory (the `scratch` field of the args structs
+ * that have one).  NULL (a zero-initialised struct): cudaMallocAsync / cudaFreeAsync on the launch
+ * stream.  Otherwise alloc returns 0 and *p, or a non-zero status (QK_E_NOMEM, or a cudaError_t);
+ * free releases p (of the size it was asked for) once the work already enqueued on stream is done
+ * with it: the XLA FFI handlers pass XLA's device allocator, which is ordered on XLA's stream. */
+typedef struct qk_scratch {
+    int (*alloc)(void *ctx, size_t bytes, void *stream, void **p);
+    int (*free)(void *ctx, void *p, size_t bytes, void *stream);
+    void *ctx;
+} qk_scratch;
 
 /* Element types the kernels see; the binding maps DLPack dtypes onto these. */
 typedef enum {
@@ -89,6 +108,7 @@ typedef struct {
     /* Filled on QK_E_INDEX: which argument, at which position, holding which value. */
     int bad_arg;     /* 0 row_ptr, 1 col_idx */
     int64_t bad_pos, bad_value;
+    const qk_scratch *scratch; /* CUDA temporaries (see qk_scratch); NULL: the stream-ordered pool */
 } qk_sparse_aggregate_args;
 
 /* sparse_aggregate_backward: the gradients of sparse_aggregate for grad_out [num_dst, H, D] (same
@@ -112,6 +132,7 @@ typedef struct {
     int deterministic;
     int bad_arg; /* QK_E_INDEX: 0 row_ptr, 1 col_idx */
     int64_t bad_pos, bad_value;
+    const qk_scratch *scratch; /* CUDA temporaries (see qk_scratch); NULL: the stream-ordered pool */
 } qk_sparse_aggregate_backward_args;
 
 /* fused_edge_features: out[e] = cat(x[src]+x[dst], |x[src]-x[dst]|, edge_attr[e]) with
@@ -147,6 +168,7 @@ typedef struct {
     int index_dtype, dtype, num_threads;
     int bad_row; /* QK_E_INDEX: 0 src, 1 dst */
     int64_t bad_pos, bad_value;
+    const qk_scratch *scratch; /* CUDA temporaries (see qk_scratch); NULL: the stream-ordered pool */
 } qk_fused_edge_features_backward_args;
 
 /* fused_norm_residual: y = LayerNorm(x) * gamma + beta over the last dim (population variance,
@@ -174,6 +196,7 @@ typedef struct {
     int64_t num_graphs, batch_stride;
     int index_dtype;
     int64_t bad_pos, bad_value;
+    const qk_scratch *scratch; /* CUDA temporaries (see qk_scratch); NULL: the stream-ordered pool */
 } qk_fused_norm_residual_args;
 
 /* fused_norm_residual_backward: the gradients of fused_norm_residual's output with respect to x,
@@ -203,6 +226,7 @@ typedef struct {
     int64_t num_graphs, batch_stride;
     int index_dtype;
     int64_t bad_pos, bad_value;
+    const qk_scratch *scratch; /* CUDA temporaries (see qk_scratch); NULL: the stream-ordered pool */
 } qk_fused_norm_residual_backward_args;
 
 /* graph_norm_bce: mean over g < num_graphs of (sum of bce(e) over edges with edge_graph[e] == g) /
@@ -226,6 +250,7 @@ typedef struct {
     int has_pos_weight;
     int dtype, index_dtype, pw_dtype, num_threads;
     int64_t bad_pos, bad_value; /* QK_E_INDEX: edge_graph[bad_pos] = bad_value outside [0, num_graphs) */
+    const qk_scratch *scratch; /* CUDA temporaries (see qk_scratch); NULL: the stream-ordered pool */
 } qk_graph_norm_bce_args;
 
 /* attn_decode and attn_paged_decode: one query token per sequence,
@@ -278,6 +303,7 @@ typedef struct {
     /* Filled on QK_E_INDEX: bad_arg 0 req_pool_indices, 1 kv_indptr (a length), 2 req_to_token (a slot) */
     int bad_arg;
     int64_t bad_pos, bad_value;
+    const qk_scratch *scratch; /* CUDA temporaries (see qk_scratch); NULL: the stream-ordered pool */
 } qk_attn_decode_args;
 
 /* attn_prefill and attn_paged_prefill: many query tokens per sequence,
@@ -372,10 +398,12 @@ typedef struct {
     int variant;        /* 0 auto, QK_LINEAR_MMA, QK_LINEAR_GEMV, QK_LINEAR_ROWS */
     int split;          /* 0 auto, else the cluster size 1, 2, 4 or 8 over which sm_90 splits K */
     int tile_m;         /* 0 auto, else 1..64: the mma.sync kernel's tile configuration for that M */
+    int cpu_isa;        /* cpu: 0 auto, else the highest QK_CPU_ISA_* level to use */
     /* the backward ops: rows unit-stride along their last dimension; bias stride in elements */
     const void *grad_out;                           /* [M, N] */
     void *grad_x, *grad_w, *grad_gate, *grad_bias;  /* [M, K], [N, K], [N, K], [N]; NULL: not wanted */
     int64_t grad_out_stride, grad_x_stride, grad_w_stride, grad_gate_stride, grad_bias_stride;
+    const qk_scratch *scratch; /* CUDA temporaries (see qk_scratch); NULL: the stream-ordered pool */
 } qk_linear_args;
 
 /* rmsnorm: out[r, :] = s * rsqrt(mean(s^2) + eps) * weight, s = x[r, :] in fp32, one rounding per output.
@@ -451,7 +479,7 @@ typedef struct {
     X(fused_add_rmsnorm, rmsnorm, rmsnorm, 0)
 
 /* The CUDA shared object exports one symbol, qk_cuda_get_api, returning this table. */
-#define QK_CUDA_ABI 10
+#define QK_CUDA_ABI 12
 
 typedef struct {
     int abi;
