@@ -80,7 +80,7 @@ def _ddp_rank(rank, world, store, out, det, labels):
     torch.set_num_threads(1)
     tg = _train_gnn()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=240))
     try:
         B = CFG["batch"]
         graph = tg.build_graph(CFG["distance"], CFG["distance"], CFG["p"], CFG["p"])
@@ -95,8 +95,10 @@ def _ddp_rank(rank, world, store, out, det, labels):
         dist.destroy_process_group()
 
 
-def _spawn(fn, world, args, timeout=60):
-    """Run fn(rank, world, *args) in `world` spawned processes; kill them all past timeout."""
+def _spawn(fn, world, args, timeout=240):
+    """Run fn(rank, world, *args) in `world` spawned processes; kill them all past timeout (a guard
+    against a hung rendezvous, generous because spawning two interpreters that import torch can take
+    a minute on a loaded 2-core machine)."""
     import torch.multiprocessing as mp
 
     ctx = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False, start_method="spawn")
