@@ -22,6 +22,19 @@ pytestmark = [requires_cuda,
 if importlib.util.find_spec("torch"):
     import torch
 
+
+@pytest.fixture(autouse=True)
+def cuda_kernels_enabled(monkeypatch):
+    """These tests are what enables the CUDA kernels in the dispatcher (_dispatch.CUDA_VERIFIED):
+    they run them as if enabled, with the dispatcher's cached decisions dropped on both sides."""
+    from qkernels import _dispatch
+
+    monkeypatch.setitem(_dispatch.CUDA_VERIFIED, "rmsnorm", True)
+    _dispatch.reload_env()
+    yield
+    monkeypatch.undo()
+    _dispatch.reload_env()
+
 DTYPES = ["float32", "bfloat16", "float16"]
 # lane groups of 4..32 (H <= 1024), the block kernel (to 16384 in 16-bit, 16384 in float32), the reread
 # kernel (longer rows, and every H that is not a multiple of the 16-byte vector)
