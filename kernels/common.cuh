@@ -42,6 +42,25 @@ template <typename T> __device__ __forceinline__ void qk_store_vec(T *p, const q
     __stcs(reinterpret_cast<uint4 *>(p), *reinterpret_cast<const uint4 *>(&v));
 }
 
+// Lanes of the group that owns a row of nvec 16-byte vectors: 8 or 16 for short rows, so a warp
+// serves several rows instead of idling most of its lanes, else the warp.
+inline int qk_row_lanes(int64_t nvec) { return nvec <= 8 ? 8 : nvec <= 16 ? 16 : 32; }
+
+// A row of fp32 accumulators rounded once to T and stored: lane `lane` of a group of G lanes owns the
+// 16-byte vectors lane + G*k (k < K) of the row's nvec.
+template <typename T, int G, int K>
+__device__ __forceinline__ void qk_store_row(T *row, const float (&acc)[K][qk_vec<T>::N], int lane, int nvec) {
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        const int c = lane + G * k;
+        if (c >= nvec) continue;
+        qk_vec<T> o;
+#pragma unroll
+        for (int j = 0; j < qk_vec<T>::N; j++) o.v[j] = qk_from_float<T>(acc[k][j]);
+        qk_store_vec(row + c * qk_vec<T>::N, o);
+    }
+}
+
 // Tensor-core mma.sync m16n8k16 with fp32 accumulation, d += A * B: A row-major 16x16 in four
 // registers of two elements, B column-major 16x8 in two (PTX ISA "Matrix Fragments for
 // mma.m16n8k16").  Shared by linear and the decode attention kernels.

@@ -163,15 +163,7 @@ __global__ void __launch_bounds__(256) efb_walk(EfbArgs a, const uint32_t *keys,
         };
         auto flush = [&](bool after) {
             if (!before && !after) {
-#pragma unroll
-                for (int k = 0; k < K; k++) {
-                    const int c = lane + G * k;
-                    if (c >= nvec) continue;
-                    qk_vec<T> o;
-#pragma unroll
-                    for (int j = 0; j < V; j++) o.v[j] = qk_from_float<T>(acc[k][j]);
-                    qk_store_vec(gx + (int64_t)cur * H + c * V, o);
-                }
+                qk_store_row<T, G, K>(gx + (int64_t)cur * H, acc, lane, nvec);
             } else {
                 float *slot = slots + (2 * ch + (before ? 0 : 1)) * H;
 #pragma unroll
@@ -303,7 +295,7 @@ void efb_shape(const EfbArgs *a, int &G, int &K) {
                         a->num_nodes < (int64_t)UINT32_MAX;
     const int64_t nvec = a->H / V;
     if (!layout || nvec > 128) return;
-    G = nvec <= 8 ? 8 : nvec <= 16 ? 16 : 32;
+    G = qk_row_lanes(nvec);
     K = nvec <= 32 ? 1 : nvec <= 64 ? 2 : 4;
 }
 

@@ -1,7 +1,8 @@
 // fused_norm_residual: LayerNorm over the last dim, * gamma + beta, dropout, + residual.
 //
-// Work decomposition: one warp per row (8 or 16 lanes for rows of 8 or 16 vectors).  Rows of up to 1024 values whose rows are 16-byte
-// vectorisable stay in registers (K 16-byte chunks per lane), so x is read once: mean, then the
+// Work decomposition: one warp per row (8 or 16 lanes for rows of 8 or 16 vectors).  Rows of up to
+// 1024 values whose rows are 16-byte vectorisable stay in registers (K 16-byte chunks per lane), so
+// x is read once: mean, then the
 // variance of the deviations from the registers (two-pass), then the output with streaming stores.
 // Both passes work on x - x[row, 0]: for a row with mean 1e4 and unit spread the shifted values
 // are of unit size, so neither the fp32 sum nor the deviations lose digits to the mean.  Other rows take the scalar kernel, which reads
@@ -999,7 +1000,7 @@ extern "C" int qk_fused_norm_residual_cuda(const qk_fused_norm_residual_args *a,
     QK_DISPATCH_FLOAT(a->dtype, T, {
         const void *kernel;
         const int K = nr_chunks_per_lane<T>(a), nvec = (int)(a->H / qk_vec<T>::N);
-        const int lanes = K == 1 && nvec <= 8 ? 8 : K == 1 && nvec <= 16 ? 16 : 32;
+        const int lanes = K ? qk_row_lanes(nvec) : 32;  // K > 1 only past 32 vectors; the scalar kernel: a warp
         const int grid = qk_grid_for(a->R, kRowsPerBlock * (32 / lanes), 1 << 30);
         switch (K) {
         case 1:

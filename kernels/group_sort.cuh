@@ -84,15 +84,7 @@ __global__ void __launch_bounds__(256) qk_walk_fixup(T *out, const uint32_t *key
                     for (int v = 0; v < V; v++) acc[k][v] += slot[cc * V + v];
             }
         }
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-            const int cc = lane + G * k;
-            if (cc >= nvec) continue;
-            qk_vec<T> o;
-#pragma unroll
-            for (int v = 0; v < V; v++) o.v[v] = qk_from_float<T>(acc[k][v]);
-            qk_store_vec(out + (int64_t)j * row_elems + cc * V, o);
-        }
+        qk_store_row<T, G, K>(out + (int64_t)j * row_elems, acc, lane, nvec);
     }
 }
 

@@ -140,15 +140,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) sa_rows(qk_sparse_aggrega
                         for (int j = 0; j < V; j++) acc[k][j] += src[(lane + G * k) * V + j];
             }
         }
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-            const int c = lane + G * k;
-            if (c >= nvec) continue;
-            qk_vec<T> o;
-#pragma unroll
-            for (int j = 0; j < V; j++) o.v[j] = qk_from_float<T>(acc[k][j]);
-            qk_store_vec(out + row * a.out_stride[0] + c * V, o);
-        }
+        qk_store_row<T, G, K>(out + row * a.out_stride[0], acc, lane, nvec);
     }
 }
 
@@ -238,8 +230,7 @@ int sa_launch_fast(const qk_sparse_aggregate_args *a, cudaStream_t s) {
     }
     const float *cpartial = partial;
     void *args[] = {&p, &cpartial};
-    // 8 or 16 vectors a row: narrower lane groups, more rows per warp
-    const int nvec = (int)(hd / qk_vec<T>::N), lanes = K > 1 || nvec > 16 ? 32 : nvec > 8 ? 16 : 8;
+    const int lanes = qk_row_lanes(hd / qk_vec<T>::N);  // K > 1 only past 32 vectors: a warp
     const void *rows = (const void *)sa_rows<T, I, K, 32>;
     if (lanes == 16) rows = (const void *)sa_rows<T, I, 1, 16>;
     if (lanes == 8) rows = (const void *)sa_rows<T, I, 1, 8>;
@@ -553,15 +544,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
         auto flush = [&](bool after) {
             if (cur >= N) return;
             if (!before && !after) {
-#pragma unroll
-                for (int k = 0; k < K; k++) {
-                    const int c = lane + 32 * k;
-                    if (c >= nvec) continue;
-                    qk_vec<T> o;
-#pragma unroll
-                    for (int j = 0; j < V; j++) o.v[j] = qk_from_float<T>(acc[k][j]);
-                    qk_store_vec(gnf + (int64_t)cur * hd + c * V, o);
-                }
+                qk_store_row<T, 32, K>(gnf + (int64_t)cur * hd, acc, lane, nvec);
             } else {
                 float *slot = slots + (2 * ch + (before ? 0 : 1)) * hd;
 #pragma unroll
