@@ -307,6 +307,19 @@ def to_device(op, args, device):
     return [a.to(device) if type(a).__module__.startswith("torch") else a for a in host_tensors(op, args)]
 
 
+def with_traced(fn, args, kwargs, traced):
+    """fn(*args, **kwargs) as a function of the arguments at the positions `traced` alone, the others
+    fixed: what jax.jit or torch.export traces."""
+
+    def call(*ts):
+        full = list(args)
+        for i, t in zip(traced, ts):
+            full[i] = t
+        return fn(*full, **kwargs)
+
+    return call
+
+
 def replaced(args, pos, value):
     """A list of args with the argument at pos (an index, or a tuple of them) replaced by value."""
     args = list(args)

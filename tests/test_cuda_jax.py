@@ -9,7 +9,7 @@ import pytest
 import qkernels
 from qkernels import testing as T
 
-from conftest import jax_attn_mask, requires_cuda
+from conftest import jax_attn_mask, requires_cuda, with_traced
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
@@ -80,12 +80,7 @@ def test_op_jit_on_gpu(op, dtype, rng):
     arrays = [i for i, a in enumerate(dev) if not isinstance(a, (int, float))]
     f = getattr(qj, op)
 
-    @jax.jit
-    def run(*ts):
-        full = list(dev)
-        for i, t in zip(arrays, ts):
-            full[i] = t
-        return f(*full, **kwargs)
+    run = jax.jit(with_traced(f, dev, kwargs, arrays))
 
     assert qj.explain(op, *dev, **kwargs).winner == "cuda"
     out = run(*[dev[i] for i in arrays])

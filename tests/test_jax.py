@@ -18,7 +18,7 @@ if not hasattr(qkernels._C, "_jax_handlers"):
     pytest.skip("qkernels was built without its XLA FFI handlers (QKERNELS_JAX=1 pip install '.[jax]')",
                 allow_module_level=True)
 import qkernels.jax as qj  # noqa: E402
-from conftest import jax_attn_mask  # noqa: E402
+from conftest import jax_attn_mask, with_traced  # noqa: E402
 
 
 
@@ -69,13 +69,7 @@ def test_op_eager_and_jit(op, rng):
     _check_op(op, args, kwargs, f(*_jargs(args), **kwargs))
     tensors = [i for i, a in enumerate(args) if not isinstance(a, (int, float))]
 
-    @jax.jit
-    def run(*ts):
-        full = list(args)
-        for i, t in zip(tensors, ts):
-            full[i] = t
-        return f(*full, **kwargs)
-
+    run = jax.jit(with_traced(f, args, kwargs, tensors))
     out = run(*[jnp.asarray(args[i]) for i in tensors])
     _check_op(op, args, kwargs, out)
     assert all(isinstance(o, jax.Array) for o in (out if isinstance(out, tuple) else (out,)) if o is not None)

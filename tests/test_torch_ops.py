@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import DEVICE_SIZES, capture_graph, requires_cuda, requires_torch, to_device, torch_sample
+from conftest import DEVICE_SIZES, capture_graph, requires_cuda, requires_torch, to_device, torch_sample, with_traced
 from qkernels import testing
 from qkernels.testing import FLOAT_ARGS
 
@@ -106,10 +106,7 @@ def test_export(op, strict, rng):
 
     class M(torch.nn.Module):
         def forward(self, *ts):
-            a = list(args)
-            for i, t in zip(tensors, ts):
-                a[i] = t
-            return fn(*a, **kwargs)
+            return with_traced(fn, args, kwargs, tensors)(*ts)
 
     ep = torch.export.export(M(), tuple(args[i] for i in tensors), strict=strict)
     nodes = [n.target for n in ep.graph.nodes if n.op == "call_function"]

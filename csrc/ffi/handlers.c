@@ -164,6 +164,9 @@ static double fc_attr(fc *c, const char *name, double dflt) {
     return dflt;
 }
 
+/* The attention ops' scale attribute; absent: 1/sqrt(head_dim), as the bindings default it. */
+static float fc_scale(fc *c, int64_t D) { return (float)fc_attr(c, "scale", 1.0 / sqrt((double)(D > 0 ? D : 1))); }
+
 /* An integer attribute exactly (int64 counts such as num_graphs do not survive a double). */
 static int64_t fc_attr_i64(fc *c, const char *name, int64_t dflt) {
     const XLA_FFI_Attrs *at = &c->cf->attrs;
@@ -651,7 +654,7 @@ static XLA_FFI_Error *ffi_attn_decode(fc *c) {
         a.kv_lens = kl->data, a.kv_lens_stride = 1, a.kv_lens_dtype = dtype_of(kl);
     }
     if (NARGS > 3 + has_kl && ad_mask(c, 3 + has_kl, &a) < 0) return c->err;
-    a.scale = (float)fc_attr(c, "scale", 1.0 / sqrt((double)(a.D > 0 ? a.D : 1)));
+    a.scale = fc_scale(c, a.D);
     a.dtype = dtype_of(q), a.num_threads = g_threads;
     a.scratch = FC_SCRATCH(c);
     int st = QK_OK;
@@ -693,7 +696,7 @@ static XLA_FFI_Error *ffi_attn_paged_decode(fc *c) {
     a.req_to_token = r2t->data, a.r2t_stride[0] = a.max_ctx, a.r2t_stride[1] = 1, a.r2t_dtype = dtype_of(r2t);
     a.req_pool_indices = rpi->data, a.rpi_stride = 1, a.rpi_dtype = dtype_of(rpi);
     a.kv_indptr = ind->data, a.indptr_stride = 1, a.indptr_dtype = dtype_of(ind);
-    a.scale = (float)fc_attr(c, "scale", 1.0 / sqrt((double)(a.D > 0 ? a.D : 1)));
+    a.scale = fc_scale(c, a.D);
     a.dtype = dtype_of(q), a.num_threads = g_threads;
     a.scratch = FC_SCRATCH(c);
     int st = QK_OK;
@@ -718,7 +721,7 @@ static XLA_FFI_Error *ffi_attn_prefill(fc *c) {
     for (int i = 0; i < 3; i++) a.k_stride[i] = a.v_stride[i] = s[i];
     if (NARGS > 3 && ap_mask(c, 3, &a) < 0) return c->err;
     a.causal = fc_attr(c, "is_causal", 0) != 0;
-    a.scale = (float)fc_attr(c, "scale", 1.0 / sqrt((double)(a.D > 0 ? a.D : 1)));
+    a.scale = fc_scale(c, a.D);
     a.dtype = dtype_of(q), a.num_threads = g_threads;
     int st = QK_OK;
     if (numel(q) > 0) FC_RUN(st, c, attn_prefill, &a);
@@ -750,7 +753,7 @@ static XLA_FFI_Error *ffi_attn_paged_prefill(fc *c) {
     a.qo_indptr = qoi->data, a.qo_indptr_stride = 1, a.qo_indptr_dtype = dtype_of(qoi);
     if (NARGS > 7 && ap_mask(c, 7, &a) < 0) return c->err;
     a.causal = fc_attr(c, "is_causal", 0) != 0;
-    a.scale = (float)fc_attr(c, "scale", 1.0 / sqrt((double)(a.D > 0 ? a.D : 1)));
+    a.scale = fc_scale(c, a.D);
     a.dtype = dtype_of(q), a.num_threads = g_threads;
     int st = QK_OK;
     if (numel(q) > 0 && a.B > 0) FC_RUN(st, c, attn_prefill, &a);
