@@ -24,6 +24,8 @@ namespace {
 constexpr int kRowsThreads = 256;  // the rows kernel's block
 constexpr int kMaxNT = 1024;  // the reread kernel's block
 constexpr int kBlockNT = 512;  // the block kernel's largest block: 128 registers a thread for K = 32 / V
+constexpr int kBlockTarget = 128;  // and the block it aims for when there are many rows
+constexpr int kManyRowsPerSM = 16;  // many: rows per SM
 
 __device__ __forceinline__ int64_t rn_off(const int64_t (&s)[2], int64_t r, int64_t R1) {
     return (r / R1) * s[0] + (r % R1) * s[1];
@@ -277,9 +279,16 @@ int rn_launch(const qk_rmsnorm_args *a, cudaStream_t stream) {
     }
     const int grid = rn_grid(a->R);
     if (vec && nvec <= (int64_t)kBlockNT * KM && variant != QK_RMSNORM_REREAD) {
-        // the fewest vectors per thread that keep the block at kBlockNT threads
+        // Few rows (decode): the widest block, the fewest vectors a thread (latency).  Many rows: up to 4
+        // vectors a thread, down to kBlockTarget threads, so that more rows are resident per SM and the
+        // loads in flight cover each row's reduction (docs/rmsnorm.md has the figures).
+        int sms = 0;
+        QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
+        const bool many = a->R >= (int64_t)kManyRowsPerSM * sms;
+        const int kmax = many && KM > 4 ? 4 : KM, target = many ? kBlockTarget : kBlockNT;
         int K = 1;
-        while (K < KM && (nvec + K - 1) / K > kBlockNT) K *= 2;
+        while (K < kmax && (nvec + K - 1) / K > target) K *= 2;
+        while ((nvec + K - 1) / K > kBlockNT) K *= 2;  // kmax < KM: still at most kBlockNT threads
         int64_t nt = (nvec + K - 1) / K;
         nt = (nt + 31) / 32 * 32;
         const void *kernel = add ? rn_block_kernel<T, true>(K) : rn_block_kernel<T, false>(K);

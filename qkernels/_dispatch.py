@@ -156,15 +156,8 @@ _PREDICATES["cuda"]["attention"] = [
 ]
 _PREDICATES["cpu"]["attention"] = [_CUDA_FLOATS]
 
-# RMSNorm: float32, float16 and bfloat16 kernels on both devices.  The CUDA kernels stay off the
-# dispatch until tests/test_cuda_rmsnorm.py has passed on a GPU (CUDA_VERIFIED); until then GPU
-# tensors are staged through the cpu kernels (with a FallbackWarning) and backend="cuda" refuses.
-CUDA_VERIFIED = {"rmsnorm": False}
-_PREDICATES["cuda"]["rmsnorm"] = [
-    _ON_CUDA, _CUDA_FLOATS,
-    _req("CUDA kernels verified on a GPU", lambda a: CUDA_VERIFIED["rmsnorm"],
-         lambda op: f"the {op} CUDA kernels are built but not enabled until their GPU tests pass"),
-]
+# RMSNorm: float32, float16 and bfloat16 kernels on both devices.
+_PREDICATES["cuda"]["rmsnorm"] = [_ON_CUDA, _CUDA_FLOATS]
 _PREDICATES["cpu"]["rmsnorm"] = [_CUDA_FLOATS]
 
 _availability = {}

@@ -23,18 +23,6 @@ if importlib.util.find_spec("torch"):
     import torch
 
 
-@pytest.fixture(autouse=True)
-def cuda_kernels_enabled(monkeypatch):
-    """These tests are what enables the CUDA kernels in the dispatcher (_dispatch.CUDA_VERIFIED):
-    they run them as if enabled, with the dispatcher's cached decisions dropped on both sides."""
-    from qkernels import _dispatch
-
-    monkeypatch.setitem(_dispatch.CUDA_VERIFIED, "rmsnorm", True)
-    _dispatch.reload_env()
-    yield
-    monkeypatch.undo()
-    _dispatch.reload_env()
-
 DTYPES = ["float32", "bfloat16", "float16"]
 # lane groups of 4..32 (H <= 1024), the block kernel (to 16384 in 16-bit, 16384 in float32), the reread
 # kernel (longer rows, and every H that is not a multiple of the 16-byte vector)
@@ -170,15 +158,19 @@ def test_in_place_out_is_x(kernel, h):
     torch.testing.assert_close(xi, KERNELS[kernel].rmsnorm(x, w), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("rows,h", [(70000, 64), (4096, 4096), (1, 8192), (3, 1)])
-def test_many_rows_and_determinism(rows, h):
-    x, r = randn(rows, h, dtype="bfloat16", seed=9), randn(rows, h, dtype="bfloat16", seed=10)
-    w = randn(h, dtype="bfloat16", seed=11, mean=1.0)
+# 4096 rows and more take the block kernel's many-rows shape (narrower blocks, up to 4 vectors a thread,
+# 8 where a float32 row would otherwise need more than 512 threads)
+@pytest.mark.parametrize("rows,h,dtype", [(70000, 64, "bfloat16"), (4096, 4096, "bfloat16"), (1, 8192, "bfloat16"),
+                                          (3, 1, "bfloat16"), (4096, 4096, "float32"), (4100, 16384, "float32"),
+                                          (4099, 2048, "float16")])
+def test_many_rows_and_determinism(rows, h, dtype):
+    x, r = randn(rows, h, dtype=dtype, seed=9), randn(rows, h, dtype=dtype, seed=10)
+    w = randn(h, dtype=dtype, seed=11, mean=1.0)
     r1, r2 = r.clone(), r.clone()
     a, b = qkernels.fused_add_rmsnorm(x, r1, w), qkernels.fused_add_rmsnorm(x, r2, w)
     assert torch.equal(a, b) and torch.equal(r1, r2)  # bitwise, run to run
     idx = torch.randint(0, rows, (min(rows, 256),), device="cuda")  # spot-check rows against the reference
-    assert_rounded(a[idx], reference("fused_add_rmsnorm", f64(x[idx]), f64(r[idx]), f64(w)), "bfloat16")
+    assert_rounded(a[idx], reference("fused_add_rmsnorm", f64(x[idx]), f64(r[idx]), f64(w)), dtype)
 
 
 def test_callers_stream():

@@ -22,6 +22,11 @@
 static int g_threads = 1;
 static const qk_cuda_api *g_cuda;
 
+/* Scratch blocks a launcher holds at once (the most any takes is 3). */
+#define FC_MAX_BLOCKS 8
+/* XLA's allocator takes alignments up to 16 bytes; the launchers expect cudaMallocAsync's 256. */
+#define FC_ALIGN 256
+
 typedef struct {
     XLA_FFI_CallFrame *cf;
     const char *op;
@@ -30,6 +35,8 @@ typedef struct {
     XLA_FFI_Error *err;
     qk_scratch scratch; /* cuda: the launchers' temporaries from XLA's allocator */
     size_t scratch_failed; /* the size of a refused request, for the error */
+    char scratch_why[48]; /* what the allocator returned */
+    struct { void *raw, *aligned; } blocks[FC_MAX_BLOCKS]; /* live scratch: what XLA handed out */
 } fc;
 
 static void fc_drop(XLA_FFI_CallFrame *cf, XLA_FFI_Error *e) {
@@ -44,22 +51,37 @@ static void fc_drop(XLA_FFI_CallFrame *cf, XLA_FFI_Error *e) {
 static int fc_scratch_alloc(void *ctx, size_t bytes, void *stream, void **p) {
     fc *c = (fc *)ctx;
     (void)stream;
-    XLA_FFI_DeviceMemory_Allocate_Args a = {XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE, NULL, c->cf->ctx, bytes,
-                                            256, NULL};
-    XLA_FFI_Error *e = c->cf->api->XLA_FFI_DeviceMemory_Allocate(&a);
-    if (e || !a.data) {
-        if (e) fc_drop(c->cf, e);
+    int slot = 0;
+    while (slot < FC_MAX_BLOCKS && c->blocks[slot].raw) slot++;
+    if (slot == FC_MAX_BLOCKS || bytes > SIZE_MAX - FC_ALIGN) {
         c->scratch_failed = bytes;
+        snprintf(c->scratch_why, sizeof c->scratch_why, "nothing: more than %d blocks or too large", FC_MAX_BLOCKS);
         return QK_E_NOMEM;
     }
-    *p = a.data;
+    XLA_FFI_DeviceMemory_Allocate_Args a = {XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE, NULL, c->cf->ctx,
+                                            bytes + FC_ALIGN, 16, NULL};
+    XLA_FFI_Error *e = c->cf->api->XLA_FFI_DeviceMemory_Allocate(&a);
+    if (e || !a.data) {
+        c->scratch_failed = bytes;
+        snprintf(c->scratch_why, sizeof c->scratch_why, "%s", e ? "an error" : "no memory");
+        if (e) fc_drop(c->cf, e);
+        return QK_E_NOMEM;
+    }
+    uintptr_t raw = (uintptr_t)a.data;
+    c->blocks[slot].raw = a.data;
+    c->blocks[slot].aligned = *p = (void *)((raw + FC_ALIGN - 1) & ~(uintptr_t)(FC_ALIGN - 1));
     return QK_OK;
 }
 
 static int fc_scratch_free(void *ctx, void *p, size_t bytes, void *stream) {
     fc *c = (fc *)ctx;
     (void)stream;
-    XLA_FFI_DeviceMemory_Free_Args a = {XLA_FFI_DeviceMemory_Free_Args_STRUCT_SIZE, NULL, c->cf->ctx, bytes, p};
+    int slot = 0;
+    while (slot < FC_MAX_BLOCKS && c->blocks[slot].aligned != p) slot++;
+    if (slot == FC_MAX_BLOCKS) return QK_E_NOMEM; /* not ours: a launcher bug, reported, never freed */
+    XLA_FFI_DeviceMemory_Free_Args a = {XLA_FFI_DeviceMemory_Free_Args_STRUCT_SIZE, NULL, c->cf->ctx,
+                                        bytes + FC_ALIGN, c->blocks[slot].raw};
+    c->blocks[slot].raw = c->blocks[slot].aligned = NULL;
     XLA_FFI_Error *e = c->cf->api->XLA_FFI_DeviceMemory_Free(&a);
     if (!e) return QK_OK;
     fc_drop(c->cf, e);
@@ -198,7 +220,7 @@ static XLA_FFI_Error *fc_status(fc *c, int status) {
                        c->cuda ? "cuda" : "cpu");
     if (status == QK_E_NOMEM && c->scratch_failed)
         return fc_fail(c, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED, "out of memory: XLA's allocator refused %zu bytes of "
-                       "scratch", c->scratch_failed);
+                       "scratch (it returned %s)", c->scratch_failed, c->scratch_why);
     if (status == QK_E_NOMEM) return fc_fail(c, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED, "out of memory");
     if (status == QK_E_THREAD) return fc_fail(c, XLA_FFI_Error_Code_INTERNAL, "a CPU worker thread could not start");
     if (status > 0 && g_cuda)
@@ -816,7 +838,7 @@ static XLA_FFI_Error *fc_enter(XLA_FFI_CallFrame *cf, const char *op, int cuda, 
                                XLA_FFI_Error *(*body)(fc *)) {
     if (cf->extension_start && cf->extension_start->type == XLA_FFI_Extension_Metadata)
         return fc_metadata(cf, traits);
-    fc c = {cf, op, cuda, NULL, NULL, {fc_scratch_alloc, fc_scratch_free, NULL}, 0};
+    fc c = {cf, op, cuda, NULL, NULL, {fc_scratch_alloc, fc_scratch_free, NULL}, 0, "", {{NULL, NULL}}};
     c.scratch.ctx = &c;
     if (cf->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL; /* only the execute stage is registered */
     if (cuda) {
