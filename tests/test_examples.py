@@ -35,10 +35,14 @@ def run(cmd, cwd=ROOT, status=0, **extra_env):
 
 @requires_torch
 def test_decode_step_check():
-    out = run([sys.executable, "examples/decode_step.py", *TINY, "--check", "--profile"])
+    out = run([sys.executable, "examples/decode_step.py", *TINY, "--check", "--profile", "--bandwidth", "50"])
     assert "check passed" in out
     assert "cpu    float32   PASS" in out
     assert "attn_paged_decode -> cpu" in out and "linear -> cpu" in out
+    assert "fused_add_rmsnorm -> cpu" in out and "rmsnorm -> cpu" in out
+    # one plain norm (the first layer's), then two fused residual adds per layer
+    assert re.search(r"^  rmsnorm +4 ", out, re.M) and re.search(r"^  fused_add_rmsnorm +8 ", out, re.M), out
+    assert re.search(r"^  bound .* at 50 GB/s \(--bandwidth\) = .*% of it reached$", out, re.M), out
 
 
 def test_examples_leave_sys_path_alone():
