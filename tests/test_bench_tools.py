@@ -1,19 +1,24 @@
 """benchmarks/run.py and benchmarks/chart.py without a GPU: the refusal to run, the report writers
-on synthetic rows, the chart from a tiny report (where matplotlib is installed)."""
+on synthetic rows, the chart from a tiny report (where matplotlib is installed); and
+benchmarks/decode_step.py run tiny on the CPU."""
 
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 
+from conftest import requires_torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = os.path.join(ROOT, "benchmarks", "run.py")
 CHART = os.path.join(ROOT, "benchmarks", "chart.py")
 NO_GPU = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+DECODE_STEP = os.path.join(ROOT, "benchmarks", "decode_step.py")
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +203,32 @@ def test_chart_without_matplotlib(run, tmp_path):
     assert r.returncode != 0
     assert "Traceback" not in r.stderr and "matplotlib is not importable" in r.stderr
     assert not (tmp_path / "h200.png").exists()
+
+
+@requires_torch
+def test_decode_step_benchmark_on_the_cpu(tmp_path):
+    """The decode-step benchmark's whole path at the tiny shape: ours on the cpu backend and the
+    PyTorch model (eager) on the same weights, both checked against the float64 reference, the table,
+    the profile; and the random-KV context, which has no check."""
+    md = tmp_path / "decode.md"
+    cmd = [sys.executable, DECODE_STEP, "--device", "cpu", "--shape", "tiny", "--batches", "1,3", "--contexts",
+           "16,1k", "--steps", "2", "--warmup", "1", "--check-steps", "4", "--bandwidth", "20", "--profile",
+           "--markdown", str(md)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # a PASS per model and batch at the prefilled context, no check at the random-KV one
+    passes = re.findall(r"^ +(qkernels cpu|PyTorch eager) +[\d.]+ ms/step .*% of bound .* PASS: ", r.stdout, re.M)
+    assert sorted(passes) == ["PyTorch eager"] * 2 + ["qkernels cpu"] * 2, r.stdout
+    assert r.stdout.count("no check (random KV)") >= 4 and "FAIL" not in r.stdout, r.stdout
+    assert len(re.findall(r"^ +[\d.]+ µs in all$", r.stdout, re.M)) == 8, r.stdout
+    table = md.read_text()
+    assert "| step | case | impl | µs/step | GB/s | % bound | anchor/ours | target | check |" in table
+    assert len(re.findall(r"^\| decode step \| tiny B=[13] ctx (16|1024) \| (qkernels cpu|PyTorch eager) \| [\d.]+ \|",
+                          table, re.M)) == 8, table
+
+
+@requires_torch
+def test_decode_step_benchmark_options():
+    r = subprocess.run([sys.executable, DECODE_STEP, "--device", "cpu", "--contexts", "16,x"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "--contexts" in r.stderr and "Traceback" not in r.stderr
