@@ -391,6 +391,8 @@ def verdict(refs, key, run, a, cfg, dtype):
 def print_profile(title, rows, step_us):
     print(f"  {title}: one step's kernels summed by name (top {TOP_KERNELS}; step {step_us:.0f} µs)")
     total = sum(us for _, _, us in rows)
+    if not rows:
+        print("    (no kernel records)")
     for name, calls, us in rows[:TOP_KERNELS]:
         print(f"    {us:>9.1f} µs {us / max(total, 1e-9):>6.1%} {calls:>5}x  {name[:110]}")
     rest = rows[TOP_KERNELS:]
@@ -446,6 +448,7 @@ def collect(a):
                     except Exception as exc:  # a refused capture, a compile failure: report, go on
                         print(f"  {name}: {common.describe(exc)}: {common.first_line(exc)}", flush=True)
                         runs[name] = exc
+                    torch._dynamo.reset()  # drops the graphs and their pools (KV caches of 34 GB at 32k x 8)
                     release(dev)
                 ours_us = None
                 for name, run in runs.items():
