@@ -89,8 +89,8 @@ SHAPES = {
 
 def build_weights(seed, cfg, device="cpu"):
     """The full (unsharded) weights, drawn from a seed on `device`: float32 on the CPU (the same
-    numbers for a seed on every machine), bfloat16 on a GPU (the same on GPUs of one kind; drawing
-    llama-8b's 7.2e9 values there takes a second and needs no host copy).
+    numbers for a seed on every machine), bfloat16 on a GPU (the same on GPUs of one kind; llama-8b's
+    7.2e9 values then need neither 29 GB of host memory nor a host-to-device copy).
 
     Linear weights are [out, in] with std 1/sqrt(in), so activations keep unit scale; q/k/v and
     o_proj carry biases (o_proj's shows how a row-parallel bias is added once under TP).  Every value

@@ -97,6 +97,26 @@ def test_decode_step_check_cuda():
 
 @requires_torch
 @requires_cuda
+def test_decode_step_benchmark_cuda(tmp_path):
+    """benchmarks/decode_step.py's GPU path at the small shape: our step replayed from a CUDA graph and
+    the PyTorch model under torch.compile reduce-overhead both pass the float64 check at a prefilled
+    context, run at a random-KV one, and show their kernels in the profile."""
+    md = tmp_path / "decode.md"
+    cmd = [sys.executable, "benchmarks/decode_step.py", "--shape", "small", "--batches", "2", "--contexts", "16,1k",
+           "--steps", "8", "--check-steps", "6", "--profile", "--markdown", str(md)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    for impl in ("qkernels, CUDA graph", "torch.compile reduce-overhead"):
+        assert re.search(rf"^  {re.escape(impl)} +[\d.]+ ms/step .* PASS: ", out, re.M), out
+        assert re.search(rf"^  {re.escape(impl)} +[\d.]+ ms/step .* no check \(random KV\)", out, re.M), out
+    assert "FAIL" not in out and "n/a" not in out and "(no kernel records)" not in out, out
+    assert len(re.findall(r"^ +[\d.]+ µs in all$", out, re.M)) == 4, out
+    assert md.read_text().count("| decode step | small B=2 ctx ") == 4
+
+
+@requires_torch
+@requires_cuda
 def test_eval_gnn_check_cuda():
     out = run([sys.executable, "examples/eval_gnn.py", "--device", "cuda", "--iters", "3", "--check"])
     assert re.search(r"^  cuda +PASS", out, re.M) and re.search(r"^  cpu +PASS", out, re.M), out
