@@ -356,6 +356,7 @@ def parse_args(argv=None):
     if a.steps < 1 or a.warmup < (3 if a.device.type == "cuda" else 1) or a.check_steps < 0:
         p.error("need --steps >= 1, --warmup >= 3 on cuda (1 on cpu), --check-steps >= 0")
     a.cpu = a.device.type == "cpu"  # common.main: no CUDA backend needed
+    a.failed = []
     return a
 
 
@@ -453,6 +454,7 @@ def collect(a):
                 ours_us = None
                 for name, run in runs.items():
                     if isinstance(run, Exception):
+                        a.failed.append(f"{case} {name}: {common.describe(run)}")
                         rows.append(common.Row("decode step", case, name, None, None, None, None, "",
                                                common.describe(run)))
                         continue
@@ -461,6 +463,8 @@ def collect(a):
                     rate = nbytes / us / 1e3
                     target = TARGETS_US.get((a.shape, batch)) if name == ours_name and ctx <= PREFILL_MAX else None
                     check = verdict(refs, (batch, ctx), run, a, cfg, dtype)
+                    if check.startswith("FAIL"):
+                        a.failed.append(f"{case} {name}: check FAIL")
                     rows.append(common.Row(
                         "decode step", case, name, us, rate, 100 * rate / gbps if gbps else None,
                         us / ours_us if name != ours_name and ours_us else None,
@@ -481,5 +485,15 @@ def collect(a):
     return header, rows, footer
 
 
+def main(argv=None):
+    """The table; exit status 1 where a model failed its check or could not run."""
+    args = []
+    common.main(lambda: args.append(parse_args(argv)) or args[0], collect, COLUMNS)
+    if args[0].failed:
+        print("decode_step FAILED: " + "; ".join(args[0].failed))
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(common.main(parse_args, collect, COLUMNS))
+    sys.exit(main())
