@@ -74,10 +74,28 @@ def test_train_gnn_check(tmp_path):
 @pytest.mark.skipif(not hasattr(qkernels._C, "_jax_handlers"), reason="built without the XLA FFI handlers")
 def test_train_gnn_jax_check(tmp_path):
     """The decoder trained in JAX (a jitted step, jax.grad through qkernels.jax) follows the PyTorch
-    model's loss curve on the same batches."""
+    model's loss curve on the same batches, and the same model in pure jax.numpy follows ours."""
     out = run([sys.executable, os.path.join(ROOT, "examples", "train_gnn_jax.py"), "--check"], cwd=tmp_path)
-    assert re.search(r"^comparison .*: PASS$", out, re.M), out
-    assert "check passed" in out
+    assert re.search(r"^comparison .*\(qkernels\), .*\(pytorch\).*: PASS$", out, re.M), out
+    assert re.search(r"^pure JAX vs qkernels .*\(jax\), .*\(qkernels\).*: PASS$", out, re.M), out
+    assert "timed:" not in out and "check passed" in out
+
+
+@requires_torch
+@requires_jax
+@pytest.mark.skipif(not hasattr(qkernels._C, "_jax_handlers"), reason="built without the XLA FFI handlers")
+def test_train_gnn_jax_timed_variants(tmp_path):
+    """The timed run's table: a row per variant asked for, ratios to the pure-JAX model's."""
+    args = ["--distance", "3", "--batch", "2", "--layers", "1", "--steps", "2", "--iters", "2", "--repeats", "2"]
+    out = run([sys.executable, os.path.join(ROOT, "examples", "train_gnn_jax.py"), *args], cwd=tmp_path)
+    cell = r"\d+\.\d{3} \(\d+\.\d{3}-\d+\.\d{3}\) +(\d+\.\d{3})"
+    rows = {name: ratios for name, *ratios in re.findall(rf"^  (qkernels|jax) +{cell} +{cell}$", out, re.M)}
+    assert rows.keys() == {"qkernels", "jax"} and rows["jax"] == ["1.000", "1.000"], out
+    assert all(float(r) > 0 for r in rows["qkernels"]), out
+    assert "median of 2 repeats of 2 calls" in out and "ratio to jax's" in out
+    out = run([sys.executable, os.path.join(ROOT, "examples", "train_gnn_jax.py"), *args, "--variants", "jax,numpy"],
+              cwd=tmp_path, status=2)
+    assert "--variants takes qkernels,jax (got numpy)" in out.stderr, out.stderr
 
 
 # On a GPU: the examples' own defaults on the cuda backend, --check against the same float64
