@@ -357,14 +357,14 @@ def report(a, times):
     med = {name: (np.median(ts), np.median(fs)) for name, (ts, fs) in times.items()}
 
     def cell(ts):
-        return f"{np.median(ts) * 1e3:8.3f} ({np.min(ts) * 1e3:.3f}-{np.max(ts) * 1e3:.3f})"
+        return f"{np.median(ts) * 1e3:.3f} ({np.min(ts) * 1e3:.3f}-{np.max(ts) * 1e3:.3f})"
 
     print(f"timed: jitted train step (forward, loss, grad, Adam; dropout {a.dropout}) and jitted forward "
           f"(loss, dropout off): ms per call, median of {a.repeats} repeats of {a.iters} calls (min-max); "
           f"ratio to {ref}'s")
-    print(f"  {'variant':<9} {'ms/step':>25} {'ratio':>6} {'forward ms':>25} {'ratio':>6}")
+    print(f"  {'variant':<9} {'ms/step':>27} {'ratio':>6} {'forward ms':>27} {'ratio':>6}")
     for name, (ts, fs) in times.items():
-        print(f"  {name:<9} {cell(ts):>25} {med[name][0] / med[ref][0]:>6.3f} {cell(fs):>25} "
+        print(f"  {name:<9} {cell(ts):>27} {med[name][0] / med[ref][0]:>6.3f} {cell(fs):>27} "
               f"{med[name][1] / med[ref][1]:>6.3f}")
     if jax.default_backend() == "gpu" and {"qkernels", "jax"} <= set(times):
         print(f"  target (H200, d=5, batch 256): qkernels' step 1.3x faster than jax's (ratio <= {1 / 1.3:.3f})")
