@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import qkernels
@@ -39,6 +40,14 @@ def test_decode_step_check():
     assert "check passed" in out
     assert "cpu    float32   PASS" in out
     assert "attn_paged_decode -> cpu" in out and "linear -> cpu" in out
+
+
+def _example_module(name):
+    """examples/<name>.py as a module, from its file (the examples directory stays off sys.path)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(ROOT, "examples", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_examples_leave_sys_path_alone():
@@ -96,6 +105,43 @@ def test_train_gnn_jax_timed_variants(tmp_path):
     out = run([sys.executable, os.path.join(ROOT, "examples", "train_gnn_jax.py"), *args, "--variants", "jax,numpy"],
               cwd=tmp_path, status=2)
     assert "--variants takes qkernels,jax (got numpy)" in out.stderr, out.stderr
+
+
+@requires_jax
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gnn_jnp_ops_against_references(seed):
+    """The pure-JAX decoder's graph ops (examples/gnn_jnp.py) against qkernels.testing's float64
+    references on fresh samples: rows without nonzeros, graphs without edges, edges out of graph
+    order; and the dropout: every element kept at y / (1 - p) or dropped, about p of them dropped."""
+    import jax
+    import jax.numpy as jnp
+    from qkernels import testing as T
+
+    gnn_jnp = _example_module("gnn_jnp")
+    rng = np.random.default_rng(seed)
+    tol = dict(rtol=1e-5, atol=1e-5)
+    degrees = rng.poisson(3, 9)
+    degrees[rng.integers(0, 9, 2)] = 0
+    (row_ptr, col_idx, ew, nf), _ = T.sample("sparse_aggregate", rng, n_dst=9, n_src=6, heads=3, dim=5, degrees=degrees)
+    got = gnn_jnp.sparse_aggregate(gnn_jnp.csr_rows(row_ptr), col_idx, ew, nf, len(row_ptr) - 1)
+    np.testing.assert_allclose(got, T.reference("sparse_aggregate", row_ptr, col_idx, ew, nf), **tol)
+    for edge_attr in (True, False):
+        args, _ = T.sample("fused_edge_features", rng, n=7, e=13, h=5, edge_attr=edge_attr)
+        np.testing.assert_allclose(gnn_jnp.fused_edge_features(*args), T.reference("fused_edge_features", *args),
+                                   **tol)
+    args, _ = T.sample("fused_norm_residual", rng, rows=11, h=24, mean=3.0)
+    want = T.reference("fused_norm_residual", *args)
+    np.testing.assert_allclose(gnn_jnp.fused_norm_residual(*args), want, **tol)
+    p = 0.25
+    res = args[1]
+    kept = np.asarray(gnn_jnp.fused_norm_residual(*args, p=p, key=jax.random.key(seed))) - res
+    y = want - res
+    scaled = np.isclose(kept, y / (1 - p), rtol=1e-5, atol=1e-5)
+    assert np.all(scaled | (kept == 0)) and 0.1 < 1 - scaled.mean() < 0.4, kept
+    (logits, target, eg, _), _ = T.sample("graph_norm_bce", rng, e=29, graphs=5, sort=False)
+    G = 7  # graphs 5 and 6 have no edges
+    got = gnn_jnp.graph_norm_bce(logits, target, jnp.asarray(eg), jnp.asarray(gnn_jnp.graph_sizes(eg, G)))
+    np.testing.assert_allclose(got, T.reference("graph_norm_bce", logits, target, eg, G), **tol)
 
 
 # On a GPU: the examples' own defaults on the cuda backend, --check against the same float64
