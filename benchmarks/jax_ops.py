@@ -19,7 +19,9 @@ GPU (--device cuda): WORK_SIZES in bfloat16 where the kernels take it.  Two figu
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import jax
@@ -29,27 +31,19 @@ import numpy as np
 import qkernels.jax as qj
 from qkernels import testing as T
 
+# the graph ops in jax.numpy are the pure-JAX decoder's (examples/train_gnn_jax.py)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import gnn_jnp  # noqa: E402
 
-def _sa(row_ptr, col_idx, ew, nf):
-    rows = np.repeat(np.arange(len(row_ptr) - 1), np.diff(np.asarray(row_ptr)))
-    return lambda rp, ci, ew, nf: jax.ops.segment_sum(ew[:, :, None] * nf[ci], rows, num_segments=len(row_ptr) - 1)
 
-
-def _norm(x, r, g, b, eps=1e-5):
-    m = x.mean(1, keepdims=True)
-    v = ((x - m) ** 2).mean(1, keepdims=True)
-    return (x - m) * jax.lax.rsqrt(v + eps) * g + b + r
+def _sa(row_ptr, *_):
+    rows = gnn_jnp.csr_rows(row_ptr)
+    return lambda rp, ci, ew, nf: gnn_jnp.sparse_aggregate(rows, ci, ew, nf, len(row_ptr) - 1)
 
 
 def _bce(args):
-    eg, G = np.asarray(args[2]), args[3]
-    counts = jnp.asarray(np.maximum(np.bincount(eg, minlength=G), 1), jnp.float32)
-
-    def f(l, t, eg, G):
-        bce = jnp.maximum(l, 0) - l * t + jnp.log1p(jnp.exp(-jnp.abs(l)))
-        return (jax.ops.segment_sum(bce, eg, num_segments=counts.shape[0]) / counts).mean()
-
-    return f
+    sizes = jnp.asarray(gnn_jnp.graph_sizes(args[2], args[3]))
+    return lambda l, t, eg, G: gnn_jnp.graph_norm_bce(l, t, eg, sizes)
 
 
 def _rotary(x, f):
@@ -68,9 +62,8 @@ def _decode(q, k, v):
 # op -> a function of the sample's args giving the jnp equivalent (taking the same args)
 JNP = {
     "sparse_aggregate": lambda a: _sa(*a),
-    "fused_edge_features": lambda a: (lambda x, ei, e: jnp.concatenate([x[ei[0]] + x[ei[1]],
-                                                                        jnp.abs(x[ei[0]] - x[ei[1]]), e], 1)),
-    "fused_norm_residual": lambda a: _norm,
+    "fused_edge_features": lambda a: gnn_jnp.fused_edge_features,
+    "fused_norm_residual": lambda a: gnn_jnp.fused_norm_residual,
     "graph_norm_bce": _bce,
     "rotary_emb": lambda a: _rotary,
     "linear": lambda a: (lambda x, w, b: x @ w.T + b),

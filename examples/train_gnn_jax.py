@@ -1,14 +1,26 @@
-"""Training the QEC GNN decoder of train_gnn.py in JAX, with qkernels' ops inside a jitted step.
+"""Training the QEC GNN decoder of train_gnn.py in JAX, with qkernels' ops inside a jitted step,
+beside the same model in pure JAX.
 
 The model, code, noise, batch layout and initial weights are eval_gnn.py's (imported from it); the
 four graph ops are qkernels.jax's (XLA custom calls with custom_vjp gradients from the backward
 kernels), the rest is jax.numpy.  One jitted function does the forward pass, the loss, jax.grad and
 an Adam update written as torch.optim.Adam computes it, so the loss curve can be compared with
-train_gnn.py's PyTorch model on the same batches.  Dropout takes an explicit seed per step.
+train_gnn.py's PyTorch model on the same batches.  Dropout takes an explicit seed per step.  The
+same model is also written in jax.numpy alone (gnn_jnp.py: gather + segment_sum over the CSR rows,
+LayerNorm and jax.random dropout, BCE per graph), so one process compares:
+
+  qkernels   the graph ops as qkernels.jax's custom calls
+  jax        the graph ops in jax.numpy, left to XLA
+
+First the comparison run: the same seed, batches and initial weights through both (and through
+train_gnn.py's PyTorch model), dropout off; the loss curves must agree (LOSS_RTOL).  Then the timed
+runs, dropout on: the jitted train step (forward, loss, grad, Adam) and the jitted forward alone,
+per variant, the variants taking turns over --repeats repeats.
 
     python examples/train_gnn_jax.py [--distance 5] [--batch 256] [--layers 3] [--hidden 32]
-                                     [--steps 30] [--iters 50] [--dropout 0.1] [--check]
-    python examples/train_gnn_jax.py --check   # tiny, on the CPU: the loss curve against PyTorch's
+                                     [--steps 30] [--iters 50] [--repeats 5] [--dropout 0.1]
+                                     [--variants qkernels,jax] [--check]
+    python examples/train_gnn_jax.py --check   # tiny, on the CPU: the loss curves only
 
 Data-parallel over N devices (--devices N, --batch per device): the batch splits by graph, each device
 runs the step on its own graphs inside shard_map (see data_parallel_step) and the loss and gradients
@@ -33,6 +45,7 @@ import numpy as np
 
 import qkernels.jax as qj
 
+import gnn_jnp  # noqa: E402  (beside this file, as the two below)
 from eval_gnn import batch_structure, build_graph, init_weights, node_inputs, sample  # noqa: E402  (beside this file)
 from gnn_args import training_parser  # noqa: E402
 
@@ -46,31 +59,77 @@ LOSS_ATOL, LOSS_RTOL = 1e-6, 1e-3
 
 
 def structure(graph, batch):
-    """eval_gnn's batch structure as jax arrays (int32 indices, float32 features)."""
+    """eval_gnn's batch structure as jax arrays (int32 indices, float32 features), with what the
+    jax.numpy ops need precomputed from it (csr_row, graph_size; see gnn_jnp)."""
     st = batch_structure(graph, batch, "cpu")
-    return {"edge_index": jnp.asarray(st.edge_index.numpy()), "row_ptr": jnp.asarray(st.row_ptr.numpy()),
+    row_ptr, edge_graph = st.row_ptr.numpy(), st.edge_graph.numpy()
+    return {"edge_index": jnp.asarray(st.edge_index.numpy()), "row_ptr": jnp.asarray(row_ptr),
             "col_idx": jnp.asarray(st.col_idx.numpy()), "dir_edge": jnp.asarray(st.dir_edge.numpy().astype(np.int32)),
-            "edge_graph": jnp.asarray(st.edge_graph.numpy()), "edge_raw": jnp.asarray(st.edge_raw.numpy())}, st
+            "edge_graph": jnp.asarray(edge_graph), "edge_raw": jnp.asarray(st.edge_raw.numpy()),
+            "csr_row": jnp.asarray(gnn_jnp.csr_rows(row_ptr)),
+            "graph_size": jnp.asarray(gnn_jnp.graph_sizes(edge_graph, batch))}, st
 
 
-def forward(w, st, node_x, labels, num_graphs, heads, p, seed):
-    """eval_gnn.forward's decoder: -> the graph-normalised BCE loss."""
+class QkernelsOps:
+    """The decoder's graph ops as qkernels.jax's custom calls."""
+
+    @staticmethod
+    def edge_features(st, x, e):
+        return qj.fused_edge_features(x, st["edge_index"], e)
+
+    @staticmethod
+    def aggregate(st, att, v):
+        return qj.sparse_aggregate(st["row_ptr"], st["col_idx"], att[st["dir_edge"]], v)
+
+    @staticmethod
+    def norm(x, res, gamma, beta, p, seed):
+        return qj.fused_norm_residual(x, res, gamma, beta, p=p, training=p > 0, seed=seed)
+
+    @staticmethod
+    def loss(st, logits, labels, num_graphs):
+        return qj.graph_norm_bce(logits, labels, st["edge_graph"], num_graphs)
+
+
+class JaxOps:
+    """The same ops in jax.numpy (gnn_jnp); dropout masks from jax.random keyed by the same seeds."""
+
+    @staticmethod
+    def edge_features(st, x, e):
+        return gnn_jnp.fused_edge_features(x, st["edge_index"], e)
+
+    @staticmethod
+    def aggregate(st, att, v):
+        return gnn_jnp.sparse_aggregate(st["csr_row"], st["col_idx"], att[st["dir_edge"]], v, v.shape[0])
+
+    @staticmethod
+    def norm(x, res, gamma, beta, p, seed):
+        return gnn_jnp.fused_norm_residual(x, res, gamma, beta, p=p, key=jax.random.key(seed) if p > 0 else None)
+
+    @staticmethod
+    def loss(st, logits, labels, num_graphs):
+        return gnn_jnp.graph_norm_bce(logits, labels, st["edge_graph"], st["graph_size"], graphs_sorted=True)
+
+
+# --variants: the model on qkernels' ops, the same model in jax.numpy
+OPS = {"qkernels": QkernelsOps, "jax": JaxOps}
+
+
+def forward(w, st, node_x, labels, num_graphs, heads, p, seed, ops=QkernelsOps):
+    """eval_gnn.forward's decoder on ops' graph ops: -> the graph-normalised BCE loss."""
     x = node_x @ w["node_in"][0] + w["node_in"][1]
     e = st["edge_raw"] @ w["edge_in"][0] + w["edge_in"][1]
     N, H = x.shape
-    training = p > 0
     for i, lw in enumerate(w["layers"]):
-        h = jax.nn.relu(qj.fused_edge_features(x, st["edge_index"], e) @ lw["w1"][0] + lw["w1"][1])
+        h = jax.nn.relu(ops.edge_features(st, x, e) @ lw["w1"][0] + lw["w1"][1])
         msg = h @ lw["msg"][0] + lw["msg"][1]
         att = jax.nn.sigmoid(h @ lw["att"][0] + lw["att"][1])
         v = (x @ lw["v"]).reshape(N, heads, H // heads)
-        agg = qj.sparse_aggregate(st["row_ptr"], st["col_idx"], att[st["dir_edge"]], v)
-        x = qj.fused_norm_residual(agg.reshape(N, H) @ lw["o"], x, *lw["norm_x"], p=p, training=training,
-                                   seed=seed + 2 * i)
-        e = qj.fused_norm_residual(msg, e, *lw["norm_e"], p=p, training=training, seed=seed + 2 * i + 1)
-    h = jax.nn.relu(qj.fused_edge_features(x, st["edge_index"], e) @ w["head1"][0] + w["head1"][1])
+        agg = ops.aggregate(st, att, v)
+        x = ops.norm(agg.reshape(N, H) @ lw["o"], x, *lw["norm_x"], p, seed + 2 * i)
+        e = ops.norm(msg, e, *lw["norm_e"], p, seed + 2 * i + 1)
+    h = jax.nn.relu(ops.edge_features(st, x, e) @ w["head1"][0] + w["head1"][1])
     logits = (h @ w["head2"][0] + w["head2"][1]).reshape(-1)
-    return qj.graph_norm_bce(logits, labels, st["edge_graph"], num_graphs)
+    return ops.loss(st, logits, labels, num_graphs)
 
 
 def adam_init(w):
@@ -91,11 +150,17 @@ def adam_update(w, g, state, lr, b1=0.9, b2=0.999, eps=1e-8):
     return w, {"m": m, "v": v, "t": t}
 
 
-@functools.partial(jax.jit, static_argnames=("num_graphs", "heads", "p", "lr"))
-def train_step(w, opt, st, node_x, labels, seed, *, num_graphs, heads, p, lr):
-    loss, g = jax.value_and_grad(forward)(w, st, node_x, labels, num_graphs, heads, p, seed)
+@functools.partial(jax.jit, static_argnames=("num_graphs", "heads", "p", "lr", "ops"))
+def train_step(w, opt, st, node_x, labels, seed, *, num_graphs, heads, p, lr, ops=QkernelsOps):
+    loss, g = jax.value_and_grad(forward)(w, st, node_x, labels, num_graphs, heads, p, seed, ops)
     w, opt = adam_update(w, g, opt, lr)
     return w, opt, loss
+
+
+@functools.partial(jax.jit, static_argnames=("num_graphs", "heads", "ops"))
+def forward_step(w, st, node_x, labels, *, num_graphs, heads, ops):
+    """The forward pass and loss alone (dropout off, as at evaluation)."""
+    return forward(w, st, node_x, labels, num_graphs, heads, 0.0, 0, ops)
 
 
 def data_parallel_step(mesh, *, num_graphs, heads, p, lr):
@@ -215,15 +280,94 @@ def torch_curve(graph, a, weights, seed):
 
 
 def main(argv=None):
-    p = training_parser(__doc__.split("\n\n")[0], "timed steps", "dropout of the timed run")
+    p = training_parser(__doc__.split("\n\n")[0], "timed calls a repeat", "dropout of the timed steps")
     p.add_argument("--precision", default="highest", choices=("highest", "default"),
                    help="jax.numpy's float32 matmuls: highest = float32 as PyTorch; default lets a GPU use TF32")
+    p.add_argument("--variants", default=",".join(OPS), help="comma-separated models of the timed runs: qkernels "
+                   "(qkernels.jax's ops), jax (the same model in jax.numpy)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per variant, taken in turn; the median "
+                   "is reported")
     p.add_argument("--check", action="store_true", help="tiny sizes on the CPU, the comparison run only")
     p.add_argument("--devices", type=int, default=1, help="data-parallel over this many devices; --batch is per "
                    "device (the one-device comparison takes the whole batch)")
     a = p.parse_args(argv)
+    unknown = [v for v in a.variants.split(",") if v not in OPS]
+    if unknown or a.repeats < 1 or a.iters < 1:
+        p.error(f"--variants takes {','.join(OPS)} (got {','.join(unknown)})" if unknown
+                else "--repeats and --iters take a positive count")
     with jax.default_matmul_precision(a.precision):
         return run(a)
+
+
+def curve(ops, st, w0, batches, static):
+    """The loss per step of ops' model trained on batches (dropout off) from w0 -> (losses, final weights)."""
+    w, opt, losses = w0, adam_init(w0), []
+    for node_x, labels in batches:
+        w, opt, loss = train_step(w, opt, st, node_x, labels, jnp.int32(0), p=0.0, ops=ops, **static)
+        losses.append(float(loss))
+    return np.array(losses), w
+
+
+def within(got, want):
+    """got's worst distance to want as a fraction of the tolerance LOSS_ATOL + LOSS_RTOL |want|."""
+    return float(np.max(np.abs(got - want) / (LOSS_ATOL + LOSS_RTOL * np.abs(want))))
+
+
+def time_variants(a, st, w0, node_x, labels):
+    """Per variant: seconds per jitted train step (dropout a.dropout, a new seed each step) and per jitted
+    forward pass, each the median of a.repeats timings of a.iters calls back to back; the variants take
+    turns within each repeat, so a load that comes and goes on the machine touches them alike.
+    -> {variant: (step times, forward times)}."""
+    static = dict(num_graphs=a.batch, heads=a.heads)
+    blocks = {}
+    for name in a.variants.split(","):
+        step = functools.partial(train_step, p=a.dropout, lr=a.lr, ops=OPS[name], **static)
+        fwd = functools.partial(forward_step, ops=OPS[name], **static)
+        state = {"w": w0, "opt": adam_init(w0), "i": 0}
+
+        def train(n, step=step, state=state):
+            w, opt, i = state["w"], state["opt"], state["i"]
+            t0 = time.perf_counter()
+            for i in range(i, i + n):  # seeds 16 apart: each step's 2 * layers norms their own masks
+                w, opt, loss = step(w, opt, st, node_x, labels, jnp.int32(16 * i))
+            jax.block_until_ready(loss)
+            state.update(w=w, opt=opt, i=i + 1)
+            return (time.perf_counter() - t0) / n
+
+        def forward_only(n, fwd=fwd):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                loss = fwd(w0, st, node_x, labels)
+            jax.block_until_ready(loss)
+            return (time.perf_counter() - t0) / n
+
+        train(3), forward_only(3)  # compiled and warm
+        blocks[name] = (train, forward_only)
+    times = {name: ([], []) for name in blocks}
+    for _ in range(a.repeats):
+        for name, (train, forward_only) in blocks.items():
+            times[name][0].append(train(a.iters))
+            times[name][1].append(forward_only(a.iters))
+    return times
+
+
+def report(a, times):
+    """The table of time_variants' medians (min-max of the repeats), ratios to the pure-JAX model's."""
+    ref = "jax" if "jax" in times else next(iter(times))
+    med = {name: (np.median(ts), np.median(fs)) for name, (ts, fs) in times.items()}
+
+    def cell(ts):
+        return f"{np.median(ts) * 1e3:.3f} ({np.min(ts) * 1e3:.3f}-{np.max(ts) * 1e3:.3f})"
+
+    print(f"timed: jitted train step (forward, loss, grad, Adam; dropout {a.dropout}) and jitted forward "
+          f"(loss, dropout off): ms per call, median of {a.repeats} repeats of {a.iters} calls (min-max); "
+          f"ratio to {ref}'s")
+    print(f"  {'variant':<9} {'ms/step':>27} {'ratio':>6} {'forward ms':>27} {'ratio':>6}")
+    for name, (ts, fs) in times.items():
+        print(f"  {name:<9} {cell(ts):>27} {med[name][0] / med[ref][0]:>6.3f} {cell(fs):>27} "
+              f"{med[name][1] / med[ref][1]:>6.3f}")
+    if jax.default_backend() == "gpu" and {"qkernels", "jax"} <= set(times):
+        print(f"  target (H200, d=5, batch 256): qkernels' step 1.3x faster than jax's (ratio <= {1 / 1.3:.3f})")
 
 
 def run(a):
@@ -244,45 +388,37 @@ def run(a):
           f"{a.heads} heads; jax {jax.__version__} on {jax.default_backend()}, float32 (matmul precision "
           f"{a.precision}), Adam lr {a.lr}")
 
+    # The comparison run: dropout off, the same batches and initial weights through both models.
     batches = make_batches(graph, torch_st, a, a.steps, a.seed + 1)
     w0 = jax.tree_util.tree_map(jnp.asarray, weights)
     static = dict(num_graphs=a.batch, heads=a.heads, lr=a.lr)
-    w, opt, losses = w0, adam_init(w0), []
-    for node_x, labels in batches:
-        w, opt, loss = train_step(w, opt, st, node_x, labels, jnp.int32(0), p=0.0, **static)
-        losses.append(float(loss))
-    q = np.array(losses)
+    q, w = curve(QkernelsOps, st, w0, batches, static)
     ok = bool(q[-1] < q[0])
+    j = curve(JaxOps, st, w0, batches, static)[0]
+    worst = within(j, q)
+    ok &= worst <= 1.0
+    print(f"pure JAX vs qkernels ({a.steps} steps, dropout off): loss {j[0]:.6f} -> {j[-1]:.6f} (jax), "
+          f"{q[0]:.6f} -> {q[-1]:.6f} (qkernels); max abs diff {np.max(np.abs(j - q)):.1e}, {worst:.2f} of the "
+          f"tolerance {LOSS_ATOL:.0e} + {LOSS_RTOL:.0e} |loss|: {'PASS' if worst <= 1.0 else 'FAIL'}")
     try:
         import torch  # noqa: F401
     except ImportError:
-        print(f"comparison ({a.steps} steps, dropout off): loss {q[0]:.6f} -> {q[-1]:.6f} (jax); torch is not "
-              "installed, no PyTorch curve")
+        print("torch is not installed: no PyTorch curve")
     else:
         t = np.array(torch_curve(graph, a, weights, a.seed + 1))
-        worst = float(np.max(np.abs(q - t) / (LOSS_ATOL + LOSS_RTOL * np.abs(t))))
+        worst = within(q, t)
         ok &= worst <= 1.0
-        print(f"comparison ({a.steps} steps, dropout off): loss {q[0]:.6f} -> {q[-1]:.6f} (jax), "
+        print(f"comparison ({a.steps} steps, dropout off): loss {q[0]:.6f} -> {q[-1]:.6f} (qkernels), "
               f"{t[0]:.6f} -> {t[-1]:.6f} (pytorch); max abs diff {np.max(np.abs(q - t)):.1e}, "
-              f"{worst:.2f} of the tolerance {LOSS_ATOL:.0e} + {LOSS_RTOL:.0e} |loss|: {'PASS' if ok else 'FAIL'}")
+              f"{worst:.2f} of the tolerance {LOSS_ATOL:.0e} + {LOSS_RTOL:.0e} |loss|: "
+              f"{'PASS' if worst <= 1.0 else 'FAIL'}")
     if a.devices > 1:
-        ok &= run_data_parallel(a, graph, st, w0, batches, losses, w)
+        ok &= run_data_parallel(a, graph, st, w0, batches, list(q), w)
     if a.check:
         print("check passed" if ok else "check FAILED")
         return 0 if ok else 1
 
-    node_x, labels = batches[0]
-    w, opt = w0, adam_init(w0)
-    step = functools.partial(train_step, p=a.dropout, **static)
-    for i in range(3):
-        w, opt, loss = step(w, opt, st, node_x, labels, jnp.int32(i))
-    jax.block_until_ready(loss)
-    t0 = time.perf_counter()
-    for i in range(a.iters):
-        w, opt, loss = step(w, opt, st, node_x, labels, jnp.int32(1000 + 16 * i))
-    jax.block_until_ready(loss)
-    print(f"timed: jitted train step (forward, loss, grad, Adam), dropout {a.dropout}: "
-          f"{(time.perf_counter() - t0) / a.iters * 1e3:.3f} ms")
+    report(a, time_variants(a, st, w0, *batches[0]))
     return 0 if ok else 1
 
 

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import qkernels
@@ -45,6 +46,14 @@ def test_decode_step_check():
     assert re.search(r"^  bound .* at 50 GB/s \(--bandwidth\) = .*% of it reached$", out, re.M), out
 
 
+def _example_module(name):
+    """examples/<name>.py as a module, from its file (the examples directory stays off sys.path)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(ROOT, "examples", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_examples_leave_sys_path_alone():
     for name in ("decode_step.py", "eval_gnn.py", "tp_decode.py", "train_gnn.py", "train_gnn_jax.py"):
         with open(os.path.join(ROOT, "examples", name)) as f:
@@ -78,10 +87,65 @@ def test_train_gnn_check(tmp_path):
 @pytest.mark.skipif(not hasattr(qkernels._C, "_jax_handlers"), reason="built without the XLA FFI handlers")
 def test_train_gnn_jax_check(tmp_path):
     """The decoder trained in JAX (a jitted step, jax.grad through qkernels.jax) follows the PyTorch
-    model's loss curve on the same batches."""
+    model's loss curve on the same batches, and the same model in pure jax.numpy follows ours."""
     out = run([sys.executable, os.path.join(ROOT, "examples", "train_gnn_jax.py"), "--check"], cwd=tmp_path)
-    assert re.search(r"^comparison .*: PASS$", out, re.M), out
-    assert "check passed" in out
+    assert re.search(r"^comparison .*\(qkernels\), .*\(pytorch\).*: PASS$", out, re.M), out
+    assert re.search(r"^pure JAX vs qkernels .*\(jax\), .*\(qkernels\).*: PASS$", out, re.M), out
+    assert "timed:" not in out and "check passed" in out
+
+
+@requires_torch
+@requires_jax
+@pytest.mark.skipif(not hasattr(qkernels._C, "_jax_handlers"), reason="built without the XLA FFI handlers")
+def test_train_gnn_jax_timed_variants(tmp_path):
+    """The timed run's table: a row per variant asked for, ratios to the pure-JAX model's."""
+    args = ["--distance", "3", "--batch", "2", "--layers", "1", "--steps", "2", "--iters", "2", "--repeats", "2"]
+    out = run([sys.executable, os.path.join(ROOT, "examples", "train_gnn_jax.py"), *args], cwd=tmp_path)
+    cell = r"\d+\.\d{3} \(\d+\.\d{3}-\d+\.\d{3}\) +(\d+\.\d{3})"
+    rows = {name: ratios for name, *ratios in re.findall(rf"^  (qkernels|jax) +{cell} +{cell}$", out, re.M)}
+    assert rows.keys() == {"qkernels", "jax"} and rows["jax"] == ["1.000", "1.000"], out
+    assert all(float(r) > 0 for r in rows["qkernels"]), out
+    assert "median of 2 repeats of 2 calls" in out and "ratio to jax's" in out
+    out = run([sys.executable, os.path.join(ROOT, "examples", "train_gnn_jax.py"), *args, "--variants", "jax,numpy"],
+              cwd=tmp_path, status=2)
+    assert "--variants takes qkernels,jax (got numpy)" in out.stderr, out.stderr
+
+
+@requires_jax
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gnn_jnp_ops_against_references(seed):
+    """The pure-JAX decoder's graph ops (examples/gnn_jnp.py) against qkernels.testing's float64
+    references on fresh samples: rows without nonzeros, graphs without edges, edges out of graph
+    order; and the dropout: every element kept at y / (1 - p) or dropped, about p of them dropped."""
+    import jax
+    import jax.numpy as jnp
+    from qkernels import testing as T
+
+    gnn_jnp = _example_module("gnn_jnp")
+    rng = np.random.default_rng(seed)
+    tol = dict(rtol=1e-5, atol=1e-5)
+    degrees = rng.poisson(3, 9)
+    degrees[rng.integers(0, 9, 2)] = 0
+    (row_ptr, col_idx, ew, nf), _ = T.sample("sparse_aggregate", rng, n_dst=9, n_src=6, heads=3, dim=5, degrees=degrees)
+    got = gnn_jnp.sparse_aggregate(gnn_jnp.csr_rows(row_ptr), col_idx, ew, nf, len(row_ptr) - 1)
+    np.testing.assert_allclose(got, T.reference("sparse_aggregate", row_ptr, col_idx, ew, nf), **tol)
+    for edge_attr in (True, False):
+        args, _ = T.sample("fused_edge_features", rng, n=7, e=13, h=5, edge_attr=edge_attr)
+        np.testing.assert_allclose(gnn_jnp.fused_edge_features(*args), T.reference("fused_edge_features", *args),
+                                   **tol)
+    args, _ = T.sample("fused_norm_residual", rng, rows=11, h=24, mean=3.0)
+    want = T.reference("fused_norm_residual", *args)
+    np.testing.assert_allclose(gnn_jnp.fused_norm_residual(*args), want, **tol)
+    p = 0.25
+    res = args[1]
+    kept = np.asarray(gnn_jnp.fused_norm_residual(*args, p=p, key=jax.random.key(seed))) - res
+    y = want - res
+    scaled = np.isclose(kept, y / (1 - p), rtol=1e-5, atol=1e-5)
+    assert np.all(scaled | (kept == 0)) and 0.1 < 1 - scaled.mean() < 0.4, kept
+    (logits, target, eg, _), _ = T.sample("graph_norm_bce", rng, e=29, graphs=5, sort=False)
+    G = 7  # graphs 5 and 6 have no edges
+    got = gnn_jnp.graph_norm_bce(logits, target, jnp.asarray(eg), jnp.asarray(gnn_jnp.graph_sizes(eg, G)))
+    np.testing.assert_allclose(got, T.reference("graph_norm_bce", logits, target, eg, G), **tol)
 
 
 # On a GPU: the examples' own defaults on the cuda backend, --check against the same float64
