@@ -66,72 +66,80 @@ __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4)
         const T *qt = q + t * a.q_stride[0], *kt = k + t * a.k_stride[0];
         T *kp = slot_ok ? k_pool + s * a.kp_stride[0] : nullptr;
         const float *ft = a.cos_sin + p * a.cs_stride[0];
-        if (slot_ok) {  // v: read once, never written by this kernel (the pools overlap no input)
-            const T *vt = v + t * a.v_stride[0];
-            T *vp = v_pool + s * a.vp_stride[0];
-            for (int64_t i = tid; i < vpieces; i += kThreads) {
+        // v: a copy, read through the read-only path (the pools overlap no input).  The thread's first
+        // 16-byte piece is loaded here and stored after the rotation, so that its load is in flight with
+        // the table's and q's, behind no store.
+        const T *vt = v + t * a.v_stride[0];
+        T *vp = slot_ok ? v_pool + s * a.vp_stride[0] : nullptr;
+        const bool v_early = kMode != kScalar && vp && tid < vpieces;
+        uint4 v_first = make_uint4(0, 0, 0, 0);
+        if (v_early) v_first = __ldg(reinterpret_cast<const uint4 *>(vt + (tid / pieces) * a.v_stride[1] + (tid % pieces) * kPiece));
+        if (hs < hpar) {
+            for (int j = jt; j < nc; j += nct) {
+                if (kMode == kScalar) {
+                    const float c = __ldg(ft + j * a.cs_stride[1]), sn = __ldg(ft + j * a.cs_stride[1] + 1);
+                    const int64_t ie = a.interleaved ? 2 * j : j, io = a.interleaved ? 2 * j + 1 : j + half;
+                    for (int64_t r = hs; r < R; r += hpar) {
+                        const T *src;
+                        T *dst;
+                        rka_row<T>(a, r, qt, kt, ot, kp, src, dst);
+                        const float xe = qk_to_float(src[ie]), xo = qk_to_float(src[io]);
+                        if (dst) {
+                            dst[ie] = qk_from_float<T>(ro_lo(xe, xo, c, sn));
+                            dst[io] = qk_from_float<T>(ro_hi(xe, xo, c, sn));
+                        }
+                    }
+                } else if (kMode == kVecInterleaved) {
+                    float c[4], sn[4];
+                    ro_load_freqs<4, kFVec>(ft, 4 * (int64_t)j, a.cs_stride[1], 1.f, c, sn);
+                    for (int64_t r = hs; r < R; r += 2 * hpar) {
+                        const bool two = r + hpar < R;
+                        const T *s0, *s1 = nullptr;
+                        T *d0, *d1 = nullptr;
+                        rka_row<T>(a, r, qt, kt, ot, kp, s0, d0);
+                        if (two) rka_row<T>(a, r + hpar, qt, kt, ot, kp, s1, d1);
+                        // Both rows' loads before any store: out may be q.
+                        uint4 v0 = ro_load16(s0 + 8 * j), v1 = v0;
+                        if (two) v1 = ro_load16(s1 + 8 * j);
+                        ro_rotate_pairs<T>(v0, c, sn);
+                        ro_rotate_pairs<T>(v1, c, sn);
+                        if (d0) ro_store16(d0 + 8 * j, v0);
+                        if (d1) ro_store16(d1 + 8 * j, v1);
+                    }
+                } else {  // kVecHalf: pairs 8j .. 8j+7 are src[8j ..] and src[half + 8j ..]
+                    float c[8], sn[8];
+                    ro_load_freqs<8, kFVec>(ft, 8 * (int64_t)j, a.cs_stride[1], 1.f, c, sn);
+                    for (int64_t r = hs; r < R; r += 2 * hpar) {
+                        const bool two = r + hpar < R;
+                        const T *s0, *s1 = nullptr;
+                        T *d0, *d1 = nullptr;
+                        rka_row<T>(a, r, qt, kt, ot, kp, s0, d0);
+                        if (two) rka_row<T>(a, r + hpar, qt, kt, ot, kp, s1, d1);
+                        uint4 lo0 = ro_load16(s0 + 8 * j), hi0 = ro_load16(s0 + half + 8 * j), lo1 = lo0, hi1 = hi0;
+                        if (two) {
+                            lo1 = ro_load16(s1 + 8 * j);
+                            hi1 = ro_load16(s1 + half + 8 * j);
+                        }
+                        ro_rotate_halves<T>(lo0, hi0, c, sn);
+                        ro_rotate_halves<T>(lo1, hi1, c, sn);
+                        if (d0) {
+                            ro_store16(d0 + 8 * j, lo0);
+                            ro_store16(d0 + half + 8 * j, hi0);
+                        }
+                        if (d1) {
+                            ro_store16(d1 + 8 * j, lo1);
+                            ro_store16(d1 + half + 8 * j, hi1);
+                        }
+                    }
+                }
+            }
+        }
+        if (vp) {
+            if (v_early) ro_store16(vp + (tid / pieces) * a.vp_stride[1] + (tid % pieces) * kPiece, v_first);
+            for (int64_t i = kMode == kScalar ? tid : tid + kThreads; i < vpieces; i += kThreads) {
                 const int64_t h = i / pieces, e = (i % pieces) * kPiece;
                 if (kMode == kScalar) vp[h * a.vp_stride[1] + e] = vt[h * a.v_stride[1] + e];
                 else ro_store16(vp + h * a.vp_stride[1] + e, __ldg(reinterpret_cast<const uint4 *>(vt + h * a.v_stride[1] + e)));
-            }
-        }
-        if (hs >= hpar) continue;
-        for (int j = jt; j < nc; j += nct) {
-            if (kMode == kScalar) {
-                const float c = __ldg(ft + j * a.cs_stride[1]), sn = __ldg(ft + j * a.cs_stride[1] + 1);
-                const int64_t ie = a.interleaved ? 2 * j : j, io = a.interleaved ? 2 * j + 1 : j + half;
-                for (int64_t r = hs; r < R; r += hpar) {
-                    const T *src;
-                    T *dst;
-                    rka_row<T>(a, r, qt, kt, ot, kp, src, dst);
-                    const float xe = qk_to_float(src[ie]), xo = qk_to_float(src[io]);
-                    if (dst) {
-                        dst[ie] = qk_from_float<T>(ro_lo(xe, xo, c, sn));
-                        dst[io] = qk_from_float<T>(ro_hi(xe, xo, c, sn));
-                    }
-                }
-            } else if (kMode == kVecInterleaved) {
-                float c[4], sn[4];
-                ro_load_freqs<4, kFVec>(ft, 4 * (int64_t)j, a.cs_stride[1], 1.f, c, sn);
-                for (int64_t r = hs; r < R; r += 2 * hpar) {
-                    const bool two = r + hpar < R;
-                    const T *s0, *s1 = nullptr;
-                    T *d0, *d1 = nullptr;
-                    rka_row<T>(a, r, qt, kt, ot, kp, s0, d0);
-                    if (two) rka_row<T>(a, r + hpar, qt, kt, ot, kp, s1, d1);
-                    // Both rows' loads before any store: out may be q.
-                    uint4 v0 = ro_load16(s0 + 8 * j), v1 = v0;
-                    if (two) v1 = ro_load16(s1 + 8 * j);
-                    ro_rotate_pairs<T>(v0, c, sn);
-                    ro_rotate_pairs<T>(v1, c, sn);
-                    if (d0) ro_store16(d0 + 8 * j, v0);
-                    if (d1) ro_store16(d1 + 8 * j, v1);
-                }
-            } else {  // kVecHalf: pairs 8j .. 8j+7 are src[8j ..] and src[half + 8j ..]
-                float c[8], sn[8];
-                ro_load_freqs<8, kFVec>(ft, 8 * (int64_t)j, a.cs_stride[1], 1.f, c, sn);
-                for (int64_t r = hs; r < R; r += 2 * hpar) {
-                    const bool two = r + hpar < R;
-                    const T *s0, *s1 = nullptr;
-                    T *d0, *d1 = nullptr;
-                    rka_row<T>(a, r, qt, kt, ot, kp, s0, d0);
-                    if (two) rka_row<T>(a, r + hpar, qt, kt, ot, kp, s1, d1);
-                    uint4 lo0 = ro_load16(s0 + 8 * j), hi0 = ro_load16(s0 + half + 8 * j), lo1 = lo0, hi1 = hi0;
-                    if (two) {
-                        lo1 = ro_load16(s1 + 8 * j);
-                        hi1 = ro_load16(s1 + half + 8 * j);
-                    }
-                    ro_rotate_halves<T>(lo0, hi0, c, sn);
-                    ro_rotate_halves<T>(lo1, hi1, c, sn);
-                    if (d0) {
-                        ro_store16(d0 + 8 * j, lo0);
-                        ro_store16(d0 + half + 8 * j, hi0);
-                    }
-                    if (d1) {
-                        ro_store16(d1 + 8 * j, lo1);
-                        ro_store16(d1 + half + 8 * j, hi1);
-                    }
-                }
             }
         }
     }
