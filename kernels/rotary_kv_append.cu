@@ -54,9 +54,19 @@ __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4)
     T *out = static_cast<T *>(a.out), *k_pool = static_cast<T *>(a.k_pool), *v_pool = static_cast<T *>(a.v_pool);
     constexpr int kPiece = kMode == kScalar ? 1 : 8;  // v is copied in pieces of this many values
     const int64_t pieces = D / kPiece, vpieces = a.Hkv * pieces;
+    // The next token's indices are loaded at the top of each iteration, before any store, so a token's
+    // table row and data are one memory latency away, not two.
+    int64_t p_next = 0, s_next = 0;
+    if (blockIdx.x < a.T) {
+        p_next = rka_index(a.positions, a.pos_dtype, blockIdx.x, a.pos_stride);
+        s_next = rka_index(a.slots, a.slot_dtype, blockIdx.x, a.slot_stride);
+    }
     for (int64_t t = blockIdx.x; t < a.T; t += gridDim.x) {
-        const int64_t p = rka_index(a.positions, a.pos_dtype, t, a.pos_stride);
-        const int64_t s = rka_index(a.slots, a.slot_dtype, t, a.slot_stride);
+        const int64_t p = p_next, s = s_next;
+        if (t + gridDim.x < a.T) {
+            p_next = rka_index(a.positions, a.pos_dtype, t + gridDim.x, a.pos_stride);
+            s_next = rka_index(a.slots, a.slot_dtype, t + gridDim.x, a.slot_stride);
+        }
         T *ot = out + t * a.out_stride[0];
         if (p < 0 || p >= a.max_pos) {  // never followed: zeros in the out rows, the pools untouched
             for (int64_t i = tid; i < a.Hq * D; i += kThreads) ot[(i / D) * a.out_stride[1] + i % D] = qk_from_float<T>(0.f);
