@@ -198,6 +198,14 @@ static void qk_view_bytes(const qk_view *v, uintptr_t *lo, uintptr_t *hi) {
     *hi = (uintptr_t)v->data + (uintptr_t)((last + 1) * size);
 }
 
+int qk_views_overlap(const qk_view *a, const qk_view *b) {
+    if (a->device_type != b->device_type || a->device_id != b->device_id) return 0;
+    uintptr_t alo, ahi, blo, bhi;
+    qk_view_bytes(a, &alo, &ahi);
+    qk_view_bytes(b, &blo, &bhi);
+    return alo < ahi && blo < bhi && alo < bhi && blo < ahi;
+}
+
 static int qk_same_view(const qk_view *a, const qk_view *b) {
     if (a->data != b->data || a->dtype != b->dtype || a->ndim != b->ndim) return 0;
     for (int i = 0; i < a->ndim; i++)

@@ -148,6 +148,8 @@ PyObject *qk_output_finish(qk_output *o, qk_view *ov, int ok);
  * out is exactly input i (the op's supported in-place form).  Inputs with data == NULL are absent. */
 int qk_out_overlap(const char *op, const qk_view *out, const qk_view *in, const char *const *names, int n,
                    unsigned in_place);
+/* Whether two views on one device can touch a common byte. */
+int qk_views_overlap(const qk_view *a, const qk_view *b);
 /* The common end of every op: restore the device, hand out (or drop) the output, release inputs. */
 PyObject *qk_op_finish(qk_launch *l, int launched, qk_output *o, qk_view *ov, int ok, qk_view *in, int n_in);
 /* The same for an op with n_out outputs (o[i], ov[i], zero-initialised; one never prepared is None):

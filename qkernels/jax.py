@@ -1167,3 +1167,59 @@ def fused_add_rmsnorm(x, residual, weight, *, eps=1e-6, backend=None):
     x, r, w = _arr(x), _arr(residual), _arr(weight)
     _check_rn(op, x, w, r)
     return _fused_add_rmsnorm(x, r, w, eps=_rn_eps(op, eps), platform=_platform(op, x, backend))
+
+
+# ---- rotary_kv_append ---------------------------------------------------------------------------
+
+def _check_rka(op, q, k, v, cs, positions, k_pool, v_pool, slots):
+    _need_rank(op, "q", q, 3, "[T, Hq, D]")
+    _need_float(op, "q", q, _DENSE)
+    T, D = q.shape[0], q.shape[2]
+    _check(D % 2 == 0, ValueError, op, f"q's last dimension D = {D} must be even (pairs are rotated)")
+    for name, a in (("k", k), ("v", v)):
+        _need_rank(op, name, a, 3, "[T, Hkv, D]")
+        _same_dtype(op, name, a, "q's", q)
+    Hkv = k.shape[1]
+    for name, a in (("k", k), ("v", v)):
+        _check(tuple(a.shape) == (T, Hkv, D), ValueError, op, f"{name} must have shape [T, Hkv, D] = "
+               f"[{T}, {Hkv}, {D}], got {tuple(a.shape)}")
+    _check(cs.dtype == np.float32, TypeError, op, f"cos_sin must be float32, got {_dt(cs)}")
+    _check(cs.ndim == 3 and tuple(cs.shape[1:]) == (D // 2, 2), ValueError, op,
+           f"cos_sin must have shape [max_pos, D/2, 2] = [max_pos, {D // 2}, 2], got {tuple(cs.shape)}")
+    for name, a in (("k_pool", k_pool), ("v_pool", v_pool)):
+        _need_rank(op, name, a, 3, "[S, Hkv, D]")
+        _same_dtype(op, name, a, "q's", q)
+        _check(tuple(a.shape) == (k_pool.shape[0], Hkv, D), ValueError, op, f"{name} must have shape [S, Hkv, D] = "
+               f"[{k_pool.shape[0]}, {Hkv}, {D}], got {tuple(a.shape)}")
+    for name, a in (("positions", positions), ("slots", slots)):
+        _need_rank(op, name, a, 1, "[T]")
+        _need_index(op, name, a)
+        _check(a.shape[0] == T, ValueError, op, f"{name} must have shape [T] = [{T}], got {tuple(a.shape)}")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rka_fwd(interleaved, q, k, v, cs, positions, k_pool, v_pool, slots):
+    """The custom call: (q rotated, the pools with the new tokens), the pools aliased to operands 5 and 6."""
+    results = [_sds(q.shape, q.dtype), _sds(k_pool.shape, k_pool.dtype), _sds(v_pool.shape, v_pool.dtype)]
+    return tuple(_ffi("rotary_kv_append", results, q, k, v, cs, positions, k_pool, v_pool, slots, aliases={5: 1, 6: 2},
+                      interleaved=bool(interleaved)))
+
+
+_rka_fwd.defvjp(lambda interleaved, *a: (_rka_fwd(interleaved, *a), None), lambda interleaved, res, ct: (
+    _ for _ in ()).throw(NotImplementedError("rotary_kv_append: no gradient; it is inference-only")))
+
+
+@functools.partial(jax.jit, static_argnames=("interleaved", "platform"))
+def _rotary_kv_append(q, k, v, cs, positions, k_pool, v_pool, slots, interleaved, platform):
+    return _rka_fwd(interleaved, q, k, v, cs, positions, k_pool, v_pool, slots)
+
+
+def rotary_kv_append(q, k, v, cos_sin, positions, k_pool, v_pool, slots, *, interleaved=True, backend=None):
+    """(q rotated, new k_pool, new v_pool): q and k rotated at positions by cos_sin [max_pos, D/2, 2] as
+    rotary_emb rotates them, k rotated and v written into the pools' rows slots.  The new pools alias the
+    old ones in the custom call, so donated pools (jax.jit's donate_argnums) are updated in place.
+    Index values are checked on cpu (XlaRuntimeError naming the op).  Forward-only."""
+    op = "rotary_kv_append"
+    arrays = tuple(map(_arr, (q, k, v, cos_sin, positions, k_pool, v_pool, slots)))
+    _check_rka(op, *arrays)
+    return _rotary_kv_append(*arrays, interleaved=bool(interleaved), platform=_platform(op, arrays[0], backend))

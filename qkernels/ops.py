@@ -20,6 +20,7 @@ from ._frameworks import run
 _WRITTEN = {
     "attn_paged_decode": lambda kwargs: ((1, "k_cache"), (2, "v_cache")) if kwargs.get("new_k") is not None else (),
     "fused_add_rmsnorm": lambda kwargs: ((1, "residual"),),
+    "rotary_kv_append": lambda kwargs: ((5, "k_pool"), (6, "v_pool")),
 }
 
 

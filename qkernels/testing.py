@@ -13,7 +13,7 @@ op's semantics.
 
 ``FLOAT_ARGS[op]`` names the positions of the floating-point tensor arguments (the ones that could
 carry gradients); ``OPS`` lists the ops.  ``MUTATED[op]`` names the arguments an op updates in place
-(fused_add_rmsnorm's residual) and ``written(op, *args, **kwargs)`` their float64 values after the call.
+(fused_add_rmsnorm's residual, rotary_kv_append's pools) and ``written(op, *args, **kwargs)`` their float64 values after the call.
 """
 
 from __future__ import annotations
@@ -247,6 +247,20 @@ def _ref_fused_add_rmsnorm(x, residual, weight, *, eps=1e-6):
 
 def _written_fused_add_rmsnorm(x, residual, weight, *, eps=1e-6):
     return (_f64(x) + _f64(residual),)
+
+
+def _ref_rotary_kv_append(q, k, v, cos_sin, positions, k_pool, v_pool, slots, *, interleaved=True):
+    """q [T, Hq, D] rotated as rotary_emb rotates it with freqs_cis = cos_sin[positions] ([max_pos, D/2, 2]
+    gathered per token); the op also writes k rotated and v into the pools' rows slots ([S, Hkv, D],
+    ``written``)."""
+    return _ref_rotary_emb(q, _f64(cos_sin)[_idx(positions)], interleaved=interleaved)
+
+
+def _written_rotary_kv_append(q, k, v, cos_sin, positions, k_pool, v_pool, slots, *, interleaved=True):
+    kp, vp, s = _f64(k_pool).copy(), _f64(v_pool).copy(), _idx(slots)
+    kp[s] = _ref_rotary_emb(k, _f64(cos_sin)[_idx(positions)], interleaved=interleaved)
+    vp[s] = _f64(v)
+    return kp, vp
 
 
 # ---- references: gradients of the dense LLM ops (float64, analytic) ------------------------
@@ -561,6 +575,16 @@ def _sample_fused_add_rmsnorm(rng, dt, ix, lead=(5,), h=24):
     return (x, _randn(rng, dt, *lead, h, scale=2.0), w), {}
 
 
+def _sample_rotary_kv_append(rng, dt, ix, t=5, hq=4, hkv=2, d=8, pool=9, max_pos=11, interleaved=None):
+    """q [T, Hq, D], k and v [T, Hkv, D], cos_sin [max_pos, D/2, 2], positions [T] in [0, max_pos), pools
+    [pool, Hkv, D] of random values (rows not appended to keep them), T distinct slots."""
+    kwargs = {} if interleaved is None else {"interleaved": interleaved}
+    args = (_randn(rng, dt, t, hq, d), _randn(rng, dt, t, hkv, d), _randn(rng, dt, t, hkv, d),
+            freqs_cis(rng, (max_pos,), d), rng.integers(0, max_pos, t).astype(ix), _randn(rng, dt, pool, hkv, d),
+            _randn(rng, dt, pool, hkv, d), rng.permutation(pool)[:t].astype(ix))
+    return args, kwargs
+
+
 def _lead_shape(lead, m):
     return tuple(lead) + (() if m is None else (m,))
 
@@ -660,6 +684,7 @@ WORK_SIZES = {
     "swiglu_backward": dict(m=16, k=1024, n=2048),
     "rmsnorm": dict(lead=(64,), h=4096),
     "fused_add_rmsnorm": dict(lead=(64,), h=4096),
+    "rotary_kv_append": dict(t=64, hq=32, hkv=8, d=128, pool=4096, max_pos=8192, interleaved=False),
     "attn_decode": dict(b=4, l=1024, hkv=8, ratio=4, d=128),
     "attn_paged_decode": dict(lens=[1000, 300, 64, 700], hkv=8, ratio=4, d=128, index_dtype=np.int32),
     # a prefix cache (the queries are the last of their keys, causal bottom-right), one a single query
@@ -687,6 +712,7 @@ DEVICE_DTYPES = {
     "attn_paged_prefill": ("bfloat16",) * 3 + (None,) * 4,
     "rmsnorm": ("bfloat16",) * 2,
     "fused_add_rmsnorm": ("bfloat16",) * 3,
+    "rotary_kv_append": ("bfloat16",) * 3 + (None, None) + ("bfloat16",) * 2 + (None,),
 }
 
 
@@ -698,10 +724,11 @@ FLOAT_ARGS = {
     "rotary_emb_backward": (0, 1), "linear_backward": (0, 1, 2), "swiglu_backward": (0, 1, 2, 3),
     "attn_decode": (0, 1, 2), "attn_prefill": (0, 1, 2), "attn_paged_decode": (0, 1, 2),
     "attn_paged_prefill": (0, 1, 2), "rmsnorm": (0, 1), "fused_add_rmsnorm": (0, 1, 2),
+    "rotary_kv_append": (0, 1, 2, 3, 5, 6),
 }
 
 OPS = tuple(FLOAT_ARGS)
 
 # The arguments an op updates in place (positions): a test that calls such an op twice on one sample
 # gives each call its own copies, and ``written`` says what the call leaves in them.
-MUTATED = {"fused_add_rmsnorm": (1,)}
+MUTATED = {"fused_add_rmsnorm": (1,), "rotary_kv_append": (5, 6)}

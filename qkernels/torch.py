@@ -50,6 +50,8 @@ SCHEMAS = {
                            "float? scale=None", "Tensor"),
     "rmsnorm": ("Tensor x, Tensor weight, *, float eps=1e-06", "Tensor"),
     "fused_add_rmsnorm": ("Tensor x, Tensor residual, Tensor weight, *, float eps=1e-06", "Tensor"),
+    "rotary_kv_append": ("Tensor q, Tensor k, Tensor v, Tensor cos_sin, Tensor positions, Tensor k_pool, "
+                         "Tensor v_pool, Tensor slots, *, bool interleaved=True", "Tensor"),
     # backward ops: a gradient not asked for comes back as an empty tensor (schemas have no optional returns)
     "sparse_aggregate_backward": ("Tensor grad_out, Tensor row_ptr, Tensor col_idx, Tensor edge_weight, "
                                   "Tensor node_feat, *, bool edge_weight_grad=True, bool node_feat_grad=True, "
@@ -71,8 +73,10 @@ SCHEMAS = {
 _UNIONS = {"seed": "seed_tensor", "pos_weight": "pos_weight_tensor"}
 
 # Inputs written besides out, by overload: attn_paged_decode with new_k/new_v appends to the caches;
-# fused_add_rmsnorm always writes residual + x into residual (its default overload).
-_MUTATED = {"attn_paged_decode": {"append": ("k_cache", "v_cache")}, "fused_add_rmsnorm": {"": ("residual",)}}
+# fused_add_rmsnorm always writes residual + x into residual (its default overload); rotary_kv_append
+# always appends to its pools.
+_MUTATED = {"attn_paged_decode": {"append": ("k_cache", "v_cache")}, "fused_add_rmsnorm": {"": ("residual",)},
+            "rotary_kv_append": {"": ("k_pool", "v_pool")}}
 
 
 def _empty(like):
@@ -101,6 +105,7 @@ FAKES = {
     "attn_paged_prefill": lambda c: c["q"].new_empty(c["q"].shape),
     "rmsnorm": lambda c: c["x"].new_empty(c["x"].shape),
     "fused_add_rmsnorm": lambda c: c["x"].new_empty(c["x"].shape),
+    "rotary_kv_append": lambda c: c["q"].new_empty(c["q"].shape),
     "sparse_aggregate_backward": lambda c: (_maybe(c["edge_weight_grad"], c["edge_weight"]),
                                             _maybe(c["node_feat_grad"], c["node_feat"])),
     "fused_edge_features_backward": lambda c: (
@@ -424,6 +429,11 @@ def _bind(spec, args, kwargs):
     return c
 
 
+# Why an op or a family has no gradient, by op, then by family: the note of route()'s requires-grad error.
+_NO_GRADIENT = {"attention": " (attention is inference-only)", "rmsnorm": " (the rmsnorm ops are forward-only)",
+                "rotary_kv_append": " (it is inference-only)"}
+
+
 def route(op, args, kwargs, backend):
     """A public call as a torch operator: autograd records it, tracers see one node."""
     _register()
@@ -446,8 +456,7 @@ def route(op, args, kwargs, backend):
                 if name not in differentiable or f"{op}_backward" not in _C.OPS:
                     raise RuntimeError(
                         f"{op}: {name} requires grad, but {op} has no gradient for {name}"
-                        + {"attention": " (attention is inference-only)",
-                           "rmsnorm": " (the rmsnorm ops are forward-only)"}.get(_dispatch.OPS[op][0], "")
+                        + _NO_GRADIENT.get(op, _NO_GRADIENT.get(_dispatch.OPS[op][0], ""))
                         + f"; pass {name}.detach() or call it under torch.no_grad()")
                 needs_grad = True
     if op == "fused_norm_residual" and c.get("training") and c.get("p", 0.0) > 0 and c.get("seed") is None:

@@ -129,6 +129,24 @@ def env(monkeypatch):
     qkernels.reload_env()
 
 
+@pytest.fixture(autouse=True)
+def cuda_pending_enabled(request, monkeypatch):
+    """The GPU tests (tests/test_cuda_*.py, test_multi_gpu.py) are what enables CUDA kernels that are built
+    but held off the dispatch (qkernels._dispatch.CUDA_PENDING): they run them as if enabled, with the
+    dispatcher's cached decisions dropped on both sides."""
+    name = request.module.__name__.rpartition(".")[2]
+    if not (name.startswith("test_cuda_") or name == "test_multi_gpu"):
+        yield
+        return
+    from qkernels import _dispatch
+
+    monkeypatch.setattr(_dispatch, "CUDA_PENDING", {})
+    _dispatch.reload_env()
+    yield
+    monkeypatch.undo()
+    _dispatch.reload_env()
+
+
 def capture_graph(calls):
     """calls() warmed up on a side stream (lazy initialisation cannot run under capture), then
     captured in a torch CUDA graph: -> (graph, what calls() returned inside the capture)."""
@@ -250,7 +268,8 @@ def naive_rotary(x, f, interleaved=True):
 # ---- sample calls as torch tensors ------------------------------------------------------------
 
 LLM = {"attn_decode", "attn_paged_decode", "attn_prefill", "attn_paged_prefill", "rotary_emb", "linear", "swiglu",
-       "rotary_emb_backward", "linear_backward", "swiglu_backward", "rmsnorm", "fused_add_rmsnorm"}
+       "rotary_emb_backward", "linear_backward", "swiglu_backward", "rmsnorm", "fused_add_rmsnorm",
+       "rotary_kv_append"}
 
 # Options of qkernels.testing.sample that every backend takes (the cuda attention kernels need a
 # head_dim of 32, 64, 128 or 256): the table of the tests that run each op on the GPU.
@@ -275,19 +294,21 @@ DEVICE_SIZES = {
     "swiglu_backward": dict(m=4, k=128, n=64),
     "rmsnorm": dict(lead=(10,), h=4096),
     "fused_add_rmsnorm": dict(lead=(10,), h=4096),
+    "rotary_kv_append": dict(t=10, hq=8, hkv=2, d=64, pool=40, max_pos=64),
 }
 
 
 def host_tensors(op, args):
     """CPU torch tensors of a sample's arrays, converted on the host: the LLM ops' float inputs in
-    bfloat16 (rotary_emb's freqs_cis stays float32), other arguments as they are."""
+    bfloat16 (the rotary tables, freqs_cis and cos_sin, stay float32), other arguments as they are."""
     import torch
 
     out = []
     for i, a in enumerate(args):
         if isinstance(a, np.ndarray):
             a = torch.from_numpy(np.ascontiguousarray(a))
-            if op in LLM and i in FLOAT_ARGS[op] and (op.removesuffix("_backward"), i) != ("rotary_emb", 1):
+            table = (op.removesuffix("_backward"), i) in (("rotary_emb", 1), ("rotary_kv_append", 3))
+            if op in LLM and i in FLOAT_ARGS[op] and not table:
                 a = a.to(torch.bfloat16)
         out.append(a)
     return out

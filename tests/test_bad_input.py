@@ -157,7 +157,8 @@ def test_producer_errors_name_the_op_and_argument():
 
 
 IN_PLACE = {"rotary_emb": (0,), "fused_norm_residual": (0, 1), "attn_decode": (0,), "attn_prefill": (0,),
-            "attn_paged_decode": (0,), "attn_paged_prefill": (0,), "rmsnorm": (0,), "fused_add_rmsnorm": (0,)}
+            "attn_paged_decode": (0,), "attn_paged_prefill": (0,), "rmsnorm": (0,), "fused_add_rmsnorm": (0,),
+            "rotary_kv_append": (0,)}
 
 
 def _result_shape(op, args, kwargs):

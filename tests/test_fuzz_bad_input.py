@@ -61,7 +61,8 @@ def test_huge_stride0_views(op, data, log_size, lead):
 
 
 IN_PLACE = {"rotary_emb": (0,), "fused_norm_residual": (0, 1), "attn_decode": (0,), "attn_prefill": (0,),
-            "attn_paged_decode": (0,), "attn_paged_prefill": (0,), "rmsnorm": (0,), "fused_add_rmsnorm": (0,)}
+            "attn_paged_decode": (0,), "attn_paged_prefill": (0,), "rmsnorm": (0,), "fused_add_rmsnorm": (0,),
+            "rotary_kv_append": (0,)}
 
 
 @SETTINGS

@@ -57,6 +57,7 @@ THREAD_SIZES = {
     "attn_paged_prefill": dict(q_lens=[50, 1, 30], kv_lens=[200, 90, 30], hkv=2, ratio=4, d=64, is_causal=True),
     "rmsnorm": dict(lead=(300,), h=1000),
     "fused_add_rmsnorm": dict(lead=(300,), h=1000),
+    "rotary_kv_append": dict(t=300, hq=8, hkv=2, d=64, pool=400, max_pos=500),
 }
 
 

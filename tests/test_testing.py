@@ -21,6 +21,7 @@ SIZES = {"sparse_aggregate": dict(n_dst=30, n_src=9, heads=3, dim=5, avg_degree=
          "rotary_emb": dict(lead=(2, 6), h=3, d=16, interleaved=False),
          "rmsnorm": dict(lead=(3, 4), h=1000),
          "fused_add_rmsnorm": dict(lead=(2, 3), h=4095),
+         "rotary_kv_append": dict(t=7, hq=3, hkv=1, d=16, pool=20, max_pos=50, interleaved=False),
          "linear": dict(m=None, k=33, n=17, bias=False),
          "swiglu": dict(m=4, k=33, n=17),
          "attn_decode": dict(b=3, l=40, hkv=1, ratio=4, d=16),

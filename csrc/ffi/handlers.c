@@ -811,6 +811,48 @@ static XLA_FFI_Error *ffi_rmsnorm(fc *c) { return rn_run(c, 0); }
 static const unsigned cb_fused_add_rmsnorm = CB_YES;
 static XLA_FFI_Error *ffi_fused_add_rmsnorm(fc *c) { return rn_run(c, 1); }
 
+/* ---- rotary_kv_append ---------------------------------------------------------------------- */
+
+/* rotary_kv_append(q [T, Hq, D], k, v [T, Hkv, D], cos_sin [max_pos, D/2, 2], positions [T], k_pool,
+ * v_pool [S, Hkv, D], slots [T]) -> (out, k_pool, v_pool): the pools alias operands 5 and 6, so the new
+ * tokens are written in place.  Attribute interleaved. */
+static const unsigned cb_rotary_kv_append = CB_YES;
+static XLA_FFI_Error *ffi_rotary_kv_append(fc *c) {
+    XLA_FFI_Buffer *q = ARG(0, "q", 3), *k = q ? ARG(1, "k", 3) : NULL, *v = k ? ARG(2, "v", 3) : NULL,
+                   *cs = v ? ARG(3, "cos_sin", 3) : NULL, *pos = cs ? ARG(4, "positions", 1) : NULL,
+                   *kp = pos ? ARG(5, "k_pool", 3) : NULL, *vp = kp ? ARG(6, "v_pool", 3) : NULL,
+                   *sl = vp ? ARG(7, "slots", 1) : NULL, *out = sl ? RET(0, "out", 3) : NULL,
+                   *ko = out ? RET(1, "k_pool", 3) : NULL, *vo = ko ? RET(2, "v_pool", 3) : NULL;
+    if (!vo) return c->err;
+    if (ko->data != kp->data || vo->data != vp->data)
+        return fc_fail(c, XLA_FFI_Error_Code_FAILED_PRECONDITION, "k_pool and v_pool must alias the results");
+    qk_rotary_kv_append_args a = {0};
+    int64_t s[3];
+    a.q = q->data, a.k = k->data, a.v = v->data, a.out = out->data, a.k_pool = kp->data, a.v_pool = vp->data;
+    a.cos_sin = (const float *)cs->data, a.positions = pos->data, a.slots = sl->data;
+    a.T = q->dims[0], a.Hq = q->dims[1], a.D = q->dims[2], a.Hkv = k->dims[1], a.max_pos = cs->dims[0], a.S = kp->dims[0];
+    dense_strides(q, s);
+    a.q_stride[0] = a.out_stride[0] = s[0], a.q_stride[1] = a.out_stride[1] = s[1];
+    dense_strides(k, s);
+    a.k_stride[0] = a.v_stride[0] = s[0], a.k_stride[1] = a.v_stride[1] = s[1];
+    dense_strides(kp, s);
+    a.kp_stride[0] = a.vp_stride[0] = s[0], a.kp_stride[1] = a.vp_stride[1] = s[1];
+    a.cs_stride[0] = a.D, a.cs_stride[1] = 2;
+    a.pos_stride = a.slot_stride = 1;
+    a.interleaved = fc_attr(c, "interleaved", 1) != 0;
+    a.dtype = dtype_of(q), a.pos_dtype = dtype_of(pos), a.slot_dtype = dtype_of(sl), a.num_threads = g_threads;
+    int st = QK_OK;
+    if (a.T > 0 && a.D > 0 && (a.Hq > 0 || a.Hkv > 0)) FC_RUN(st, c, rotary_kv_append, &a);
+    if (st == QK_E_INDEX && a.bad_arg == 2)
+        return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "slots[%lld] = slots[%lld] = %lld: two tokens would "
+                       "write one pool slot", (long long)a.bad_other, (long long)a.bad_pos, (long long)a.bad_value);
+    if (st == QK_E_INDEX)
+        return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "%s[%lld] = %lld is out of range [0, %lld)",
+                       a.bad_arg ? "slots" : "positions", (long long)a.bad_pos, (long long)a.bad_value,
+                       (long long)(a.bad_arg ? a.S : a.max_pos));
+    return fc_status(c, st);
+}
+
 /* ---- the entry points XLA calls, one pair per row of the op table -------------------------- */
 
 /* XLA's metadata query (before the first call): the header's API version and the handler's traits. */

@@ -377,6 +377,35 @@ typedef struct {
     int inverse; /* rotary_emb_backward: rotate by -angle (s' negated), the transpose of the rotation */
 } qk_rotary_emb_args;
 
+/* rotary_kv_append: a decode or prefill step's rotary embedding and KV-cache append.  For token t < T with
+ * p = positions[t], s = slots[t] and (c, s') = cos_sin[p, i, :] for pair i < D/2:
+ *   out[t, h, :] = rotate(q[t, h, :])              h < Hq
+ *   k_pool[s, h, :] = rotate(k[t, h, :]), v_pool[s, h, :] = v[t, h, :]   h < Hkv
+ * rotate as rotary_emb's (interleaved or rotate-half pairs), in fp32, rounded once; v is copied.
+ * out may be q (in place); the pools overlap none of q, k, v, out (the binding checks).  Strides in
+ * elements; rows and each (cos, sin) pair unit-stride.
+ * Index checks: the CPU launcher returns QK_E_INDEX before writing anything, with bad_arg 0 (a position
+ *   outside [0, max_pos)), 1 (a slot outside [0, S)) or 2 (a slot given twice: bad_pos the later token,
+ *   bad_other the earlier one), bad_value the index.  The CUDA launcher never reads or writes outside
+ *   the tensors: a token with a bad position writes zeros to its out rows and nothing to the pools, a
+ *   token with a bad slot writes its out rows only; two tokens with one slot leave either's row there.
+ * CUDA graph safety: the grid comes from T and the SM count; nothing is read on the host. */
+typedef struct {
+    const void *q, *k, *v;
+    void *out, *k_pool, *v_pool;
+    const float *cos_sin;          /* [max_pos, D/2, 2] */
+    const void *positions, *slots; /* [T], pos_dtype and slot_dtype */
+    int64_t T, Hq, Hkv, D, max_pos, S;
+    int64_t q_stride[2], k_stride[2], v_stride[2], out_stride[2]; /* {t, h} */
+    int64_t kp_stride[2], vp_stride[2];                            /* {s, h} */
+    int64_t cs_stride[2];                                          /* {p, i} */
+    int64_t pos_stride, slot_stride;
+    int interleaved, dtype, pos_dtype, slot_dtype; /* dtype QK_BF16, QK_F16; cpu also QK_F32 */
+    int num_threads;
+    int bad_arg;
+    int64_t bad_pos, bad_value, bad_other;
+} qk_rotary_kv_append_args;
+
 /* linear: out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]), fp32 accumulation, bias added in fp32, one
  *   rounding.  swiglu: out[m, n] = (x w_up[n]) * silu(x w_gate[n]) with w = up, gate = gate weight,
  *   fp32 throughout, one rounding.  Rows of x, w, gate and out are unit-stride along k / n.
@@ -454,7 +483,8 @@ typedef struct {
     X(swiglu, linear)                           \
     X(linear_backward, linear)                  \
     X(swiglu_backward, linear)                  \
-    X(rmsnorm, rmsnorm)
+    X(rmsnorm, rmsnorm)                         \
+    X(rotary_kv_append, rotary_kv_append)
 
 #define QK_OPS(X)                                                         \
     X(sparse_aggregate, sparse_aggregate, sparse_aggregate, 3)            \
@@ -476,10 +506,11 @@ typedef struct {
     X(attn_prefill, attn_prefill, attention, 0)                           \
     X(attn_paged_prefill, attn_prefill, attention, 0)                     \
     X(rmsnorm, rmsnorm, rmsnorm, 0)                                       \
-    X(fused_add_rmsnorm, rmsnorm, rmsnorm, 0)
+    X(fused_add_rmsnorm, rmsnorm, rmsnorm, 0)                             \
+    X(rotary_kv_append, rotary_kv_append, rotary_emb, 0)
 
 /* The CUDA shared object exports one symbol, qk_cuda_get_api, returning this table. */
-#define QK_CUDA_ABI 12
+#define QK_CUDA_ABI 13
 
 typedef struct {
     int abi;
