@@ -31,7 +31,7 @@
 #include <string.h>
 
 const char *const qk_cpu_isa_names[QK_CPU_ISA_COUNT] = {
-    [QK_CPU_ISA_AUTO] = "auto", [QK_CPU_ISA_PORTABLE] = "portable", [QK_CPU_ISA_AVX512] = "avx512",
+    [QK_CPU_ISA_AUTO] = "auto", [QK_CPU_ISA_PORTABLE] = "portable", [QK_CPU_ISA_AVX2] = "avx2", [QK_CPU_ISA_AVX512] = "avx512",
     [QK_CPU_ISA_AVX512_BF16] = "avx512_bf16", [QK_CPU_ISA_AMX] = "amx"};
 
 #if defined(__x86_64__) && defined(__GNUC__) && \
@@ -76,12 +76,14 @@ static int amx_permitted(void) {
 
 static void isa_detect(void) {
     __builtin_cpu_init();
-    /* __builtin_cpu_supports checks that the OS saves the AVX-512 state too */
-    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")))
-        return;
+    /* __builtin_cpu_supports checks that the OS saves the AVX and AVX-512 state too */
     unsigned a, b, c, d, f16c;
     if (!__get_cpuid(1, &a, &b, &f16c, &d) || !(f16c & (1u << 29))) return;
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return;
+    isa_best = QK_CPU_ISA_AVX2;
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")))
+        return;
     isa_best = QK_CPU_ISA_AVX512;
     unsigned max_sub, edx7;
     if (!__get_cpuid_count(7, 0, &max_sub, &b, &c, &edx7) || max_sub < 1) return;
@@ -387,7 +389,14 @@ T512 void ll_copy_tile(const char *w, int64_t ws, int wdt, int valid, int64_t k0
 #define LL_CASES(TILE, V, WDT) \
     LL_CASE(TILE, V, WDT, 1) LL_CASE(TILE, V, WDT, 2) LL_CASE(TILE, V, WDT, 3) LL_CASE(TILE, V, WDT, 4)
 
-#define LL_WORKER(NAME, ATTR, TILE, DP)                                                                           \
+/* out[m, n0 ..] from the fp32 sums pu[0 .. cnt) (swiglu: and pg), ncnt <= cnt of them stored */
+T512 void ll_epilogue(const qk_linear_args *a, int swiglu, int64_t m, int64_t n0, int64_t ncnt, int64_t cnt,
+                      const float *pu, const float *pg) {
+    const __m512 up = _mm512_maskz_loadu_ps(mask16(cnt), pu);
+    epilogue16(a, swiglu, m, n0, ncnt, up, swiglu ? _mm512_maskz_loadu_ps(mask16(cnt), pg) : up);
+}
+
+#define LL_WORKER(NAME, ATTR, TILE, DP, COPY, FINISH, EPI)                                                                           \
     ATTR void NAME(void *p, int tid, int nthreads) {                                                              \
         const ll_ctx *c = p;                                                                                      \
         const qk_linear_args *a = c->a;                                                                           \
@@ -417,7 +426,7 @@ T512 void ll_copy_tile(const char *w, int64_t ws, int wdt, int valid, int64_t k0
                     int64_t ws = ws0;                                                                             \
                     int wdt = a->dtype;                                                                           \
                     if (valid < LL_NT || conv) {                                                                  \
-                        ll_copy_tile(w, ws0, a->dtype, valid, 0, n, DP, wbuf, c->wbuf_k);                         \
+                        COPY(w, ws0, a->dtype, valid, 0, n, DP, wbuf, c->wbuf_k);                                 \
                         w = wbuf;                                                                                 \
                         ws = c->wbuf_k * ((DP) ? 2 : 4);                                                          \
                         wdt = (DP) ? QK_BF16 : QK_F32;                                                            \
@@ -433,7 +442,7 @@ T512 void ll_copy_tile(const char *w, int64_t ws, int wdt, int valid, int64_t k0
                         LL_CASES(TILE, 1, QK_F16)                                                                 \
                         LL_CASES(TILE, 2, QK_BF16)                                                                \
                         }                                                                                         \
-                        if (last) ll_finish_tile(acc, rows, res + mt * LL_MT * LL_NG, (int)(t * LL_NT));          \
+                        if (last) FINISH(acc, rows, res + mt * LL_MT * LL_NG, (int)(t * LL_NT));                  \
                     }                                                                                             \
                 }                                                                                                 \
                 if (K == 0) break;                                                                                \
@@ -443,16 +452,200 @@ T512 void ll_copy_tile(const char *w, int64_t ws, int wdt, int valid, int64_t k0
                     const int64_t cnt = half - j0 < 16 ? half - j0 : 16;                                          \
                     const int64_t ncnt = N - n0 - j0 < cnt ? N - n0 - j0 : cnt;                                   \
                     if (ncnt <= 0) break;                                                                         \
-                    const __m512 up = _mm512_maskz_loadu_ps(mask16(cnt), res + m * LL_NG + j0);                   \
-                    const __m512 gt = c->swiglu ? _mm512_maskz_loadu_ps(mask16(cnt), res + m * LL_NG + half + j0) \
-                                                : up;                                                             \
-                    epilogue16(a, c->swiglu, m0 + m, n0 + j0, ncnt, up, gt);                                      \
+                    EPI(a, c->swiglu, m0 + m, n0 + j0, ncnt, cnt, res + m * LL_NG + j0, res + m * LL_NG + half + j0); \
                 }                                                                                                 \
         }                                                                                                         \
     }
 
-LL_WORKER(ll_worker_fma, TFMA, ll_fma_tile, 0)
-LL_WORKER(ll_worker_dp, TBF16, ll_dp_tile, 1)
+LL_WORKER(ll_worker_fma, TFMA, ll_fma_tile, 0, ll_copy_tile, ll_finish_tile, ll_epilogue)
+LL_WORKER(ll_worker_dp, TBF16, ll_dp_tile, 1, ll_copy_tile, ll_finish_tile, ll_epilogue)
+
+/* ---- the AVX2 kernel ----------------------------------------------------------------------------
+ * For x86-64 with AVX2, FMA and F16C but no AVX-512: the lane kernel's order exactly, each 16-lane
+ * accumulator held as two 8-float halves (k mod 16 < 8 and >= 8), so it gives the fma level's bits.
+ * The tile runs as 2 x 3 sub-tiles (12 accumulator registers of the 16); the partial last step
+ * goes through zero-padded copies (AVX2 has no masked 16-bit loads). */
+
+#define T256_ISA "avx2,fma,f16c"
+#define T256 static inline __attribute__((target(T256_ISA), always_inline))
+#define TAVX2 static __attribute__((target(T256_ISA)))
+
+T256 __m256 l2_wload(const char *p, int wdt) {
+    if (wdt == QK_F32) return _mm256_loadu_ps((const float *)p);
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (wdt == QK_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+/* acc rows i < MI, columns j < NJ of a tile (stride LL_NT), over n elements (a multiple of 16) */
+T256 void l2_pass(const char *x, int64_t xs, const char *w, int64_t ws, int64_t n, int MI, int NJ, int wdt, float *acc,
+                  int init, int pf) {
+    const int es = wdt == QK_F32 ? 4 : 2;
+    __m256 c[2][3][2];
+#pragma GCC unroll 2
+    for (int i = 0; i < MI; i++)
+#pragma GCC unroll 3
+        for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++)
+                c[i][j][h] = init ? _mm256_setzero_ps() : _mm256_load_ps(acc + (i * LL_NT + j) * 16 + 8 * h);
+    for (int64_t k = 0; k < n; k += 16)
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m256 wv[3];
+#pragma GCC unroll 3
+            for (int j = 0; j < NJ; j++) {
+                if (pf && h == 0) _mm_prefetch(w + j * ws + k * es + LL_PREFETCH, _MM_HINT_T0);
+                wv[j] = l2_wload(w + j * ws + (k + 8 * h) * es, wdt);
+            }
+#pragma GCC unroll 2
+            for (int i = 0; i < MI; i++) {
+                __m256 xv = _mm256_loadu_ps((const float *)(x + i * xs) + k + 8 * h);
+                __asm__("" : "+x"(xv));
+#pragma GCC unroll 3
+                for (int j = 0; j < NJ; j++) c[i][j][h] = _mm256_fmadd_ps(xv, wv[j], c[i][j][h]);
+            }
+        }
+#pragma GCC unroll 2
+    for (int i = 0; i < MI; i++)
+#pragma GCC unroll 3
+        for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) _mm256_store_ps(acc + (i * LL_NT + j) * 16 + 8 * h, c[i][j][h]);
+}
+
+/* ll_fma_tile's contract on AVX2 */
+T256 void l2_tile(const char *x, int64_t xs, const char *w, int64_t ws, int64_t n, int MT, int wdt, float *acc, int init,
+                  int pf) {
+    const int64_t nf = n / 16 * 16;
+    const int es = wdt == QK_F32 ? 4 : 2;
+    for (int pass = 0; pass < 2; pass++) {
+        const char *xp = x, *wp = w;
+        int64_t xsp = xs, wsp = ws, np = nf;
+        int wdtp = wdt, initp = init;
+        float xt[LL_MT][16] __attribute__((aligned(32))), wt[LL_NT][16] __attribute__((aligned(32)));
+        if (pass == 1) { /* the partial last step, zero-padded */
+            if (nf == n) break;
+            memset(xt, 0, sizeof xt);
+            memset(wt, 0, sizeof wt);
+            for (int i = 0; i < MT; i++) memcpy(xt[i], (const float *)(x + i * xs) + nf, (size_t)(n - nf) * 4);
+            for (int j = 0; j < LL_NT; j++)
+                for (int64_t k = nf; k < n; k++) {
+                    const char *e = w + j * ws + k * es;
+                    wt[j][k - nf] = wdt == QK_F32 ? *(const float *)e
+                                    : wdt == QK_BF16 ? qk_bf16_to_f32(*(const uint16_t *)e)
+                                                     : qk_f16_to_f32(*(const uint16_t *)e);
+                }
+            xp = (const char *)xt, wp = (const char *)wt, xsp = wsp = 64, np = 16, wdtp = QK_F32, initp = 0;
+        }
+        for (int i0 = 0; i0 < MT; i0 += 2)
+            for (int j0 = 0; j0 < LL_NT; j0 += 3) {
+                const char *xq = xp + i0 * xsp, *wq = wp + j0 * wsp;
+                float *aq = acc + (i0 * LL_NT + j0) * 16;
+                const int pfq = pf && i0 == 0 && pass == 0;
+                if (MT - i0 >= 2) {
+                    if (wdtp == QK_F32) l2_pass(xq, xsp, wq, wsp, np, 2, 3, QK_F32, aq, initp, pfq);
+                    else if (wdtp == QK_F16) l2_pass(xq, xsp, wq, wsp, np, 2, 3, QK_F16, aq, initp, pfq);
+                    else l2_pass(xq, xsp, wq, wsp, np, 2, 3, QK_BF16, aq, initp, pfq);
+                } else {
+                    if (wdtp == QK_F32) l2_pass(xq, xsp, wq, wsp, np, 1, 3, QK_F32, aq, initp, pfq);
+                    else if (wdtp == QK_F16) l2_pass(xq, xsp, wq, wsp, np, 1, 3, QK_F16, aq, initp, pfq);
+                    else l2_pass(xq, xsp, wq, wsp, np, 1, 3, QK_BF16, aq, initp, pfq);
+                }
+            }
+    }
+}
+
+/* ll_reduce16's tree, one output at a time: (l + l+8), then + (l+4 + l+12), then (0 + 2) + (1 + 3) */
+T256 float l2_reduce(const float *v) {
+    const __m256 t = _mm256_add_ps(_mm256_load_ps(v), _mm256_load_ps(v + 8));
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    const __m128 u = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
+}
+
+T256 void l2_finish_tile(const float *acc, int mt, float *res, int col) {
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < LL_NT; j++) res[i * LL_NG + col + j] = l2_reduce(acc + (i * LL_NT + j) * 16);
+}
+
+/* ll_copy_tile for fp32 copies (AVX2 has no pairs form) */
+T256 void l2_copy_tile(const char *w, int64_t ws, int wdt, int valid, int64_t k0, int64_t n, int keep16, char *buf,
+                       int64_t ld) {
+    (void)keep16;
+    const int es = wdt == QK_F32 ? 4 : 2;
+    for (int j = 0; j < LL_NT; j++) {
+        const char *row = w + (j < valid ? j : 0) * ws + k0 * es;
+        float *dst = (float *)buf + j * ld;
+        int64_t k = 0;
+        for (; k + 8 <= n; k += 8) _mm256_storeu_ps(dst + k, l2_wload(row + k * es, wdt));
+        for (; k < n; k++)
+            dst[k] = wdt == QK_F32 ? ((const float *)row)[k]
+                     : wdt == QK_BF16 ? qk_bf16_to_f32(((const uint16_t *)row)[k])
+                                      : qk_f16_to_f32(((const uint16_t *)row)[k]);
+    }
+}
+
+/* exp16's steps on 8 lanes; 2^n as two exact power-of-two factors, so the product rounds once, as
+ * scalef does (n in [-150, 128]) */
+T256 __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.f)), _mm256_set1_ps(89.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
+    const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+}
+
+/* epilogue16 on 8 outputs; cnt <= 8 are stored */
+T256 void epilogue8(const qk_linear_args *a, int swiglu, int64_t m, int64_t n0, int cnt, const float *pu, const float *pg) {
+    const __m256 up = _mm256_loadu_ps(pu);
+    __m256 v = up;
+    if (swiglu) {
+        const __m256 g = _mm256_loadu_ps(pg);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        v = _mm256_mul_ps(up, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+    } else if (a->bias) {
+        float t[8] = {0};
+        for (int j = 0; j < cnt; j++) t[j] = qk_load_f32(a->bias, (n0 + j) * a->bias_stride, a->dtype);
+        v = _mm256_add_ps(up, _mm256_loadu_ps(t));
+    }
+    char *dst = (char *)a->out + (m * a->out_stride + n0) * (a->dtype == QK_F32 ? 4 : 2);
+    if (a->dtype == QK_F32) {
+        float t[8];
+        _mm256_storeu_ps(t, v);
+        memcpy(dst, t, (size_t)cnt * 4);
+        return;
+    }
+    uint16_t h[8];
+    if (a->dtype == QK_F16) {
+        _mm_storeu_si128((__m128i *)h, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+        float t[8];
+        _mm256_storeu_ps(t, v);
+        for (int j = 0; j < cnt; j++) h[j] = qk_f32_to_bf16(t[j]);
+    }
+    memcpy(dst, h, (size_t)cnt * 2);
+}
+
+T256 void l2_epilogue(const qk_linear_args *a, int swiglu, int64_t m, int64_t n0, int64_t ncnt, int64_t cnt,
+                      const float *pu, const float *pg) {
+    (void)cnt;
+    for (int h = 0; h < ncnt; h += 8)
+        epilogue8(a, swiglu, m, n0 + h, ncnt - h < 8 ? (int)(ncnt - h) : 8, pu + h, pg + h);
+}
+
+LL_WORKER(ll_worker_avx2, TAVX2, l2_tile, 0, l2_copy_tile, l2_finish_tile, l2_epilogue)
 
 typedef struct {
     const qk_linear_args *a;
@@ -472,7 +665,18 @@ TFMA void ll_conv_worker(void *p, int tid, int nthreads) {
                             ll_wload((const char *)a->x + (m * a->x_stride + k) * 2, a->dtype, mask16(a->K - k)));
 }
 
-static int ll_run(const qk_linear_args *a, int swiglu, int dp) {
+/* the same conversion in plain C (the AVX2 level) */
+static void ll_conv_worker_c(void *p, int tid, int nthreads) {
+    const ll_conv_ctx *c = p;
+    const qk_linear_args *a = c->a;
+    int64_t m0, m1;
+    qk_share(a->M, tid, nthreads, &m0, &m1);
+    for (int64_t m = m0; m < m1; m++)
+        for (int64_t k = 0; k < a->K; k++) c->x32[m * c->ld + k] = qk_load_f32(a->x, m * a->x_stride + k, a->dtype);
+}
+
+/* dp: bfloat16 pairs (AVX512-BF16); avx2: the AVX2 kernel */
+static int ll_run(const qk_linear_args *a, int swiglu, int dp, int avx2) {
     const int64_t M = a->M, N = a->N, K = a->K;
     ll_ctx c = {.a = a, .swiglu = swiglu, .dp = dp};
     c.m_blocks = (M + LL_MB - 1) / LL_MB;
@@ -496,14 +700,15 @@ static int ll_run(const qk_linear_args *a, int swiglu, int dp) {
     int status = QK_OK;
     if (convert_x) {
         ll_conv_ctx cv = {a, (float *)(base + scratch_bytes), kpad > 0 ? kpad : 32};
-        status = qk_parallel_run(qk_threads_for(M * K * 16, nthreads), ll_conv_worker, &cv);
+        status = qk_parallel_run(qk_threads_for(M * K * 16, nthreads), avx2 ? ll_conv_worker_c : ll_conv_worker, &cv);
         c.x = (const char *)cv.x32;
         c.xs = cv.ld * 4;
     } else {
         c.x = a->x;
         c.xs = a->x_stride * (dp ? 2 : 4);
     }
-    if (status == QK_OK) status = qk_parallel_run(nthreads, dp ? ll_worker_dp : ll_worker_fma, &c);
+    if (status == QK_OK)
+        status = qk_parallel_run(nthreads, dp ? ll_worker_dp : avx2 ? ll_worker_avx2 : ll_worker_fma, &c);
     qk_cpu_scratch_release(mem);
     return status;
 }
@@ -789,10 +994,11 @@ static int ax_run(const qk_linear_args *a, int swiglu) {
 int qk_linear_fast(const qk_linear_args *a, int swiglu, int *status) {
     int isa = qk_cpu_isa_best();
     if (a->cpu_isa > 0 && a->cpu_isa < isa) isa = a->cpu_isa;
-    if (isa < QK_CPU_ISA_AVX512 || a->M <= 0 || a->N <= 0) return 0;
+    if (isa < QK_CPU_ISA_AVX2 || a->M <= 0 || a->N <= 0) return 0;
     if (a->dtype == QK_BF16 && isa >= QK_CPU_ISA_AMX) *status = ax_run(a, swiglu);
-    else if (a->dtype == QK_BF16 && isa >= QK_CPU_ISA_AVX512_BF16) *status = ll_run(a, swiglu, 1);
-    else if (a->dtype == QK_F32 || a->dtype == QK_F16 || a->dtype == QK_BF16) *status = ll_run(a, swiglu, 0);
+    else if (a->dtype == QK_BF16 && isa >= QK_CPU_ISA_AVX512_BF16) *status = ll_run(a, swiglu, 1, 0);
+    else if (a->dtype == QK_F32 || a->dtype == QK_F16 || a->dtype == QK_BF16)
+        *status = ll_run(a, swiglu, 0, isa == QK_CPU_ISA_AVX2);
     else return 0;
     return 1;
 }
