@@ -378,14 +378,16 @@ T512 void ll_copy_tile(const char *w, int64_t ws, int wdt, int valid, int64_t k0
             for (int64_t k = 0; k < n; k += 32)
                 _mm512_storeu_si512(buf + j * ld * 2 + k * 2, _mm512_maskz_loadu_epi16(mask32(n - k), row + k * 2));
         } else {
-            for (int64_t k = 0; k < n; k += 16)
+            for (int64_t k = 0; k < n; k += 16) {
+                _mm_prefetch(row + k * es + LL_PREFETCH, _MM_HINT_T0);
                 _mm512_store_ps((float *)buf + j * ld + k, ll_wload(row + k * es, wdt, mask16(n - k)));
+            }
         }
     }
 }
 
 #define LL_CASE(TILE, V, WDT, R) \
-    case V * LL_MT + R - 1: TILE(x, c->xs, w, ws, n, R, WDT, acc, init, stream); break;
+    case V * LL_MT + R - 1: TILE(x, c->xs, w, ws, n, R, WDT, acc, init, mt == 0); break;
 #define LL_CASES(TILE, V, WDT) \
     LL_CASE(TILE, V, WDT, 1) LL_CASE(TILE, V, WDT, 2) LL_CASE(TILE, V, WDT, 3) LL_CASE(TILE, V, WDT, 4)
 
@@ -410,7 +412,7 @@ T512 void ll_epilogue(const qk_linear_args *a, int swiglu, int64_t m, int64_t n0
         for (int64_t u = u0; u < u1; u++) {                                                                       \
             const int64_t n0 = u / c->m_blocks * half, m0 = u % c->m_blocks * LL_MB;                              \
             const int mrows = M - m0 < LL_MB ? (int)(M - m0) : LL_MB, mtiles = (mrows + LL_MT - 1) / LL_MT;         \
-            const int stream = mtiles == 1;                                                                       \
+            const int stream = mtiles <= 2; /* the weights pass once: whole K, converted on load */              \
             const int64_t kc = stream ? (K > 0 ? K : 1) : LL_KC;                                                  \
             const int conv = !(DP) && a->dtype != QK_F32 && !stream;                                              \
             for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += kc) {                                                   \
@@ -684,7 +686,7 @@ static int ll_run(const qk_linear_args *a, int swiglu, int dp, int avx2) {
     c.n_groups = (N + half - 1) / half;
     const int64_t mtiles = ((M < LL_MB ? M : LL_MB) + LL_MT - 1) / LL_MT;
     const int64_t kpad = (K + 31) / 32 * 32;
-    c.wbuf_k = mtiles == 1 ? (kpad > 0 ? kpad : 32) : LL_KC;
+    c.wbuf_k = mtiles <= 2 ? (kpad > 0 ? kpad : 32) : LL_KC;
     c.acc_floats = mtiles * LL_TILES * LL_ACC;
     c.scratch_floats = LL_MB * LL_NG + LL_NT * c.wbuf_k + c.acc_floats;
     const int64_t work = M * N * (K > 0 ? K : 1) * (swiglu ? 2 : 1);
