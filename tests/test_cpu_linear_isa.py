@@ -20,7 +20,7 @@ BEST = _C._cpu_isa()
 HERE = LEVELS[:LEVELS.index(BEST) + 1]  # the levels this machine runs
 # (M, K, N): K and N off the 16/32 tiles, M across the kernels' thresholds (8, 16, the 512-row slab)
 SHAPES = [(1, 7, 129), (2, 100, 40), (5, 33, 17), (9, 1537, 70), (17, 64, 33), (40, 300, 100), (97, 31, 129),
-          (530, 45, 50)]
+          (530, 45, 50), (66, 1100, 7)]  # the last: a 64-row block in k chunks, then 2 rows that take K whole
 
 
 def randn(rng, *shape, scale=1.0):
@@ -83,7 +83,7 @@ def test_half(rng, isa, dtype, m, k, n):
 
 def _batch_cases(rng, dtype):
     """(x, w, b, g) in dtype, sizes that split x's rows between threads and slabs"""
-    for m, k, n in [(600, 100, 70), (33, 1536, 300), (7, 4100, 129)]:
+    for m, k, n in [(600, 100, 70), (33, 1536, 300), (7, 4100, 129), (70, 1500, 50)]:
         arrs = randn(rng, m, k), randn(rng, n, k, scale=k ** -0.5), randn(rng, n), randn(rng, n, k, scale=k ** -0.5)
         if dtype != "float32":
             arrs = tuple(torch.from_numpy(a).to(getattr(torch, dtype)) for a in arrs)

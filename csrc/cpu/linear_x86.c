@@ -686,7 +686,9 @@ static int ll_run(const qk_linear_args *a, int swiglu, int dp, int avx2) {
     c.n_groups = (N + half - 1) / half;
     const int64_t mtiles = ((M < LL_MB ? M : LL_MB) + LL_MT - 1) / LL_MT;
     const int64_t kpad = (K + 31) / 32 * 32;
-    c.wbuf_k = mtiles <= 2 ? (kpad > 0 ? kpad : 32) : LL_KC;
+    /* a block of up to 8 rows (M's only one, or its last) copies whole rows of K */
+    const int64_t last_tiles = (M - (c.m_blocks - 1) * LL_MB + LL_MT - 1) / LL_MT;
+    c.wbuf_k = mtiles <= 2 || last_tiles <= 2 ? (kpad > LL_KC ? kpad : LL_KC) : LL_KC;
     c.acc_floats = mtiles * LL_TILES * LL_ACC;
     c.scratch_floats = LL_MB * LL_NG + LL_NT * c.wbuf_k + c.acc_floats;
     const int64_t work = M * N * (K > 0 ? K : 1) * (swiglu ? 2 : 1);
