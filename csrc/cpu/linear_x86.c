@@ -239,6 +239,7 @@ typedef struct {
     int swiglu, dp;       /* dp: bfloat16 by VDPBF16PS (x and weights read as pairs in place) */
     const char *x;        /* row m at x + m * xs: fp32 (in place or converted), or bfloat16 (dp) */
     int64_t xs, n_groups, m_blocks, wbuf_k;
+    int64_t m_base, m_rows; /* the slab of x rows this run covers */
     float *scratch;       /* per thread: accumulators, results, a weight copy */
     int64_t scratch_floats, acc_floats;
 } ll_ctx;
@@ -402,7 +403,7 @@ T512 void ll_epilogue(const qk_linear_args *a, int swiglu, int64_t m, int64_t n0
     ATTR void NAME(void *p, int tid, int nthreads) {                                                              \
         const ll_ctx *c = p;                                                                                      \
         const qk_linear_args *a = c->a;                                                                           \
-        const int64_t K = a->K, N = a->N, M = a->M;                                                               \
+        const int64_t K = a->K, N = a->N, M = c->m_rows;                                                          \
         const int half = c->swiglu ? LL_NG / 2 : LL_NG, wes = a->dtype == QK_F32 ? 4 : 2;                         \
         float *res = c->scratch + (int64_t)tid * c->scratch_floats; /* [LL_MB][LL_NG] */                          \
         char *wbuf = (char *)(res + LL_MB * LL_NG);                 /* [LL_NT][wbuf_k] */                          \
@@ -454,7 +455,8 @@ T512 void ll_epilogue(const qk_linear_args *a, int swiglu, int64_t m, int64_t n0
                     const int64_t cnt = half - j0 < 16 ? half - j0 : 16;                                          \
                     const int64_t ncnt = N - n0 - j0 < cnt ? N - n0 - j0 : cnt;                                   \
                     if (ncnt <= 0) break;                                                                         \
-                    EPI(a, c->swiglu, m0 + m, n0 + j0, ncnt, cnt, res + m * LL_NG + j0, res + m * LL_NG + half + j0); \
+                    EPI(a, c->swiglu, c->m_base + m0 + m, n0 + j0, ncnt, cnt, res + m * LL_NG + j0,                \
+                        res + m * LL_NG + half + j0);                                                             \
                 }                                                                                                 \
         }                                                                                                         \
     }
@@ -652,7 +654,7 @@ LL_WORKER(ll_worker_avx2, TAVX2, l2_tile, 0, l2_copy_tile, l2_finish_tile, l2_ep
 typedef struct {
     const qk_linear_args *a;
     float *x32;
-    int64_t ld;
+    int64_t ld, m_base, rows;
 } ll_conv_ctx;
 
 /* 16-bit x to fp32 rows of ld floats, ranges of rows per thread */
@@ -660,11 +662,11 @@ TFMA void ll_conv_worker(void *p, int tid, int nthreads) {
     const ll_conv_ctx *c = p;
     const qk_linear_args *a = c->a;
     int64_t m0, m1;
-    qk_share(a->M, tid, nthreads, &m0, &m1);
+    qk_share(c->rows, tid, nthreads, &m0, &m1);
     for (int64_t m = m0; m < m1; m++)
         for (int64_t k = 0; k < a->K; k += 16)
-            _mm512_store_ps(c->x32 + m * c->ld + k,
-                            ll_wload((const char *)a->x + (m * a->x_stride + k) * 2, a->dtype, mask16(a->K - k)));
+            _mm512_store_ps(c->x32 + m * c->ld + k, ll_wload((const char *)a->x + ((c->m_base + m) * a->x_stride + k) * 2,
+                                                            a->dtype, mask16(a->K - k)));
 }
 
 /* the same conversion in plain C (the AVX2 level) */
@@ -672,47 +674,56 @@ static void ll_conv_worker_c(void *p, int tid, int nthreads) {
     const ll_conv_ctx *c = p;
     const qk_linear_args *a = c->a;
     int64_t m0, m1;
-    qk_share(a->M, tid, nthreads, &m0, &m1);
+    qk_share(c->rows, tid, nthreads, &m0, &m1);
     for (int64_t m = m0; m < m1; m++)
-        for (int64_t k = 0; k < a->K; k++) c->x32[m * c->ld + k] = qk_load_f32(a->x, m * a->x_stride + k, a->dtype);
+        for (int64_t k = 0; k < a->K; k++)
+            c->x32[m * c->ld + k] = qk_load_f32(a->x, (c->m_base + m) * a->x_stride + k, a->dtype);
 }
 
-/* dp: bfloat16 pairs (AVX512-BF16); avx2: the AVX2 kernel */
+/* dp: bfloat16 pairs (AVX512-BF16); avx2: the AVX2 kernel.  x in slabs of LL_SLAB rows, so that
+ * 16-bit x converted to fp32 needs LL_SLAB rows of scratch whatever M. */
+#define LL_SLAB 512 /* a multiple of LL_MB: only M's last block of rows can be short */
 static int ll_run(const qk_linear_args *a, int swiglu, int dp, int avx2) {
     const int64_t M = a->M, N = a->N, K = a->K;
     ll_ctx c = {.a = a, .swiglu = swiglu, .dp = dp};
-    c.m_blocks = (M + LL_MB - 1) / LL_MB;
     const int half = swiglu ? LL_NG / 2 : LL_NG;
     c.n_groups = (N + half - 1) / half;
     const int64_t mtiles = ((M < LL_MB ? M : LL_MB) + LL_MT - 1) / LL_MT;
-    const int64_t kpad = (K + 31) / 32 * 32;
+    const int64_t kpad = (K + 31) / 32 * 32, ld = kpad > 0 ? kpad : 32;
     /* a block of up to 8 rows (M's only one, or its last) copies whole rows of K */
-    const int64_t last_tiles = (M - (c.m_blocks - 1) * LL_MB + LL_MT - 1) / LL_MT;
+    const int64_t last_tiles = (M - (M - 1) / LL_MB * LL_MB + LL_MT - 1) / LL_MT;
     c.wbuf_k = mtiles <= 2 || last_tiles <= 2 ? (kpad > LL_KC ? kpad : LL_KC) : LL_KC;
     c.acc_floats = mtiles * LL_TILES * LL_ACC;
     c.scratch_floats = LL_MB * LL_NG + LL_NT * c.wbuf_k + c.acc_floats;
-    const int64_t work = M * N * (K > 0 ? K : 1) * (swiglu ? 2 : 1);
-    int nthreads = qk_threads_for(work, a->num_threads > 0 ? a->num_threads : 1);
-    if (nthreads > c.n_groups * c.m_blocks) nthreads = (int)(c.n_groups * c.m_blocks);
+    const int64_t slab = M < LL_SLAB ? M : LL_SLAB;
+    const int max_threads = qk_threads_for(M * N * (K > 0 ? K : 1) * (swiglu ? 2 : 1), a->num_threads > 0 ? a->num_threads : 1);
     const int convert_x = !dp && a->dtype != QK_F32;
-    const size_t scratch_bytes = sizeof(float) * (size_t)c.scratch_floats * (size_t)nthreads;
-    const size_t x_bytes = convert_x ? sizeof(float) * (size_t)M * (size_t)(kpad > 0 ? kpad : 32) : 0;
+    const size_t scratch_bytes = sizeof(float) * (size_t)c.scratch_floats * (size_t)max_threads;
+    const size_t x_bytes = convert_x ? sizeof(float) * (size_t)slab * (size_t)ld : 0;
     char *mem = qk_cpu_scratch(scratch_bytes + x_bytes + 64);
     if (!mem) return QK_E_NOMEM;
     char *base = (char *)(((uintptr_t)mem + 63) & ~(uintptr_t)63);
     c.scratch = (float *)base;
     int status = QK_OK;
-    if (convert_x) {
-        ll_conv_ctx cv = {a, (float *)(base + scratch_bytes), kpad > 0 ? kpad : 32};
-        status = qk_parallel_run(qk_threads_for(M * K * 16, nthreads), avx2 ? ll_conv_worker_c : ll_conv_worker, &cv);
-        c.x = (const char *)cv.x32;
-        c.xs = cv.ld * 4;
-    } else {
-        c.x = a->x;
-        c.xs = a->x_stride * (dp ? 2 : 4);
+    for (int64_t m0 = 0; m0 < M && status == QK_OK; m0 += LL_SLAB) {
+        c.m_base = m0;
+        c.m_rows = M - m0 < LL_SLAB ? M - m0 : LL_SLAB;
+        c.m_blocks = (c.m_rows + LL_MB - 1) / LL_MB;
+        int nthreads = max_threads;
+        if (nthreads > c.n_groups * c.m_blocks) nthreads = (int)(c.n_groups * c.m_blocks);
+        if (convert_x) {
+            ll_conv_ctx cv = {a, (float *)(base + scratch_bytes), ld, m0, c.m_rows};
+            status = qk_parallel_run(qk_threads_for(c.m_rows * K * 16, nthreads), avx2 ? ll_conv_worker_c : ll_conv_worker,
+                                     &cv);
+            c.x = (const char *)cv.x32;
+            c.xs = ld * 4;
+        } else {
+            c.xs = a->x_stride * (dp ? 2 : 4);
+            c.x = a->x ? (const char *)a->x + m0 * c.xs : NULL; /* K = 0: never read */
+        }
+        if (status == QK_OK)
+            status = qk_parallel_run(nthreads, dp ? ll_worker_dp : avx2 ? ll_worker_avx2 : ll_worker_fma, &c);
     }
-    if (status == QK_OK)
-        status = qk_parallel_run(nthreads, dp ? ll_worker_dp : avx2 ? ll_worker_avx2 : ll_worker_fma, &c);
     qk_cpu_scratch_release(mem);
     return status;
 }
