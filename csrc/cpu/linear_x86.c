@@ -1,27 +1,28 @@
-/* linear and swiglu on x86-64 with AVX-512 and AMX, picked at run time (csrc/cpu/linear_isa.h).
+/* linear and swiglu on x86-64 with AVX2, AVX-512 and AMX, picked at run time (csrc/cpu/linear_isa.h).
  *
  * The kernels are compiled for their own instruction sets with target attributes, so the rest of
  * the build stays x86-64 baseline:
- *   amx   bfloat16: TDPBF16PS on 16 x 32 tiles.  The product is computed transposed,
- *         out^T [N, M] = W x^T: the weight rows load straight into A tiles (no repacking of the
- *         large operand); x is packed per call into VNNI pairs for the B tiles.
- *   fma   float32, and float16 (or bfloat16 without AVX512-BF16) converted to fp32 exactly: fused
- *         multiply-adds, x packed as [k][rows] and each weight element broadcast (M > 8), or 16
- *         weight rows transposed in registers and each row of x broadcast (M <= 8).
- *   pairs bfloat16 with AVX512-BF16 but no AMX: the fma kernel's forms with a pair of k as the step
- *         and VDPBF16PS as the multiply-add.
+ *   amx    bfloat16: TDPBF16PS on 16 x 32 tiles.  The product is computed transposed,
+ *          out^T [N, M] = W x^T: the weight rows load straight into A tiles (no repacking of the
+ *          large operand); x is packed per call into VNNI pairs for the B tiles.
+ *   lanes  float32, and float16 (or bfloat16 without AVX512-BF16) converted to fp32 exactly: dot
+ *          products with 16 consecutive k in the lanes of a vector, both operands loaded straight
+ *          from their rows, fused multiply-adds; with AVX512-BF16 (no AMX) bfloat16 takes the same
+ *          tiles with pairs of k and VDPBF16PS; on AVX2 the same sums in 8-float halves.
  *
  * Determinism.  On one machine every output is reduced in one fixed order whatever M, the tiling,
- * the thread count or the share of rows a thread gets: one fp32 chain over k (pairs of k) in
- * increasing order, from 0.  TDPBF16PS adds a row's 16 pairs in k order and the tiles follow in k
- * order; padding (k past K, rows past N or M) is zeros, and each output element depends on its own
- * row and column only.  Both fma forms run the same chains (a * b + c rounded once is symmetric in
- * a and b).  Partial sums parked in memory between k chunks are stored exactly.  The level is fixed
- * per process (the best the CPU offers, or the cap the caller passes), never chosen from M.
+ * the thread count or the share of rows a thread gets.  amx: one fp32 chain over k in increasing
+ * order, from 0 (TDPBF16PS adds a row's 16 pairs in k order and the tiles follow in k order).
+ * lanes: 16 chains over the steps in order, lane l taking k = l mod 16 (pairs: 2l, 2l + 1 mod 32),
+ * then one fixed tree over the lanes; the AVX2 kernel runs the same chains and tree, so it gives
+ * the AVX-512 level's bits.  Padding (k past K, rows past N or M) is zeros, and each output
+ * element depends on its own row and column only.  Partial sums parked in memory between k chunks
+ * are stored exactly.  The level is fixed per process (the best the CPU offers, or the cap the
+ * caller passes), never chosen from M.
  *
- * The epilogue (bias, silu, the rounding to the output dtype) runs on 16 outputs of a row at a
- * time, with masks for the edges, in the same vector code for every position: silu's exp is a
- * polynomial of our own, so its bits do not depend on libm. */
+ * The epilogue (bias, silu, the rounding to the output dtype) runs on 16 (AVX2: 8) outputs of a
+ * row at a time in the same vector code for every position: silu's exp is a polynomial of our
+ * own, so its bits do not depend on libm. */
 #define _GNU_SOURCE
 #include "cpu.h"
 #include "half.h"
@@ -220,10 +221,10 @@ T512 void transpose16(__m512 r[16]) {
  * Blocking: a unit is LL_NG weight rows (swiglu: LL_NG / 2 of each weight) by LL_MB rows of x.  It
  * walks k in chunks of LL_KC: within a chunk each tile of LL_NT weight rows (kept in L1) meets every
  * tile of LL_MT rows of x of the unit (from L2); the 16-lane partial sums wait in memory between
- * chunks, stored exactly.  A unit with one tile of x rows (M <= 4: the weights stream once) takes K
- * in one chunk and prefetches the weight rows.  16-bit weights are converted to fp32 on load when
- * they stream, else once per chunk into a copy that the tiles of x rows share; 16-bit x is
- * converted once per call. */
+ * chunks, stored exactly.  A unit with up to two tiles of x rows (the weights pass once) takes K in
+ * one chunk; the first tile of x rows prefetches the weight rows.  16-bit weights are converted to
+ * fp32 on load when they stream, else once per chunk into a copy that the tiles of x rows share;
+ * 16-bit x is converted once per slab of rows. */
 
 #define LL_MT 4
 #define LL_NT 6
