@@ -15,12 +15,12 @@ if HAS_TORCH:
     import torch
     import torch.nn.functional as F
 
-LEVELS = ["portable", "avx512", "avx512_bf16", "amx"]
+LEVELS = ["portable", "avx2", "avx512", "avx512_bf16", "amx"]
 BEST = _C._cpu_isa()
 HERE = LEVELS[:LEVELS.index(BEST) + 1]  # the levels this machine runs
 # (M, K, N): K and N off the 16/32 tiles, M across the kernels' thresholds (8, 16, the 512-row slab)
 SHAPES = [(1, 7, 129), (2, 100, 40), (5, 33, 17), (9, 1537, 70), (17, 64, 33), (40, 300, 100), (97, 31, 129),
-          (530, 45, 50)]
+          (530, 45, 50), (66, 1100, 7)]  # the last: a 64-row block in k chunks, then 2 rows that take K whole
 
 
 def randn(rng, *shape, scale=1.0):
@@ -45,7 +45,7 @@ def test_levels_and_keyword(rng):
     x, w = randn(rng, 3, 20), randn(rng, 5, 20)
     # a level above the machine's runs the best it has: the same bits as auto
     assert np.array_equal(lin(x, w, isa="amx"), lin(x, w))
-    with pytest.raises(ValueError, match="linear: _isa must be one of 'auto', 'portable', 'avx512'"):
+    with pytest.raises(ValueError, match="linear: _isa must be one of 'auto', 'portable', 'avx2', 'avx512'"):
         lin(x, w, isa="sse9")
     with pytest.raises(TypeError, match="swiglu: _isa must be a str"):
         swi(x, w, w, isa=3)
@@ -83,7 +83,7 @@ def test_half(rng, isa, dtype, m, k, n):
 
 def _batch_cases(rng, dtype):
     """(x, w, b, g) in dtype, sizes that split x's rows between threads and slabs"""
-    for m, k, n in [(600, 100, 70), (33, 1536, 300), (7, 4100, 129)]:
+    for m, k, n in [(600, 100, 70), (33, 1536, 300), (7, 4100, 129), (70, 1500, 50)]:
         arrs = randn(rng, m, k), randn(rng, n, k, scale=k ** -0.5), randn(rng, n), randn(rng, n, k, scale=k ** -0.5)
         if dtype != "float32":
             arrs = tuple(torch.from_numpy(a).to(getattr(torch, dtype)) for a in arrs)
@@ -169,3 +169,18 @@ def test_silu_extremes_and_zero_k(isa, dtype):
         z = tuple(torch.from_numpy(a).to(getattr(torch, dtype)) for a in z)
     assert np.array_equal(f64(lin(*z, isa)), np.broadcast_to(np.arange(5.0), (4, 5)))
     assert np.array_equal(f64(swi(z[0], z[1], z[1], isa)), np.zeros((4, 5)))
+
+
+@pytest.mark.skipif("avx512" not in HERE, reason="no AVX-512 here")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_avx2_gives_the_avx512_bits(rng, dtype):
+    """the AVX2 kernel runs the lane order of the fma level in 8-float halves: the same bits, at every
+    M (a lone row streams the weights, a batch takes the blocked path), K off the 16-lane step"""
+    if dtype != "float32" and not HAS_TORCH:
+        pytest.skip("torch is not installed")
+    for m, k, n in [(1, 4100, 70), (3, 37, 129), (70, 300, 53), (9, 1030, 20)]:
+        x, w, g, b = randn(rng, m, k), randn(rng, n, k, scale=k ** -0.5), randn(rng, n, k, scale=k ** -0.5), randn(rng, n)
+        if dtype != "float32":
+            x, w, g, b = (torch.from_numpy(a).to(getattr(torch, dtype)) for a in (x, w, g, b))
+        assert _equal(lin(x, w, b, "avx2"), lin(x, w, b, "avx512")), (dtype, m, k, n)
+        assert _equal(swi(x, w, g, "avx2"), swi(x, w, g, "avx512")), (dtype, m, k, n)

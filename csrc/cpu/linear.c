@@ -12,7 +12,7 @@
  * from contracting a*b+c into FMAs, so each clone of QK_MULTIVERSION vectorises the lanes without
  * changing a bit.
  *
- * These are the portable kernels: on x86-64 with AVX-512 the forward ops go to linear_x86.c
+ * These are the portable kernels: on x86-64 with AVX2 or AVX-512 the forward ops go to linear_x86.c
  * (qk_linear_fast), which has its own order per instruction-set level; the backward ops, and
  * swiglu_backward's recomputed products, stay here. */
 #include "cpu.h"

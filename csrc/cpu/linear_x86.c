@@ -1,27 +1,28 @@
-/* linear and swiglu on x86-64 with AVX-512 and AMX, picked at run time (csrc/cpu/linear_isa.h).
+/* linear and swiglu on x86-64 with AVX2, AVX-512 and AMX, picked at run time (csrc/cpu/linear_isa.h).
  *
  * The kernels are compiled for their own instruction sets with target attributes, so the rest of
  * the build stays x86-64 baseline:
- *   amx   bfloat16: TDPBF16PS on 16 x 32 tiles.  The product is computed transposed,
- *         out^T [N, M] = W x^T: the weight rows load straight into A tiles (no repacking of the
- *         large operand); x is packed per call into VNNI pairs for the B tiles.
- *   fma   float32, and float16 (or bfloat16 without AVX512-BF16) converted to fp32 exactly: fused
- *         multiply-adds, x packed as [k][rows] and each weight element broadcast (M > 8), or 16
- *         weight rows transposed in registers and each row of x broadcast (M <= 8).
- *   pairs bfloat16 with AVX512-BF16 but no AMX: the fma kernel's forms with a pair of k as the step
- *         and VDPBF16PS as the multiply-add.
+ *   amx    bfloat16: TDPBF16PS on 16 x 32 tiles.  The product is computed transposed,
+ *          out^T [N, M] = W x^T: the weight rows load straight into A tiles (no repacking of the
+ *          large operand); x is packed per call into VNNI pairs for the B tiles.
+ *   lanes  float32, and float16 (or bfloat16 without AVX512-BF16) converted to fp32 exactly: dot
+ *          products with 16 consecutive k in the lanes of a vector, both operands loaded straight
+ *          from their rows, fused multiply-adds; with AVX512-BF16 (no AMX) bfloat16 takes the same
+ *          tiles with pairs of k and VDPBF16PS; on AVX2 the same sums in 8-float halves.
  *
  * Determinism.  On one machine every output is reduced in one fixed order whatever M, the tiling,
- * the thread count or the share of rows a thread gets: one fp32 chain over k (pairs of k) in
- * increasing order, from 0.  TDPBF16PS adds a row's 16 pairs in k order and the tiles follow in k
- * order; padding (k past K, rows past N or M) is zeros, and each output element depends on its own
- * row and column only.  Both fma forms run the same chains (a * b + c rounded once is symmetric in
- * a and b).  Partial sums parked in memory between k chunks are stored exactly.  The level is fixed
- * per process (the best the CPU offers, or the cap the caller passes), never chosen from M.
+ * the thread count or the share of rows a thread gets.  amx: one fp32 chain over k in increasing
+ * order, from 0 (TDPBF16PS adds a row's 16 pairs in k order and the tiles follow in k order).
+ * lanes: 16 chains over the steps in order, lane l taking k = l mod 16 (pairs: 2l, 2l + 1 mod 32),
+ * then one fixed tree over the lanes; the AVX2 kernel runs the same chains and tree, so it gives
+ * the AVX-512 level's bits.  Padding (k past K, rows past N or M) is zeros, and each output
+ * element depends on its own row and column only.  Partial sums parked in memory between k chunks
+ * are stored exactly.  The level is fixed per process (the best the CPU offers, or the cap the
+ * caller passes), never chosen from M.
  *
- * The epilogue (bias, silu, the rounding to the output dtype) runs on 16 outputs of a row at a
- * time, with masks for the edges, in the same vector code for every position: silu's exp is a
- * polynomial of our own, so its bits do not depend on libm. */
+ * The epilogue (bias, silu, the rounding to the output dtype) runs on 16 (AVX2: 8) outputs of a
+ * row at a time in the same vector code for every position: silu's exp is a polynomial of our
+ * own, so its bits do not depend on libm. */
 #define _GNU_SOURCE
 #include "cpu.h"
 #include "half.h"
@@ -31,7 +32,7 @@
 #include <string.h>
 
 const char *const qk_cpu_isa_names[QK_CPU_ISA_COUNT] = {
-    [QK_CPU_ISA_AUTO] = "auto", [QK_CPU_ISA_PORTABLE] = "portable", [QK_CPU_ISA_AVX512] = "avx512",
+    [QK_CPU_ISA_AUTO] = "auto", [QK_CPU_ISA_PORTABLE] = "portable", [QK_CPU_ISA_AVX2] = "avx2", [QK_CPU_ISA_AVX512] = "avx512",
     [QK_CPU_ISA_AVX512_BF16] = "avx512_bf16", [QK_CPU_ISA_AMX] = "amx"};
 
 #if defined(__x86_64__) && defined(__GNUC__) && \
@@ -76,12 +77,14 @@ static int amx_permitted(void) {
 
 static void isa_detect(void) {
     __builtin_cpu_init();
-    /* __builtin_cpu_supports checks that the OS saves the AVX-512 state too */
-    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")))
-        return;
+    /* __builtin_cpu_supports checks that the OS saves the AVX and AVX-512 state too */
     unsigned a, b, c, d, f16c;
     if (!__get_cpuid(1, &a, &b, &f16c, &d) || !(f16c & (1u << 29))) return;
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return;
+    isa_best = QK_CPU_ISA_AVX2;
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")))
+        return;
     isa_best = QK_CPU_ISA_AVX512;
     unsigned max_sub, edx7;
     if (!__get_cpuid_count(7, 0, &max_sub, &b, &c, &edx7) || max_sub < 1) return;
@@ -207,391 +210,522 @@ T512 void transpose16(__m512 r[16]) {
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
-/* ---- the fma kernel ----------------------------------------------------------------------------
- * Each output is one chain of fused multiply-adds over k in increasing order, the product computed
- * transposed: x is packed into blocks of 16 V rows laid out [k][rows] (fp32, zero past M), so a
- * vector holds 16 rows of x at one k; a weight element is broadcast from its row (converted to fp32
- * a chunk at a time when 16-bit).  A register tile is LF_NT weight rows by V vectors of rows of x
- * (V = 2: 24 accumulators; 1 when M <= 16); a unit is LF_TILES such tiles by one block of x and
- * walks k in chunks of LF_KC, so that the block's chunk (16 KB) stays in L1 for the 4 tiles.
- * M <= LS_MAX_M goes to the transposed-weights form below, with the same chains. */
+/* ---- the lane kernel ---------------------------------------------------------------------------
+ * Dot products with k in the lanes: a vector holds 16 consecutive k of a row of x and of a weight
+ * row (VDPBF16PS: 16 pairs), so both operands load straight from their rows and a lone row of x
+ * streams the weights without any shuffling.  Lane l of an output's accumulator is one chain over
+ * the steps in order (fma: k = l mod 16; pairs: k = 2l, 2l + 1 mod 32); the last, partial step is
+ * masked, its missing k zero.  At the end the 16 lanes are added in one fixed tree (ll_reduce16),
+ * so every output is reduced the same way whatever M, the tile, the chunking or the thread.
+ *
+ * Blocking: a unit is LL_NG weight rows (swiglu: LL_NG / 2 of each weight) by LL_MB rows of x.  It
+ * walks k in chunks of LL_KC: within a chunk each tile of LL_NT weight rows (kept in L1) meets every
+ * tile of LL_MT rows of x of the unit (from L2); the 16-lane partial sums wait in memory between
+ * chunks, stored exactly.  A unit with up to two tiles of x rows (the weights pass once) takes K in
+ * one chunk; the first tile of x rows prefetches the weight rows.  16-bit weights are converted to
+ * fp32 on load when they stream, else once per chunk into a copy that the tiles of x rows share;
+ * 16-bit x is converted once per slab of rows. */
 
-#define LF_KC 128
-#define LF_TILES 4
-#define LF_WB (LF_KC + 16) /* floats per row of the weight copy: a chunk and a half pair, rounded */
-#define LF_MSLAB 512
-#define LF_NT(v) 12
-#define LF_NB (LF_TILES * 12) /* weight rows per unit */
-
-typedef struct {
-    const qk_linear_args *a;
-    int swiglu, v; /* v: vectors of x rows per tile, 1 or 2 */
-    int pairs;     /* bfloat16 by VDPBF16PS: a step is a pair of k (K odd: the last pair ends in 0) */
-    float *xt;     /* per thread: the blocks of x it uses, packed [block][kp][16 v] (pairs: 32-bit pairs) */
-    int64_t xt_per_thread, kp, m_begin, m_rows, m_blocks, n_blocks;
-    int msplit;    /* threads split the blocks of x (else the units) */
-    float *scratch;
-    int64_t scratch_floats;
-} lf_ctx;
-
-/* blocks [b0, b1) of the slab's rows of x into xt (its block b0 first) */
-TFMA void lf_pack(const lf_ctx *c, int64_t b0, int64_t b1, float *xt) {
-    const qk_linear_args *a = c->a;
-    const int64_t rows = 16 * c->v;
-    const int esize = a->dtype == QK_F32 ? 4 : 2;
-    for (int64_t mb = b0; mb < b1; mb++)
-        for (int64_t h = 0; h < c->v; h++)
-            for (int64_t k0 = 0; k0 < c->kp; k0 += 16) {
-                const __mmask16 km = mask16(a->K - k0);
-                const __mmask32 pm = mask32(a->K - 2 * k0);
-                __m512 r[16];
-                for (int i = 0; i < 16; i++) {
-                    const int64_t m = mb * rows + h * 16 + i;
-                    const int64_t row = (c->m_begin + m) * a->x_stride;
-                    r[i] = m >= c->m_rows ? _mm512_setzero_ps()
-                           : c->pairs     ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(pm, (const uint16_t *)a->x + row + 2 * k0))
-                                          : load16((const char *)a->x + (row + k0) * esize, a->dtype, km);
-                }
-                transpose16(r);
-                float *dst = xt + (mb - b0) * c->kp * rows + k0 * rows + h * 16;
-                for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * rows, r[i]);
-            }
-}
-
-/* The 12 weight rows of a tile sit one stride apart (sb bytes: the weight's row stride, or the
- * scratch copy's), addressed from 4 bases as b[j / 3] + (j % 3) sb: 4 + 2 registers instead of 12
- * row pointers, which did not fit beside the accumulators and were reloaded at every k. */
-#define LF_ROW(b, sb, j) ((const char *)(b)[(j) / 3] + ((j) % 3) * (sb))
-
-/* acc[j][h] (+)= sum over the chunk of w_j[k] xt[k][16 h ..]: one fma chain per element */
-static inline __attribute__((target(T512_ISA), always_inline)) void
-lf_tile(const char *w, int64_t sb, const float *xt, int64_t kc, int V, float *acc, int init) {
-    enum { NT = 12 };
-    __m512 c[NT][2];
-    const char *b[4] = {w, w + 3 * sb, w + 6 * sb, w + 9 * sb};
-#pragma GCC unroll 12
-    for (int j = 0; j < NT; j++)
-#pragma GCC unroll 2
-        for (int h = 0; h < V; h++) c[j][h] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (j * V + h) * 16);
-    for (int64_t k = 0; k < kc; k++) {
-        __m512 xv[2];
-#pragma GCC unroll 2
-        for (int h = 0; h < V; h++) xv[h] = _mm512_loadu_ps(xt + k * 16 * V + h * 16);
-#pragma GCC unroll 12
-        for (int j = 0; j < NT; j++) {
-            const __m512 wv = _mm512_set1_ps(*(const float *)LF_ROW(b, sb, j));
-#pragma GCC unroll 2
-            for (int h = 0; h < V; h++) c[j][h] = _mm512_fmadd_ps(wv, xv[h], c[j][h]);
-        }
-        for (int q = 0; q < 4; q++) b[q] += 4;
-    }
-#pragma GCC unroll 12
-    for (int j = 0; j < NT; j++)
-#pragma GCC unroll 2
-        for (int h = 0; h < V; h++) _mm512_storeu_ps(acc + (j * V + h) * 16, c[j][h]);
-}
-
-/* lf_tile for bfloat16 pairs: acc[j][h] (+)= the dot products of kc pairs of w_j with xt; with
- * odd, one more pair whose second element is past K (0; never read from the row) */
-static inline __attribute__((target(T512_ISA ",avx512bf16"), always_inline)) void
-lp_tile(const char *w, int64_t sb, const float *xt, int64_t kc, int odd, int V, float *acc, int init) {
-    enum { NT = 12 };
-    __m512 c[NT][2];
-    const char *b[4] = {w, w + 3 * sb, w + 6 * sb, w + 9 * sb};
-#pragma GCC unroll 12
-    for (int j = 0; j < NT; j++)
-#pragma GCC unroll 2
-        for (int h = 0; h < V; h++) c[j][h] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (j * V + h) * 16);
-    for (int64_t k = 0; k < kc + odd; k++) {
-        __m512 xv[2];
-#pragma GCC unroll 2
-        for (int h = 0; h < V; h++) xv[h] = _mm512_loadu_ps(xt + k * 16 * V + h * 16);
-#pragma GCC unroll 12
-        for (int j = 0; j < NT; j++) {
-            uint32_t pair;
-            if (k < kc) memcpy(&pair, LF_ROW(b, sb, j), 4);
-            else pair = *(const uint16_t *)LF_ROW(b, sb, j);
-            const __m512bh wv = (__m512bh)_mm512_set1_epi32((int)pair);
-#pragma GCC unroll 2
-            for (int h = 0; h < V; h++) c[j][h] = _mm512_dpbf16_ps(c[j][h], (__m512bh)xv[h], wv);
-        }
-        for (int q = 0; q < 4; q++) b[q] += 4;
-    }
-#pragma GCC unroll 12
-    for (int j = 0; j < NT; j++)
-#pragma GCC unroll 2
-        for (int h = 0; h < V; h++) _mm512_storeu_ps(acc + (j * V + h) * 16, c[j][h]);
-}
-
-/* the tile variants, called through a pointer so that the worker itself needs no AVX512-BF16 */
-typedef void (*lf_tile_fn)(const char *w, int64_t sb, const float *xt, int64_t kc, int odd, float *acc, int init);
-#define LF_TILE_VARIANT(NAME, ATTR, CALL)                                                                   \
-    ATTR void NAME(const char *w, int64_t sb, const float *xt, int64_t kc, int odd, float *acc, int init) { \
-        (void)odd;                                                                                          \
-        CALL;                                                                                               \
-    }
-LF_TILE_VARIANT(lf_tile_1, TFMA, lf_tile(w, sb, xt, kc, 1, acc, init))
-LF_TILE_VARIANT(lf_tile_2, TFMA, lf_tile(w, sb, xt, kc, 2, acc, init))
-LF_TILE_VARIANT(lp_tile_1, TBF16, lp_tile(w, sb, xt, kc, odd, 1, acc, init))
-LF_TILE_VARIANT(lp_tile_2, TBF16, lp_tile(w, sb, xt, kc, odd, 2, acc, init))
-
-TFMA void lf_worker(void *p, int tid, int nthreads) {
-    const lf_ctx *c = p;
-    const qk_linear_args *a = c->a;
-    const int64_t K = a->K, N = a->N;
-    const int V = c->v, nt = LF_NT(V), nb = LF_TILES * nt, half = c->swiglu ? nb / 2 : nb, rows = 16 * V;
-    const int conv = a->dtype != QK_F32 && !c->pairs, esize = a->dtype != QK_F32 ? 2 : 4;
-    const int64_t steps = c->pairs ? K / 2 : K; /* whole steps; pairs: K odd adds a half pair */
-    const int odd = c->pairs && K % 2;
-    const lf_tile_fn tile = c->pairs ? (V == 2 ? lp_tile_2 : lp_tile_1) : (V == 2 ? lf_tile_2 : lf_tile_1);
-    float *acc = c->scratch + tid * c->scratch_floats; /* [LF_TILES][nt][V][16] */
-    float *wbuf = acc + LF_TILES * 28 * 16;            /* [nt][LF_WB] */
-    /* as the AMX kernel: ranges of blocks of x across all weights when there are many, else ranges
-     * of units; each thread packs the blocks of x it uses */
-    int64_t mb_lo = 0, mb_cnt = c->m_blocks, u0, u1;
-    if (c->msplit) {
-        qk_share(c->m_blocks, tid, nthreads, &mb_lo, &mb_cnt);
-        mb_cnt -= mb_lo;
-        u0 = 0;
-        u1 = c->n_blocks * mb_cnt;
-    } else {
-        qk_share(c->n_blocks * c->m_blocks, tid, nthreads, &u0, &u1);
-    }
-    float *xts = c->xt + (int64_t)tid * c->xt_per_thread;
-    lf_pack(c, mb_lo, mb_lo + mb_cnt, xts);
-    for (int64_t u = u0; u < u1; u++) {
-        const int64_t ib = u / mb_cnt, mb = mb_lo + u % mb_cnt, n0 = ib * half, m0 = mb * rows;
-        const float *xt = xts + (mb - mb_lo) * c->kp * rows;
-        const char *wsrc[LF_NB];
-        for (int r = 0; r < nb; r++) { /* rows past N repeat row n0; their results are dropped */
-            int64_t n = n0 + r % half;
-            if (n >= N) n = n0;
-            const int gate = c->swiglu && r >= half;
-            wsrc[r] = (const char *)(gate ? a->gate : a->w) + n * (gate ? a->gate_stride : a->w_stride) * esize;
-        }
-        for (int64_t k0 = 0; k0 < steps || k0 == 0; k0 += LF_KC) {
-            const int64_t kc = steps - k0 < LF_KC ? steps - k0 : LF_KC;
-            const int last = k0 + LF_KC >= steps; /* the half pair of an odd K ends the last chunk */
-            for (int t = 0; t < LF_TILES; t++) {
-                /* rows in place when the tile's 12 rows all exist, one stride apart; else (16-bit
-                 * weights for fp32, the edge of N) a copy, rows past N repeating the first */
-                const int64_t first = n0 + (t * nt) % half;
-                const int whole = first + nt <= N;
-                const int64_t wsb = (c->swiglu && t * nt >= half ? a->gate_stride : a->w_stride) * esize;
-                const char *src = wsrc[t * nt] + k0 * esize * (c->pairs ? 2 : 1);
-                if (whole && !conv) {
-                    tile(src, wsb, xt + k0 * rows, kc, odd && last, acc + t * nt * V * 16, k0 == 0);
-                    continue;
-                }
-                for (int j = 0; j < nt; j++) {
-                    const char *row = wsrc[t * nt + j] + k0 * esize * (c->pairs ? 2 : 1);
-                    if (c->pairs) {
-                        const int64_t n16 = 2 * kc + (odd && last);
-                        for (int64_t k = 0; k < n16; k += 32)
-                            _mm512_storeu_si512((char *)(wbuf + j * LF_WB) + k * 2,
-                                                _mm512_maskz_loadu_epi16(mask32(n16 - k), row + k * 2));
-                    } else {
-                        for (int64_t k = 0; k < kc; k += 16)
-                            _mm512_storeu_ps(wbuf + j * LF_WB + k, load16(row + k * esize, a->dtype, mask16(kc - k)));
-                    }
-                }
-                tile((const char *)wbuf, LF_WB * 4, xt + k0 * rows, kc, odd && last, acc + t * nt * V * 16, k0 == 0);
-            }
-            if (steps == 0) break;
-        }
-        /* acc [weight row][h][16 rows of x]: 16 weight rows at a time transposed into rows of x */
-        const int64_t mrows = c->m_rows - m0 < rows ? c->m_rows - m0 : rows;
-        for (int h = 0; h < V; h++)
-            for (int j0 = 0; j0 < half; j0 += 16) {
-                const int64_t cnt = half - j0 < 16 ? half - j0 : 16, ncnt = N - n0 - j0 < cnt ? N - n0 - j0 : cnt;
-                if (ncnt <= 0 || h * 16 >= mrows) break;
-                __m512 up[16], gate[16];
-                for (int q = 0; q < 16; q++) {
-                    up[q] = q < cnt ? _mm512_loadu_ps(acc + ((j0 + q) * V + h) * 16) : _mm512_setzero_ps();
-                    gate[q] = c->swiglu && q < cnt ? _mm512_loadu_ps(acc + ((half + j0 + q) * V + h) * 16) : up[q];
-                }
-                transpose16(up);
-                if (c->swiglu) transpose16(gate);
-                for (int q = 0; q < 16 && h * 16 + q < mrows; q++)
-                    epilogue16(a, c->swiglu, c->m_begin + m0 + h * 16 + q, n0 + j0, ncnt, up[q], c->swiglu ? gate[q] : up[q]);
-            }
-    }
-}
-
-/* Few rows of x (M <= LS_MAX_M): the same fma chains with the weights in the lanes instead, 16
- * weight rows transposed in registers per 16 k, and each row of x broadcast; one fma per 16
- * products instead of one per product and block of x rows, for the same bits. */
-#define LS_MAX_M 8
-#define LS_PREFETCH 512 /* bytes ahead in each weight row */
+#define LL_MT 4
+#define LL_NT 6
+#define LL_TILES 8                 /* weight tiles per unit */
+#define LL_NG (LL_TILES * LL_NT)   /* weight rows per unit */
+#define LL_MB 64                   /* rows of x per unit */
+#define LL_KC 1024                 /* k per chunk: a weight tile's chunk is 24 KB of fp32 */
+#define LL_ACC (LL_MT * LL_NT * 16) /* floats of one tile's accumulators */
+#define LL_PREFETCH 1024           /* bytes ahead in each streamed weight row */
 
 typedef struct {
     const qk_linear_args *a;
-    int swiglu;
-    const float *x;     /* [M][x_stride] fp32 */
-    const uint32_t *xp; /* pairs: [M][x_stride] pairs of bfloat16, the half pair of an odd K ending in 0 */
-    int64_t x_stride, n_blocks;
-} ls_ctx;
+    int swiglu, dp;       /* dp: bfloat16 by VDPBF16PS (x and weights read as pairs in place) */
+    const char *x;        /* row m at x + m * xs: fp32 (in place or converted), or bfloat16 (dp) */
+    int64_t xs, n_groups, m_blocks, wbuf_k;
+    int64_t m_base, m_rows; /* the slab of x rows this run covers */
+    float *scratch;       /* per thread: accumulators, results, a weight copy */
+    int64_t scratch_floats, acc_floats;
+} ll_ctx;
 
-/* acc[b * M + m] += the products of the 16 weight rows of block b < NB (rows past N repeat the
- * block's first, k past K masked) with the M rows of x, k in increasing order.  Several blocks
- * give the fma chains of a lone row of x something to overlap. */
+/* 16 elements of a weight row as fp32 (masked lanes 0) */
+T512 __m512 ll_wload(const char *p, int wdt, __mmask16 m) {
+    if (wdt == QK_F32) return _mm512_maskz_loadu_ps(m, p);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    if (wdt == QK_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* acc[i * LL_NT + j] (+)= the 16-lane products of x row i (x + i xs, fp32) and weight row j (w + j ws,
+ * dtype wdt) over n elements; rows past MT are not touched.  pf: prefetch the weight rows. */
 static inline __attribute__((target(T512_ISA), always_inline)) void
-ls_rows(const ls_ctx *c, const char *const *w, int64_t ws, const int64_t *nvalid, int NB, int M, __m512 *acc) {
-    const qk_linear_args *a = c->a;
-    const int64_t K = a->K;
-    const int esize = a->dtype == QK_F32 ? 4 : 2;
-    for (int64_t k0 = 0; k0 < K; k0 += 16) {
-        const __mmask16 km = mask16(K - k0);
-        const int kn = K - k0 < 16 ? (int)(K - k0) : 16;
-        for (int b = 0; b < NB; b++) {
-            __m512 r[16];
-            for (int i = 0; i < 16; i++) {
-                const char *row = w[b] + ((i < nvalid[b] ? i : 0) * ws + k0) * esize;
-                _mm_prefetch(row + LS_PREFETCH, _MM_HINT_T0);
-                r[i] = load16(row, a->dtype, km);
-            }
-            transpose16(r); /* r[kk]: k0 + kk of the 16 rows */
-            for (int kk = 0; kk < kn; kk++)
-                for (int m = 0; m < M; m++)
-                    acc[b * M + m] = _mm512_fmadd_ps(_mm512_set1_ps(c->x[m * c->x_stride + k0 + kk]), r[kk], acc[b * M + m]);
+ll_fma_tile(const char *x, int64_t xs, const char *w, int64_t ws, int64_t n, int MT, int wdt, float *acc, int init,
+            int pf) {
+    const int es = wdt == QK_F32 ? 4 : 2;
+    __m512 c[LL_MT][LL_NT];
+#pragma GCC unroll 4
+    for (int i = 0; i < MT; i++)
+#pragma GCC unroll 6
+        for (int j = 0; j < LL_NT; j++) c[i][j] = init ? _mm512_setzero_ps() : _mm512_load_ps(acc + (i * LL_NT + j) * 16);
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+        __m512 wv[LL_NT];
+#pragma GCC unroll 6
+        for (int j = 0; j < LL_NT; j++) {
+            if (pf) _mm_prefetch(w + j * ws + k * es + LL_PREFETCH, _MM_HINT_T0);
+            wv[j] = ll_wload(w + j * ws + k * es, wdt, 0xFFFF);
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < MT; i++) {
+            const __m512 xv = _mm512_loadu_ps((const float *)(x + i * xs) + k);
+#pragma GCC unroll 6
+            for (int j = 0; j < LL_NT; j++) c[i][j] = _mm512_fmadd_ps(xv, wv[j], c[i][j]);
         }
     }
+    if (k < n) {
+        const __mmask16 m = mask16(n - k);
+        __m512 wv[LL_NT];
+#pragma GCC unroll 6
+        for (int j = 0; j < LL_NT; j++) wv[j] = ll_wload(w + j * ws + k * es, wdt, m);
+#pragma GCC unroll 4
+        for (int i = 0; i < MT; i++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(m, (const float *)(x + i * xs) + k);
+#pragma GCC unroll 6
+            for (int j = 0; j < LL_NT; j++) c[i][j] = _mm512_fmadd_ps(xv, wv[j], c[i][j]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MT; i++)
+#pragma GCC unroll 6
+        for (int j = 0; j < LL_NT; j++) _mm512_store_ps(acc + (i * LL_NT + j) * 16, c[i][j]);
 }
 
-/* ls_rows for bfloat16 pairs (VDPBF16PS): the chains of lf's pairs */
+/* ll_fma_tile for bfloat16 pairs: n bfloat16 elements of x (bfloat16) and the weights, VDPBF16PS */
 static inline __attribute__((target(T512_ISA ",avx512bf16"), always_inline)) void
-lsp_rows(const ls_ctx *c, const char *const *w, int64_t ws, const int64_t *nvalid, int NB, int M, __m512 *acc) {
-    const int64_t K = c->a->K, P = (K + 1) / 2;
-    for (int64_t p0 = 0; p0 < P; p0 += 16) {
-        const __mmask32 km = mask32(K - 2 * p0);
-        const int pn = P - p0 < 16 ? (int)(P - p0) : 16;
-        for (int b = 0; b < NB; b++) {
-            __m512 r[16];
-            for (int i = 0; i < 16; i++) {
-                const uint16_t *row = (const uint16_t *)w[b] + (i < nvalid[b] ? i : 0) * ws + 2 * p0;
-                _mm_prefetch((const char *)row + LS_PREFETCH, _MM_HINT_T0);
-                r[i] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(km, row));
+ll_dp_tile(const char *x, int64_t xs, const char *w, int64_t ws, int64_t n, int MT, int wdt, float *acc, int init,
+           int pf) {
+    (void)wdt;
+    __m512 c[LL_MT][LL_NT];
+#pragma GCC unroll 4
+    for (int i = 0; i < MT; i++)
+#pragma GCC unroll 6
+        for (int j = 0; j < LL_NT; j++) c[i][j] = init ? _mm512_setzero_ps() : _mm512_load_ps(acc + (i * LL_NT + j) * 16);
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32) {
+        __m512i wv[LL_NT];
+#pragma GCC unroll 6
+        for (int j = 0; j < LL_NT; j++) {
+            if (pf) _mm_prefetch(w + j * ws + k * 2 + LL_PREFETCH, _MM_HINT_T0);
+            wv[j] = _mm512_loadu_si512(w + j * ws + k * 2);
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < MT; i++) {
+            const __m512i xv = _mm512_loadu_si512(x + i * xs + k * 2);
+#pragma GCC unroll 6
+            for (int j = 0; j < LL_NT; j++) c[i][j] = _mm512_dpbf16_ps(c[i][j], (__m512bh)xv, (__m512bh)wv[j]);
+        }
+    }
+    if (k < n) {
+        const __mmask32 m = mask32(n - k);
+        __m512i wv[LL_NT];
+#pragma GCC unroll 6
+        for (int j = 0; j < LL_NT; j++) wv[j] = _mm512_maskz_loadu_epi16(m, w + j * ws + k * 2);
+#pragma GCC unroll 4
+        for (int i = 0; i < MT; i++) {
+            const __m512i xv = _mm512_maskz_loadu_epi16(m, x + i * xs + k * 2);
+#pragma GCC unroll 6
+            for (int j = 0; j < LL_NT; j++) c[i][j] = _mm512_dpbf16_ps(c[i][j], (__m512bh)xv, (__m512bh)wv[j]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MT; i++)
+#pragma GCC unroll 6
+        for (int j = 0; j < LL_NT; j++) _mm512_store_ps(acc + (i * LL_NT + j) * 16, c[i][j]);
+}
+
+/* lane i of the result: the 16 lanes of v[i] added as ((l + l+8) + (l+4 + l+12)) for l < 4, then
+ * (0 + 2) + (1 + 3): the same tree for every output, whichever vectors share the call */
+T512 __m512 ll_reduce16(const float *v, int count) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++) {
+        const __m512 a = 2 * i < count ? _mm512_load_ps(v + 2 * i * 16) : _mm512_setzero_ps();
+        const __m512 b = 2 * i + 1 < count ? _mm512_load_ps(v + (2 * i + 1) * 16) : _mm512_setzero_ps();
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    }
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+    /* element 4 j + e holds vector 4 e + j */
+    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), r);
+}
+
+/* the tile's accumulators (rows < mt) reduced into res[i][col + j] (row length LL_NG) */
+T512 void ll_finish_tile(const float *acc, int mt, float *res, int col) {
+    float s[32] __attribute__((aligned(64)));
+    const int cnt = mt * LL_NT;
+    _mm512_store_ps(s, ll_reduce16(acc, cnt < 16 ? cnt : 16));
+    if (cnt > 16) _mm512_store_ps(s + 16, ll_reduce16(acc + 256, cnt - 16));
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < LL_NT; j++) res[i * LL_NG + col + j] = s[i * LL_NT + j];
+}
+
+/* rows [0, valid) of a weight tile, elements [k0, k0 + n), into buf (row length ld elements of fp32,
+ * or of bfloat16 when keep16), rows past valid repeating row 0 (their results are dropped) */
+T512 void ll_copy_tile(const char *w, int64_t ws, int wdt, int valid, int64_t k0, int64_t n, int keep16, char *buf,
+                       int64_t ld) {
+    const int es = wdt == QK_F32 ? 4 : 2;
+    for (int j = 0; j < LL_NT; j++) {
+        const char *row = w + (j < valid ? j : 0) * ws + k0 * es;
+        if (keep16) {
+            for (int64_t k = 0; k < n; k += 32)
+                _mm512_storeu_si512(buf + j * ld * 2 + k * 2, _mm512_maskz_loadu_epi16(mask32(n - k), row + k * 2));
+        } else {
+            for (int64_t k = 0; k < n; k += 16) {
+                _mm_prefetch(row + k * es + LL_PREFETCH, _MM_HINT_T0);
+                _mm512_store_ps((float *)buf + j * ld + k, ll_wload(row + k * es, wdt, mask16(n - k)));
             }
-            transpose16(r); /* r[pp]: pair p0 + pp of the 16 rows */
-            for (int pp = 0; pp < pn; pp++)
-                for (int m = 0; m < M; m++)
-                    acc[b * M + m] = _mm512_dpbf16_ps(acc[b * M + m],
-                                                      (__m512bh)_mm512_set1_epi32((int)c->xp[m * c->x_stride + p0 + pp]),
-                                                      (__m512bh)_mm512_castps_si512(r[pp]));
         }
     }
 }
 
-#define LS_WORKER(NAME, ATTR, ROWS) \
-    ATTR void NAME(void *p, int tid, int nthreads) {                                                           \
-        const ls_ctx *c = p;                                                                                   \
-        const qk_linear_args *a = c->a;                                                                        \
-        const int M = (int)a->M, NB = a->dtype == QK_F32 ? (M <= 4 ? 2 : 1) : (M <= 2 ? 4 : M <= 4 ? 2 : 1);   \
-        const int esize = a->dtype == QK_F32 ? 4 : 2;                                                          \
-        int64_t u0, u1;                                                                                        \
-        qk_share((c->n_blocks + NB - 1) / NB, tid, nthreads, &u0, &u1);                                        \
-        for (int64_t u = u0; u < u1; u++) {                                                                    \
-            int64_t nvalid[4];                                                                                 \
-            const char *wu[4], *wg[4];                                                                         \
-            int nb = 0;                                                                                        \
-            for (; nb < NB && (u * NB + nb) * 16 < a->N; nb++) {                                               \
-                const int64_t n0 = (u * NB + nb) * 16;                                                         \
-                nvalid[nb] = a->N - n0 < 16 ? a->N - n0 : 16;                                                  \
-                wu[nb] = (const char *)a->w + n0 * a->w_stride * esize;                                        \
-                wg[nb] = c->swiglu ? (const char *)a->gate + n0 * a->gate_stride * esize : NULL;               \
-            }                                                                                                  \
-            __m512 up[LS_MAX_M], gate[LS_MAX_M];                                                               \
-            for (int m = 0; m < LS_MAX_M; m++) up[m] = gate[m] = _mm512_setzero_ps();                          \
-            for (int h = 0; h <= c->swiglu; h++) {                                                             \
-                const char *const *w = h ? wg : wu;                                                            \
-                const int64_t ws = h ? a->gate_stride : a->w_stride;                                           \
-                __m512 *acc = h ? gate : up;                                                                   \
-                if (nb == 4 && M == 1) ROWS(c, w, ws, nvalid, 4, 1, acc);                                      \
-                else if (nb == 4 && M == 2) ROWS(c, w, ws, nvalid, 4, 2, acc);                                 \
-                else if (nb == 2 && M == 1) ROWS(c, w, ws, nvalid, 2, 1, acc);                                 \
-                else if (nb == 2 && M == 2) ROWS(c, w, ws, nvalid, 2, 2, acc);                                 \
-                else if (nb == 2 && M == 3) ROWS(c, w, ws, nvalid, 2, 3, acc);                                 \
-                else if (nb == 2 && M == 4) ROWS(c, w, ws, nvalid, 2, 4, acc);                                 \
-                else                                                                                           \
-                    for (int b = 0; b < nb; b++) ROWS(c, w + b, ws, nvalid + b, 1, M, acc + b * M);            \
-            }                                                                                                  \
-            for (int b = 0; b < nb; b++)                                                                       \
-                for (int m = 0; m < M; m++)                                                                    \
-                    epilogue16(a, c->swiglu, m, (u * NB + b) * 16, nvalid[b], up[b * M + m], gate[b * M + m]); \
-        }                                                                                                      \
+#define LL_CASE(TILE, V, WDT, R) \
+    case V * LL_MT + R - 1: TILE(x, c->xs, w, ws, n, R, WDT, acc, init, mt == 0); break;
+#define LL_CASES(TILE, V, WDT) \
+    LL_CASE(TILE, V, WDT, 1) LL_CASE(TILE, V, WDT, 2) LL_CASE(TILE, V, WDT, 3) LL_CASE(TILE, V, WDT, 4)
+
+/* out[m, n0 ..] from the fp32 sums pu[0 .. cnt) (swiglu: and pg), ncnt <= cnt of them stored */
+T512 void ll_epilogue(const qk_linear_args *a, int swiglu, int64_t m, int64_t n0, int64_t ncnt, int64_t cnt,
+                      const float *pu, const float *pg) {
+    const __m512 up = _mm512_maskz_loadu_ps(mask16(cnt), pu);
+    epilogue16(a, swiglu, m, n0, ncnt, up, swiglu ? _mm512_maskz_loadu_ps(mask16(cnt), pg) : up);
+}
+
+#define LL_WORKER(NAME, ATTR, TILE, DP, COPY, FINISH, EPI)                                                                           \
+    ATTR void NAME(void *p, int tid, int nthreads) {                                                              \
+        const ll_ctx *c = p;                                                                                      \
+        const qk_linear_args *a = c->a;                                                                           \
+        const int64_t K = a->K, N = a->N, M = c->m_rows;                                                          \
+        const int half = c->swiglu ? LL_NG / 2 : LL_NG, wes = a->dtype == QK_F32 ? 4 : 2;                         \
+        float *res = c->scratch + (int64_t)tid * c->scratch_floats; /* [LL_MB][LL_NG] */                          \
+        char *wbuf = (char *)(res + LL_MB * LL_NG);                 /* [LL_NT][wbuf_k] */                          \
+        float *accs = res + LL_MB * LL_NG + LL_NT * c->wbuf_k;      /* [m tiles][LL_TILES][LL_ACC] */             \
+        int64_t u0, u1;                                                                                           \
+        qk_share(c->n_groups * c->m_blocks, tid, nthreads, &u0, &u1);                                             \
+        for (int64_t u = u0; u < u1; u++) {                                                                       \
+            const int64_t n0 = u / c->m_blocks * half, m0 = u % c->m_blocks * LL_MB;                              \
+            const int mrows = M - m0 < LL_MB ? (int)(M - m0) : LL_MB, mtiles = (mrows + LL_MT - 1) / LL_MT;         \
+            const int stream = mtiles <= 2; /* the weights pass once: whole K, converted on load */              \
+            const int64_t kc = stream ? (K > 0 ? K : 1) : LL_KC;                                                  \
+            const int conv = !(DP) && a->dtype != QK_F32 && !stream;                                              \
+            for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += kc) {                                                   \
+                const int64_t n = K - k0 < kc ? K - k0 : kc;                                                      \
+                const int last = k0 + kc >= K;                                                                    \
+                for (int t = 0; t < LL_TILES; t++) {                                                              \
+                    const int gate = c->swiglu && t >= LL_TILES / 2;                                              \
+                    const int64_t first = n0 + (gate ? t - LL_TILES / 2 : t) * LL_NT;                             \
+                    if (first >= N) continue;                                                                     \
+                    const int valid = N - first < LL_NT ? (int)(N - first) : LL_NT;                              \
+                    const int64_t ws0 = (gate ? a->gate_stride : a->w_stride) * wes;                              \
+                    const char *w = (const char *)(gate ? a->gate : a->w) + first * ws0 + k0 * wes;                \
+                    int64_t ws = ws0;                                                                             \
+                    int wdt = a->dtype;                                                                           \
+                    if (valid < LL_NT || conv) {                                                                  \
+                        COPY(w, ws0, a->dtype, valid, 0, n, DP, wbuf, c->wbuf_k);                                 \
+                        w = wbuf;                                                                                 \
+                        ws = c->wbuf_k * ((DP) ? 2 : 4);                                                          \
+                        wdt = (DP) ? QK_BF16 : QK_F32;                                                            \
+                    }                                                                                             \
+                    for (int mt = 0; mt < mtiles; mt++) {                                                         \
+                        const int rows = mrows - mt * LL_MT < LL_MT ? mrows - mt * LL_MT : LL_MT;                 \
+                        const char *x = c->x + (m0 + mt * LL_MT) * c->xs + k0 * ((DP) ? 2 : 4);                   \
+                        float *acc = accs + ((int64_t)mt * LL_TILES + t) * LL_ACC;                                \
+                        const int init = k0 == 0;                                                                 \
+                        const int v = (DP) || wdt == QK_F32 ? 0 : wdt == QK_F16 ? 1 : 2;                          \
+                        switch (v * LL_MT + rows - 1) { /* constant shapes, each call unrolled */                 \
+                        LL_CASES(TILE, 0, QK_F32)                                                                 \
+                        LL_CASES(TILE, 1, QK_F16)                                                                 \
+                        LL_CASES(TILE, 2, QK_BF16)                                                                \
+                        }                                                                                         \
+                        if (last) FINISH(acc, rows, res + mt * LL_MT * LL_NG, (int)(t * LL_NT));                  \
+                    }                                                                                             \
+                }                                                                                                 \
+                if (K == 0) break;                                                                                \
+            }                                                                                                     \
+            for (int m = 0; m < mrows; m++)                                                                       \
+                for (int j0 = 0; j0 < half; j0 += 16) {                                                           \
+                    const int64_t cnt = half - j0 < 16 ? half - j0 : 16;                                          \
+                    const int64_t ncnt = N - n0 - j0 < cnt ? N - n0 - j0 : cnt;                                   \
+                    if (ncnt <= 0) break;                                                                         \
+                    EPI(a, c->swiglu, c->m_base + m0 + m, n0 + j0, ncnt, cnt, res + m * LL_NG + j0,                \
+                        res + m * LL_NG + half + j0);                                                             \
+                }                                                                                                 \
+        }                                                                                                         \
     }
 
-LS_WORKER(ls_worker, TFMA, ls_rows)
-LS_WORKER(lsp_worker, TBF16, lsp_rows)
+LL_WORKER(ll_worker_fma, TFMA, ll_fma_tile, 0, ll_copy_tile, ll_finish_tile, ll_epilogue)
+LL_WORKER(ll_worker_dp, TBF16, ll_dp_tile, 1, ll_copy_tile, ll_finish_tile, ll_epilogue)
 
-static int ls_run(const qk_linear_args *a, int swiglu, int pairs) {
-    const int64_t M = a->M, N = a->N, K = a->K;
-    ls_ctx c = {.a = a, .swiglu = swiglu, .n_blocks = (N + 15) / 16};
-    float *x32 = NULL;
-    uint32_t *xp = NULL;
-    if (pairs) {
-        const int64_t P = (K + 1) / 2;
-        xp = malloc(sizeof(uint32_t) * (size_t)M * (size_t)(P > 0 ? P : 1));
-        if (!xp) return QK_E_NOMEM;
-        for (int64_t m = 0; m < M; m++) {
-            const uint16_t *row = (const uint16_t *)a->x + m * a->x_stride;
-            for (int64_t q = 0; q < P; q++)
-                xp[m * P + q] = row[2 * q] | (2 * q + 1 < K ? (uint32_t)row[2 * q + 1] << 16 : 0u);
+/* ---- the AVX2 kernel ----------------------------------------------------------------------------
+ * For x86-64 with AVX2, FMA and F16C but no AVX-512: the lane kernel's order exactly, each 16-lane
+ * accumulator held as two 8-float halves (k mod 16 < 8 and >= 8), so it gives the fma level's bits.
+ * The tile runs as 2 x 3 sub-tiles (12 accumulator registers of the 16); the partial last step
+ * goes through zero-padded copies (AVX2 has no masked 16-bit loads). */
+
+#define T256_ISA "avx2,fma,f16c"
+#define T256 static inline __attribute__((target(T256_ISA), always_inline))
+#define TAVX2 static __attribute__((target(T256_ISA)))
+
+T256 __m256 l2_wload(const char *p, int wdt) {
+    if (wdt == QK_F32) return _mm256_loadu_ps((const float *)p);
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (wdt == QK_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+/* acc rows i < MI, columns j < NJ of a tile (stride LL_NT), over n elements (a multiple of 16) */
+T256 void l2_pass(const char *x, int64_t xs, const char *w, int64_t ws, int64_t n, int MI, int NJ, int wdt, float *acc,
+                  int init, int pf) {
+    const int es = wdt == QK_F32 ? 4 : 2;
+    __m256 c[2][3][2];
+#pragma GCC unroll 2
+    for (int i = 0; i < MI; i++)
+#pragma GCC unroll 3
+        for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++)
+                c[i][j][h] = init ? _mm256_setzero_ps() : _mm256_load_ps(acc + (i * LL_NT + j) * 16 + 8 * h);
+    for (int64_t k = 0; k < n; k += 16)
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m256 wv[3];
+#pragma GCC unroll 3
+            for (int j = 0; j < NJ; j++) {
+                if (pf && h == 0) _mm_prefetch(w + j * ws + k * es + LL_PREFETCH, _MM_HINT_T0);
+                wv[j] = l2_wload(w + j * ws + (k + 8 * h) * es, wdt);
+            }
+#pragma GCC unroll 2
+            for (int i = 0; i < MI; i++) {
+                __m256 xv = _mm256_loadu_ps((const float *)(x + i * xs) + k + 8 * h);
+                __asm__("" : "+x"(xv));
+#pragma GCC unroll 3
+                for (int j = 0; j < NJ; j++) c[i][j][h] = _mm256_fmadd_ps(xv, wv[j], c[i][j][h]);
+            }
         }
-        c.xp = xp;
-        c.x_stride = P;
-    } else if (a->dtype == QK_F32) {
-        c.x = a->x;
-        c.x_stride = a->x_stride;
+#pragma GCC unroll 2
+    for (int i = 0; i < MI; i++)
+#pragma GCC unroll 3
+        for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) _mm256_store_ps(acc + (i * LL_NT + j) * 16 + 8 * h, c[i][j][h]);
+}
+
+/* ll_fma_tile's contract on AVX2 */
+T256 void l2_tile(const char *x, int64_t xs, const char *w, int64_t ws, int64_t n, int MT, int wdt, float *acc, int init,
+                  int pf) {
+    const int64_t nf = n / 16 * 16;
+    const int es = wdt == QK_F32 ? 4 : 2;
+    for (int pass = 0; pass < 2; pass++) {
+        const char *xp = x, *wp = w;
+        int64_t xsp = xs, wsp = ws, np = nf;
+        int wdtp = wdt, initp = init;
+        float xt[LL_MT][16] __attribute__((aligned(32))), wt[LL_NT][16] __attribute__((aligned(32)));
+        if (pass == 1) { /* the partial last step, zero-padded */
+            if (nf == n) break;
+            memset(xt, 0, sizeof xt);
+            memset(wt, 0, sizeof wt);
+            for (int i = 0; i < MT; i++) memcpy(xt[i], (const float *)(x + i * xs) + nf, (size_t)(n - nf) * 4);
+            for (int j = 0; j < LL_NT; j++)
+                for (int64_t k = nf; k < n; k++) {
+                    const char *e = w + j * ws + k * es;
+                    wt[j][k - nf] = wdt == QK_F32 ? *(const float *)e
+                                    : wdt == QK_BF16 ? qk_bf16_to_f32(*(const uint16_t *)e)
+                                                     : qk_f16_to_f32(*(const uint16_t *)e);
+                }
+            xp = (const char *)xt, wp = (const char *)wt, xsp = wsp = 64, np = 16, wdtp = QK_F32, initp = 0;
+        }
+        for (int i0 = 0; i0 < MT; i0 += 2)
+            for (int j0 = 0; j0 < LL_NT; j0 += 3) {
+                const char *xq = xp + i0 * xsp, *wq = wp + j0 * wsp;
+                float *aq = acc + (i0 * LL_NT + j0) * 16;
+                const int pfq = pf && i0 == 0 && pass == 0;
+                if (MT - i0 >= 2) {
+                    if (wdtp == QK_F32) l2_pass(xq, xsp, wq, wsp, np, 2, 3, QK_F32, aq, initp, pfq);
+                    else if (wdtp == QK_F16) l2_pass(xq, xsp, wq, wsp, np, 2, 3, QK_F16, aq, initp, pfq);
+                    else l2_pass(xq, xsp, wq, wsp, np, 2, 3, QK_BF16, aq, initp, pfq);
+                } else {
+                    if (wdtp == QK_F32) l2_pass(xq, xsp, wq, wsp, np, 1, 3, QK_F32, aq, initp, pfq);
+                    else if (wdtp == QK_F16) l2_pass(xq, xsp, wq, wsp, np, 1, 3, QK_F16, aq, initp, pfq);
+                    else l2_pass(xq, xsp, wq, wsp, np, 1, 3, QK_BF16, aq, initp, pfq);
+                }
+            }
+    }
+}
+
+/* ll_reduce16's tree, one output at a time: (l + l+8), then + (l+4 + l+12), then (0 + 2) + (1 + 3) */
+T256 float l2_reduce(const float *v) {
+    const __m256 t = _mm256_add_ps(_mm256_load_ps(v), _mm256_load_ps(v + 8));
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    const __m128 u = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
+}
+
+T256 void l2_finish_tile(const float *acc, int mt, float *res, int col) {
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < LL_NT; j++) res[i * LL_NG + col + j] = l2_reduce(acc + (i * LL_NT + j) * 16);
+}
+
+/* ll_copy_tile for fp32 copies (AVX2 has no pairs form) */
+T256 void l2_copy_tile(const char *w, int64_t ws, int wdt, int valid, int64_t k0, int64_t n, int keep16, char *buf,
+                       int64_t ld) {
+    (void)keep16;
+    const int es = wdt == QK_F32 ? 4 : 2;
+    for (int j = 0; j < LL_NT; j++) {
+        const char *row = w + (j < valid ? j : 0) * ws + k0 * es;
+        float *dst = (float *)buf + j * ld;
+        int64_t k = 0;
+        for (; k + 8 <= n; k += 8) _mm256_storeu_ps(dst + k, l2_wload(row + k * es, wdt));
+        for (; k < n; k++)
+            dst[k] = wdt == QK_F32 ? ((const float *)row)[k]
+                     : wdt == QK_BF16 ? qk_bf16_to_f32(((const uint16_t *)row)[k])
+                                      : qk_f16_to_f32(((const uint16_t *)row)[k]);
+    }
+}
+
+/* exp16's steps on 8 lanes; 2^n as two exact power-of-two factors, so the product rounds once, as
+ * scalef does (n in [-150, 128]) */
+T256 __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.f)), _mm256_set1_ps(89.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
+    const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+}
+
+/* epilogue16 on 8 outputs; cnt <= 8 are stored */
+T256 void epilogue8(const qk_linear_args *a, int swiglu, int64_t m, int64_t n0, int cnt, const float *pu, const float *pg) {
+    const __m256 up = _mm256_loadu_ps(pu);
+    __m256 v = up;
+    if (swiglu) {
+        const __m256 g = _mm256_loadu_ps(pg);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        v = _mm256_mul_ps(up, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+    } else if (a->bias) {
+        float t[8] = {0};
+        for (int j = 0; j < cnt; j++) t[j] = qk_load_f32(a->bias, (n0 + j) * a->bias_stride, a->dtype);
+        v = _mm256_add_ps(up, _mm256_loadu_ps(t));
+    }
+    char *dst = (char *)a->out + (m * a->out_stride + n0) * (a->dtype == QK_F32 ? 4 : 2);
+    if (a->dtype == QK_F32) {
+        float t[8];
+        _mm256_storeu_ps(t, v);
+        memcpy(dst, t, (size_t)cnt * 4);
+        return;
+    }
+    uint16_t h[8];
+    if (a->dtype == QK_F16) {
+        _mm_storeu_si128((__m128i *)h, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     } else {
-        x32 = malloc(sizeof(float) * (size_t)M * (size_t)(K > 0 ? K : 1));
-        if (!x32) return QK_E_NOMEM;
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t k = 0; k < K; k++) x32[m * K + k] = qk_load_f32(a->x, m * a->x_stride + k, a->dtype);
-        c.x = x32;
-        c.x_stride = K;
+        float t[8];
+        _mm256_storeu_ps(t, v);
+        for (int j = 0; j < cnt; j++) h[j] = qk_f32_to_bf16(t[j]);
     }
-    int t = qk_threads_for(M * N * (K > 0 ? K : 1) * (swiglu ? 2 : 1), a->num_threads > 0 ? a->num_threads : 1);
-    if (t > c.n_blocks) t = (int)c.n_blocks;
-    const int status = qk_parallel_run(t, pairs ? lsp_worker : ls_worker, &c);
-    free(x32);
-    free(xp);
-    return status;
+    memcpy(dst, h, (size_t)cnt * 2);
 }
 
-static int lf_run(const qk_linear_args *a, int swiglu, int pairs) {
+T256 void l2_epilogue(const qk_linear_args *a, int swiglu, int64_t m, int64_t n0, int64_t ncnt, int64_t cnt,
+                      const float *pu, const float *pg) {
+    (void)cnt;
+    for (int h = 0; h < ncnt; h += 8)
+        epilogue8(a, swiglu, m, n0 + h, ncnt - h < 8 ? (int)(ncnt - h) : 8, pu + h, pg + h);
+}
+
+LL_WORKER(ll_worker_avx2, TAVX2, l2_tile, 0, l2_copy_tile, l2_finish_tile, l2_epilogue)
+
+typedef struct {
+    const qk_linear_args *a;
+    float *x32;
+    int64_t ld, m_base, rows;
+} ll_conv_ctx;
+
+/* 16-bit x to fp32 rows of ld floats, ranges of rows per thread */
+TFMA void ll_conv_worker(void *p, int tid, int nthreads) {
+    const ll_conv_ctx *c = p;
+    const qk_linear_args *a = c->a;
+    int64_t m0, m1;
+    qk_share(c->rows, tid, nthreads, &m0, &m1);
+    for (int64_t m = m0; m < m1; m++)
+        for (int64_t k = 0; k < a->K; k += 16)
+            _mm512_store_ps(c->x32 + m * c->ld + k, ll_wload((const char *)a->x + ((c->m_base + m) * a->x_stride + k) * 2,
+                                                            a->dtype, mask16(a->K - k)));
+}
+
+/* the same conversion in plain C (the AVX2 level) */
+static void ll_conv_worker_c(void *p, int tid, int nthreads) {
+    const ll_conv_ctx *c = p;
+    const qk_linear_args *a = c->a;
+    int64_t m0, m1;
+    qk_share(c->rows, tid, nthreads, &m0, &m1);
+    for (int64_t m = m0; m < m1; m++)
+        for (int64_t k = 0; k < a->K; k++)
+            c->x32[m * c->ld + k] = qk_load_f32(a->x, (c->m_base + m) * a->x_stride + k, a->dtype);
+}
+
+/* dp: bfloat16 pairs (AVX512-BF16); avx2: the AVX2 kernel.  x in slabs of LL_SLAB rows, so that
+ * 16-bit x converted to fp32 needs LL_SLAB rows of scratch whatever M. */
+#define LL_SLAB 512 /* a multiple of LL_MB: only M's last block of rows can be short */
+static int ll_run(const qk_linear_args *a, int swiglu, int dp, int avx2) {
     const int64_t M = a->M, N = a->N, K = a->K;
-    if (M <= LS_MAX_M) return ls_run(a, swiglu, pairs);
-    lf_ctx c = {.a = a, .swiglu = swiglu, .v = M <= 16 ? 1 : 2, .pairs = pairs};
-    const int nb = LF_TILES * LF_NT(c.v), half = swiglu ? nb / 2 : nb, rows = 16 * c.v;
-    c.n_blocks = (N + half - 1) / half;
-    c.kp = ((pairs ? (K + 1) / 2 : K) + 15) / 16 * 16;
-    const int64_t slab = M < LF_MSLAB ? M : LF_MSLAB, slab_blocks = (slab + rows - 1) / rows;
-    const int64_t work = M * N * (K > 0 ? K : 1) * (swiglu ? 2 : 1);
-    const int max_threads = qk_threads_for(work, a->num_threads > 0 ? a->num_threads : 1);
-    int nthreads = max_threads;
-    if (nthreads > c.n_blocks * slab_blocks) nthreads = (int)(c.n_blocks * slab_blocks);
-    c.scratch_floats = LF_TILES * 28 * 16 + 12 * LF_WB;
-    c.scratch = alloc64(sizeof(float) * (size_t)c.scratch_floats * (size_t)nthreads);
-    c.xt_per_thread = slab_blocks * rows * (c.kp > 0 ? c.kp : 1);
-    c.xt = alloc64(sizeof(float) * (size_t)c.xt_per_thread * (size_t)nthreads);
-    if (!c.scratch || !c.xt) {
-        free(c.scratch);
-        free(c.xt);
-        return QK_E_NOMEM;
-    }
+    ll_ctx c = {.a = a, .swiglu = swiglu, .dp = dp};
+    const int half = swiglu ? LL_NG / 2 : LL_NG;
+    c.n_groups = (N + half - 1) / half;
+    const int64_t mtiles = ((M < LL_MB ? M : LL_MB) + LL_MT - 1) / LL_MT;
+    const int64_t kpad = (K + 31) / 32 * 32, ld = kpad > 0 ? kpad : 32;
+    /* a block of up to 8 rows (M's only one, or its last) copies whole rows of K */
+    const int64_t last_tiles = (M - (M - 1) / LL_MB * LL_MB + LL_MT - 1) / LL_MT;
+    c.wbuf_k = mtiles <= 2 || last_tiles <= 2 ? (kpad > LL_KC ? kpad : LL_KC) : LL_KC;
+    c.acc_floats = mtiles * LL_TILES * LL_ACC;
+    c.scratch_floats = LL_MB * LL_NG + LL_NT * c.wbuf_k + c.acc_floats;
+    const int64_t slab = M < LL_SLAB ? M : LL_SLAB;
+    const int max_threads = qk_threads_for(M * N * (K > 0 ? K : 1) * (swiglu ? 2 : 1), a->num_threads > 0 ? a->num_threads : 1);
+    const int convert_x = !dp && a->dtype != QK_F32;
+    const size_t scratch_bytes = sizeof(float) * (size_t)c.scratch_floats * (size_t)max_threads;
+    const size_t x_bytes = convert_x ? sizeof(float) * (size_t)slab * (size_t)ld : 0;
+    char *mem = qk_cpu_scratch(scratch_bytes + x_bytes + 64);
+    if (!mem) return QK_E_NOMEM;
+    char *base = (char *)(((uintptr_t)mem + 63) & ~(uintptr_t)63);
+    c.scratch = (float *)base;
     int status = QK_OK;
-    for (int64_t m0 = 0; m0 < M && status == QK_OK; m0 += LF_MSLAB) {
-        c.m_begin = m0;
-        c.m_rows = M - m0 < LF_MSLAB ? M - m0 : LF_MSLAB;
-        c.m_blocks = (c.m_rows + rows - 1) / rows;
-        int t = nthreads;
-        if (t > c.n_blocks * c.m_blocks) t = (int)(c.n_blocks * c.m_blocks);
-        c.msplit = c.m_blocks >= 4 * t;
-        status = qk_parallel_run(t, lf_worker, &c);
+    for (int64_t m0 = 0; m0 < M && status == QK_OK; m0 += LL_SLAB) {
+        c.m_base = m0;
+        c.m_rows = M - m0 < LL_SLAB ? M - m0 : LL_SLAB;
+        c.m_blocks = (c.m_rows + LL_MB - 1) / LL_MB;
+        int nthreads = max_threads;
+        if (nthreads > c.n_groups * c.m_blocks) nthreads = (int)(c.n_groups * c.m_blocks);
+        if (convert_x) {
+            ll_conv_ctx cv = {a, (float *)(base + scratch_bytes), ld, m0, c.m_rows};
+            status = qk_parallel_run(qk_threads_for(c.m_rows * K * 16, nthreads), avx2 ? ll_conv_worker_c : ll_conv_worker,
+                                     &cv);
+            c.x = (const char *)cv.x32;
+            c.xs = ld * 4;
+        } else {
+            c.xs = a->x_stride * (dp ? 2 : 4);
+            c.x = a->x ? (const char *)a->x + m0 * c.xs : NULL; /* K = 0: never read */
+        }
+        if (status == QK_OK)
+            status = qk_parallel_run(nthreads, dp ? ll_worker_dp : avx2 ? ll_worker_avx2 : ll_worker_fma, &c);
     }
-    free(c.scratch);
-    free(c.xt);
+    qk_cpu_scratch_release(mem);
     return status;
 }
 
@@ -876,10 +1010,11 @@ static int ax_run(const qk_linear_args *a, int swiglu) {
 int qk_linear_fast(const qk_linear_args *a, int swiglu, int *status) {
     int isa = qk_cpu_isa_best();
     if (a->cpu_isa > 0 && a->cpu_isa < isa) isa = a->cpu_isa;
-    if (isa < QK_CPU_ISA_AVX512 || a->M <= 0 || a->N <= 0) return 0;
+    if (isa < QK_CPU_ISA_AVX2 || a->M <= 0 || a->N <= 0) return 0;
     if (a->dtype == QK_BF16 && isa >= QK_CPU_ISA_AMX) *status = ax_run(a, swiglu);
-    else if (a->dtype == QK_BF16 && isa >= QK_CPU_ISA_AVX512_BF16) *status = lf_run(a, swiglu, 1);
-    else if (a->dtype == QK_F32 || a->dtype == QK_F16 || a->dtype == QK_BF16) *status = lf_run(a, swiglu, 0);
+    else if (a->dtype == QK_BF16 && isa >= QK_CPU_ISA_AVX512_BF16) *status = ll_run(a, swiglu, 1, 0);
+    else if (a->dtype == QK_F32 || a->dtype == QK_F16 || a->dtype == QK_BF16)
+        *status = ll_run(a, swiglu, 0, isa == QK_CPU_ISA_AVX2);
     else return 0;
     return 1;
 }

@@ -39,6 +39,7 @@ enum {
 enum { /* qk_linear_args.cpu_isa: the highest instruction set the cpu linear and swiglu may use */
     QK_CPU_ISA_AUTO = 0,    /* the best this machine has */
     QK_CPU_ISA_PORTABLE,    /* plain C (vectorised by the compiler), every machine */
+    QK_CPU_ISA_AVX2,        /* AVX2 FMA (and F16C): the avx512 level's sums, 8 lanes at a time */
     QK_CPU_ISA_AVX512,      /* AVX-512F FMA, 16-bit inputs converted to fp32 */
     QK_CPU_ISA_AVX512_BF16, /* + VDPBF16PS for bfloat16 */
     QK_CPU_ISA_AMX,         /* + AMX tiles (TDPBF16PS) for bfloat16 */
