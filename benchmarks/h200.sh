@@ -12,7 +12,8 @@
 # build it with `QKERNELS_CUDA_ARCH=90 python3 setup.py build_ext --inplace`, copy it out of
 # qkernels/ (the C-only build here removes the one there) and carry it).
 # QK_TESTS=0 skips the main job, the overhead table and the tests; QK_PYTEST passes arguments to
-# pytest (e.g. "-n 6 --dist loadfile" with pytest-xdist, or a -k selection).
+# pytest (e.g. "-n 6 --dist loadfile" with pytest-xdist, or a -k selection); QK_TEST_FILES replaces
+# the default selection (the test files that touch a GPU).
 set -uo pipefail
 OUT=${OUT:-/tmp/qkernels-out}
 mkdir -p "$OUT"
@@ -24,12 +25,15 @@ elif ! QKERNELS_CUDA_ARCH=${QKERNELS_CUDA_ARCH:-90} python3 setup.py build_ext -
     false
 fi || { tail -40 "$OUT/build.log"; exit 1; }
 grep -E "qkernels:|warning" "$OUT/build.log"
+# The test files with anything to run on a GPU (CI runs the rest on a CPU machine): the whole suite
+# with -n 12 needs more than one call's ten minutes.
+gpu_tests=$(grep -lE "requires_cuda|cuda.is_available|device_count" tests/test_*.py | tr '\n' ' ')
 if [ "${QK_TESTS:-1}" != 0 ]; then
     python3 -m qkernels 2>&1 | tee "$OUT/main.log" | tail -30
     # Host-overhead figures first, on a quiet machine (after the test suite they come out noisier).
     python3 benchmarks/overhead.py --markdown "$OUT/overhead.md" >"$OUT/overhead.log" 2>&1
     # shellcheck disable=SC2086
-    python3 -m pytest -q -rs ${QK_PYTEST:-} tests 2>&1 | tee "$OUT/pytest.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
+    python3 -m pytest -q -rfE ${QK_PYTEST:-} ${QK_TEST_FILES:-$gpu_tests} 2>&1 | tee "$OUT/pytest.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
 fi
 if [ "${QK_SANITIZE:-0}" != 0 ]; then
     tool=${QK_SANITIZE}; [ "$tool" = 1 ] && tool=memcheck
