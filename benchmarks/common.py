@@ -378,6 +378,55 @@ COLUMNS = ["op", "case", "impl", "µs", "GB/s", "% copy", "anchor/ours", "target
 NUMERIC = {3, 4, 5, 6}
 
 
+def seeded_input_sets(make_inputs, seed, device, max_sets=64):
+    """make_inputs(generator) for seeds seed, seed + 1, ...: one set on the host, and on a GPU as many
+    as span COLD_FOOTPRINT_BYTES (cold L2), at most max_sets."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    first = make_inputs(gen)
+    set_bytes = sum(t.nbytes for t in first.values())
+    n = 1 if device == "cpu" else min(max_sets, max(1, math.ceil(COLD_FOOTPRINT_BYTES / set_bytes)))
+    sets = [first]
+    for k in range(1, n):
+        gen.manual_seed(seed + k)
+        sets.append(make_inputs(gen))
+    return sets
+
+
+def cpu_time_us(fn, sets, samples):
+    """Wall-clock median of fn over samples calls on the host, after two warm-up calls (where
+    torch.compile compiles)."""
+    import time
+
+    for s in sets[:1] * 2:
+        fn(s)
+    times = []
+    for i in range(samples):
+        t0 = time.perf_counter()
+        fn(sets[i % len(sets)])
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def time_checked_case(case, sets, verdicts, failures, samples, on_cpu, copy_gbps):
+    """Time every impl of case that passed its check (CUDA-graph replay, or the host's wall clock),
+    print a line per impl and return the case's table rows; '% copy' against copy_gbps, or on the
+    host against the fastest impl."""
+    times = {}
+    for impl in case.impls:
+        if impl.name in failures:
+            continue
+        try:
+            times[impl.name] = cpu_time_us(impl.fn, sets, samples) if on_cpu else \
+                gpu_replay_time_us(impl.fn, sets, samples)
+        except Exception as exc:
+            failures[impl.name] = exc
+        us = times.get(impl.name)
+        print(f"  {impl.name:<20} {fmt_us(us):>9} µs  {verdicts.get(impl.name, '')}", flush=True)
+    ceiling = copy_gbps or max((case.nbytes / us / 1e3 for us in times.values()), default=1.0)
+    return case_rows(case, times, verdicts, failures, ceiling)
+
+
 def fmt_us(us):
     if us is None:
         return "n/a"

@@ -27,20 +27,16 @@ wall-clock median of --samples runs; float32 and bfloat16).
     python3 benchmarks/rmsnorm.py [--quick] [--cpu] [--ops rmsnorm,fused_add_rmsnorm] [--markdown FILE]
 """
 
-import math
-import statistics
-import time
 
 import common  # first: it puts the checkout's qkernels on sys.path
 import qkernels
 import torch
 import torch.nn.functional as F
-from common import COLD_FOOTPRINT_BYTES, Case, Impl, gpu_copy_ceiling_gbps, gpu_replay_time_us
+from common import Case, Impl, gpu_copy_ceiling_gbps
 
 OPS = ("rmsnorm", "fused_add_rmsnorm")
 EPS = 1e-6
 REL_TOL = 1e-2  # a bfloat16 output rounded once is ~2e-3 off the float64 reference
-MAX_INPUT_SETS = 64
 HAS_RMS_NORM = hasattr(F, "rms_norm")
 
 
@@ -111,16 +107,7 @@ def cases(op, quick, device, copy_gbps=None):
 
 
 def input_sets(case, seed, device):
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    first = case.make_inputs(gen)
-    set_bytes = sum(t.nbytes for t in first.values())
-    n = 1 if device == "cpu" else min(MAX_INPUT_SETS, max(1, math.ceil(COLD_FOOTPRINT_BYTES / set_bytes)))
-    sets = [first]
-    for k in range(1, n):
-        gen.manual_seed(seed + k)
-        sets.append(case.make_inputs(gen))
-    return sets
+    return common.seeded_input_sets(case.make_inputs, seed, device)
 
 
 def check(case, inputs):
@@ -139,17 +126,6 @@ def check(case, inputs):
         except Exception as exc:
             failures[impl.name] = exc
     return verdicts, failures
-
-
-def cpu_time_us(fn, sets, samples):
-    for s in sets[:1] * 2:  # warm-up (torch.compile compiles here)
-        fn(s)
-    times = []
-    for i in range(samples):
-        t0 = time.perf_counter()
-        fn(sets[i % len(sets)])
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
 
 
 def parse_args(argv=None):
@@ -182,19 +158,7 @@ def collect(args):
             torch._dynamo.reset()
             sets = input_sets(case, 1000 * op_no + 100 * case_no, device)
             verdicts, failures = check(case, sets[0])
-            times = {}
-            for impl in case.impls:
-                if impl.name in failures:
-                    continue
-                try:
-                    times[impl.name] = cpu_time_us(impl.fn, sets, args.samples) if args.cpu else \
-                        gpu_replay_time_us(impl.fn, sets, args.samples)
-                except Exception as exc:
-                    failures[impl.name] = exc
-                us = times.get(impl.name)
-                print(f"  {impl.name:<20} {common.fmt_us(us):>9} µs  {verdicts.get(impl.name, '')}", flush=True)
-            ceiling = copy_gbps or max((case.nbytes / us / 1e3 for us in times.values()), default=1.0)
-            rows += common.case_rows(case, times, verdicts, failures, ceiling)
+            rows += common.time_checked_case(case, sets, verdicts, failures, args.samples, args.cpu, copy_gbps)
             del sets
             if not args.cpu:
                 common.release_gpu_memory()

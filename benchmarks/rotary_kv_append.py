@@ -29,22 +29,18 @@ wall-clock median of --samples runs; float32 and bfloat16, smaller sizes).
     python3 benchmarks/rotary_kv_append.py [--quick] [--cpu] [--markdown FILE]
 """
 
-import math
-import statistics
-import time
 
 import common  # first: it puts the checkout's qkernels on sys.path
 import numpy as np
 import qkernels
 import torch
-from common import COLD_FOOTPRINT_BYTES, Case, Impl, gpu_copy_ceiling_gbps, gpu_replay_time_us
+from common import Case, Impl, gpu_copy_ceiling_gbps
 from qkernels import _dispatch, testing
 
 OP = "rotary_kv_append"
 HQ, HKV, D = 32, 8, 128
 REL_TOL = 1e-2  # a bfloat16 result rounded once is ~2e-3 off the float64 reference
 CHECK_TOKENS = 256
-MAX_INPUT_SETS = 64
 TARGET_GBPS = 3500.0
 
 
@@ -107,16 +103,7 @@ def cases(quick, device, copy_gbps=None):
 
 
 def input_sets(case, seed, device):
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    first = case.make_inputs(gen)
-    set_bytes = sum(t.nbytes for t in first.values())
-    n = 1 if device == "cpu" else min(MAX_INPUT_SETS, max(1, math.ceil(COLD_FOOTPRINT_BYTES / set_bytes)))
-    sets = [first]
-    for k in range(1, n):
-        gen.manual_seed(seed + k)
-        sets.append(case.make_inputs(gen))
-    return sets
+    return common.seeded_input_sets(case.make_inputs, seed, device)
 
 
 def check(case, inputs):
@@ -139,17 +126,6 @@ def check(case, inputs):
         except Exception as exc:
             failures[impl.name] = exc
     return verdicts, failures
-
-
-def cpu_time_us(fn, sets, samples):
-    for s in sets[:1] * 2:  # warm-up (torch.compile compiles here)
-        fn(s)
-    times = []
-    for i in range(samples):
-        t0 = time.perf_counter()
-        fn(sets[i % len(sets)])
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
 
 
 def parse_args(argv=None):
@@ -180,19 +156,7 @@ def collect(args):
         torch._dynamo.reset()
         sets = input_sets(case, 100 * case_no, device)
         verdicts, failures = check(case, sets[0])
-        times = {}
-        for impl in case.impls:
-            if impl.name in failures:
-                continue
-            try:
-                times[impl.name] = cpu_time_us(impl.fn, sets, args.samples) if args.cpu else \
-                    gpu_replay_time_us(impl.fn, sets, args.samples)
-            except Exception as exc:
-                failures[impl.name] = exc
-            us = times.get(impl.name)
-            print(f"  {impl.name:<20} {common.fmt_us(us):>9} µs  {verdicts.get(impl.name, '')}", flush=True)
-        ceiling = copy_gbps or max((case.nbytes / us / 1e3 for us in times.values()), default=1.0)
-        rows += common.case_rows(case, times, verdicts, failures, ceiling)
+        rows += common.time_checked_case(case, sets, verdicts, failures, args.samples, args.cpu, copy_gbps)
         del sets
         if not args.cpu:
             common.release_gpu_memory()

@@ -7,17 +7,7 @@
  * pairs of a row are disjoint. */
 #include "cpu.h"
 #include "half.h"
-
-static inline __attribute__((always_inline)) void ro_row(const void *x, void *out, const float *f, int64_t f_stride,
-                                                         int64_t half, int interleaved, int dtype, float sign) {
-    for (int64_t i = 0; i < half; i++) {
-        const float c = f[i * f_stride], s = sign * f[i * f_stride + 1];
-        const int64_t ie = interleaved ? 2 * i : i, io = interleaved ? 2 * i + 1 : i + half;
-        const float xe = qk_load_f32(x, ie, dtype), xo = qk_load_f32(x, io, dtype);
-        qk_store_f32(out, ie, dtype, xe * c - xo * s);
-        qk_store_f32(out, io, dtype, xe * s + xo * c);
-    }
-}
+#include "rotary.h"
 
 QK_MULTIVERSION static void ro_worker(void *p, int tid, int nthreads) {
     const qk_rotary_emb_args *a = p;
@@ -33,13 +23,13 @@ QK_MULTIVERSION static void ro_worker(void *p, int tid, int nthreads) {
         const float *f = a->freqs + b * a->f_stride[0] + s * a->f_stride[1];
         /* constant dtype and convention per call, so each loop is specialised */
         if (a->interleaved) {
-            if (a->dtype == QK_F32) ro_row(x, o, f, a->f_stride[2], half, 1, QK_F32, sign);
-            else if (a->dtype == QK_BF16) ro_row(x, o, f, a->f_stride[2], half, 1, QK_BF16, sign);
-            else ro_row(x, o, f, a->f_stride[2], half, 1, QK_F16, sign);
+            if (a->dtype == QK_F32) qk_rotate_row(x, o, f, a->f_stride[2], half, 1, QK_F32, sign);
+            else if (a->dtype == QK_BF16) qk_rotate_row(x, o, f, a->f_stride[2], half, 1, QK_BF16, sign);
+            else qk_rotate_row(x, o, f, a->f_stride[2], half, 1, QK_F16, sign);
         } else {
-            if (a->dtype == QK_F32) ro_row(x, o, f, a->f_stride[2], half, 0, QK_F32, sign);
-            else if (a->dtype == QK_BF16) ro_row(x, o, f, a->f_stride[2], half, 0, QK_BF16, sign);
-            else ro_row(x, o, f, a->f_stride[2], half, 0, QK_F16, sign);
+            if (a->dtype == QK_F32) qk_rotate_row(x, o, f, a->f_stride[2], half, 0, QK_F32, sign);
+            else if (a->dtype == QK_BF16) qk_rotate_row(x, o, f, a->f_stride[2], half, 0, QK_BF16, sign);
+            else qk_rotate_row(x, o, f, a->f_stride[2], half, 0, QK_F16, sign);
         }
     }
 }

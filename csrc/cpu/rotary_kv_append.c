@@ -10,17 +10,7 @@
 
 #include "cpu.h"
 #include "half.h"
-
-static inline __attribute__((always_inline)) void rka_rotate(const void *x, void *out, const float *f, int64_t f_stride,
-                                                             int64_t half, int interleaved, int dtype) {
-    for (int64_t i = 0; i < half; i++) {
-        const float c = f[i * f_stride], s = f[i * f_stride + 1];
-        const int64_t ie = interleaved ? 2 * i : i, io = interleaved ? 2 * i + 1 : i + half;
-        const float xe = qk_load_f32(x, ie, dtype), xo = qk_load_f32(x, io, dtype);
-        qk_store_f32(out, ie, dtype, xe * c - xo * s);
-        qk_store_f32(out, io, dtype, xe * s + xo * c);
-    }
-}
+#include "rotary.h"
 
 QK_MULTIVERSION static void rka_worker(void *p, int tid, int nthreads) {
     const qk_rotary_kv_append_args *a = p;
@@ -48,13 +38,13 @@ QK_MULTIVERSION static void rka_worker(void *p, int tid, int nthreads) {
         const float *f = a->cos_sin + qk_index(a->positions, a->pos_dtype, t, a->pos_stride) * a->cs_stride[0];
         /* constant dtype and convention per call, so each loop is specialised */
         if (a->interleaved) {
-            if (a->dtype == QK_F32) rka_rotate(x, o, f, a->cs_stride[1], half, 1, QK_F32);
-            else if (a->dtype == QK_BF16) rka_rotate(x, o, f, a->cs_stride[1], half, 1, QK_BF16);
-            else rka_rotate(x, o, f, a->cs_stride[1], half, 1, QK_F16);
+            if (a->dtype == QK_F32) qk_rotate_row(x, o, f, a->cs_stride[1], half, 1, QK_F32, 1.f);
+            else if (a->dtype == QK_BF16) qk_rotate_row(x, o, f, a->cs_stride[1], half, 1, QK_BF16, 1.f);
+            else qk_rotate_row(x, o, f, a->cs_stride[1], half, 1, QK_F16, 1.f);
         } else {
-            if (a->dtype == QK_F32) rka_rotate(x, o, f, a->cs_stride[1], half, 0, QK_F32);
-            else if (a->dtype == QK_BF16) rka_rotate(x, o, f, a->cs_stride[1], half, 0, QK_BF16);
-            else rka_rotate(x, o, f, a->cs_stride[1], half, 0, QK_F16);
+            if (a->dtype == QK_F32) qk_rotate_row(x, o, f, a->cs_stride[1], half, 0, QK_F32, 1.f);
+            else if (a->dtype == QK_BF16) qk_rotate_row(x, o, f, a->cs_stride[1], half, 0, QK_BF16, 1.f);
+            else qk_rotate_row(x, o, f, a->cs_stride[1], half, 0, QK_F16, 1.f);
         }
     }
 }
