@@ -427,6 +427,24 @@ def time_checked_case(case, sets, verdicts, failures, samples, on_cpu, copy_gbps
     return case_rows(case, times, verdicts, failures, ceiling)
 
 
+def time_cases(seeded_cases, check, samples, on_cpu, copy_gbps):
+    """For each (seed, case): its input sets, check(case, first set) -> (verdicts, failures), then
+    time_checked_case.  -> (rows, footer) for common.main."""
+    rows = []
+    for seed, case in seeded_cases:
+        print(f"\n{case.op} | {case.label} | {case.nbytes / 1e6:.2f} MB minimal per call", flush=True)
+        torch._dynamo.reset()
+        sets = seeded_input_sets(case.make_inputs, seed, "cpu" if on_cpu else "cuda")
+        verdicts, failures = check(case, sets[0])
+        rows += time_checked_case(case, sets, verdicts, failures, samples, on_cpu, copy_gbps)
+        del sets
+        if not on_cpu:
+            release_gpu_memory()
+    footer = ["--cpu: '% copy' is relative to the fastest impl of the case (no copy ceiling is timed)"] \
+        if on_cpu else []
+    return rows, footer
+
+
 def fmt_us(us):
     if us is None:
         return "n/a"

@@ -106,10 +106,6 @@ def cases(op, quick, device, copy_gbps=None):
     return out
 
 
-def input_sets(case, seed, device):
-    return common.seeded_input_sets(case.make_inputs, seed, device)
-
-
 def check(case, inputs):
     """Verdicts per impl, each on its own copy of the input set (the fused impls write the residual)."""
     want = case.reference(inputs)
@@ -151,19 +147,9 @@ def collect(args):
         copy_gbps = gpu_copy_ceiling_gbps(args.samples)
         header = common.header("rmsnorm", "torch", common.copy_line(copy_gbps),
                                f"CUDA-graph replay, median of {args.samples} replays; GB/s: minimal bytes / time")
-    rows = []
-    for op_no, op in enumerate(args.ops):
-        for case_no, case in enumerate(cases(op, args.quick, device, copy_gbps)):
-            print(f"\n{case.op} | {case.label} | {case.nbytes / 1e6:.2f} MB minimal per call", flush=True)
-            torch._dynamo.reset()
-            sets = input_sets(case, 1000 * op_no + 100 * case_no, device)
-            verdicts, failures = check(case, sets[0])
-            rows += common.time_checked_case(case, sets, verdicts, failures, args.samples, args.cpu, copy_gbps)
-            del sets
-            if not args.cpu:
-                common.release_gpu_memory()
-    footer = ["--cpu: '% copy' is relative to the fastest impl of the case (no copy ceiling is timed)"] \
-        if args.cpu else []
+    seeded = [(1000 * op_no + 100 * n, case) for op_no, op in enumerate(args.ops)
+              for n, case in enumerate(cases(op, args.quick, device, copy_gbps))]
+    rows, footer = common.time_cases(seeded, check, args.samples, args.cpu, copy_gbps)
     return header, rows, footer
 
 
