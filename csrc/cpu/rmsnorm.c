@@ -19,15 +19,35 @@
 #define RN_INLINE static inline
 #endif
 
+#if defined(__GNUC__)
+/* The 8 partial sums as one vector: written as an array, GCC vectorised the loop over h instead and
+ * added into each partial sum in order, one lane at a time (fold-left). The same sums either way. */
+typedef float rn_lanes __attribute__((vector_size(RN_LANES * sizeof(float))));
+#endif
+
 RN_INLINE float rn_sum_squares(const void *x, const void *res, int64_t H, int dtype, int add) {
+#if defined(__GNUC__)
+    rn_lanes part = {0};
+#else
     float part[RN_LANES] = {0};
+#endif
     int64_t h = 0;
-    for (; h + RN_LANES <= H; h += RN_LANES)
+    for (; h + RN_LANES <= H; h += RN_LANES) {
+#if defined(__GNUC__)
+        rn_lanes s;
+        for (int j = 0; j < RN_LANES; j++) {
+            s[j] = qk_load_f32(x, h + j, dtype);
+            if (add) s[j] += qk_load_f32(res, h + j, dtype);
+        }
+        part += s * s;
+#else
         for (int j = 0; j < RN_LANES; j++) {
             float s = qk_load_f32(x, h + j, dtype);
             if (add) s += qk_load_f32(res, h + j, dtype);
             part[j] += s * s;
         }
+#endif
+    }
     float tail = 0.f;
     for (; h < H; h++) {
         float s = qk_load_f32(x, h, dtype);
