@@ -131,7 +131,7 @@ def argument_parser(doc, samples, samples_help="replays per figure", quick_help=
 
 def parse_args(p, argv, need_gpu=True, no_gpu_hint=""):
     """p's arguments, checked: its listed option as a list of known names, --samples at least 1, a
-    CUDA device visible to torch where need_gpu."""
+    CUDA device visible to torch where need_gpu and the script's --cpu (if it has one) is not given."""
     args = p.parse_args(argv)
     if p.listed:
         name, choices = p.listed
@@ -142,7 +142,7 @@ def parse_args(p, argv, need_gpu=True, no_gpu_hint=""):
         setattr(args, name, values)
     if args.samples is not None and args.samples < 1:
         p.error("--samples must be at least 1")
-    if need_gpu and not torch.cuda.is_available():
+    if need_gpu and not getattr(args, "cpu", False) and not torch.cuda.is_available():
         p.error("no CUDA device visible to torch: this benchmark times CUDA kernels" + no_gpu_hint)
     return args
 
@@ -157,6 +157,18 @@ def header(family, anchors, *lines, machine=None):
              *lines]
     print("\n".join(lines), flush=True)
     return lines
+
+
+def bandwidth_header(family, args):
+    """The header of a script that times a bandwidth-bound family on the GPU (against the copy rate)
+    or with --cpu on the host: -> (header lines, copy rate in GB/s or None on the host)."""
+    if args.cpu:
+        return header(family, "torch", f"cpu: {qkernels.info()['cpu_threads']} qkernels threads, "
+                      f"{torch.get_num_threads()} torch threads; wall-clock median of {args.samples} runs",
+                      machine="the host CPU"), None
+    copy_gbps = gpu_copy_ceiling_gbps(args.samples)
+    return header(family, "torch", copy_line(copy_gbps),
+                  f"CUDA-graph replay, median of {args.samples} replays; GB/s: minimal bytes / time"), copy_gbps
 
 
 def copy_line(copy_gbps, what=f"{GPU_COPY_BYTES >> 30} GiB device-to-device copy"):

@@ -490,10 +490,7 @@ def parse_args(argv=None):
     p.add_argument("--cpu", action="store_true", help="CPU backend at 1/50 of the sizes, against PyTorch CPU eager")
     p.add_argument("--index-dtype", choices=("int64", "int32"), default="int64",
                    help="dtype of row_ptr/col_idx/edge_index/edge_graph (PyG uses int64)")
-    args = common.parse_args(p, argv, need_gpu=False)
-    if not args.cpu and not torch.cuda.is_available():
-        p.error("no CUDA device visible to torch; use --cpu")
-    return args
+    return common.parse_args(p, argv, no_gpu_hint="; use --cpu")
 
 
 def make_setup(args):

@@ -32,7 +32,7 @@ import common  # first: it puts the checkout's qkernels on sys.path
 import qkernels
 import torch
 import torch.nn.functional as F
-from common import Case, Impl, gpu_copy_ceiling_gbps
+from common import Case, Impl
 
 OPS = ("rmsnorm", "fused_add_rmsnorm")
 EPS = 1e-6
@@ -127,26 +127,12 @@ def check(case, inputs):
 def parse_args(argv=None):
     p = common.argument_parser(__doc__, 15, listed=("ops", OPS))
     p.add_argument("--cpu", action="store_true", help="time the CPU kernels against torch's on the host")
-    args = p.parse_args(argv)
-    args.ops = [v.strip() for v in args.ops.split(",") if v.strip()]
-    if any(v not in OPS for v in args.ops):
-        p.error(f"--ops: expected some of {', '.join(OPS)}")
-    if not args.cpu and not torch.cuda.is_available():
-        p.error("no CUDA device visible to torch: pass --cpu to time the CPU kernels")
-    return args
+    return common.parse_args(p, argv, no_gpu_hint="; pass --cpu to time the CPU kernels")
 
 
 def collect(args):
     device = "cpu" if args.cpu else "cuda"
-    if args.cpu:
-        header = common.header("rmsnorm", "torch", f"cpu: {qkernels.info()['cpu_threads']} qkernels threads, "
-                               f"{torch.get_num_threads()} torch threads; wall-clock median of {args.samples} runs",
-                               machine="the host CPU")
-        copy_gbps = None
-    else:
-        copy_gbps = gpu_copy_ceiling_gbps(args.samples)
-        header = common.header("rmsnorm", "torch", common.copy_line(copy_gbps),
-                               f"CUDA-graph replay, median of {args.samples} replays; GB/s: minimal bytes / time")
+    header, copy_gbps = common.bandwidth_header("rmsnorm", args)
     seeded = [(1000 * op_no + 100 * n, case) for op_no, op in enumerate(args.ops)
               for n, case in enumerate(cases(op, args.quick, device, copy_gbps))]
     rows, footer = common.time_cases(seeded, check, args.samples, args.cpu, copy_gbps)

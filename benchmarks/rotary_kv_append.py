@@ -34,7 +34,7 @@ import common  # first: it puts the checkout's qkernels on sys.path
 import numpy as np
 import qkernels
 import torch
-from common import Case, Impl, gpu_copy_ceiling_gbps
+from common import Case, Impl
 from qkernels import _dispatch, testing
 
 OP = "rotary_kv_append"
@@ -127,25 +127,15 @@ def check(case, inputs):
 def parse_args(argv=None):
     p = common.argument_parser(__doc__, 15)
     p.add_argument("--cpu", action="store_true", help="time the CPU kernels against torch's on the host")
-    args = p.parse_args(argv)
-    if not args.cpu and not torch.cuda.is_available():
-        p.error("no CUDA device visible to torch: pass --cpu to time the CPU kernels")
-    return args
+    return common.parse_args(p, argv, no_gpu_hint="; pass --cpu to time the CPU kernels")
 
 
 def collect(args):
     device = "cpu" if args.cpu else "cuda"
-    if args.cpu:
-        header = common.header(OP, "torch", f"cpu: {qkernels.info()['cpu_threads']} qkernels threads, "
-                               f"{torch.get_num_threads()} torch threads; wall-clock median of {args.samples} runs",
-                               machine="the host CPU")
-        copy_gbps = None
-    else:
+    if not args.cpu:
         _dispatch.CUDA_PENDING.pop(OP, None)  # time the kernels even before the dispatcher enables them
         _dispatch.reload_env()
-        copy_gbps = gpu_copy_ceiling_gbps(args.samples)
-        header = common.header(OP, "torch", common.copy_line(copy_gbps),
-                               f"CUDA-graph replay, median of {args.samples} replays; GB/s: minimal bytes / time")
+    header, copy_gbps = common.bandwidth_header(OP, args)
     seeded = [(100 * n, case) for n, case in enumerate(cases(args.quick, device, copy_gbps))]
     rows, footer = common.time_cases(seeded, check, args.samples, args.cpu, copy_gbps)
     return header, rows, footer
