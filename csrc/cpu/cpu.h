@@ -15,6 +15,15 @@
 #define QK_MULTIVERSION
 #endif
 
+/* Helpers a hot loop calls: always inlined, so that a multiversioned caller runs them in its own
+ * instruction set (a call into baseline code stalls on the state transition, and GCC does not
+ * vectorise a loop that still calls a function). */
+#if defined(__GNUC__)
+#define QK_INLINE static inline __attribute__((always_inline))
+#else
+#define QK_INLINE static inline
+#endif
+
 #define QK_CPU_DECLARE(name, args) int qk_##name##_cpu(qk_##args##_args *a, void *stream);
 QK_LAUNCHERS(QK_CPU_DECLARE)
 #undef QK_CPU_DECLARE

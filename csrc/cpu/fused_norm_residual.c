@@ -19,20 +19,12 @@
 #define NR_LANES 32
 #define NRG_LANES 8 /* graph mode's double sums */
 
-/* Inlined into their callers, so a multiversioned caller runs them in its own instruction set
- * (a call from an AVX-512 clone into baseline SSE code stalls on the state transition). */
-#if defined(__GNUC__)
-#define NR_INLINE static inline __attribute__((always_inline))
-#else
-#define NR_INLINE static inline
-#endif
-
 /* Graph mode (batch= given), at the end of the file. */
 static int nrg_forward(qk_fused_norm_residual_args *a);
 static int nrg_backward(qk_fused_norm_residual_backward_args *a);
 
 /* The lanes' sum: a pairwise tree, then the tail's sum t (elements past the last full 32) */
-NR_INLINE float nr_reduce(float *restrict part, float t) {
+QK_INLINE float nr_reduce(float *restrict part, float t) {
     _Static_assert(NR_LANES == 32, "the tree below is written out for 32 lanes");
     for (int j = 0; j < 16; j++) part[j] += part[j + 16]; /* constant widths: whole-vector adds */
     for (int j = 0; j < 8; j++) part[j] += part[j + 8];
@@ -41,7 +33,7 @@ NR_INLINE float nr_reduce(float *restrict part, float t) {
 }
 
 /* sum of (x - shift - mean), or with squares of its squares */
-NR_INLINE float nr_pass(const float *restrict p, int64_t n, float shift, float mean, int squares) {
+QK_INLINE float nr_pass(const float *restrict p, int64_t n, float shift, float mean, int squares) {
     float part[NR_LANES] = {0};
     int64_t h = 0;
     for (; h + NR_LANES <= n; h += NR_LANES)
@@ -60,7 +52,7 @@ NR_INLINE float nr_pass(const float *restrict p, int64_t n, float shift, float m
 /* The dropout draws of elements base .. base + n - 1 (qk_dropout_keep's words): one Philox
  * evaluation per 4 elements, the rounds unrolled so the loop over evaluations vectorises.  buf
  * holds n + 6 words; returns where element base's draw is in it. */
-NR_INLINE const uint32_t *nr_draws(uint64_t seed, uint64_t base, int64_t n, uint32_t *restrict buf) {
+QK_INLINE const uint32_t *nr_draws(uint64_t seed, uint64_t base, int64_t n, uint32_t *restrict buf) {
     const uint64_t first = base >> 2;
     const int64_t nb = (int64_t)(((base & 3) + (uint64_t)n + 3) >> 2);
     for (int64_t b = 0; b < nb; b++) {
@@ -85,7 +77,7 @@ NR_INLINE const uint32_t *nr_draws(uint64_t seed, uint64_t base, int64_t n, uint
     return buf + (base & 3);
 }
 
-NR_INLINE void nr_row_contiguous(const qk_fused_norm_residual_args *a, int64_t r, uint32_t *restrict buf) {
+QK_INLINE void nr_row_contiguous(const qk_fused_norm_residual_args *a, int64_t r, uint32_t *restrict buf) {
     const int64_t H = a->H;
     const float *restrict x = (const float *)a->x + r * a->x_stride[0];
     const float *restrict res = (const float *)a->residual + r * a->res_stride[0];
@@ -110,7 +102,7 @@ NR_INLINE void nr_row_contiguous(const qk_fused_norm_residual_args *a, int64_t r
     }
 }
 
-NR_INLINE void nr_row_strided(const qk_fused_norm_residual_args *a, int64_t r, uint32_t *restrict buf) {
+QK_INLINE void nr_row_strided(const qk_fused_norm_residual_args *a, int64_t r, uint32_t *restrict buf) {
     const int64_t H = a->H, xc = a->x_stride[1];
     const float *xr = (const float *)a->x + r * a->x_stride[0], *rr = (const float *)a->residual + r * a->res_stride[0];
     const float *gamma = a->gamma, *beta = a->beta;
@@ -192,7 +184,7 @@ typedef struct {
 #define NRB_ROW(H) (7 * (size_t)(H) + 8)
 
 /* mask[h] = scale or 0 for elements base .. base + n - 1; draws: n + 6 words of scratch */
-NR_INLINE void nrb_mask(const qk_fused_norm_residual_backward_args *a, uint64_t base, int64_t n, float *restrict mask,
+QK_INLINE void nrb_mask(const qk_fused_norm_residual_backward_args *a, uint64_t base, int64_t n, float *restrict mask,
                         uint32_t *restrict draws) {
     const uint32_t *restrict d = nr_draws(a->seed, base, n, draws);
     const uint32_t thr = a->drop_threshold;
@@ -203,7 +195,7 @@ NR_INLINE void nrb_mask(const qk_fused_norm_residual_backward_args *a, uint64_t 
 /* One row: x, go (contiguous) -> gx, and its terms added to dgamma / dbeta.  One fused pass
  * makes x-hat, g * gamma, the column terms and the two row sums (32 lanes); a second writes
  * grad_x. */
-NR_INLINE void nrb_row(const nrb_job *j, int64_t r, const float *restrict x, const float *restrict go,
+QK_INLINE void nrb_row(const nrb_job *j, int64_t r, const float *restrict x, const float *restrict go,
                        float *restrict xh, float *restrict gg, float *restrict mask, uint32_t *restrict draws,
                        float *restrict gx, float *restrict dgamma, float *restrict dbeta, const int training) {
     const qk_fused_norm_residual_backward_args *a = j->a;
@@ -385,7 +377,7 @@ static void nrg_bounds(void *p, int tid, int nthreads) {
 }
 
 /* sum over h < n of p[h * s] - mean, or of its squares; 8 partial sums for SIMD */
-NR_INLINE double nrg_row_sum(const float *restrict p, int64_t n, int64_t s, double mean, int squares) {
+QK_INLINE double nrg_row_sum(const float *restrict p, int64_t n, int64_t s, double mean, int squares) {
     double part[NRG_LANES] = {0};
     int64_t h = 0;
     for (; h + NRG_LANES <= n; h += NRG_LANES)
@@ -515,7 +507,7 @@ typedef struct {
 } nrg_forward_job;
 
 /* One output row; out may be x or residual itself (each element is read before it is written). */
-NR_INLINE void nrg_out_row(const qk_fused_norm_residual_args *a, int64_t r, double mean, double rstd, int64_t xs,
+QK_INLINE void nrg_out_row(const qk_fused_norm_residual_args *a, int64_t r, double mean, double rstd, int64_t xs,
                            int64_t rs, int64_t os, int64_t gs, int64_t bs, uint32_t *restrict buf) {
     const float *x = (const float *)a->x + r * a->x_stride[0], *res = (const float *)a->residual + r * a->res_stride[0];
     const float *gamma = a->gamma, *beta = a->beta;

@@ -15,12 +15,6 @@
 #define GB_BLOCK 256
 #define GB_CHUNK 4096 /* edges per chunk, at least */
 
-#if defined(__GNUC__)
-#define GB_INLINE static inline __attribute__((always_inline))
-#else
-#define GB_INLINE static inline
-#endif
-
 /* Per-graph sums over chunks of edges (the forward's terms and counts, the backward's counts). */
 typedef struct {
     qk_graph_norm_bce_args *a;
@@ -40,7 +34,7 @@ typedef struct {
  * (Cody-Waite), a degree-7 Taylor polynomial for exp(r).  n is rounded by adding 1.5 * 2^23, whose
  * low mantissa bits then hold n, so 2^n is built from those bits: no float-to-int conversion, which
  * kept GCC's AVX2 and AVX-512 clones from if-converting (and so vectorising) the callers' loops. */
-GB_INLINE float gb_exp_neg87(float a) {
+QK_INLINE float gb_exp_neg87(float a) {
     const float x = a < 87.f ? -a : -87.f; /* 2^-126 at the end: still a normal float */
     const float k = x * 1.44269504f + 0x1.8p23f, n = k - 0x1.8p23f;
     const float r = (x - n * 0.693145752f) - n * 1.42860677e-06f;
@@ -56,7 +50,7 @@ GB_INLINE float gb_exp_neg87(float a) {
 /* log1p(exp(-a)) for a >= 0, relative error ~1e-7, no branches: log(1 + e) = 2 atanh(e / (2 + e))
  * with e / (2 + e) <= 1/3, an odd series to s^13.  Small e keeps full relative precision; below
  * e^-87 the result is ~1e-38: close enough to 0. */
-GB_INLINE float gb_softplus_neg(float a) {
+QK_INLINE float gb_softplus_neg(float a) {
     const float e = gb_exp_neg87(a);
     const float s = e / (2.f + e), s2 = s * s;
     return 2.f * s * (1.f + s2 * (1.f / 3 + s2 * (1.f / 5 + s2 * (1.f / 7 + s2 * (1.f / 9 + s2 * (1.f / 11 + s2 * (1.f / 13)))))));
@@ -64,13 +58,13 @@ GB_INLINE float gb_softplus_neg(float a) {
 
 /* pos_weight_e - 1 for edges e0 .. e0 + n - 1 of a pos_weight tensor (float32 or the logits' dtype,
  * both float32 here: the CPU kernels take float32 only). */
-GB_INLINE void gb_pos_weights(const qk_graph_norm_bce_args *a, int64_t e0, int n, float *restrict out) {
+QK_INLINE void gb_pos_weights(const qk_graph_norm_bce_args *a, int64_t e0, int n, float *restrict out) {
     const float *pw = (const float *)a->pos_weight_t + e0 * a->pw_stride;
     const int64_t s = a->pw_stride;
     for (int i = 0; i < n; i++) out[i] = pw[i * s] - 1.f;
 }
 
-GB_INLINE void gb_terms(const qk_graph_norm_bce_args *a, int64_t e0, int n, float *restrict out) {
+QK_INLINE void gb_terms(const qk_graph_norm_bce_args *a, int64_t e0, int n, float *restrict out) {
     const float *lg = (const float *)a->logits + e0 * a->logits_stride;
     const float *tg = (const float *)a->target + e0 * a->target_stride;
     const int64_t ls = a->logits_stride, ts = a->target_stride;
@@ -96,7 +90,7 @@ GB_INLINE void gb_terms(const qk_graph_norm_bce_args *a, int64_t e0, int n, floa
 }
 
 /* Graph ids e0 .. e0 + n - 1 as int64 (one loop per index type, so each vectorises). */
-GB_INLINE void gb_ids(const qk_graph_norm_bce_args *a, int64_t e0, int n, int64_t *restrict out) {
+QK_INLINE void gb_ids(const qk_graph_norm_bce_args *a, int64_t e0, int n, int64_t *restrict out) {
     const int64_t s = a->graph_stride;
     if (a->index_dtype == QK_I32) {
         const int32_t *g = (const int32_t *)a->edge_graph + e0 * s;
@@ -112,7 +106,7 @@ GB_INLINE void gb_ids(const qk_graph_norm_bce_args *a, int64_t e0, int n, int64_
  * edge_graph with many edges per graph): each run summed in registers, four lanes.  Otherwise edge
  * by edge through memory, the block as four interleaved quarters so that four independent
  * read-add-write chains overlap (one chain would wait on each add's store). */
-GB_INLINE void gb_add_block(const float *restrict t, const int64_t *restrict ids, int n, double *restrict sum,
+QK_INLINE void gb_add_block(const float *restrict t, const int64_t *restrict ids, int n, double *restrict sum,
                             int64_t *restrict cnt) {
     int runs = 1;
     for (int i = 1; i < n; i++) runs += ids[i] != ids[i - 1];

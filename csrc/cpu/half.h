@@ -10,37 +10,29 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "qkernels/launch.h"
+#include "cpu.h"
 
-/* Always inlined: GCC otherwise outlines parts of these (qk_load_f32.part.0) inside the row loops,
- * and a loop with a call in it is not vectorised. */
-#if defined(__GNUC__)
-#define QK_HALF_INLINE static inline __attribute__((always_inline))
-#else
-#define QK_HALF_INLINE static inline
-#endif
-
-QK_HALF_INLINE float qk_bits_f32(uint32_t u) {
+QK_INLINE float qk_bits_f32(uint32_t u) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
 }
 
-QK_HALF_INLINE uint32_t qk_f32_bits(float f) {
+QK_INLINE uint32_t qk_f32_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     return u;
 }
 
-QK_HALF_INLINE float qk_bf16_to_f32(uint16_t h) { return qk_bits_f32((uint32_t)h << 16); }
+QK_INLINE float qk_bf16_to_f32(uint16_t h) { return qk_bits_f32((uint32_t)h << 16); }
 
-QK_HALF_INLINE uint16_t qk_f32_to_bf16(float f) {
+QK_INLINE uint16_t qk_f32_to_bf16(float f) {
     const uint32_t u = qk_f32_bits(f);
     if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x0040u); /* quiet NaN */
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-QK_HALF_INLINE float qk_f16_to_f32(uint16_t h) {
+QK_INLINE float qk_f16_to_f32(uint16_t h) {
     const uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
     /* normal (and inf/NaN): move exponent and mantissa into place, rebias by 2^-112 */
     const float normal = qk_bits_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
@@ -49,7 +41,7 @@ QK_HALF_INLINE float qk_f16_to_f32(uint16_t h) {
     return qk_bits_f32(sign | qk_f32_bits(two_w < (1u << 27) ? subnormal : normal));
 }
 
-QK_HALF_INLINE uint16_t qk_f32_to_f16(float f) {
+QK_INLINE uint16_t qk_f32_to_f16(float f) {
     const uint32_t w = qk_f32_bits(f), shl1_w = w + w, sign = w & 0x80000000u;
     /* scale so overflow becomes inf and the float adder rounds the mantissa to 10 bits */
     float base = ((f < 0 ? -f : f) * 0x1.0p+112f) * 0x1.0p-110f;
@@ -62,13 +54,13 @@ QK_HALF_INLINE uint16_t qk_f32_to_f16(float f) {
 }
 
 /* Element i of a float16/bfloat16/float32 array as float32, and the reverse (one rounding). */
-QK_HALF_INLINE float qk_load_f32(const void *p, int64_t i, int dtype) {
+QK_INLINE float qk_load_f32(const void *p, int64_t i, int dtype) {
     if (dtype == QK_F32) return ((const float *)p)[i];
     const uint16_t h = ((const uint16_t *)p)[i];
     return dtype == QK_BF16 ? qk_bf16_to_f32(h) : qk_f16_to_f32(h);
 }
 
-QK_HALF_INLINE void qk_store_f32(void *p, int64_t i, int dtype, float v) {
+QK_INLINE void qk_store_f32(void *p, int64_t i, int dtype, float v) {
     if (dtype == QK_F32) ((float *)p)[i] = v;
     else ((uint16_t *)p)[i] = dtype == QK_BF16 ? qk_f32_to_bf16(v) : qk_f32_to_f16(v);
 }

@@ -14,18 +14,12 @@
 #define RN_LANES 8
 
 #if defined(__GNUC__)
-#define RN_INLINE static inline __attribute__((always_inline))
-#else
-#define RN_INLINE static inline
-#endif
-
-#if defined(__GNUC__)
 /* The 8 partial sums as one vector: written as an array, GCC vectorised the loop over h instead and
  * added into each partial sum in order, one lane at a time (fold-left). The same sums either way. */
 typedef float rn_lanes __attribute__((vector_size(RN_LANES * sizeof(float))));
 #endif
 
-RN_INLINE float rn_sum_squares(const void *x, const void *res, int64_t H, int dtype, int add) {
+QK_INLINE float rn_sum_squares(const void *x, const void *res, int64_t H, int dtype, int add) {
 #if defined(__GNUC__)
     rn_lanes part = {0};
 #else
@@ -61,7 +55,7 @@ RN_INLINE float rn_sum_squares(const void *x, const void *res, int64_t H, int dt
 
 /* One row; dtype, add and unit (weight unit-stride) are constants in each call, so every loop is
  * specialised. */
-RN_INLINE void rn_row(const void *x, void *res, const void *w, int64_t ws, void *out, int64_t H, float eps,
+QK_INLINE void rn_row(const void *x, void *res, const void *w, int64_t ws, void *out, int64_t H, float eps,
                       int dtype, int add, int unit) {
     const float rstd = 1.f / sqrtf(rn_sum_squares(x, res, H, dtype, add) / (float)H + eps);
     for (int64_t h = 0; h < H; h++) {

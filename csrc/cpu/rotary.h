@@ -6,7 +6,7 @@
 
 #include "half.h"
 
-static inline __attribute__((always_inline)) void qk_rotate_row(const void *x, void *out, const float *f,
+QK_INLINE void qk_rotate_row(const void *x, void *out, const float *f,
                                                                 int64_t f_stride, int64_t half, int interleaved,
                                                                 int dtype, float sign) {
     for (int64_t i = 0; i < half; i++) {
