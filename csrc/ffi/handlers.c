@@ -24,6 +24,8 @@ static const qk_cuda_api *g_cuda;
 
 /* Scratch blocks a launcher holds at once (the most any takes is 3). */
 #define FC_MAX_BLOCKS 8
+#define FC_STR_(x) #x
+#define FC_STR(x) FC_STR_(x)
 /* XLA's allocator takes alignments up to 16 bytes; the launchers expect cudaMallocAsync's 256. */
 #define FC_ALIGN 256
 
@@ -35,7 +37,7 @@ typedef struct {
     XLA_FFI_Error *err;
     qk_scratch scratch; /* cuda: the launchers' temporaries from XLA's allocator */
     size_t scratch_failed; /* the size of a refused request, for the error */
-    char scratch_why[48]; /* what the allocator returned */
+    const char *scratch_why; /* what the allocator returned */
     struct { void *raw, *aligned; } blocks[FC_MAX_BLOCKS]; /* live scratch: what XLA handed out */
 } fc;
 
@@ -55,7 +57,7 @@ static int fc_scratch_alloc(void *ctx, size_t bytes, void *stream, void **p) {
     while (slot < FC_MAX_BLOCKS && c->blocks[slot].raw) slot++;
     if (slot == FC_MAX_BLOCKS || bytes > SIZE_MAX - FC_ALIGN) {
         c->scratch_failed = bytes;
-        snprintf(c->scratch_why, sizeof c->scratch_why, "nothing: more than %d blocks or too large", FC_MAX_BLOCKS);
+        c->scratch_why = "nothing: more than " FC_STR(FC_MAX_BLOCKS) " blocks or too large";
         return QK_E_NOMEM;
     }
     XLA_FFI_DeviceMemory_Allocate_Args a = {XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE, NULL, c->cf->ctx,
@@ -63,7 +65,7 @@ static int fc_scratch_alloc(void *ctx, size_t bytes, void *stream, void **p) {
     XLA_FFI_Error *e = c->cf->api->XLA_FFI_DeviceMemory_Allocate(&a);
     if (e || !a.data) {
         c->scratch_failed = bytes;
-        snprintf(c->scratch_why, sizeof c->scratch_why, "%s", e ? "an error" : "no memory");
+        c->scratch_why = e ? "an error" : "no memory";
         if (e) fc_drop(c->cf, e);
         return QK_E_NOMEM;
     }
