@@ -44,6 +44,20 @@ __device__ __forceinline__ void rka_row(const qk_rotary_kv_append_args &a, int64
     }
 }
 
+// Rows r and r + step, the vector kernels' pair (more loads in flight per thread): false, with the
+// second row's pointers NULL, when r + step is past the last row R - 1.
+template <typename T>
+__device__ __forceinline__ bool rka_row_pair(const qk_rotary_kv_append_args &a, int64_t r, int64_t step, int64_t R,
+                                             const T *qt, const T *kt, T *ot, T *kp, const T *&s0, T *&d0,
+                                             const T *&s1, T *&d1) {
+    rka_row<T>(a, r, qt, kt, ot, kp, s0, d0);
+    s1 = nullptr;
+    d1 = nullptr;
+    if (r + step >= R) return false;
+    rka_row<T>(a, r + step, qt, kt, ot, kp, s1, d1);
+    return true;
+}
+
 template <typename T, int kMode, bool kFVec>
 __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4)
     rka_kernel(qk_rotary_kv_append_args a, int nc, int nct, int hpar) {
@@ -103,11 +117,9 @@ __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4)
                     float c[4], sn[4];
                     ro_load_freqs<4, kFVec>(ft, 4 * (int64_t)j, a.cs_stride[1], 1.f, c, sn);
                     for (int64_t r = hs; r < R; r += 2 * hpar) {
-                        const bool two = r + hpar < R;
-                        const T *s0, *s1 = nullptr;
-                        T *d0, *d1 = nullptr;
-                        rka_row<T>(a, r, qt, kt, ot, kp, s0, d0);
-                        if (two) rka_row<T>(a, r + hpar, qt, kt, ot, kp, s1, d1);
+                        const T *s0, *s1;
+                        T *d0, *d1;
+                        const bool two = rka_row_pair<T>(a, r, hpar, R, qt, kt, ot, kp, s0, d0, s1, d1);
                         // Both rows' loads before any store: out may be q.
                         uint4 v0 = ro_load16(s0 + 8 * j), v1 = v0;
                         if (two) v1 = ro_load16(s1 + 8 * j);
@@ -120,11 +132,9 @@ __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4)
                     float c[8], sn[8];
                     ro_load_freqs<8, kFVec>(ft, 8 * (int64_t)j, a.cs_stride[1], 1.f, c, sn);
                     for (int64_t r = hs; r < R; r += 2 * hpar) {
-                        const bool two = r + hpar < R;
-                        const T *s0, *s1 = nullptr;
-                        T *d0, *d1 = nullptr;
-                        rka_row<T>(a, r, qt, kt, ot, kp, s0, d0);
-                        if (two) rka_row<T>(a, r + hpar, qt, kt, ot, kp, s1, d1);
+                        const T *s0, *s1;
+                        T *d0, *d1;
+                        const bool two = rka_row_pair<T>(a, r, hpar, R, qt, kt, ot, kp, s0, d0, s1, d1);
                         uint4 lo0 = ro_load16(s0 + 8 * j), hi0 = ro_load16(s0 + half + 8 * j), lo1 = lo0, hi1 = hi0;
                         if (two) {
                             lo1 = ro_load16(s1 + 8 * j);
