@@ -198,12 +198,46 @@ static void qk_view_bytes(const qk_view *v, uintptr_t *lo, uintptr_t *hi) {
     *hi = (uintptr_t)v->data + (uintptr_t)((last + 1) * size);
 }
 
+/* Whether two views whose byte ranges meet are still disjoint as rows of one period: dimension 0
+ * steps both by the same S bytes, and each row's block of the other dimensions lies in its own part
+ * of every S bytes (q, k and v split out of one fused qkv projection). A sufficient test only. */
+static int qk_rows_disjoint(const qk_view *a, const qk_view *b) {
+    if (a->ndim < 1 || b->ndim < 1) return 0;
+    const int64_t sa = a->strides[0] * (int64_t)qk_dtype_size(a->dtype);
+    const int64_t sb = b->strides[0] * (int64_t)qk_dtype_size(b->dtype);
+    int64_t period;
+    if (a->shape[0] > 1 && b->shape[0] > 1) {
+        if (sa != sb) return 0;
+        period = sa;
+    } else {
+        period = a->shape[0] > 1 ? sa : sb; /* a single row's stride says nothing */
+    }
+    if (period <= 0) return 0;
+    int64_t start[2], width[2];
+    const qk_view *v[2] = {a, b};
+    for (int j = 0; j < 2; j++) {
+        const int64_t size = (int64_t)qk_dtype_size(v[j]->dtype);
+        int64_t first = 0, last = 0;
+        for (int i = 1; i < v[j]->ndim; i++) {
+            const int64_t step = (v[j]->shape[i] - 1) * v[j]->strides[i] * size;
+            if (step < 0) first += step;
+            else last += step;
+        }
+        start[j] = (int64_t)(intptr_t)v[j]->data + first;
+        width[j] = last - first + size;
+        if (width[j] > period) return 0;
+    }
+    int64_t d = (start[1] - start[0]) % period;
+    if (d < 0) d += period;
+    return d >= width[0] && d + width[1] <= period;
+}
+
 int qk_views_overlap(const qk_view *a, const qk_view *b) {
     if (a->device_type != b->device_type || a->device_id != b->device_id) return 0;
     uintptr_t alo, ahi, blo, bhi;
     qk_view_bytes(a, &alo, &ahi);
     qk_view_bytes(b, &blo, &bhi);
-    return alo < ahi && blo < bhi && alo < bhi && blo < ahi;
+    return alo < ahi && blo < bhi && alo < bhi && blo < ahi && !qk_rows_disjoint(a, b);
 }
 
 static int qk_same_view(const qk_view *a, const qk_view *b) {
@@ -221,7 +255,7 @@ int qk_out_overlap(const char *op, const qk_view *out, const qk_view *in, const 
         if (in[i].data == NULL || in[i].device_type != out->device_type || in[i].device_id != out->device_id) continue;
         uintptr_t lo, hi;
         qk_view_bytes(&in[i], &lo, &hi);
-        if (lo >= hi || hi <= olo || ohi <= lo) continue;
+        if (lo >= hi || hi <= olo || ohi <= lo || qk_rows_disjoint(out, &in[i])) continue;
         if ((in_place >> i & 1) && qk_same_view(out, &in[i])) continue;
         PyErr_Format(PyExc_ValueError,
                      (in_place >> i & 1) ? "%s: out overlaps %s in memory; pass out=%s itself for the in-place "

@@ -198,6 +198,22 @@ def test_out_as_a_column_block_of_an_input():
         qkernels.fused_edge_features(x[:, :12], ei[:, :3], x[:3, 24:], out=x[:3])
 
 
+def test_out_in_other_columns_of_the_inputs_rows():
+    """Views that interleave without sharing an element (column blocks of one buffer's rows) are
+    disjoint and run; one shared column is refused."""
+    rng = np.random.default_rng(4)
+    buf = rng.standard_normal((5, 20)).astype(np.float32)
+    w = rng.standard_normal((6, 8)).astype(np.float32)
+    expected = buf[:, 2:10] @ w.T
+    qkernels.linear(buf[:, 2:10], w, out=buf[:, 12:18])
+    np.testing.assert_allclose(buf[:, 12:18], expected, rtol=1e-5, atol=1e-5)
+    qkernels.linear(buf[:, 12:20], w, out=buf[:, 6:12])  # out before x in each row
+    with pytest.raises(ValueError, match="^linear: out overlaps x in memory"):
+        qkernels.linear(buf[:, 2:10], w, out=buf[:, 9:15])
+    with pytest.raises(ValueError, match="^linear: out overlaps x in memory"):  # rows of another period
+        qkernels.linear(buf[:, 2:10], w, out=buf.reshape(-1)[50:80].reshape(5, 6))
+
+
 def test_strided_in_place_needs_the_same_view():
     x, f = sample("rotary_emb")[0]
     with pytest.raises(ValueError, match=r"^rotary_emb: out overlaps x in memory; pass out=x itself"):

@@ -8,8 +8,7 @@ misaligned views (a fused qkv projection, a [B, L, Hkv, D] cache, one kv cache f
 NaN-poisoned and in-place out; bad indices (never followed; QKERNELS_CHECK=1 raises); the caller's
 stream; CUDA-graph capture and replay with new positions and slots; and the dispatcher.
 
-The kernels are held off the dispatch (qkernels._dispatch.CUDA_PENDING) until these tests pass on a GPU;
-conftest's autouse fixture cuda_pending_enabled runs them as if enabled.  Skipped without a GPU."""
+Skipped without a GPU."""
 
 import importlib.util
 import warnings
@@ -141,6 +140,13 @@ def test_strided_views(dtype, interleaved, misalign):
     check(args, before, out, dtype, interleaved=interleaved)
     assert torch.equal(kv[:, 0], kv0)
     assert torch.equal(cache[slots.long() // L, slots.long() % L], args[5][slots.long()])
+    # in place over the q columns of the same qkv rows (a decode step's call): the same bits
+    a = [x.clone() for x in before[:5]] + [cache.clone(), kv.clone()[:, 1], slots]
+    fused = torch.cat([a[0], a[1], a[2]], 1)
+    qf, kf, vf = fused[:, :Hq], fused[:, Hq:Hq + Hkv], fused[:, Hq + Hkv:]
+    assert qkernels.rotary_kv_append(qf, kf, vf, *a[3:], interleaved=interleaved, out=qf) is qf
+    assert torch.equal(qf, out) and torch.equal(a[5], args[5]) and torch.equal(a[6], args[6])
+    assert torch.equal(kf, before[1]) and torch.equal(vf, before[2])
 
 
 @pytest.mark.parametrize("interleaved", [True, False])

@@ -135,6 +135,15 @@ def test_out_poisoned_and_in_place(rng):
     call(qkv[:, :4], *a[1:], out=qkv[:, :4], **kw)
     np.testing.assert_array_equal(qkv[:, :4], out)
     np.testing.assert_array_equal(qkv[:, 4:], args[1])
+    # q, k and v all columns of one fused buffer, out=q: what a decode step passes
+    qkv = np.concatenate([args[0], args[1], args[2]], axis=1)
+    a = copies(args)
+    call(qkv[:, :4], qkv[:, 4:6], qkv[:, 6:], *a[3:], out=qkv[:, :4], **kw)
+    np.testing.assert_array_equal(qkv[:, :4], out)
+    np.testing.assert_array_equal(qkv[:, 4:], np.concatenate([args[1], args[2]], axis=1))
+    kp, vp = written(OP, *copies(args), **kw)
+    np.testing.assert_allclose(a[5], kp, rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(a[6], vp)
 
 
 def test_results_do_not_depend_on_the_thread_count(rng):
@@ -322,8 +331,9 @@ def test_jax_jit_returns_the_aliased_pools(rng, index_dtype):
 
 
 def test_cuda_kernels_held_off_the_dispatch(monkeypatch):
-    """Until their GPU tests pass, a GPU call stages through the cpu kernels and backend="cuda" says why."""
+    """While held (CUDA_PENDING), a GPU call stages through the cpu kernels and backend="cuda" says why."""
     monkeypatch.setitem(_dispatch._availability, "cuda", (True, ""))
+    monkeypatch.setattr(_dispatch, "CUDA_PENDING", {OP: True})
     axes = {"framework": "torch", "device": "cuda", "dtype": "bfloat16"}
     d = _dispatch.decide_axes(OP, dict(axes), None)
     assert d.winner == "cpu" and d.staged
