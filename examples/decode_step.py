@@ -2,22 +2,24 @@
 
 The model: randomly initialised from a seed (build_weights), Llama-shaped; --shape picks the size
 (small, the default; tiny; llama-8b: 32 layers, hidden 4096, 32/8 heads of 128, MLP 14336, vocab
-32000, 14.2 GB of bfloat16 weights read per step).  Per layer: one fused q/k/v projection
-(qkernels.linear, with bias), rotary embedding on q and k (qkernels.rotary_emb, rotate-half / NeoX
-convention: pairs (x[i], x[i + D/2])), attention over a token-pool KV cache, the out projection
-(qkernels.linear, with bias), the residual add and RMSNorm in one call (qkernels.fused_add_rmsnorm),
-the SwiGLU MLP (qkernels.swiglu, then qkernels.linear for the down projection), and again the
-residual add with the next RMSNorm: the next layer's attention norm, after the last layer the final
-norm.  The residual stream is one buffer (the embedded tokens) that fused_add_rmsnorm updates in
-place; only the first layer's norm is a plain qkernels.rmsnorm.  The LM head (qkernels.linear) gives
-the logits; the next token is their argmax.  The embedding lookup and top-2 are torch.
+32000, 14.2 GB of bfloat16 weights read per step). Per layer: one fused q/k/v projection
+(qkernels.linear, with bias), rotary embedding on q and k fused with the append of k and v to a
+token-pool KV cache (qkernels.rotary_kv_append, rotate-half / NeoX convention: pairs
+(x[i], x[i + D/2])), attention over the pool, the out projection (qkernels.linear, with bias), the
+residual add and RMSNorm in one call (qkernels.fused_add_rmsnorm), the SwiGLU MLP (qkernels.swiglu,
+then qkernels.linear for the down projection), and again the residual add with the next RMSNorm: the
+next layer's attention norm, after the last layer the final norm. The residual stream is one buffer
+(the embedded tokens) that fused_add_rmsnorm updates in place; only the first layer's norm is a
+plain qkernels.rmsnorm. The LM head (qkernels.linear) gives the logits; the next token is their
+argmax. The embedding lookup and top-2 are torch.
 
-The KV cache is a token pool as in SGLang: per layer a K and a V pool [S, Hkv, D]; request b's
-token j lives in slot req_to_token[req_pool_indices[b], j], slots taken from a shuffled free list
-so no request's tokens are contiguous.  Prefill writes the prompt's K/V into the pools and runs
-qkernels.attn_paged_prefill (causal, ragged batch through qo_indptr/kv_indptr); each decode step
-runs qkernels.attn_paged_decode, which writes the new token's K/V (new_k/new_v) into the pools at
-position len - 1 itself.
+The KV cache is a token pool as in SGLang: per layer a K and a V pool [S, Hkv, D]; request b's token
+j lives in slot req_to_token[req_pool_indices[b], j], slots taken from a shuffled free list so no
+request's tokens are contiguous. rotary_kv_append writes each token's K/V at its slot (the prompt's
+at prefill, the new token's at each decode step, position len - 1); then qkernels.attn_paged_prefill
+(causal, ragged batch through qo_indptr/kv_indptr) or qkernels.attn_paged_decode reads the pools.
+(With the flash backend, qkernels.rotary_emb rotates q and k and the K/V go into the pools by
+indexing.)
 
 Backends.  The dispatcher decides per call: ASTR_BACKEND=cuda|flash|cpu|auto (or QKERNELS_OPS)
 selects for the LLM families and this script reports which backend served each op (from
@@ -209,6 +211,12 @@ class TorchReference:
         y = torch.stack([ye, yo], -1).flatten(-2) if interleaved else torch.cat([ye, yo], -1)
         return y if out is None else out.copy_(y)
 
+    @classmethod
+    def rotary_kv_append(cls, q, k, v, cos_sin, positions, k_pool, v_pool, slots, *, interleaved=True, out=None):
+        f, s = cos_sin[positions.long()], slots.long()
+        k_pool[s], v_pool[s] = cls.rotary_emb(k, f, interleaved=interleaved), v
+        return cls.rotary_emb(q, f, interleaved=interleaved, out=out)
+
     @staticmethod
     def rmsnorm(x, weight, *, eps=1e-6):
         return rmsnorm(x, weight, eps)
@@ -337,27 +345,43 @@ class Model:
     def _reduced(self, x):
         return x if self.reduce is None else self.ops.timed("all_reduce", self.reduce, x)
 
-    def _layers(self, residual, freqs, attend):
+    def _layers(self, residual, rotate, attend):
         """residual [T, H]: the embedded tokens, the residual stream, updated in place -> the final
-        norm of the stream.  Each residual add is fused with the norm that follows it."""
+        norm of the stream.  Each residual add is fused with the norm that follows it.  rotate(i, q,
+        k, v) rotates q and k in place (and may append k, v to layer i's pools); attend(i, q, k, v)."""
         Hq, Hkv, D, T = self.heads, self.kv_heads, self.cfg.head_dim, residual.shape[0]
         op, eps = self.ops, self.cfg.norm_eps
         next_norms = [w["attn_norm"] for w in self.layers[1:]] + [self.final_norm]
         h = op("rmsnorm", residual, self.layers[0]["attn_norm"] if self.layers else self.final_norm, eps=eps)
         for i, w in enumerate(self.layers):
             qkv = op("linear", h, w["w_qkv"], w["b_qkv"])
-            # q and k are adjacent in a qkv row: one in-place rotary call covers both (rows strided).
-            qk = qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D)
-            op("rotary_emb", qk, freqs, interleaved=False, out=qk)
             q = qkv[:, :Hq * D].view(T, Hq, D)
             k = qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
             v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+            rotate(i, qkv, q, k, v)
             o = op("linear", attend(i, q, k, v).reshape(T, Hq * D), w["wo"], w["bo"])
             h = op("fused_add_rmsnorm", self._reduced(o), residual, w["mlp_norm"], eps=eps)
             m = op("swiglu", h, w["w_up"], w["w_gate"])
             d = op("linear", m, w["w_down"])
             h = op("fused_add_rmsnorm", self._reduced(d), residual, next_norms[i], eps=eps)
         return h
+
+    def _rotate(self, cache, positions, slots):
+        """-> rotate(i, qkv, q, k, v) for _layers.  Paged: rotary_kv_append rotates q and k and writes
+        k, v at `slots` of layer i's pools in one kernel.  Dense (the flash path): rotary_emb on q and
+        k, which are adjacent in a qkv row, so one in-place call covers both (rows strided)."""
+        Hq, Hkv, D = self.heads, self.kv_heads, self.cfg.head_dim
+        if self.attention == "paged":
+            def rotate(i, qkv, q, k, v):
+                self.ops("rotary_kv_append", q, k, v, self.freqs, positions, cache.k[i], cache.v[i], slots,
+                         interleaved=False, out=q)
+            return rotate
+        freqs = self.freqs[positions.long()]
+
+        def rotate(i, qkv, q, k, v):
+            qk = qkv[:, :(Hq + Hkv) * D].view(qkv.shape[0], Hq + Hkv, D)
+            self.ops("rotary_emb", qk, freqs, interleaved=False, out=qk)
+        return rotate
 
     def weight_bytes(self):
         """The weight bytes one decode step reads: every weight but the embedding table (B rows)."""
@@ -370,15 +394,15 @@ class Model:
         op, r2t, rpi = self.ops, cache.req_to_token, cache.req_pool_indices
 
         def attend(i, q, k, v):
-            cache.k[i][slots], cache.v[i][slots] = k, v
-            if self.attention == "paged":
+            if self.attention == "paged":  # k, v are in the pools already (rotary_kv_append)
                 return op("attn_paged_prefill", q, cache.k[i], cache.v[i], r2t, rpi, kv_indptr, qo_indptr,
                           is_causal=True)
+            cache.k[i][slots], cache.v[i][slots] = k, v
             bounds = qo_indptr.tolist()  # dense: one call per request (flash_attn_func takes no ragged batch)
             return torch.cat([op("attn_prefill", q[None, a:b], k[None, a:b], v[None, a:b], is_causal=True)[0]
                               for a, b in zip(bounds, bounds[1:])])
 
-        h = self._layers(self.embed[tokens], self.freqs[positions], attend)
+        h = self._layers(self.embed[tokens], self._rotate(cache, positions, slots), attend)
         return self.ops("linear", h[last_rows], self.lm_head)
 
     def decode(self, tokens, cache, kv_indptr, max_len=None):
@@ -387,16 +411,17 @@ class Model:
         max_len (a host int) is needed by attention="dense" only."""
         op, r2t, rpi = self.ops, cache.req_to_token, cache.req_pool_indices
         lens = kv_indptr[1:] - kv_indptr[:-1]
+        positions = lens - 1
+        slots = r2t[rpi.long(), positions.long()]  # where each request's new token goes
 
         def attend(i, q, k, v):
-            if self.attention == "paged":  # writes k, v at position len - 1 itself
-                return op("attn_paged_decode", q, cache.k[i], cache.v[i], r2t, rpi, kv_indptr, new_k=k, new_v=v)
-            slot = r2t[rpi.long(), (lens - 1).long()].long()
-            cache.k[i][slot], cache.v[i][slot] = k, v
-            slots = r2t[rpi.long(), :max_len].long().clamp_min(0)  # -1 past a length: masked by kv_lens
-            return op("attn_decode", q[:, None], cache.k[i][slots], cache.v[i][slots], kv_lens=lens)[:, 0]
+            if self.attention == "paged":  # k, v are in the pools already (rotary_kv_append)
+                return op("attn_paged_decode", q, cache.k[i], cache.v[i], r2t, rpi, kv_indptr)
+            cache.k[i][slots.long()], cache.v[i][slots.long()] = k, v
+            table = r2t[rpi.long(), :max_len].long().clamp_min(0)  # -1 past a length: masked by kv_lens
+            return op("attn_decode", q[:, None], cache.k[i][table], cache.v[i][table], kv_lens=lens)[:, 0]
 
-        h = self._layers(self.embed[tokens], self.freqs[(lens - 1).long()], attend)
+        h = self._layers(self.embed[tokens], self._rotate(cache, positions, slots), attend)
         return self.ops("linear", h, self.lm_head)
 
 
@@ -601,6 +626,7 @@ def selection_problem(device, dtype, cfg, mode):
     calls = [("linear", (q[0], q[0])), ("swiglu", (q[0], q[0], q[0])), ("rotary_emb", (q, q)),
              ("rmsnorm", (q[0], q[0, 0])), ("fused_add_rmsnorm", (q[0], q[0], q[0, 0]))]
     if mode == "paged":
+        calls += [("rotary_kv_append", (q, q, q, q.float(), idx, q, q, idx))]
         calls += [("attn_paged_prefill", (q, q, q, idx, idx, idx, idx)), ("attn_paged_decode", (q, q, q, idx, idx, idx))]
     else:
         calls += [("attn_prefill", (q[:, None],) * 3), ("attn_decode", (q[:, None],) * 3)]
