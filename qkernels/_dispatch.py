@@ -163,7 +163,7 @@ _PREDICATES["cpu"]["rmsnorm"] = [_CUDA_FLOATS]
 # Families or ops whose CUDA kernels are built but not enabled yet: until their GPU tests have passed
 # (tests/test_cuda_<op>.py runs them as if enabled), the cuda backend declines them, so GPU tensors are
 # staged through the cpu kernels (with a FallbackWarning) and backend="cuda" refuses with the reason.
-CUDA_PENDING = {"rotary_kv_append": True}
+CUDA_PENDING = {}
 
 _availability = {}
 _describe = _C.describe

@@ -316,18 +316,19 @@ def test_jax_jit_returns_the_aliased_pools(rng, index_dtype):
     if index_dtype == np.int64 and not jax.config.jax_enable_x64:
         pytest.skip("jax holds int64 indices as int32 without x64")
     step = jax.jit(lambda *a: qj.rotary_kv_append(*a, interleaved=False), donate_argnums=(5, 6))
-    out, k_pool, v_pool = step(*map(jnp.asarray, args))
-    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(k_pool), kp, rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(v_pool), vp.astype(np.float32))
-    with pytest.raises(NotImplementedError, match="^rotary_kv_append: no gradient"):
-        jax.grad(lambda q: qj.rotary_kv_append(q, *map(jnp.asarray, args[1:]))[0].sum())(jnp.asarray(args[0]))
-    bad = list(map(jnp.asarray, args))
-    bad[7] = bad[7].at[2].set(12)
-    with pytest.raises(Exception, match=r"rotary_kv_append: slots\[2\] = 12 is out of range"):
-        jax.block_until_ready(qj.rotary_kv_append(*bad))
-    with pytest.raises(TypeError, match="^rotary_kv_append: k_pool and v_pool would be written in place"):
-        qkernels.rotary_kv_append(*map(jnp.asarray, args))
+    with jax.default_device(jax.devices("cpu")[0]):  # the CPU handler, also where JAX has a GPU
+        out, k_pool, v_pool = step(*map(jnp.asarray, args))
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(k_pool), kp, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(v_pool), vp.astype(np.float32))
+        with pytest.raises(NotImplementedError, match="^rotary_kv_append: no gradient"):
+            jax.grad(lambda q: qj.rotary_kv_append(q, *map(jnp.asarray, args[1:]))[0].sum())(jnp.asarray(args[0]))
+        bad = list(map(jnp.asarray, args))
+        bad[7] = bad[7].at[2].set(12)
+        with pytest.raises(Exception, match=r"rotary_kv_append: slots\[2\] = 12 is out of range"):
+            jax.block_until_ready(qj.rotary_kv_append(*bad))
+        with pytest.raises(TypeError, match="^rotary_kv_append: k_pool and v_pool would be written in place"):
+            qkernels.rotary_kv_append(*map(jnp.asarray, args))
 
 
 def test_cuda_kernels_held_off_the_dispatch(monkeypatch):
