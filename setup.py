@@ -8,16 +8,11 @@ Environment:
                           when none is visible (the build says which)
   CUDA_HOME / CUDA_PATH   the toolkit to use (else nvcc on PATH)
   QKERNELS_ASAN=1         build _C with AddressSanitizer (debug)
-  QKERNELS_JAX            1: the XLA FFI handlers for qkernels.jax are required (fail without
-                          jaxlib's headers; the in-tree build backend then installs jaxlib into
-                          pip's isolated build environment); 0: never built; unset: built
-                          wherever jaxlib's headers are found
 """
 
 import concurrent.futures
 import glob
 import hashlib
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -83,29 +78,6 @@ def cuda_archs():
     if archs:
         return archs, "the GPUs nvidia-smi lists"
     return ["90"], "no GPU visible; QKERNELS_CUDA_ARCH='80;89;90' builds for A100, L40 and H100/H200 too"
-
-
-def jax_ffi_include():
-    """(jaxlib's include directory holding xla/ffi/api/c_api.h, or None, why)."""
-    want = os.environ.get("QKERNELS_JAX", "")
-    if want == "0":
-        return None, "QKERNELS_JAX=0"
-    roots = []
-    # The environment being installed into first (pip's isolated build hides it from sys.path but
-    # not from sysconfig), so the headers match the jaxlib that will load the handlers.
-    for site in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]):
-        roots.append(os.path.join(site, "jaxlib"))
-    spec = importlib.util.find_spec("jaxlib")
-    if spec is not None and spec.submodule_search_locations:
-        roots += list(spec.submodule_search_locations)
-    for root in dict.fromkeys(roots):
-        inc = os.path.join(root, "include")
-        if os.path.isfile(os.path.join(inc, "xla", "ffi", "api", "c_api.h")):
-            return inc, None
-    if want == "1":
-        sys.exit("qkernels: QKERNELS_JAX=1 but jaxlib's XLA FFI headers (jaxlib/include/xla/ffi/api/c_api.h) "
-                 "were not found; install jax first or build through pip (pyproject's backend adds jaxlib)")
-    return None, "jaxlib's headers not found (QKERNELS_JAX=1 pip install '.[jax]' builds them)"
 
 
 class BuildExt(build_ext):
@@ -197,14 +169,9 @@ if os.environ.get("QKERNELS_ASAN") == "1":
 
 include_dirs = ["include"]
 define_macros = []
-jax_include, why_no_jax = jax_ffi_include()
-if jax_include:
-    log(f"XLA FFI handlers for qkernels.jax: building against {jax_include}")
-    sources += sorted(glob.glob("csrc/ffi/*.c"))
-    include_dirs.append(jax_include)
-    define_macros.append(("QK_JAX_FFI", "1"))
-else:
-    log(f"XLA FFI handlers for qkernels.jax: not built ({why_no_jax})")
+# The XLA FFI handlers of qkernels.jax: plain C against the ABI csrc/ffi/xla_ffi.h declares, so they
+# build everywhere (no jaxlib at build time) and stay inert until qkernels.jax registers them.
+sources += sorted(glob.glob("csrc/ffi/*.c"))
 
 setup(
     ext_modules=[

@@ -206,11 +206,9 @@ static PyMethodDef qk_methods[] = {
      "_cpu_isa()\n--\n\nThe best instruction-set level of the cpu linear and swiglu here (tests)."},
     {"_live_storages", (PyCFunction)qk_live_storages, METH_NOARGS,
      "_live_storages()\n--\n\nNumber of qkernels.Tensor memory blocks not yet freed (for leak tests)."},
-#ifdef QK_JAX_FFI
     {"_jax_handlers", (PyCFunction)qk_jax_handlers, METH_O,
      "_jax_handlers(cuda)\n--\n\n{op: (cpu handler, cuda handler or None, command-buffer compatible)}: the XLA FFI "
      "handlers as capsules for jax.ffi.register_ffi_target (csrc/ffi/handlers.c)."},
-#endif
     {NULL, NULL, 0, NULL},
 };
 

@@ -28,7 +28,7 @@ are averaged over the devices; the run is checked against one device on the whol
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python examples/train_gnn_jax.py --devices 2 --check
 
-The examples import the installed qkernels (`QKERNELS_JAX=1 pip install '.[jax]'`); in a source
+The examples import the installed qkernels (`pip install '.[jax]'`); in a source
 checkout built in place, put it on the path: PYTHONPATH=. python examples/train_gnn_jax.py
 """
 

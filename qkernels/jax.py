@@ -23,11 +23,6 @@ from . import _C, _dispatch
 
 __all__ = list(_C.OPS) + ["explain", "registered"]
 
-if not hasattr(_C, "_jax_handlers"):
-    raise ImportError(
-        "qkernels.jax: this qkernels was built without its XLA FFI handlers (jaxlib's headers were not found at "
-        "build time).  Reinstall with JAX support: QKERNELS_JAX=1 pip install '.[jax]' (from the source checkout)")
-
 _PREFIX = "qkernels_"
 
 

@@ -1,7 +1,7 @@
 /* XLA FFI handlers: every op of the op table as an XLA custom call, for qkernels.jax.
  *
- * Built into _C only where jaxlib's headers were found at build time (QK_JAX_FFI; see setup.py).
- * Plain C against xla/ffi/api/c_api.h: a handler reads its buffers from the call frame and its
+ * Always built into _C, against the XLA FFI C ABI as xla_ffi.h declares
+ * it, so no jaxlib is needed at build time: a handler reads its buffers from the call frame and its
  * static arguments from the attributes, fills the op's args struct for contiguous row-major
  * buffers and runs the same launcher the DLPack binding runs (qk_<launcher>_cpu, or the
  * qk_cuda_api entry on the stream of the execution context).  No Python, no GIL, no environment,
@@ -16,7 +16,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "xla/ffi/api/c_api.h"
+#include "xla_ffi.h"
 
 /* Set once by _jax_handlers() (with the GIL held, before any handler can run). */
 static int g_threads = 1;
@@ -864,8 +864,8 @@ static XLA_FFI_Error *fc_metadata(XLA_FFI_CallFrame *cf, unsigned traits) {
     if (ext->extension_base.struct_size < XLA_FFI_Metadata_Extension_STRUCT_SIZE ||
         m->struct_size < XLA_FFI_Metadata_STRUCT_SIZE) {
         XLA_FFI_Error_Create_Args a = {XLA_FFI_Error_Create_Args_STRUCT_SIZE, NULL,
-                                       "qkernels: XLA's FFI metadata structs are older than the headers qkernels was "
-                                       "built with; rebuild qkernels against this jaxlib",
+                                       "qkernels: XLA's FFI metadata structs are older than version " FC_STR(
+                                           XLA_FFI_API_MAJOR) "." FC_STR(XLA_FFI_API_MINOR) ", which qkernels needs",
                                        XLA_FFI_Error_Code_FAILED_PRECONDITION};
         return cf->api->XLA_FFI_Error_Create(&a);
     }
@@ -874,7 +874,8 @@ static XLA_FFI_Error *fc_metadata(XLA_FFI_CallFrame *cf, unsigned traits) {
     m->api_version.major_version = XLA_FFI_API_MAJOR;
     m->api_version.minor_version = XLA_FFI_API_MINOR;
     m->traits = traits;
-    m->state_type_id.type_id = 0; /* stateless */
+    if (m->struct_size >= QK_FFI_SIZE_THROUGH(XLA_FFI_Metadata, state_type_id))
+        m->state_type_id.type_id = 0; /* stateless (a field newer runtimes have) */
     return NULL;
 }
 
@@ -882,6 +883,13 @@ static XLA_FFI_Error *fc_enter(XLA_FFI_CallFrame *cf, const char *op, int cuda, 
                                XLA_FFI_Error *(*body)(fc *)) {
     if (cf->extension_start && cf->extension_start->type == XLA_FFI_Extension_Metadata)
         return fc_metadata(cf, traits);
+    if (cf->api->struct_size < QK_FFI_API_MIN_SIZE || cf->api->api_version.major_version != XLA_FFI_API_MAJOR) {
+        XLA_FFI_Error_Create_Args a = {XLA_FFI_Error_Create_Args_STRUCT_SIZE, NULL,
+                                       "qkernels: this jaxlib's XLA FFI API is older than version " FC_STR(
+                                           XLA_FFI_API_MAJOR) "." FC_STR(XLA_FFI_API_MINOR) ", which qkernels needs",
+                                       XLA_FFI_Error_Code_FAILED_PRECONDITION};
+        return cf->api->XLA_FFI_Error_Create(&a);
+    }
     fc c = {cf, op, cuda, NULL, NULL, {fc_scratch_alloc, fc_scratch_free, NULL}, 0, "", {{NULL, NULL}}};
     c.scratch.ctx = &c;
     if (cf->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL; /* only the execute stage is registered */
