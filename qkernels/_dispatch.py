@@ -42,6 +42,22 @@ def params(op):
 # from the C op table.
 OPS = {op: (family, position, params(op)[position]) for op, (family, position) in _C.OPS.items()}
 
+# The arguments an op updates in place besides out=, as ((position, name), ...), and the keyword
+# argument that makes it do so (None: every call).  The staged cpu path copies them back, the torch
+# operators' schemas mark them mutated, and qkernels.testing's references say what they end as.
+WRITES = {
+    "attn_paged_decode": ("new_k", ((1, "k_cache"), (2, "v_cache"))),
+    "fused_add_rmsnorm": (None, ((1, "residual"),)),
+    "rotary_kv_append": (None, ((5, "k_pool"), (6, "v_pool"))),
+}
+
+
+def written_args(op, kwargs):
+    """((position, name), ...) of the arguments this call of op writes in place besides out=."""
+    when, args = WRITES.get(op, (None, ()))
+    return args if when is None or kwargs.get(when) is not None else ()
+
+
 def _attention_axes(paged):
     def axes(args, kwargs):
         q = args[0] if args else kwargs.get("q")

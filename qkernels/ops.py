@@ -16,14 +16,6 @@ from ._dispatch import NEUTRAL_FRAMEWORKS, _ctx, choose, direct_plans, direct_ty
 from ._frameworks import run
 
 
-# Inputs an op writes, as (position, name): copied back to the device when the cpu backend stages.
-_WRITTEN = {
-    "attn_paged_decode": lambda kwargs: ((1, "k_cache"), (2, "v_cache")) if kwargs.get("new_k") is not None else (),
-    "fused_add_rmsnorm": lambda kwargs: ((1, "residual"),),
-    "rotary_kv_append": lambda kwargs: ((5, "k_pool"), (6, "v_pool")),
-}
-
-
 def _one_framework(op, params, args, kwargs):
     """ValueError unless every tensor argument, out= included, comes from one framework (our Tensor
     and raw capsules mix with any): the result's framework would otherwise be a guess."""
@@ -56,7 +48,7 @@ def _python_path(name):
     raw = getattr(_C, name + "_raw")
     _, position, arg = _dispatch.OPS[name]
     call_axes = _dispatch.CALL_AXES.get(name)
-    written = _WRITTEN.get(name)
+    writes = name in _dispatch.WRITES
 
     params = _dispatch.params(name)
 
@@ -69,8 +61,8 @@ def _python_path(name):
         if x is None:
             return raw(*args, **kwargs)  # the raw op names what is missing
         framework = framework_name(x)
-        if written and framework == "jax" and written(kwargs):  # immutable arrays: the functional form
-            raise TypeError(f"{name}: {' and '.join(n for _, n in written(kwargs))} would be written in place, "
+        if writes and framework == "jax" and _dispatch.written_args(name, kwargs):  # immutable: the functional form
+            raise TypeError(f"{name}: {' and '.join(n for _, n in _dispatch.written_args(name, kwargs))} would be written in place, "
                             f"which JAX arrays cannot be; use qkernels.jax.{name}, which returns the new values")
         if framework == "torch":
             torch_ops = _torch_ops()
@@ -85,7 +77,7 @@ def _python_path(name):
             return raw(*args, **kwargs)
         if plan[0] == "flash":
             return _flash.OPS[name](*args, **kwargs)
-        return run(name, raw, args, kwargs, x, plan[1], written(kwargs) if written and plan[1] else ())
+        return run(name, raw, args, kwargs, x, plan[1], _dispatch.written_args(name, kwargs) if writes and plan[1] else ())
 
     call.__name__ = call.__qualname__ = name  # as argument errors name it
     return call

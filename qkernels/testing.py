@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._dispatch import WRITES as _WRITES
+
 
 def _f64(a):
     return np.asarray(a, dtype=np.float64)
@@ -731,4 +733,5 @@ OPS = tuple(FLOAT_ARGS)
 
 # The arguments an op updates in place (positions): a test that calls such an op twice on one sample
 # gives each call its own copies, and ``written`` says what the call leaves in them.
-MUTATED = {"fused_add_rmsnorm": (1,), "rotary_kv_append": (5, 6)}
+# (every call's writes, from the op table's qkernels._dispatch.WRITES; the samples give no new_k).
+MUTATED = {op: tuple(i for i, _ in args) for op, (when, args) in _WRITES.items() if when is None}

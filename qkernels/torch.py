@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from . import _C, _dispatch, _flash
-from . import ops as _ops
 from ._frameworks import run
 
 NAMESPACE = "qkernels"
@@ -72,11 +71,9 @@ SCHEMAS = {
 # Public arguments that take a number or a tensor -> the schema argument that carries the tensor.
 _UNIONS = {"seed": "seed_tensor", "pos_weight": "pos_weight_tensor"}
 
-# Inputs written besides out, by overload: attn_paged_decode with new_k/new_v appends to the caches;
-# fused_add_rmsnorm always writes residual + x into residual (its default overload); rotary_kv_append
-# always appends to its pools.
-_MUTATED = {"attn_paged_decode": {"append": ("k_cache", "v_cache")}, "fused_add_rmsnorm": {"": ("residual",)},
-            "rotary_kv_append": {"": ("k_pool", "v_pool")}}
+# Inputs written besides out, by overload (from _dispatch.WRITES): an op that writes only when a
+# keyword is given (attn_paged_decode's new_k/new_v) has an "append" overload that marks them.
+_MUTATED = {op: {("append" if when else ""): tuple(n for _, n in args)} for op, (when, args) in _dispatch.WRITES.items()}
 
 
 def _empty(like):
@@ -393,8 +390,8 @@ def execute(op, c, backend):
     if backend == "flash":
         return _flash.OPS[op](*args, **kwargs)
     staged = backend == "cpu" and x.device.type != "cpu"
-    written = _ops._WRITTEN.get(op)  # the staged copy-back the Python path does
-    return run(op, spec.raw, args, kwargs, x, staged, written(kwargs) if written and staged else ())
+    # the staged copy-back the Python path does
+    return run(op, spec.raw, args, kwargs, x, staged, _dispatch.written_args(op, kwargs) if staged else ())
 
 
 def _dtype_name(dtype):
