@@ -103,6 +103,23 @@ QK_MULTIVERSION static void sa_worker(void *p, int tid, int nthreads) {
     free(acc);
 }
 
+/* Both launchers' status once their workers ran (status): QK_E_NOMEM where a worker could not
+ * allocate, else QK_E_INDEX with bad_arg 1 (col_idx) where a thread recorded an out-of-range source (the
+ * lowest such thread's position and value). */
+static int sa_run_status(int status, int nomem, int nthreads, const int64_t *thread_pos, const int64_t *thread_value,
+                         int *bad_arg, int64_t *pos, int64_t *value) {
+    if (status == QK_OK && nomem) status = QK_E_NOMEM;
+    for (int t = 0; status == QK_OK && t < nthreads; t++) {
+        if (thread_pos[t] >= 0) {
+            *bad_arg = 1;
+            *pos = thread_pos[t];
+            *value = thread_value[t];
+            status = QK_E_INDEX;
+        }
+    }
+    return status;
+}
+
 /* The checks both launchers start with: float32 features and int32/int64 indices (else
  * QK_E_UNSUPPORTED), and row_ptr [n + 1] a valid CSR prefix 0 <= row_ptr[0] <= ... <= row_ptr[n] <= E
  * (else QK_E_INDEX with *bad_arg 0 and the first offending position and value in *pos, *value). */
@@ -141,15 +158,7 @@ int qk_sparse_aggregate_cpu(qk_sparse_aggregate_args *a, void *stream) {
     j.bad_pos = bad;
     j.bad_value = bad + nthreads;
     int status = qk_parallel_run(nthreads, sa_worker, &j);
-    if (status == QK_OK && j.nomem) status = QK_E_NOMEM;
-    for (int t = 0; status == QK_OK && t < nthreads; t++) {
-        if (j.bad_pos[t] >= 0) {
-            a->bad_arg = 1;
-            a->bad_pos = j.bad_pos[t];
-            a->bad_value = j.bad_value[t];
-            status = QK_E_INDEX;
-        }
-    }
+    status = sa_run_status(status, j.nomem, nthreads, j.bad_pos, j.bad_value, &a->bad_arg, &a->bad_pos, &a->bad_value);
     free(bad);
     return status;
 }
@@ -288,17 +297,8 @@ static int sab_run(sab_job *j, int phase, int64_t work) {
     qk_sparse_aggregate_backward_args *a = j->a;
     j->phase = phase;
     const int nthreads = qk_threads_for(work, a->num_threads > 0 ? a->num_threads : 1);
-    int status = qk_parallel_run(nthreads, sab_worker, j);
-    if (status == QK_OK && j->nomem) status = QK_E_NOMEM;
-    for (int t = 0; status == QK_OK && t < nthreads; t++) {
-        if (j->bad_pos[t] >= 0) {
-            a->bad_arg = 1;
-            a->bad_pos = j->bad_pos[t];
-            a->bad_value = j->bad_value[t];
-            status = QK_E_INDEX;
-        }
-    }
-    return status;
+    const int status = qk_parallel_run(nthreads, sab_worker, j);
+    return sa_run_status(status, j->nomem, nthreads, j->bad_pos, j->bad_value, &a->bad_arg, &a->bad_pos, &a->bad_value);
 }
 
 int qk_sparse_aggregate_backward_cpu(qk_sparse_aggregate_backward_args *a, void *stream) {
