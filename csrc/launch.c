@@ -23,6 +23,13 @@ int qk_same_device(const char *op, const qk_view *views, const char *const *name
     return 0;
 }
 
+int qk_import_all(qk_state *st, const char *op, PyObject *const *objs, const char *const *names, int n, void *stream,
+                  qk_view *in, int *n_in) {
+    for (; *n_in < n; (*n_in)++)
+        if (qk_import(st, objs[*n_in], op, names[*n_in], stream, &in[*n_in]) < 0) return -1;
+    return qk_same_device(op, in, names, n);
+}
+
 int qk_launch_begin(qk_state *st, const char *op, const qk_view *first, void *stream, int stream_given,
                     qk_launch *l) {
     memset(l, 0, sizeof *l);

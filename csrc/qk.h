@@ -135,6 +135,10 @@ typedef struct {
 } qk_output;
 
 int qk_same_device(const char *op, const qk_view *views, const char *const *names, int n);
+/* qk_import of objs[0..n) as in[0..n) (names[i] in messages; *n_in counts the views to release), then
+ * qk_same_device: -1 with the exception at the first failure. */
+int qk_import_all(qk_state *st, const char *op, PyObject *const *objs, const char *const *names, int n, void *stream,
+                  qk_view *in, int *n_in);
 int qk_launch_begin(qk_state *st, const char *op, const qk_view *first, void *stream, int stream_given,
                     qk_launch *l);
 void qk_launch_end(qk_launch *l);

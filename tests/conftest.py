@@ -314,6 +314,16 @@ def host_tensors(op, args):
     return out
 
 
+def as_dtype(a, dtype):
+    """A NumPy array as dtype (a name): a CPU torch tensor where torch is installed (it has bfloat16),
+    else a NumPy array."""
+    if not HAS_TORCH:
+        return a.astype(dtype)
+    import torch
+
+    return torch.from_numpy(a).to(getattr(torch, dtype))
+
+
 def torch_sample(op, rng, device="cpu", **options):
     """qkernels.testing.sample's call as torch tensors on device, dtypes as sampled (arguments and
     keyword arguments alike)."""

@@ -10,7 +10,7 @@ import pytest
 import qkernels
 from qkernels import _dispatch
 from qkernels.testing import appended, reference, sample
-from conftest import close_to_naive, f64, fp32_sum_tol, naive_decode, rel_err, sdpa64
+from conftest import as_dtype, close_to_naive, f64, fp32_sum_tol, naive_decode, rel_err, sdpa64
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 requires_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (bfloat16 on the CPU)")
@@ -187,7 +187,7 @@ def test_strided_float_masks(rng):
 def test_float_mask_half(rng, dtype, mask_dtype):
     B, L, ratio = 3, 90, 4
     tdt = getattr(torch, dtype)
-    q, k, v = (torch.from_numpy(a).to(tdt) for a in sample("attn_decode", rng, b=B, l=L, hkv=2, ratio=ratio, d=64)[0])
+    q, k, v = (as_dtype(a, dtype) for a in sample("attn_decode", rng, b=B, l=L, hkv=2, ratio=ratio, d=64)[0])
     mask = torch.from_numpy(random_mask(rng, (B, 1, 1, L), "float"))
     mask = mask if mask_dtype == "float32" else mask.to(tdt)
     out = qkernels.attn_decode(q, k, v, mask=mask)
@@ -204,15 +204,14 @@ def test_float_mask_half(rng, dtype, mask_dtype):
 def test_bad_mask_dtypes(rng, q_dtype, mask_dtype):
     if "bfloat16" in (q_dtype, mask_dtype) and not HAS_TORCH:
         pytest.skip("bfloat16 needs torch")
-    conv = (lambda a, d: torch.from_numpy(a).to(getattr(torch, d))) if HAS_TORCH else (lambda a, d: a.astype(d))
-    q, k, v = (conv(a, q_dtype) for a in sample("attn_decode", rng, b=2, l=5, hkv=1, ratio=2, d=8)[0])
-    paged = [conv(a, q_dtype) if i < 3 else conv(a, str(a.dtype)) for i, a in enumerate(sample("attn_paged_decode", rng, lens=(3, 4),
-                                                                           hkv=1, ratio=2, d=8)[0])]
+    q, k, v = (as_dtype(a, q_dtype) for a in sample("attn_decode", rng, b=2, l=5, hkv=1, ratio=2, d=8)[0])
+    paged_args = sample("attn_paged_decode", rng, lens=(3, 4), hkv=1, ratio=2, d=8)[0]
+    paged = [as_dtype(a, q_dtype if i < 3 else str(a.dtype)) for i, a in enumerate(paged_args)]
     max_ctx = paged[3].shape[1]
     for op, args, shape in [("attn_decode", (q, k, v), (2, 5)), ("attn_decode", (q, k, v), (2, 1, 1, 5)),
                             ("attn_paged_decode", paged, (2, max_ctx))]:
         with pytest.raises(TypeError, match=rf"{op}: mask must be bool \(True = keep\).*got {mask_dtype}"):
-            getattr(qkernels, op)(*args, mask=conv(np.zeros(shape, np.float32), mask_dtype))
+            getattr(qkernels, op)(*args, mask=as_dtype(np.zeros(shape, np.float32), mask_dtype))
 
 
 def test_bad_float_mask_shapes(rng):

@@ -13,8 +13,8 @@ import pytest
 import qkernels
 from qkernels import _dispatch
 from qkernels.testing import prefill_keep, reference, sample
-from conftest import (FakeCudaTensor, RecordingOut, close_to_naive, f64, fp32_sum_tol, naive_prefill, rel_err, replaced,
-                      request_mask, sdpa64)
+from conftest import (FakeCudaTensor, RecordingOut, as_dtype, close_to_naive, f64, fp32_sum_tol, naive_prefill, rel_err,
+                      replaced, request_mask, sdpa64)
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 requires_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (bfloat16 on the CPU)")
@@ -259,8 +259,7 @@ def test_float_mask_half(rng, dtype, mask_dtype):
     """16-bit queries take float32 masks or masks of their own dtype (as SDPA); the mask is added in fp32."""
     B, Lq, Lkv = 2, 19, 70
     tdt = getattr(torch, dtype)
-    q, k, v = (torch.from_numpy(a).to(tdt) for a in sample("attn_prefill", rng, b=B, lq=Lq, lkv=Lkv, hkv=2, ratio=2,
-                                                               d=32)[0])
+    q, k, v = (as_dtype(a, dtype) for a in sample("attn_prefill", rng, b=B, lq=Lq, lkv=Lkv, hkv=2, ratio=2, d=32)[0])
     for shape in [(B, Lkv), (B, 1, Lq, Lkv)]:
         mask = torch.from_numpy(random_mask(rng, shape, "float"))
         mask = mask if mask_dtype == "float32" else mask.to(tdt)
@@ -280,11 +279,10 @@ def test_float_mask_half(rng, dtype, mask_dtype):
 def test_bad_mask_dtypes(rng, q_dtype, mask_dtype):
     if "bfloat16" in (q_dtype, mask_dtype) and not HAS_TORCH:
         pytest.skip("bfloat16 needs torch")
-    conv = (lambda a, d: torch.from_numpy(a).to(getattr(torch, d))) if HAS_TORCH else (lambda a, d: a.astype(d))
-    q, k, v = (conv(a, q_dtype) for a in sample("attn_prefill", rng, b=2, lq=3, lkv=5, hkv=1, ratio=2, d=8)[0])
+    q, k, v = (as_dtype(a, q_dtype) for a in sample("attn_prefill", rng, b=2, lq=3, lkv=5, hkv=1, ratio=2, d=8)[0])
     for op, args, shape in [("attn_prefill", (q, k, v), (2, 5)), ("attn_prefill", (q, k, v), (2, 1, 3, 5))]:
         with pytest.raises(TypeError, match=rf"{op}: mask must be bool \(True = keep\).*got {mask_dtype}"):
-            getattr(qkernels, op)(*args, mask=conv(np.zeros(shape, np.float32), mask_dtype))
+            getattr(qkernels, op)(*args, mask=as_dtype(np.zeros(shape, np.float32), mask_dtype))
 
 
 def test_bad_float_mask_shapes(rng):

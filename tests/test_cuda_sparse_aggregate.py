@@ -194,7 +194,7 @@ def test_dispatcher_picks_cuda(rng):
 
 
 @needs_torch_cuda
-def test_direct_path_still_honours_context_and_env(rng, monkeypatch):
+def test_direct_path_still_honours_context_and_env(rng, env):
     args = sample("sparse_aggregate", rng, n_dst=40, n_src=30, heads=2, dim=8)[0]
     cuda_args = to_cuda(args)
     qkernels.sparse_aggregate(*cuda_args)  # takes the zero-lookup path from now on
@@ -205,14 +205,9 @@ def test_direct_path_still_honours_context_and_env(rng, monkeypatch):
             assert qkernels.resolve("sparse_aggregate", *cuda_args).staged
             out = qkernels.sparse_aggregate(*cuda_args)
         assert rel_err(out.cpu().numpy(), reference("sparse_aggregate", *args)) < 1e-5
-        monkeypatch.setenv("QECDEC_BACKEND", "flash")
-        qkernels.reload_env()
-        try:
-            with pytest.raises(qkernels.ExplicitSelectionError, match="env QECDEC_BACKEND"):
-                qkernels.sparse_aggregate(*cuda_args)
-        finally:
-            monkeypatch.delenv("QECDEC_BACKEND")
-            qkernels.reload_env()
+        env(QECDEC_BACKEND="flash")
+        with pytest.raises(qkernels.ExplicitSelectionError, match="env QECDEC_BACKEND"):
+            qkernels.sparse_aggregate(*cuda_args)
 
 
 @needs_torch_cuda

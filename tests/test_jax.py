@@ -347,16 +347,11 @@ def test_backend_selection(rng):
     _close(qj.linear(*args, backend="cpu"), T.reference("linear", *map(np.asarray, args)))
 
 
-def test_env_backend(monkeypatch, rng):
+def test_env_backend(env, rng):
     args = _jargs(T.sample("sparse_aggregate", rng)[0])
-    monkeypatch.setenv("QECDEC_BACKEND", "cuda")
-    qkernels.reload_env()
-    try:
-        with pytest.raises(qkernels.ExplicitSelectionError, match="sparse_aggregate"):
-            qj.sparse_aggregate(*args)
-    finally:
-        monkeypatch.delenv("QECDEC_BACKEND")
-        qkernels.reload_env()
+    env(QECDEC_BACKEND="cuda")
+    with pytest.raises(qkernels.ExplicitSelectionError, match="sparse_aggregate"):
+        qj.sparse_aggregate(*args)
 
 
 @pytest.mark.parametrize("op, change, exc, match", [

@@ -268,6 +268,24 @@ QK_MULTIVERSION static void nrb_chunks(void *p, int tid, int nthreads) {
     }
 }
 
+/* grad_gamma and grad_beta from the chunks' partial column sums (2H per chunk, float or double),
+ * added into sum (2H, zeroed) in chunk order: the same bits for any thread count. */
+static void nrb_gamma_beta(const qk_fused_norm_residual_backward_args *a, const void *partial, int part_double,
+                           int64_t nchunks, double *sum) {
+    const int64_t H = a->H;
+    for (int64_t c = 0; c < nchunks; c++) {
+        const size_t at = (size_t)c * 2 * (size_t)H;
+        if (part_double)
+            for (int64_t h = 0; h < 2 * H; h++) sum[h] += ((const double *)partial)[at + (size_t)h];
+        else
+            for (int64_t h = 0; h < 2 * H; h++) sum[h] += ((const float *)partial)[at + (size_t)h];
+    }
+    for (int64_t h = 0; h < H; h++) {
+        ((float *)a->grad_gamma)[h * a->gg_stride] = (float)sum[h];
+        ((float *)a->grad_beta)[h * a->gb_stride] = (float)sum[H + h];
+    }
+}
+
 int qk_fused_norm_residual_backward_cpu(qk_fused_norm_residual_backward_args *a, void *stream) {
     (void)stream;
     if (a->dtype != QK_F32) return QK_E_UNSUPPORTED;
@@ -300,16 +318,7 @@ int qk_fused_norm_residual_backward_cpu(qk_fused_norm_residual_backward_args *a,
     if (mem) {
         for (int64_t h = 0; h < H; h++) j.gamma[h] = ((const float *)a->gamma)[h * a->gamma_stride];
         status = j.nchunks > 0 ? qk_parallel_run(nthreads, nrb_chunks, &j) : QK_OK;
-        if (status == QK_OK) {
-            for (int64_t c = 0; c < j.nchunks; c++) { /* chunk order: the same bits for any thread count */
-                const float *part = j.partial + (size_t)c * 2 * (size_t)H;
-                for (int64_t h = 0; h < 2 * H; h++) sum[h] += part[h];
-            }
-            for (int64_t h = 0; h < H; h++) {
-                ((float *)a->grad_gamma)[h * a->gg_stride] = (float)sum[h];
-                ((float *)a->grad_beta)[h * a->gb_stride] = (float)sum[H + h];
-            }
-        }
+        if (status == QK_OK) nrb_gamma_beta(a, j.partial, 0, j.nchunks, sum);
     }
     qk_cpu_scratch_release(mem);
     return status;
@@ -697,14 +706,7 @@ static int nrg_backward(qk_fused_norm_residual_backward_args *a) {
     gs.nv = 2;
     if ((status = qk_parallel_run(qk_threads_for(gs.G * 16 + R, maxt), nrg_graph_means, &gs))) goto done;
     if ((status = qk_parallel_run(qk_threads_for(R * H * 12, maxt), nrgb_grad_x, &j))) goto done;
-    for (int64_t c = 0; c < j.nchunks; c++) { /* chunk order: the same bits for any thread count */
-        const double *part = j.partial + (size_t)c * 2 * (size_t)H;
-        for (int64_t h = 0; h < 2 * H; h++) sum[h] += part[h];
-    }
-    for (int64_t h = 0; h < H; h++) {
-        ((float *)a->grad_gamma)[h * a->gg_stride] = (float)sum[h];
-        ((float *)a->grad_beta)[h * a->gb_stride] = (float)sum[H + h];
-    }
+    nrb_gamma_beta(a, j.partial, 1, j.nchunks, sum);
 done:
     free(j.partial);
     free(j.gamma);

@@ -253,6 +253,23 @@ T512 __m512 ll_wload(const char *p, int wdt, __mmask16 m) {
     return _mm512_cvtph_ps(h);
 }
 
+/* The tile kernels' accumulators: rows i < MT of c from acc (zero with init), and back. */
+static inline __attribute__((target(T512_ISA), always_inline)) void ll_acc_load(__m512 c[LL_MT][LL_NT], const float *acc,
+                                                                                int MT, int init) {
+#pragma GCC unroll 4
+    for (int i = 0; i < MT; i++)
+#pragma GCC unroll 6
+        for (int j = 0; j < LL_NT; j++) c[i][j] = init ? _mm512_setzero_ps() : _mm512_load_ps(acc + (i * LL_NT + j) * 16);
+}
+
+static inline __attribute__((target(T512_ISA), always_inline)) void ll_acc_store(__m512 c[LL_MT][LL_NT], float *acc,
+                                                                                 int MT) {
+#pragma GCC unroll 4
+    for (int i = 0; i < MT; i++)
+#pragma GCC unroll 6
+        for (int j = 0; j < LL_NT; j++) _mm512_store_ps(acc + (i * LL_NT + j) * 16, c[i][j]);
+}
+
 /* acc[i * LL_NT + j] (+)= the 16-lane products of x row i (x + i xs, fp32) and weight row j (w + j ws,
  * dtype wdt) over n elements; rows past MT are not touched.  pf: prefetch the weight rows. */
 static inline __attribute__((target(T512_ISA), always_inline)) void
@@ -260,10 +277,7 @@ ll_fma_tile(const char *x, int64_t xs, const char *w, int64_t ws, int64_t n, int
             int pf) {
     const int es = wdt == QK_F32 ? 4 : 2;
     __m512 c[LL_MT][LL_NT];
-#pragma GCC unroll 4
-    for (int i = 0; i < MT; i++)
-#pragma GCC unroll 6
-        for (int j = 0; j < LL_NT; j++) c[i][j] = init ? _mm512_setzero_ps() : _mm512_load_ps(acc + (i * LL_NT + j) * 16);
+    ll_acc_load(c, acc, MT, init);
     int64_t k = 0;
     for (; k + 16 <= n; k += 16) {
         __m512 wv[LL_NT];
@@ -291,10 +305,7 @@ ll_fma_tile(const char *x, int64_t xs, const char *w, int64_t ws, int64_t n, int
             for (int j = 0; j < LL_NT; j++) c[i][j] = _mm512_fmadd_ps(xv, wv[j], c[i][j]);
         }
     }
-#pragma GCC unroll 4
-    for (int i = 0; i < MT; i++)
-#pragma GCC unroll 6
-        for (int j = 0; j < LL_NT; j++) _mm512_store_ps(acc + (i * LL_NT + j) * 16, c[i][j]);
+    ll_acc_store(c, acc, MT);
 }
 
 /* ll_fma_tile for bfloat16 pairs: n bfloat16 elements of x (bfloat16) and the weights, VDPBF16PS */
@@ -303,10 +314,7 @@ ll_dp_tile(const char *x, int64_t xs, const char *w, int64_t ws, int64_t n, int 
            int pf) {
     (void)wdt;
     __m512 c[LL_MT][LL_NT];
-#pragma GCC unroll 4
-    for (int i = 0; i < MT; i++)
-#pragma GCC unroll 6
-        for (int j = 0; j < LL_NT; j++) c[i][j] = init ? _mm512_setzero_ps() : _mm512_load_ps(acc + (i * LL_NT + j) * 16);
+    ll_acc_load(c, acc, MT, init);
     int64_t k = 0;
     for (; k + 32 <= n; k += 32) {
         __m512i wv[LL_NT];
@@ -334,10 +342,7 @@ ll_dp_tile(const char *x, int64_t xs, const char *w, int64_t ws, int64_t n, int 
             for (int j = 0; j < LL_NT; j++) c[i][j] = _mm512_dpbf16_ps(c[i][j], (__m512bh)xv, (__m512bh)wv[j]);
         }
     }
-#pragma GCC unroll 4
-    for (int i = 0; i < MT; i++)
-#pragma GCC unroll 6
-        for (int j = 0; j < LL_NT; j++) _mm512_store_ps(acc + (i * LL_NT + j) * 16, c[i][j]);
+    ll_acc_store(c, acc, MT);
 }
 
 /* lane i of the result: the 16 lanes of v[i] added as ((l + l+8) + (l+4 + l+12)) for l < 4, then

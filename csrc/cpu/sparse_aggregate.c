@@ -31,15 +31,21 @@ static inline void sa_prefetch(const float *row, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)row + off);
 }
 
-/* col_idx[e], for the caller to check and report; meanwhile node_feat's row for edge e + SA_AHEAD is
- * prefetched when that edge is before end and its column in range. */
-static inline int64_t sa_source(const void *col_idx, int index_dtype, int64_t col_stride, int64_t num_src,
-                                const float *nf, int64_t nf_stride0, int64_t e, int64_t end, int64_t bytes) {
+/* col_idx[e], or -1 with e and a column outside [0, num_src) in *bad_pos, *bad_value (the caller's
+ * thread slots); meanwhile node_feat's row for edge e + SA_AHEAD is prefetched when that edge is
+ * before end and its column in range. */
+QK_INLINE int64_t sa_source(const void *col_idx, int index_dtype, int64_t col_stride, int64_t num_src, const float *nf,
+                            int64_t nf_stride0, int64_t e, int64_t end, int64_t bytes, int64_t *bad_pos,
+                            int64_t *bad_value) {
     if (e + SA_AHEAD < end) {
         const int64_t ahead = qk_index(col_idx, index_dtype, e + SA_AHEAD, col_stride);
         if (ahead >= 0 && ahead < num_src) sa_prefetch(nf + ahead * nf_stride0, bytes);
     }
-    return qk_index(col_idx, index_dtype, e, col_stride);
+    const int64_t src = qk_index(col_idx, index_dtype, e, col_stride);
+    if (src >= 0 && src < num_src) return src;
+    *bad_pos = e;
+    *bad_value = src;
+    return -1;
 }
 
 /* First row whose cost prefix (edges before it + the row index) reaches `target`. */
@@ -78,10 +84,8 @@ QK_MULTIVERSION static void sa_worker(void *p, int tid, int nthreads) {
         memset(acc, 0, sizeof(float) * (size_t)(H * D));
         for (int64_t e = begin; e < end; e++) {
             const int64_t src = sa_source(a->col_idx, a->index_dtype, a->col_idx_stride, a->num_src, nf,
-                                          a->nf_stride[0], e, end, row_bytes);
-            if (src < 0 || src >= a->num_src) {
-                j->bad_pos[tid] = e;
-                j->bad_value[tid] = src;
+                                          a->nf_stride[0], e, end, row_bytes, &j->bad_pos[tid], &j->bad_value[tid]);
+            if (src < 0) {
                 free(acc);
                 return;
             }
@@ -101,6 +105,23 @@ QK_MULTIVERSION static void sa_worker(void *p, int tid, int nthreads) {
         }
     }
     free(acc);
+}
+
+/* Both launchers' status once their workers ran (status): QK_E_NOMEM where a worker could not
+ * allocate, else QK_E_INDEX with bad_arg 1 (col_idx) where a thread recorded an out-of-range source (the
+ * lowest such thread's position and value). */
+static int sa_run_status(int status, int nomem, int nthreads, const int64_t *thread_pos, const int64_t *thread_value,
+                         int *bad_arg, int64_t *pos, int64_t *value) {
+    if (status == QK_OK && nomem) status = QK_E_NOMEM;
+    for (int t = 0; status == QK_OK && t < nthreads; t++) {
+        if (thread_pos[t] >= 0) {
+            *bad_arg = 1;
+            *pos = thread_pos[t];
+            *value = thread_value[t];
+            status = QK_E_INDEX;
+        }
+    }
+    return status;
 }
 
 /* The checks both launchers start with: float32 features and int32/int64 indices (else
@@ -141,15 +162,7 @@ int qk_sparse_aggregate_cpu(qk_sparse_aggregate_args *a, void *stream) {
     j.bad_pos = bad;
     j.bad_value = bad + nthreads;
     int status = qk_parallel_run(nthreads, sa_worker, &j);
-    if (status == QK_OK && j.nomem) status = QK_E_NOMEM;
-    for (int t = 0; status == QK_OK && t < nthreads; t++) {
-        if (j.bad_pos[t] >= 0) {
-            a->bad_arg = 1;
-            a->bad_pos = j.bad_pos[t];
-            a->bad_value = j.bad_value[t];
-            status = QK_E_INDEX;
-        }
-    }
+    status = sa_run_status(status, j.nomem, nthreads, j.bad_pos, j.bad_value, &a->bad_arg, &a->bad_pos, &a->bad_value);
     free(bad);
     return status;
 }
@@ -217,12 +230,8 @@ QK_MULTIVERSION static void sab_rows(sab_job *j, int tid, int64_t r0, int64_t r1
         const float *g = go + row * a->go_stride[0];
         for (int64_t e = begin; e < end; e++) {
             const int64_t src = sa_source(a->col_idx, a->index_dtype, a->col_idx_stride, a->num_src, nf,
-                                          a->nf_stride[0], e, end, row_bytes);
-            if (src < 0 || src >= a->num_src) {
-                j->bad_pos[tid] = e;
-                j->bad_value[tid] = src;
-                return;
-            }
+                                          a->nf_stride[0], e, end, row_bytes, &j->bad_pos[tid], &j->bad_value[tid]);
+            if (src < 0) return;
             const float *x = nf + src * a->nf_stride[0];
             for (int64_t h = 0; h < H; h++)
                 gew[e * H + h] = unit ? sab_dot(g + h * a->go_stride[1], 1, x + h * a->nf_stride[1], 1, D)
@@ -288,17 +297,8 @@ static int sab_run(sab_job *j, int phase, int64_t work) {
     qk_sparse_aggregate_backward_args *a = j->a;
     j->phase = phase;
     const int nthreads = qk_threads_for(work, a->num_threads > 0 ? a->num_threads : 1);
-    int status = qk_parallel_run(nthreads, sab_worker, j);
-    if (status == QK_OK && j->nomem) status = QK_E_NOMEM;
-    for (int t = 0; status == QK_OK && t < nthreads; t++) {
-        if (j->bad_pos[t] >= 0) {
-            a->bad_arg = 1;
-            a->bad_pos = j->bad_pos[t];
-            a->bad_value = j->bad_value[t];
-            status = QK_E_INDEX;
-        }
-    }
-    return status;
+    const int status = qk_parallel_run(nthreads, sab_worker, j);
+    return sa_run_status(status, j->nomem, nthreads, j->bad_pos, j->bad_value, &a->bad_arg, &a->bad_pos, &a->bad_value);
 }
 
 int qk_sparse_aggregate_backward_cpu(qk_sparse_aggregate_backward_args *a, void *stream) {

@@ -526,6 +526,22 @@ static XLA_FFI_Error *ffi_rotary_emb(fc *c) { return ro_run(c, 0); }
 static const unsigned cb_rotary_emb_backward = CB_YES;
 static XLA_FFI_Error *ffi_rotary_emb_backward(fc *c) { return ro_run(c, 1); }
 
+/* The linear family's common end: a runs through linear, swiglu or their backward launchers when run
+ * is set. */
+static XLA_FFI_Error *ln_launch(fc *c, qk_linear_args *a, int swiglu, int backward, int run) {
+    a->num_threads = g_threads;
+    a->scratch = FC_SCRATCH(c);
+    int st = QK_OK;
+    if (run && backward) {
+        if (swiglu) FC_RUN(st, c, swiglu_backward, a);
+        else FC_RUN(st, c, linear_backward, a);
+    } else if (run) {
+        if (swiglu) FC_RUN(st, c, swiglu, a);
+        else FC_RUN(st, c, linear, a);
+    }
+    return fc_status(c, st);
+}
+
 /* linear(x [M, K], weight [N, K][, bias [N]]) and swiglu(x, up, gate) -> [M, N].  Python flattens
  * leading dimensions.  Large M reaches cuBLASLt, whose workspace is scratch. */
 static XLA_FFI_Error *ln_run(fc *c, int swiglu) {
@@ -540,14 +556,8 @@ static XLA_FFI_Error *ln_run(fc *c, int swiglu) {
     a.M = x->dims[0], a.K = x->dims[1], a.N = w->dims[0];
     a.x_stride = a.K, a.w_stride = a.K, a.gate_stride = swiglu ? a.K : 0, a.out_stride = a.N;
     a.bias_stride = a.bias ? 1 : 0;
-    a.dtype = dtype_of(x), a.num_threads = g_threads;
-    a.scratch = FC_SCRATCH(c);
-    int st = QK_OK;
-    if (a.M > 0 && a.N > 0) {
-        if (swiglu) FC_RUN(st, c, swiglu, &a);
-        else FC_RUN(st, c, linear, &a);
-    }
-    return fc_status(c, st);
+    a.dtype = dtype_of(x);
+    return ln_launch(c, &a, swiglu, 0, a.M > 0 && a.N > 0);
 }
 static const unsigned cb_linear = CB_NO;
 static XLA_FFI_Error *ffi_linear(fc *c) { return ln_run(c, 0); }
@@ -574,14 +584,9 @@ static XLA_FFI_Error *lb_run(fc *c, int swiglu) {
     a.grad_w = want_w ? r1->data : NULL, a.grad_w_stride = a.K;
     a.grad_gate = swiglu && want_w ? r2->data : NULL, a.grad_gate_stride = swiglu ? a.K : 0;
     a.grad_bias = want_b ? r2->data : NULL, a.grad_bias_stride = 1;
-    a.dtype = dtype_of(x), a.num_threads = g_threads;
-    a.scratch = FC_SCRATCH(c);
-    int st = QK_OK;
-    if ((want_x && a.M > 0 && a.K > 0) || (want_w && a.N > 0 && a.K > 0) || (want_b && a.N > 0)) {
-        if (swiglu) FC_RUN(st, c, swiglu_backward, &a);
-        else FC_RUN(st, c, linear_backward, &a);
-    }
-    return fc_status(c, st);
+    a.dtype = dtype_of(x);
+    return ln_launch(c, &a, swiglu, 1, (want_x && a.M > 0 && a.K > 0) || (want_w && a.N > 0 && a.K > 0) ||
+                                           (want_b && a.N > 0));
 }
 static const unsigned cb_linear_backward = CB_NO;
 static XLA_FFI_Error *ffi_linear_backward(fc *c) { return lb_run(c, 0); }
@@ -656,6 +661,37 @@ static int ap_mask(fc *c, int i, qk_attn_prefill_args *a) {
     return 0;
 }
 
+/* The paged ops' operands 0 .. n-1: q [rows, Hq, D], k_cache, v_cache [S, Hkv, D], req_to_token,
+ * req_pool_indices, kv_indptr (and qo_indptr with n = 7), then result 0 (out) into b[n]; -1 with c->err
+ * set at the first one missing or of the wrong rank, in operand order. */
+static int pool_operands(fc *c, int n, XLA_FFI_Buffer **b) {
+    static const char *const names[] = {"q", "k_cache", "v_cache", "req_to_token", "req_pool_indices", "kv_indptr",
+                                        "qo_indptr"};
+    static const int ranks[] = {3, 3, 3, 2, 1, 1, 1};
+    for (int i = 0; i < n; i++)
+        if (!(b[i] = ARG(i, names[i], ranks[i]))) return -1;
+    return (b[n] = RET(0, "out", 3)) ? 0 : -1;
+}
+
+/* The fields both paged args structs (decode's, prefill's) take from pool_operands' b: q and out rows
+ * at q_stride[lo], [lo + 1] (decode {t, h}, prefill {0, t, h}), the pools at k_stride[1], [2]
+ * ({0, s, h}: stride 0 is never read) and the request table.  A macro: the structs differ. */
+#define POOL_FILL(a, b, n, lo)                                                                                 \
+    do {                                                                                                       \
+        int64_t s_[3];                                                                                         \
+        (a).paged = 1;                                                                                         \
+        (a).q = (b)[0]->data, (a).out = (b)[n]->data, (a).k = (b)[1]->data, (a).v = (b)[2]->data;              \
+        (a).Hq = (b)[0]->dims[1], (a).D = (b)[0]->dims[2], (a).Hkv = (b)[1]->dims[1];                          \
+        (a).num_requests = (b)[3]->dims[0], (a).max_ctx = (b)[3]->dims[1], (a).pool_size = (b)[1]->dims[0];    \
+        dense_strides((b)[0], s_);                                                                             \
+        (a).q_stride[lo] = (a).out_stride[lo] = s_[0], (a).q_stride[(lo) + 1] = (a).out_stride[(lo) + 1] = s_[1]; \
+        dense_strides((b)[1], s_);                                                                             \
+        (a).k_stride[1] = (a).v_stride[1] = s_[0], (a).k_stride[2] = (a).v_stride[2] = s_[1];                  \
+        (a).req_to_token = (b)[3]->data, (a).r2t_stride[0] = (a).max_ctx, (a).r2t_stride[1] = 1;               \
+        (a).r2t_dtype = dtype_of((b)[3]);                                                                      \
+        (a).req_pool_indices = (b)[4]->data, (a).rpi_stride = 1, (a).rpi_dtype = dtype_of((b)[4]);             \
+    } while (0)
+
 /* attn_decode(q [B, 1, Hq, D], k, v [B, Lkv, Hkv, D][, kv_lens [B]][, mask [B|1, Lkv]]) -> out;
  * attributes scale, has_kv_lens.  The CUDA launcher may take a split-K workspace as scratch. */
 static const unsigned cb_attn_decode = CB_NO;
@@ -691,14 +727,14 @@ static XLA_FFI_Error *ffi_attn_decode(fc *c) {
  * (attribute has_new): the caches alias operands 1 and 2, so the pools are written in place. */
 static const unsigned cb_attn_paged_decode = CB_NO;
 static XLA_FFI_Error *ffi_attn_paged_decode(fc *c) {
-    XLA_FFI_Buffer *q = ARG(0, "q", 3), *kc = q ? ARG(1, "k_cache", 3) : NULL, *vc = kc ? ARG(2, "v_cache", 3) : NULL,
-                   *r2t = vc ? ARG(3, "req_to_token", 2) : NULL, *rpi = r2t ? ARG(4, "req_pool_indices", 1) : NULL,
-                   *ind = rpi ? ARG(5, "kv_indptr", 1) : NULL, *out = ind ? RET(0, "out", 3) : NULL;
-    if (!out) return c->err;
+    XLA_FFI_Buffer *b[7];
+    if (pool_operands(c, 6, b) < 0) return c->err;
+    XLA_FFI_Buffer *q = b[0], *kc = b[1], *vc = b[2], *ind = b[5];
     qk_attn_decode_args a = {0};
     int64_t s[3];
-    a.paged = 1;
-    a.q = q->data, a.out = out->data, a.k = kc->data, a.v = vc->data;
+    POOL_FILL(a, b, 6, 0);
+    a.B = q->dims[0];
+    a.kv_indptr = ind->data, a.indptr_stride = 1, a.indptr_dtype = dtype_of(ind);
     const int has_new = fc_attr(c, "has_new", 0) != 0;
     if (NARGS > 6 + 2 * has_new && ad_mask(c, 6 + 2 * has_new, &a) < 0) return c->err;
     if (has_new) {
@@ -711,15 +747,6 @@ static XLA_FFI_Error *ffi_attn_paged_decode(fc *c) {
         dense_strides(nk, s);
         a.new_k_stride[0] = a.new_v_stride[0] = s[0], a.new_k_stride[1] = a.new_v_stride[1] = s[1];
     }
-    a.B = q->dims[0], a.Hq = q->dims[1], a.D = q->dims[2], a.Hkv = kc->dims[1];
-    a.num_requests = r2t->dims[0], a.max_ctx = r2t->dims[1], a.pool_size = kc->dims[0];
-    dense_strides(q, s);
-    a.q_stride[0] = a.out_stride[0] = s[0], a.q_stride[1] = a.out_stride[1] = s[1];
-    dense_strides(kc, s);
-    a.k_stride[0] = a.v_stride[0] = 0, a.k_stride[1] = a.v_stride[1] = s[0], a.k_stride[2] = a.v_stride[2] = s[1];
-    a.req_to_token = r2t->data, a.r2t_stride[0] = a.max_ctx, a.r2t_stride[1] = 1, a.r2t_dtype = dtype_of(r2t);
-    a.req_pool_indices = rpi->data, a.rpi_stride = 1, a.rpi_dtype = dtype_of(rpi);
-    a.kv_indptr = ind->data, a.indptr_stride = 1, a.indptr_dtype = dtype_of(ind);
     a.scale = fc_scale(c, a.D);
     a.dtype = dtype_of(q), a.num_threads = g_threads;
     a.scratch = FC_SCRATCH(c);
@@ -756,23 +783,12 @@ static XLA_FFI_Error *ffi_attn_prefill(fc *c) {
  * qo_indptr[, mask]) -> out; attributes is_causal, scale. */
 static const unsigned cb_attn_paged_prefill = CB_YES;
 static XLA_FFI_Error *ffi_attn_paged_prefill(fc *c) {
-    XLA_FFI_Buffer *q = ARG(0, "q", 3), *kc = q ? ARG(1, "k_cache", 3) : NULL, *vc = kc ? ARG(2, "v_cache", 3) : NULL,
-                   *r2t = vc ? ARG(3, "req_to_token", 2) : NULL, *rpi = r2t ? ARG(4, "req_pool_indices", 1) : NULL,
-                   *kvi = rpi ? ARG(5, "kv_indptr", 1) : NULL, *qoi = kvi ? ARG(6, "qo_indptr", 1) : NULL,
-                   *out = qoi ? RET(0, "out", 3) : NULL;
-    if (!out) return c->err;
+    XLA_FFI_Buffer *b[8];
+    if (pool_operands(c, 7, b) < 0) return c->err;
+    XLA_FFI_Buffer *q = b[0], *rpi = b[4], *kvi = b[5], *qoi = b[6];
     qk_attn_prefill_args a = {0};
-    int64_t s[3];
-    a.paged = 1;
-    a.q = q->data, a.out = out->data, a.k = kc->data, a.v = vc->data;
-    a.B = rpi->dims[0], a.total_q = q->dims[0], a.Hq = q->dims[1], a.D = q->dims[2], a.Hkv = kc->dims[1];
-    a.num_requests = r2t->dims[0], a.max_ctx = r2t->dims[1], a.pool_size = kc->dims[0];
-    dense_strides(q, s);
-    a.q_stride[1] = a.out_stride[1] = s[0], a.q_stride[2] = a.out_stride[2] = s[1];
-    dense_strides(kc, s);
-    a.k_stride[1] = a.v_stride[1] = s[0], a.k_stride[2] = a.v_stride[2] = s[1];
-    a.req_to_token = r2t->data, a.r2t_stride[0] = a.max_ctx, a.r2t_stride[1] = 1, a.r2t_dtype = dtype_of(r2t);
-    a.req_pool_indices = rpi->data, a.rpi_stride = 1, a.rpi_dtype = dtype_of(rpi);
+    POOL_FILL(a, b, 7, 1);
+    a.B = rpi->dims[0], a.total_q = q->dims[0];
     a.kv_indptr = kvi->data, a.kv_indptr_stride = 1, a.kv_indptr_dtype = dtype_of(kvi);
     a.qo_indptr = qoi->data, a.qo_indptr_stride = 1, a.qo_indptr_dtype = dtype_of(qoi);
     if (NARGS > 7 && ap_mask(c, 7, &a) < 0) return c->err;

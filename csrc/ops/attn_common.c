@@ -18,6 +18,18 @@ int qk_attn_import(qk_state *st, const char *op, PyObject **a, const char *const
     return qk_same_device(op, present, present_names, k);
 }
 
+int qk_attn_output(qk_state *st, const char *op, PyObject *out_obj, const qk_view *in, const char *const *names, int n,
+                   void *stream, int stream_given, int ndim, const int64_t *shape, int rows16, qk_launch *l,
+                   int *launched, qk_view *ov, qk_output *o) {
+    if (qk_launch_begin(st, op, &in[0], stream, stream_given, l) < 0) return -1;
+    *launched = 1;
+    return qk_output_prepare(st, op, out_obj, &in[0], in[0].dtype, ndim, shape, l, ov, o) < 0 ||
+                   qk_out_overlap(op, ov, in, names, n, 1u << 0) < 0 || qk_attn_check_unit(op, "out", ov) < 0 ||
+                   (rows16 && qk_attn_check_rows16(op, "out", ov) < 0)
+               ? -1
+               : 0;
+}
+
 int qk_attn_check_unit(const char *op, const char *arg, const qk_view *v) {
     for (int i = 0; i < v->ndim; i++)
         if (v->shape[i] == 0) return 0;

@@ -12,6 +12,12 @@
 int qk_attn_import(qk_state *st, const char *op, PyObject **a, const char *const *names, int nrequired, int n,
                    void *stream,
                    qk_view *in, int *n_in);
+/* The attention ops' out, after their argument checks: the launch begun on the device of in[0] = q
+ * (*launched set), out of q's dtype and shape (ndim, shape) from out_obj or fresh, not overlapping the n
+ * inputs unless it is q itself, with unit-stride rows (and 16-byte rows on cuda where rows16). */
+int qk_attn_output(qk_state *st, const char *op, PyObject *out_obj, const qk_view *in, const char *const *names, int n,
+                   void *stream, int stream_given, int ndim, const int64_t *shape, int rows16, qk_launch *l,
+                   int *launched, qk_view *ov, qk_output *o);
 /* The last dim is unit-stride (an empty tensor's strides are arbitrary). */
 int qk_attn_check_unit(const char *op, const char *arg, const qk_view *v);
 /* cuda: 16-byte aligned data pointer and outer strides (rows read as 16-byte vectors). */

@@ -24,9 +24,13 @@ static int ad_check_mask(const char *op, const qk_view *m, const qk_view *q, int
     return 0;
 }
 
-/* The keywords both decode ops end with: kw = scale, out, stream, _variant, _splits. */
-static int ad_keywords(const char *op, PyObject *const *kw, void **stream, int *stream_given, int *variant,
-                       int *splits) {
+/* Both decode ops' arguments: n required tensors, n_inputs tensors in all, then the keywords they end
+ * with (scale, out, stream, _variant, _splits); stream, _variant and _splits read here. */
+static int ad_args(const char *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                   const char *const *names, int n, int n_inputs, PyObject **a, void **stream, int *stream_given,
+                   int *variant, int *splits) {
+    if (qk_parse_args(op, args, nargs, kwnames, names, n, n, a) < 0) return -1;
+    PyObject *const *kw = a + n_inputs;
     return qk_stream_arg(op, kw[2], stream, stream_given) < 0 ||
                    qk_variant_arg(op, "_variant", kw[3], ad_variants, QK_COUNT(ad_variants), variant) < 0 ||
                    qk_tuning_int_arg(op, "_splits", kw[4], INT_MAX, 0, splits) < 0
@@ -91,10 +95,10 @@ PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t 
     enum { Q, K, V, KV_LENS, MASK, NUM_INPUTS };
     qk_state *st = qk_get_state(module);
     PyObject *a[10] = {NULL};
-    if (qk_parse_args(OP, args, nargs, kwnames, names, 3, 3, a) < 0) return NULL;
     void *stream;
     int stream_given, variant, splits;
-    if (ad_keywords(OP, a + NUM_INPUTS, &stream, &stream_given, &variant, &splits) < 0) return NULL;
+    if (ad_args(OP, args, nargs, kwnames, names, 3, NUM_INPUTS, a, &stream, &stream_given, &variant, &splits) < 0)
+        return NULL;
 
     qk_view in[NUM_INPUTS] = {{0}}, ov = {0};
     qk_output o = {0};
@@ -119,12 +123,9 @@ PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t 
     if (QK_GIVEN(a[MASK]) && ad_check_mask(OP, &in[MASK], &in[Q], B, Lkv, 0, &ad) < 0) goto done;
     float scale;
     if (qk_attn_scale(OP, a[5], D, &scale) < 0) goto done;
-    if (qk_launch_begin(st, OP, &in[Q], stream, stream_given, &l) < 0) goto done;
-    launched = 1;
     const int64_t shape[4] = {B, 1, Hq, D};
-    if (qk_output_prepare(st, OP, a[6], &in[Q], in[Q].dtype, 4, shape, &l, &ov, &o) < 0 ||
-        qk_out_overlap(OP, &ov, in, names, NUM_INPUTS, 1u << Q) < 0 ||
-        qk_attn_check_unit(OP, "out", &ov) < 0)
+    if (qk_attn_output(st, OP, a[6], in, names, NUM_INPUTS, stream, stream_given, 4, shape, 0, &l, &launched, &ov,
+                       &o) < 0)
         goto done;
 
     ad_fill(&ad, &in[Q], &ov, &in[K], &in[V], scale, variant, splits, st->num_threads);
@@ -152,10 +153,10 @@ PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ss
     enum { Q, KC, VC, R2T, RPI, INDPTR, NEW_K, NEW_V, MASK, NUM_INPUTS };
     qk_state *st = qk_get_state(module);
     PyObject *a[14] = {NULL};
-    if (qk_parse_args(OP, args, nargs, kwnames, names, 6, 6, a) < 0) return NULL;
     void *stream;
     int stream_given, variant, splits;
-    if (ad_keywords(OP, a + NUM_INPUTS, &stream, &stream_given, &variant, &splits) < 0) return NULL;
+    if (ad_args(OP, args, nargs, kwnames, names, 6, NUM_INPUTS, a, &stream, &stream_given, &variant, &splits) < 0)
+        return NULL;
     const int has_new_k = QK_GIVEN(a[NEW_K]), has_new_v = QK_GIVEN(a[NEW_V]);
     if (has_new_k != has_new_v) {
         PyErr_Format(PyExc_TypeError, OP ": new_k and new_v must be given together (got %s without %s)",
@@ -200,12 +201,9 @@ PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ss
         goto done;
     float scale;
     if (qk_attn_scale(OP, a[9], D, &scale) < 0) goto done;
-    if (qk_launch_begin(st, OP, &in[Q], stream, stream_given, &l) < 0) goto done;
-    launched = 1;
     const int64_t shape[3] = {B, Hq, D};
-    if (qk_output_prepare(st, OP, a[10], &in[Q], in[Q].dtype, 3, shape, &l, &ov, &o) < 0 ||
-        qk_out_overlap(OP, &ov, in, names, NUM_INPUTS, 1u << Q) < 0 ||
-        qk_attn_check_unit(OP, "out", &ov) < 0)
+    if (qk_attn_output(st, OP, a[10], in, names, NUM_INPUTS, stream, stream_given, 3, shape, 0, &l, &launched, &ov,
+                       &o) < 0)
         goto done;
 
     ad_fill(&ad, &in[Q], &ov, &in[KC], &in[VC], scale, variant, splits, st->num_threads);

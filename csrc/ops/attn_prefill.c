@@ -109,9 +109,13 @@ static int ap_mask(const char *op, const qk_view *m, const qk_view *q, int64_t B
     return 0;
 }
 
-/* The keywords both prefill ops take after their tensors: kw = mask, is_causal, scale, out, stream, _variant. */
-static int ap_keywords(const char *op, PyObject *const *kw, void **stream, int *stream_given, int *causal,
-                       int *variant) {
+/* Both prefill ops' arguments: n required tensors, then mask, is_causal, scale, out, stream, _variant;
+ * stream, is_causal and _variant read here. */
+static int ap_args(const char *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                   const char *const *names, int n, PyObject **a, void **stream, int *stream_given, int *causal,
+                   int *variant) {
+    if (qk_parse_args(op, args, nargs, kwnames, names, n, n, a) < 0) return -1;
+    PyObject *const *kw = a + n;
     return qk_stream_arg(op, kw[4], stream, stream_given) < 0 || qk_bool_arg(op, "is_causal", kw[1], 0, causal) < 0 ||
                    qk_variant_arg(op, "_variant", kw[5], ap_variants, QK_COUNT(ap_variants), variant) < 0
                ? -1
@@ -151,10 +155,9 @@ PyObject *qk_op_attn_prefill(PyObject *module, PyObject *const *args, Py_ssize_t
     enum { Q, K, V, MASK, NUM_INPUTS };
     qk_state *st = qk_get_state(module);
     PyObject *a[9] = {NULL};
-    if (qk_parse_args(OP, args, nargs, kwnames, names, 3, 3, a) < 0) return NULL;
     void *stream;
     int stream_given, causal, variant;
-    if (ap_keywords(OP, a + MASK, &stream, &stream_given, &causal, &variant) < 0) return NULL;
+    if (ap_args(OP, args, nargs, kwnames, names, MASK, a, &stream, &stream_given, &causal, &variant) < 0) return NULL;
 
     qk_view in[NUM_INPUTS] = {{0}}, ov = {0};
     qk_output o = {0};
@@ -169,12 +172,9 @@ PyObject *qk_op_attn_prefill(PyObject *module, PyObject *const *args, Py_ssize_t
     const int64_t Lkv = in[K].shape[1];
     if (QK_GIVEN(a[MASK]) && ap_mask(OP, &in[MASK], &in[Q], B, Hq, Lq, Lkv, &pa) < 0) goto done;
     if (qk_attn_scale(OP, a[5], D, &pa.scale) < 0) goto done;
-    if (qk_launch_begin(st, OP, &in[Q], stream, stream_given, &l) < 0) goto done;
-    launched = 1;
     const int64_t shape[4] = {B, Lq, Hq, D};
-    if (qk_output_prepare(st, OP, a[6], &in[Q], in[Q].dtype, 4, shape, &l, &ov, &o) < 0 ||
-        qk_out_overlap(OP, &ov, in, names, NUM_INPUTS, 1u << Q) < 0 ||
-        qk_attn_check_unit(OP, "out", &ov) < 0 || qk_attn_check_rows16(OP, "out", &ov) < 0)
+    if (qk_attn_output(st, OP, a[6], in, names, NUM_INPUTS, stream, stream_given, 4, shape, 1, &l, &launched, &ov,
+                       &o) < 0)
         goto done;
 
     ap_fill(&pa, &in[Q], &ov, &in[K], &in[V], causal, variant, st->num_threads);
@@ -217,10 +217,9 @@ PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_s
     enum { Q, KC, VC, R2T, RPI, KV_INDPTR, QO_INDPTR, MASK, NUM_INPUTS };
     qk_state *st = qk_get_state(module);
     PyObject *a[13] = {NULL};
-    if (qk_parse_args(OP, args, nargs, kwnames, names, 7, 7, a) < 0) return NULL;
     void *stream;
     int stream_given, causal, variant;
-    if (ap_keywords(OP, a + MASK, &stream, &stream_given, &causal, &variant) < 0) return NULL;
+    if (ap_args(OP, args, nargs, kwnames, names, MASK, a, &stream, &stream_given, &causal, &variant) < 0) return NULL;
 
     qk_view in[NUM_INPUTS] = {{0}}, ov = {0};
     qk_output o = {0};
@@ -243,12 +242,9 @@ PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_s
         goto done;
     if (QK_GIVEN(a[MASK]) && ap_mask(OP, &in[MASK], &in[Q], B, Hq, -1, max_ctx, &pa) < 0) goto done;
     if (qk_attn_scale(OP, a[9], D, &pa.scale) < 0) goto done;
-    if (qk_launch_begin(st, OP, &in[Q], stream, stream_given, &l) < 0) goto done;
-    launched = 1;
     const int64_t shape[3] = {total_q, Hq, D};
-    if (qk_output_prepare(st, OP, a[10], &in[Q], in[Q].dtype, 3, shape, &l, &ov, &o) < 0 ||
-        qk_out_overlap(OP, &ov, in, names, NUM_INPUTS, 1u << Q) < 0 ||
-        qk_attn_check_unit(OP, "out", &ov) < 0 || qk_attn_check_rows16(OP, "out", &ov) < 0)
+    if (qk_attn_output(st, OP, a[10], in, names, NUM_INPUTS, stream, stream_given, 3, shape, 1, &l, &launched, &ov,
+                       &o) < 0)
         goto done;
 
     ap_fill(&pa, &in[Q], &ov, &in[KC], &in[VC], causal, variant, st->num_threads);

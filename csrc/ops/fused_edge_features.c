@@ -46,9 +46,7 @@ PyObject *qk_op_fused_edge_features(PyObject *module, PyObject *const *args, Py_
     qk_output o = {0};
     qk_launch l = {0};
     int ok = 0, launched = 0, n_in = 0;
-    for (; n_in < 2 + has_attr; n_in++)
-        if (qk_import(st, a[n_in], OP, in_names[n_in], stream, &in[n_in]) < 0) goto done;
-    if (qk_same_device(OP, in, in_names, n_in) < 0) goto done;
+    if (qk_import_all(st, OP, a, in_names, 2 + has_attr, stream, in, &n_in) < 0) goto done;
     if (qk_check_ndim(OP, "x", &in[0], 2, "[N, H]") < 0 || qk_check_ndim(OP, "edge_index", &in[1], 2, "[2, E]") < 0 ||
         (has_attr && qk_check_ndim(OP, "edge_attr", &in[2], 2, "[E, H]") < 0) ||
         qk_check_dtype_index(OP, "edge_index", &in[1]) < 0 || qk_check_dtype_float(OP, "x", &in[0]) < 0 ||
@@ -120,9 +118,7 @@ PyObject *qk_op_fused_edge_features_backward(PyObject *module, PyObject *const *
     qk_output o[2] = {{0}};
     qk_launch l = {0};
     int ok = 0, launched = 0, n_in = 0;
-    for (; n_in < 3; n_in++)
-        if (qk_import(st, a[n_in], OP, in_names[n_in], stream, &in[n_in]) < 0) goto done;
-    if (qk_same_device(OP, in, in_names, 3) < 0) goto done;
+    if (qk_import_all(st, OP, a, in_names, 3, stream, in, &n_in) < 0) goto done;
     if (qk_check_ndim(OP, "grad_out", &in[0], 2, "[E, 3H] or [E, 2H]") < 0 ||
         qk_check_ndim(OP, "x", &in[1], 2, "[N, H]") < 0 || qk_check_ndim(OP, "edge_index", &in[2], 2, "[2, E]") < 0 ||
         qk_check_dtype_index(OP, "edge_index", &in[2]) < 0 || qk_check_dtype_float(OP, "x", &in[1]) < 0 ||

@@ -76,6 +76,17 @@ static int nr_options(const char *op, PyObject *p_obj, PyObject *training_obj, P
     return qk_bool_arg(op, "training", training_obj, 0, training);
 }
 
+/* Both ops' arguments: n required tensors, then p, training, eps (nr_options) and stream at a[stream_at]. */
+static int nr_args(const char *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                   const char *const *names, int n, int stream_at, PyObject **a, void **stream, int *stream_given,
+                   double *p, int *training, double *eps) {
+    return qk_parse_args(op, args, nargs, kwnames, names, n, n, a) < 0 ||
+                   qk_stream_arg(op, a[stream_at], stream, stream_given) < 0 ||
+                   nr_options(op, a[n], a[n + 1], a[n + 2], p, training, eps) < 0
+               ? -1
+               : 0;
+}
+
 /* seed=: an int (its low 64 bits key the generator; 1 is returned), None (0), or a tensor (2),
  * imported into *sv for the caller to check (nr_seed_check) once the device is known. */
 static int nr_seed_arg(qk_state *st, const char *op, PyObject *obj, void *stream, uint64_t *seed, qk_view *sv) {
@@ -153,37 +164,72 @@ static void nr_dropout(double p, uint32_t *threshold, float *scale) {
     *scale = p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.f;
 }
 
+/* What both ops import after their n leading tensors (in_names[0..n)): seed= (a[n + 3]) and batch=,
+ * num_graphs= (a[n + 4], a[n + 5]), appended to in and in_names as given; then one device for all and
+ * the seed tensor checked.  A seed not given for dropout (training with p > 0) is drawn fresh, or with
+ * seed_required (the backward, which must regenerate the forward's mask) a ValueError. */
+typedef struct {
+    int seed_kind, seed_at, batch_kind, batch_at;
+    uint64_t seed;
+    int64_t G;
+} nr_extras;
+
+static int nr_inputs(qk_state *st, const char *op, PyObject **a, int n, void *stream, int dropout, int seed_required,
+                     qk_view *in, const char **in_names, int *n_in, nr_extras *x) {
+    for (; *n_in < n; (*n_in)++)
+        if (qk_import(st, a[*n_in], op, in_names[*n_in], stream, &in[*n_in]) < 0) return -1;
+    x->seed_kind = nr_seed_arg(st, op, a[n + 3], stream, &x->seed, &in[*n_in]);
+    if (x->seed_kind < 0) return -1;
+    if (x->seed_kind == 2) in_names[x->seed_at = (*n_in)++] = "seed";
+    if (x->seed_kind == 0 && dropout && seed_required) {
+        PyErr_Format(PyExc_ValueError, "%s: seed is required when training with p > 0 (the forward's seed)", op);
+        return -1;
+    }
+    if (x->seed_kind == 0 && dropout) x->seed = nr_fresh_seed();
+    x->batch_kind = nr_batch_arg(st, op, a[n + 4], a[n + 5], stream, &in[*n_in], &x->G);
+    if (x->batch_kind < 0) return -1;
+    if (x->batch_kind == 1) in_names[x->batch_at = (*n_in)++] = "batch";
+    if (qk_same_device(op, in, in_names, *n_in) < 0) return -1;
+    return x->seed_kind == 2 ? nr_seed_check(op, &in[x->seed_at]) : 0;
+}
+
+/* The fields both args structs (forward's, backward's: a macro, as they differ) take from the options
+ * and nr_inputs' x; the batch only for R > 0 (nothing to normalise: an empty batch may have no data). */
+#define NR_FILL(args, x, in, p, training, eps, R, st)                                                        \
+    do {                                                                                                    \
+        (args).eps = (float)(eps);                                                                          \
+        (args).training = (training) && (p) > 0;                                                            \
+        nr_dropout(p, &(args).drop_threshold, &(args).scale);                                               \
+        (args).seed = (x).seed;                                                                             \
+        (args).seed_ptr = (x).seed_kind == 2 ? (const int64_t *)(in)[(x).seed_at].data : NULL;              \
+        (args).dtype = (in)[0].dtype;                                                                       \
+        (args).num_threads = (st)->num_threads;                                                             \
+        if ((x).batch_kind == 1 && (R) > 0) {                                                               \
+            (args).batch = (in)[(x).batch_at].data;                                                         \
+            (args).batch_stride = (in)[(x).batch_at].strides[0];                                            \
+            (args).index_dtype = (in)[(x).batch_at].dtype;                                                  \
+            (args).num_graphs = (x).G;                                                                      \
+        }                                                                                                   \
+    } while (0)
+
 PyObject *qk_op_fused_norm_residual(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"x", "residual", "gamma", "beta", "p", "training", "eps", "seed", "batch",
                                         "num_graphs", "out", "stream", NULL};
     const char *in_names[6] = {"x", "residual", "gamma", "beta"};
     qk_state *st = qk_get_state(module);
     PyObject *a[12] = {NULL};
-    if (qk_parse_args(OP, args, nargs, kwnames, names, 4, 4, a) < 0) return NULL;
     void *stream;
-    int stream_given;
-    if (qk_stream_arg(OP, a[11], &stream, &stream_given) < 0) return NULL;
+    int stream_given, training;
     double p, eps;
-    int training;
-    if (nr_options(OP, a[4], a[5], a[6], &p, &training, &eps) < 0) return NULL;
+    if (nr_args(OP, args, nargs, kwnames, names, 4, 11, a, &stream, &stream_given, &p, &training, &eps) < 0)
+        return NULL;
 
     qk_view in[6] = {{0}}, ov = {0};
     qk_output o = {0};
     qk_launch l = {0};
-    int ok = 0, launched = 0, n_in = 0, seed_at = -1, batch_at = -1;
-    uint64_t seed = 0;
-    int64_t G = 0;
-    for (; n_in < 4; n_in++)
-        if (qk_import(st, a[n_in], OP, in_names[n_in], stream, &in[n_in]) < 0) goto done;
-    const int seed_kind = nr_seed_arg(st, OP, a[7], stream, &seed, &in[n_in]);
-    if (seed_kind < 0) goto done;
-    if (seed_kind == 2) in_names[seed_at = n_in++] = "seed";
-    if (seed_kind == 0 && training && p > 0) seed = nr_fresh_seed();
-    const int batch_kind = nr_batch_arg(st, OP, a[8], a[9], stream, &in[n_in], &G);
-    if (batch_kind < 0) goto done;
-    if (batch_kind == 1) in_names[batch_at = n_in++] = "batch";
-    if (qk_same_device(OP, in, in_names, n_in) < 0) goto done;
-    if (seed_kind == 2 && nr_seed_check(OP, &in[seed_at]) < 0) goto done;
+    int ok = 0, launched = 0, n_in = 0;
+    nr_extras x = {0};
+    if (nr_inputs(st, OP, a, 4, stream, training && p > 0, 0, in, in_names, &n_in, &x) < 0) goto done;
     if (qk_check_ndim(OP, "x", &in[0], 2, "[R, H]") < 0 || qk_check_ndim(OP, "residual", &in[1], 2, "[R, H]") < 0 ||
         qk_check_ndim(OP, "gamma", &in[2], 1, "[H]") < 0 || qk_check_ndim(OP, "beta", &in[3], 1, "[H]") < 0)
         goto done;
@@ -198,7 +244,7 @@ PyObject *qk_op_fused_norm_residual(PyObject *module, PyObject *const *args, Py_
     snprintf(layout, sizeof layout, "[H] = [%lld]", (long long)H);
     if (qk_check_dim(OP, "gamma", &in[2], 0, H, layout) < 0 || qk_check_dim(OP, "beta", &in[3], 0, H, layout) < 0)
         goto done;
-    if (batch_kind == 1 && nr_batch_check(OP, &in[batch_at], R, G) < 0) goto done;
+    if (x.batch_kind == 1 && nr_batch_check(OP, &in[x.batch_at], R, x.G) < 0) goto done;
     if (qk_launch_begin(st, OP, &in[0], stream, stream_given, &l) < 0) goto done;
     launched = 1;
     const int64_t shape[2] = {R, H};
@@ -221,19 +267,7 @@ PyObject *qk_op_fused_norm_residual(PyObject *module, PyObject *const *args, Py_
     }
     nr.gamma_stride = in[2].strides[0];
     nr.beta_stride = in[3].strides[0];
-    nr.eps = (float)eps;
-    nr.training = training && p > 0;
-    nr_dropout(p, &nr.drop_threshold, &nr.scale);
-    nr.seed = seed;
-    nr.seed_ptr = seed_kind == 2 ? (const int64_t *)in[seed_at].data : NULL;
-    nr.dtype = in[0].dtype;
-    nr.num_threads = st->num_threads;
-    if (batch_kind == 1 && R > 0) { /* R = 0: nothing to normalise (an empty batch may have no data) */
-        nr.batch = in[batch_at].data;
-        nr.batch_stride = in[batch_at].strides[0];
-        nr.index_dtype = in[batch_at].dtype;
-        nr.num_graphs = G;
-    }
+    NR_FILL(nr, x, in, p, training, eps, R, st);
     /* H = 0 in graph mode: the cpu launcher still checks the ids */
     NR_RUN(ok, st, &l, fused_norm_residual, &nr, OP, R > 0 && (H > 0 || nr.batch));
 done:
@@ -250,34 +284,18 @@ PyObject *qk_op_fused_norm_residual_backward(PyObject *module, PyObject *const *
     const char *in_names[5] = {"grad_out", "x", "gamma"};
     qk_state *st = qk_get_state(module);
     PyObject *a[10] = {NULL};
-    if (qk_parse_args(OP, args, nargs, kwnames, names, 3, 3, a) < 0) return NULL;
     void *stream;
-    int stream_given;
-    if (qk_stream_arg(OP, a[9], &stream, &stream_given) < 0) return NULL;
+    int stream_given, training;
     double p, eps;
-    int training;
-    if (nr_options(OP, a[3], a[4], a[5], &p, &training, &eps) < 0) return NULL;
+    if (nr_args(OP, args, nargs, kwnames, names, 3, 9, a, &stream, &stream_given, &p, &training, &eps) < 0)
+        return NULL;
 
     qk_view in[5] = {{0}}, ov[3] = {{0}};
     qk_output o[3] = {{0}};
     qk_launch l = {0};
-    int ok = 0, launched = 0, n_in = 0, seed_at = -1, batch_at = -1;
-    uint64_t seed = 0;
-    int64_t G = 0;
-    for (; n_in < 3; n_in++)
-        if (qk_import(st, a[n_in], OP, in_names[n_in], stream, &in[n_in]) < 0) goto done;
-    const int seed_kind = nr_seed_arg(st, OP, a[6], stream, &seed, &in[n_in]);
-    if (seed_kind < 0) goto done;
-    if (seed_kind == 2) in_names[seed_at = n_in++] = "seed";
-    if (seed_kind == 0 && training && p > 0) { /* the mask cannot be regenerated without the forward's seed */
-        PyErr_SetString(PyExc_ValueError, OP ": seed is required when training with p > 0 (the forward's seed)");
-        goto done;
-    }
-    const int batch_kind = nr_batch_arg(st, OP, a[7], a[8], stream, &in[n_in], &G);
-    if (batch_kind < 0) goto done;
-    if (batch_kind == 1) in_names[batch_at = n_in++] = "batch";
-    if (qk_same_device(OP, in, in_names, n_in) < 0) goto done;
-    if (seed_kind == 2 && nr_seed_check(OP, &in[seed_at]) < 0) goto done;
+    int ok = 0, launched = 0, n_in = 0;
+    nr_extras x = {0};
+    if (nr_inputs(st, OP, a, 3, stream, training && p > 0, 1, in, in_names, &n_in, &x) < 0) goto done;
     if (qk_check_ndim(OP, "grad_out", &in[0], 2, "[R, H]") < 0 || qk_check_ndim(OP, "x", &in[1], 2, "[R, H]") < 0 ||
         qk_check_ndim(OP, "gamma", &in[2], 1, "[H]") < 0)
         goto done;
@@ -293,7 +311,7 @@ PyObject *qk_op_fused_norm_residual_backward(PyObject *module, PyObject *const *
         goto done;
     snprintf(layout, sizeof layout, "[H] = [%lld]", (long long)H);
     if (qk_check_dim(OP, "gamma", &in[2], 0, H, layout) < 0) goto done;
-    if (batch_kind == 1 && nr_batch_check(OP, &in[batch_at], R, G) < 0) goto done;
+    if (x.batch_kind == 1 && nr_batch_check(OP, &in[x.batch_at], R, x.G) < 0) goto done;
     if (qk_launch_begin(st, OP, &in[0], stream, stream_given, &l) < 0) goto done;
     launched = 1;
     const int64_t shape[2] = {R, H};
@@ -319,19 +337,7 @@ PyObject *qk_op_fused_norm_residual_backward(PyObject *module, PyObject *const *
     nb.gamma_stride = in[2].strides[0];
     nb.gg_stride = ov[1].strides[0];
     nb.gb_stride = ov[2].strides[0];
-    nb.eps = (float)eps;
-    nb.training = training && p > 0;
-    nr_dropout(p, &nb.drop_threshold, &nb.scale);
-    nb.seed = seed;
-    nb.seed_ptr = seed_kind == 2 ? (const int64_t *)in[seed_at].data : NULL;
-    nb.dtype = in[0].dtype;
-    nb.num_threads = st->num_threads;
-    if (batch_kind == 1 && R > 0) { /* R = 0: the row mode's zero column sums */
-        nb.batch = in[batch_at].data;
-        nb.batch_stride = in[batch_at].strides[0];
-        nb.index_dtype = in[batch_at].dtype;
-        nb.num_graphs = G;
-    }
+    NR_FILL(nb, x, in, p, training, eps, R, st); /* R = 0: the row mode's zero column sums */
     /* R = 0: zero column sums; H = 0 in graph mode: the cpu launcher still checks the ids */
     NR_RUN(ok, st, &l, fused_norm_residual_backward, &nb, OP, H > 0 || nb.batch);
 done:

@@ -61,6 +61,16 @@ static int gb_pos_weight_check(const char *op, const qk_view *pw, const qk_view 
     return 0;
 }
 
+/* Both ops' arguments: n required tensors, the last of them num_graphs (returned, or -1 with the
+ * exception), then pos_weight and stream. */
+static long long gb_args(const char *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                         const char *const *names, int n, PyObject **a, void **stream, int *stream_given) {
+    if (qk_parse_args(op, args, nargs, kwnames, names, n, n, a) < 0 ||
+        qk_stream_arg(op, a[n + 1], stream, stream_given) < 0)
+        return -1;
+    return qk_num_graphs_arg(op, a[n - 1], 32);
+}
+
 /* Imports and checks shared by the forward and the backward: logits, target, edge_graph at
  * in[first..first+2], pos_weight after them when it is a tensor.  Fills the arguments' part of gb. */
 static int gb_inputs(qk_state *st, const char *op, PyObject *const *objs, PyObject *pw_obj, long long G, void *stream,
@@ -117,11 +127,9 @@ PyObject *qk_op_graph_norm_bce(PyObject *module, PyObject *const *args, Py_ssize
     static const char *const in_names[] = {"logits", "target", "edge_graph", "pos_weight"};
     qk_state *st = qk_get_state(module);
     PyObject *a[6] = {NULL};
-    if (qk_parse_args(OP, args, nargs, kwnames, names, 4, 4, a) < 0) return NULL;
     void *stream;
     int stream_given;
-    if (qk_stream_arg(OP, a[5], &stream, &stream_given) < 0) return NULL;
-    const long long G = qk_num_graphs_arg(OP, a[3], 32);
+    const long long G = gb_args(OP, args, nargs, kwnames, names, 4, a, &stream, &stream_given);
     if (G < 0) return NULL;
     qk_view in[4] = {{0}}, ov = {0};
     qk_output o = {0};
@@ -147,11 +155,9 @@ PyObject *qk_op_graph_norm_bce_backward(PyObject *module, PyObject *const *args,
     static const char *const in_names[] = {"grad", "logits", "target", "edge_graph", "pos_weight"};
     qk_state *st = qk_get_state(module);
     PyObject *a[7] = {NULL};
-    if (qk_parse_args(OP, args, nargs, kwnames, names, 5, 5, a) < 0) return NULL;
     void *stream;
     int stream_given;
-    if (qk_stream_arg(OP, a[6], &stream, &stream_given) < 0) return NULL;
-    const long long G = qk_num_graphs_arg(OP, a[4], 32);
+    const long long G = gb_args(OP, args, nargs, kwnames, names, 5, a, &stream, &stream_given);
     if (G < 0) return NULL;
     qk_view in[5] = {{0}}, ov = {0};
     qk_output o = {0};

@@ -130,9 +130,7 @@ static PyObject *ln_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     qk_output o = {0};
     qk_launch l = {0};
     int ok = 0, launched = 0, n_in = 0;
-    for (; n_in < 2 + has_third; n_in++)
-        if (qk_import(st, a[n_in], op, names[n_in], stream, &in[n_in]) < 0) goto done;
-    if (qk_same_device(op, in, names, n_in) < 0) goto done;
+    if (qk_import_all(st, op, a, names, 2 + has_third, stream, in, &n_in) < 0) goto done;
     qk_view *x = &in[0];
     if (ln_check_x(op, "x", x) < 0 || qk_check_dtype_llm(op, "x", x) < 0) goto done;
     const int64_t K = x->shape[x->ndim - 1];
@@ -221,9 +219,7 @@ static PyObject *lb_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     qk_output o[3] = {{0}};
     qk_launch l = {0};
     int ok = 0, launched = 0, n_in = 0;
-    for (; n_in < n_tensors; n_in++)
-        if (qk_import(st, p[n_in], op, names[n_in], stream, &in[n_in]) < 0) goto done;
-    if (qk_same_device(op, in, names, n_in) < 0) goto done;
+    if (qk_import_all(st, op, p, names, n_tensors, stream, in, &n_in) < 0) goto done;
     qk_view *g = &in[0], *x = &in[1];
     if (qk_check_dtype_llm(op, "grad_out", g) < 0) goto done;
     if (ln_check_x(op, "x", x) < 0 || qk_check_same_dtype(op, "x", x, "grad_out's", g) < 0) goto done;

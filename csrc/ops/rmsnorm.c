@@ -142,9 +142,7 @@ static PyObject *rn_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     qk_output o = {0};
     qk_launch l = {0};
     int ok = 0, launched = 0, n_in = 0;
-    for (; n_in < n_want; n_in++)
-        if (qk_import(st, in_objs[n_in], OP, in_names[n_in], stream, &in[n_in]) < 0) goto done;
-    if (qk_same_device(OP, in, in_names, n_in) < 0) goto done;
+    if (qk_import_all(st, OP, in_objs, in_names, n_want, stream, in, &n_in) < 0) goto done;
     qk_view *x = &in[0], *w = &in[1], *res = fused ? &in[2] : NULL;
     if (x->ndim < 1) {
         PyErr_Format(PyExc_ValueError, "%s: x must have at least one dimension [*, H], got a 0-d tensor", OP);

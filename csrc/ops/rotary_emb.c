@@ -41,9 +41,7 @@ static PyObject *ro_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     qk_output o = {0};
     qk_launch l = {0};
     int ok = 0, launched = 0, n_in = 0;
-    for (; n_in < 2; n_in++)
-        if (qk_import(st, a[n_in], OP, in_names[n_in], stream, &in[n_in]) < 0) goto done;
-    if (qk_same_device(OP, in, in_names, 2) < 0) goto done;
+    if (qk_import_all(st, OP, a, in_names, 2, stream, in, &n_in) < 0) goto done;
     qk_view *x = &in[0], *f = &in[1];
     const int batched = x->ndim == 4;
     if (x->ndim != 3 && x->ndim != 4) {

@@ -71,9 +71,7 @@ PyObject *qk_op_rotary_kv_append(PyObject *module, PyObject *const *args, Py_ssi
     qk_output o = {0};
     qk_launch l = {0};
     int ok = 0, launched = 0, n_in = 0;
-    for (; n_in < NUM_INPUTS; n_in++)
-        if (qk_import(st, a[n_in], OP, names[n_in], stream, &in[n_in]) < 0) goto done;
-    if (qk_same_device(OP, in, names, NUM_INPUTS) < 0) goto done;
+    if (qk_import_all(st, OP, a, names, NUM_INPUTS, stream, in, &n_in) < 0) goto done;
     const qk_view *q = &in[Q];
     if (qk_check_ndim(OP, "q", q, 3, "[T, Hq, D]") < 0 || qk_check_dtype_llm(OP, "q", q) < 0) goto done;
     const int64_t T = q->shape[0], Hq = q->shape[1], D = q->shape[2];
