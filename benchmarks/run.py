@@ -227,7 +227,7 @@ def cpu_summary_lines(results):
 
 
 def fmt_us(us):
-    return "n/a" if us is None else f"{us:.1f}"
+    return "n/a" if us is None else f"{us:.1f}" if us < 1000 else f"{us:.0f}"
 
 
 def missed_cases(results):
@@ -284,7 +284,7 @@ def cpu_environment_lines(meta):
             + (", ".join(f"{x:.2f}" for x in load[1]) if load[1] else "not yet") + " (a shared machine: torch's "
             "OpenMP team waits for a descheduled thread, so a busy core costs torch more than qkernels)",
             f"- copy rate: {meta['ceilings']['copy_gbps']:.1f} GB/s ({meta['ceilings']['copy_method']}); every "
-            "% copy below is a share of it"]
+            "% copy below is a share of it (above 100%: the data stays in cache between calls)"]
 
 
 def markdown_report(meta, results, pending=()):
@@ -577,8 +577,8 @@ def main_cpu(args, argv):
 
     results = []
     for i, family in enumerate(args.families):
-        log(f"family {i + 1}/{len(args.families)}: {family.title} (benchmarks/{family.module}.py "
-            f"{' '.join(family_argv(family, args.quick, True, args.tiny, args.samples))})")
+        script = [f"benchmarks/{family.module}.py"] + family_argv(family, args.quick, True, args.tiny, args.samples)
+        log(f"family {i + 1}/{len(args.families)}: {family.title} ({' '.join(script)})")
         result = run_family(family, args.quick, ceilings, True, args.tiny, args.samples)
         results.append(result)
         log(f"{family.title}: {len(result.records)} rows in {result.seconds:.0f} s"
