@@ -1,7 +1,8 @@
 """What the benchmark scripts share: the checkout's qkernels first on sys.path, their command-line
-options and header lines, device time by CUDA-graph replay, the copy and GEMM ceilings, the check of
-each result against qkernels.testing's float64 reference, the case loop, and the result table
-(graph_ops.py, dense_ops.py, attn_decode.py, attn_prefill.py, overhead.py, run.py)."""
+options and header lines, device time by CUDA-graph replay, the copy and GEMM ceilings, the host's
+CPU model, copy rate and wall-clock batches, the check of each result against qkernels.testing's
+float64 reference, the case loop, and the result table (graph_ops.py, dense_ops.py, attn_decode.py,
+attn_prefill.py, cpu_dense.py, overhead.py, run.py)."""
 
 import argparse
 import gc
