@@ -42,7 +42,11 @@ Targets: ours >= 1.0x the best SDPA backend on every contiguous case (on the bes
 row); <= 5 us at B=1 L=1k and <= 7 us at B=1 L=4k; >= 4.4 TB/s when the KV is >= 1 GB; paged >= 85%
 of our contiguous kernel's GB/s (on that row) and >= 3x the best gather + SDPA.
 
-    python3 benchmarks/attn_decode.py [--quick] [--cases contiguous,paged] [--markdown FILE] [--samples N]
+--cpu: the same kinds on the host, float32 and bfloat16, smaller sizes: backend="cpu" beside torch's
+CPU SDPA (its own backend choice, enable_gqa, on the [B,H,L,D] layout) and gather + SDPA, each result
+checked the same way, wall-clock median of --samples calls (benchmarks/common.py's time_cases).
+
+    python3 benchmarks/attn_decode.py [--quick] [--cpu] [--cases contiguous,paged] [--markdown FILE] [--samples N]
 """
 
 import math
@@ -122,8 +126,36 @@ def generator(seed):
     return gen
 
 
-def randn(gen, *shape):
-    return torch.randn(shape, generator=gen, device=DEVICE, dtype=DTYPE)
+def randn(gen, *shape, device=DEVICE, dtype=DTYPE):
+    return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+
+
+def contiguous_inputs(gen, B, L, device=DEVICE, dtype=DTYPE):
+    """One input set of a contiguous case: ours [B,L,H,D] and SDPA's layout of the same data."""
+    q, k, v = (randn(gen, B, n, h, D, device=device, dtype=dtype) for n, h in ((1, HQ), (L, HKV), (L, HKV)))
+    return {"q": q, "k": k, "v": v,
+            # SDPA's layout: [B,H,L,D] contiguous (q's length-1 axis moves without a copy)
+            "q_s": q.transpose(1, 2).contiguous(),
+            "k_s": k.transpose(1, 2).contiguous(), "v_s": v.transpose(1, 2).contiguous()}
+
+
+def paged_inputs(gen, B, L, device=DEVICE, dtype=DTYPE):
+    """One input set of a paged case: B sequences of L tokens at permuted slots of a pool of B L + 1."""
+    S = B * L + 1  # one spare slot, as pools keep a padding slot
+    q = randn(gen, B, HQ, D, device=device, dtype=dtype)
+    k_cache, v_cache = (randn(gen, S, HKV, D, device=device, dtype=dtype) for _ in range(2))
+    slots = torch.randperm(S, generator=gen, device=device)[:B * L]
+    rows = torch.randperm(B, generator=gen, device=device)
+    req_to_token = torch.empty(B, L, dtype=torch.int32, device=device)
+    req_to_token[rows] = slots.view(B, L).to(torch.int32)  # sequence b's tokens live in row rows[b]
+    gathered = slots.view(B * L)
+    return {"q": q, "k_cache": k_cache, "v_cache": v_cache, "req_to_token": req_to_token,
+            "req_pool_indices": rows.to(torch.int32),
+            "kv_indptr": (torch.arange(B + 1, device=device) * L).to(torch.int32),
+            "q4": q.unsqueeze(1), "q_s": q.unsqueeze(2),  # [B,1,Hq,D] and SDPA's [B,Hq,1,D]: views
+            # the same KV as one contiguous cache [B,L,Hkv,D], for our contiguous kernel
+            "k": k_cache.index_select(0, gathered).view(B, L, HKV, D),
+            "v": v_cache.index_select(0, gathered).view(B, L, HKV, D)}
 
 
 def length_label(n):
@@ -198,11 +230,7 @@ def contiguous_case(B, L):
     nbytes = kv_bytes + 2 * B * HQ * D * ELEM
 
     def make_inputs(gen):
-        q, k, v = randn(gen, B, 1, HQ, D), randn(gen, B, L, HKV, D), randn(gen, B, L, HKV, D)
-        return {"q": q, "k": k, "v": v,
-                # SDPA's layout: [B,H,L,D] contiguous (q's length-1 axis moves without a copy)
-                "q_s": q.transpose(1, 2).contiguous(),
-                "k_s": k.transpose(1, 2).contiguous(), "v_s": v.transpose(1, 2).contiguous()}
+        return contiguous_inputs(gen, B, L)
 
     def ours(s):
         return qkernels.attn_decode(s["q"], s["k"], s["v"], backend="cuda")
@@ -238,27 +266,13 @@ def gather_sdpa(backend, contiguous):
 
 def paged_case(B, L):
     kv_bytes = kv_bytes_of(B, L)
-    S = B * L + 1  # one spare slot, as pools keep a padding slot
     # Minimal bytes: K and V read once, one req_to_token entry per token, q, req_pool_indices and
     # kv_indptr read once, the output written once.
     nbytes = kv_bytes + B * L * IDX + 2 * B * HQ * D * ELEM + B * IDX + (B + 1) * IDX
     contiguous_nbytes = kv_bytes + 2 * B * HQ * D * ELEM
 
     def make_inputs(gen):
-        q = randn(gen, B, HQ, D)
-        k_cache, v_cache = randn(gen, S, HKV, D), randn(gen, S, HKV, D)
-        slots = torch.randperm(S, generator=gen, device=DEVICE)[:B * L]
-        rows = torch.randperm(B, generator=gen, device=DEVICE)
-        req_to_token = torch.empty(B, L, dtype=torch.int32, device=DEVICE)
-        req_to_token[rows] = slots.view(B, L).to(torch.int32)  # sequence b's tokens live in row rows[b]
-        gathered = slots.view(B * L)
-        return {"q": q, "k_cache": k_cache, "v_cache": v_cache, "req_to_token": req_to_token,
-                "req_pool_indices": rows.to(torch.int32),
-                "kv_indptr": (torch.arange(B + 1, device=DEVICE) * L).to(torch.int32),
-                "q4": q.unsqueeze(1), "q_s": q.unsqueeze(2),  # [B,1,Hq,D] and SDPA's [B,Hq,1,D]: views
-                # the same KV as one contiguous cache [B,L,Hkv,D], for our contiguous kernel
-                "k": k_cache.index_select(0, gathered).view(B, L, HKV, D),
-                "v": v_cache.index_select(0, gathered).view(B, L, HKV, D)}
+        return paged_inputs(gen, B, L)
 
     def ours(s):
         return qkernels.attn_paged_decode(s["q"], s["k_cache"], s["v_cache"], s["req_to_token"],
@@ -302,6 +316,59 @@ def build_cases(kinds, quick):
     if "paged" in kinds:
         cases += [paged_case(B, L) for B, L in paged_shapes(quick)]
     return cases
+
+
+# ---------------------------------------------------------------------------------------------
+# --cpu: the cpu backend beside SDPA on the host
+
+
+def cpu_case(kind, B, L, dtype):
+    """A common.Case on the host: ours (backend="cpu") beside torch's CPU SDPA with enable_gqa on its
+    preferred layout (paged: gather + SDPA, and our contiguous kernel on the gathered KV)."""
+    dt = getattr(torch, dtype)
+    kv_bytes = 2 * B * L * HKV * D * dt.itemsize
+    qo_bytes = 2 * B * HQ * D * dt.itemsize
+    label = f"B={B} L={length_label(L)} {dtype} KV {kv_bytes / 1e6:.1f} MB"
+    if kind == "contiguous":
+        impls = [common.Impl("qkernels attn_decode",
+                             lambda s: qkernels.attn_decode(s["q"], s["k"], s["v"], backend="cpu"), ours=True),
+                 common.Impl("SDPA (enable_gqa)", lambda s: sdpa(None, s["q_s"], s["k_s"], s["v_s"]), min_ratio=1.0)]
+        return common.Case(kind, label, lambda gen: contiguous_inputs(gen, B, L, "cpu", dt), kv_bytes + qo_bytes, impls,
+                           lambda s: reference("attn_decode", s["q"][:1], s["k"][:1], s["v"][:1]).reshape(1, HQ, D),
+                           lambda out: out.reshape(-1, HQ, D)[:1])
+    impls = [common.Impl("qkernels attn_paged_decode", lambda s: qkernels.attn_paged_decode(
+                 s["q"], s["k_cache"], s["v_cache"], s["req_to_token"], s["req_pool_indices"], s["kv_indptr"],
+                 backend="cpu"), ours=True),
+             common.Impl("qkernels attn_decode, contiguous KV",
+                         lambda s: qkernels.attn_decode(s["q4"], s["k"], s["v"], backend="cpu")),
+             common.Impl("gather + SDPA (enable_gqa)", gather_sdpa(None, False), min_ratio=1.0)]
+
+    def check(s):
+        pool = common.one_sequence_pool(s["k_cache"], s["v_cache"], s["req_to_token"], s["req_pool_indices"],
+                                        s["kv_indptr"])
+        return reference("attn_paged_decode", s["q"][:1], *pool)
+
+    return common.Case(kind, label, lambda gen: paged_inputs(gen, B, L, "cpu", dt), kv_bytes + qo_bytes + 4 * B * L,
+                       impls, check, lambda out: out.reshape(-1, HQ, D)[:1])
+
+
+def cpu_cases(kinds, quick, tiny):
+    shapes = {"contiguous": [(1, 64)] if tiny else [(1, 1 * K), (2, 2 * K)] if quick else
+              [(1, 1 * K), (1, 4 * K), (4, 4 * K)],
+              "paged": [(2, 32)] if tiny else [(2, 1 * K)] if quick else [(1, 4 * K), (4, 4 * K)]}
+    return [cpu_case(kind, B, L, dtype) for kind in kinds for dtype in ("float32", "bfloat16")
+            for B, L in shapes[kind]]
+
+
+def collect_cpu(args, copy_gbps=None):
+    """--cpu: the cases on the host, timed with the wall clock: -> (header, rows, footer)."""
+    header, copy_gbps = common.bandwidth_header("decode attention", args, copy_gbps)
+    header.append(f"Hq={HQ} Hkv={HKV} D={D}; SDPA: torch's CPU choice; GB/s: (K+V + q + out [+ indices]) bytes / "
+                  f"time; check: max|err|/max|ref| of the first sequence vs the float64 reference < {REL_TOL:g}")
+    seeded = [(1000 * n, case) for n, case in enumerate(cpu_cases(args.cases, args.quick, args.tiny))]
+    rows, footer = common.time_cases(seeded, lambda case, s: common.check_results(case, s, REL_TOL, common.max_error),
+                                     args.samples, True, copy_gbps)
+    return header, rows, footer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,13 +535,17 @@ def summary_lines(rows, failed_cases):
 
 
 def parse_args(argv=None):
-    return common.parse_args(common.argument_parser(__doc__, 15, quick_help="a few small cases (smoke run)",
-                                                    listed=("cases", CASE_KINDS)), argv)
+    p = common.argument_parser(__doc__, 15, quick_help="a few small cases (smoke run)", listed=("cases", CASE_KINDS),
+                               tiny=True)
+    p.add_argument("--cpu", action="store_true", help="the cpu backend against torch's CPU SDPA on the host")
+    return common.parse_args(p, argv, no_gpu_hint="; pass --cpu to time the CPU kernels")
 
 
 def collect(args, copy_gbps=None):
     """Every case of args.cases, progress printed as it goes: -> (header, rows, footer); copy_gbps:
     the copy ceiling when benchmarks/run.py measured it already."""
+    if args.cpu:
+        return collect_cpu(args, copy_gbps)
     copy_gbps = copy_gbps or gpu_copy_ceiling_gbps(args.samples, GRAPH_WORK_US)
     header = common.header(
         "decode attention", "torch SDPA", common.copy_line(copy_gbps),

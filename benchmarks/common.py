@@ -1,7 +1,8 @@
 """What the benchmark scripts share: the checkout's qkernels first on sys.path, their command-line
-options and header lines, device time by CUDA-graph replay, the copy and GEMM ceilings, the check of
-each result against qkernels.testing's float64 reference, the case loop, and the result table
-(graph_ops.py, dense_ops.py, attn_decode.py, attn_prefill.py, overhead.py, run.py)."""
+options and header lines, device time by CUDA-graph replay, the copy and GEMM ceilings, the host's
+CPU model, copy rate and wall-clock batches, the check of each result against qkernels.testing's
+float64 reference, the case loop, and the result table (graph_ops.py, dense_ops.py, attn_decode.py,
+attn_prefill.py, cpu_dense.py, overhead.py, run.py)."""
 
 import argparse
 import gc
@@ -85,8 +86,10 @@ def release_gpu_memory():
     try:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    except RuntimeError:
-        pass  # a sticky CUDA error, reported where it happened: the rest reads n/a, the table still prints
+    except (RuntimeError, AssertionError):
+        # a sticky CUDA error, reported where it happened: the rest reads n/a, the table still prints;
+        # AssertionError: torch built without CUDA (a CPU run)
+        pass
 
 
 def gpu_copy_ceiling_gbps(samples, work_us=GRAPH_WORK_US):
@@ -115,11 +118,14 @@ def gpu_gemm_ceiling_tflops(samples, work_us=GRAPH_WORK_US):
 
 
 def argument_parser(doc, samples, samples_help="replays per figure", quick_help="a subset of the cases (smoke run)",
-                    listed=None):
-    """The options every family script takes: --quick, --markdown FILE, --samples N, and with
-    listed = (name, choices) --name, a comma list of choices (default: all)."""
+                    listed=None, tiny=False):
+    """The options every family script takes: --quick, --markdown FILE, --samples N, with listed =
+    (name, choices) --name, a comma list of choices (default: all), and with tiny --tiny."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=quick_help)
+    if tiny:
+        p.add_argument("--tiny", action="store_true",
+                       help="--cpu at the smallest sizes, figures meaningless (benchmarks/run.py --cpu --tiny, a test)")
     p.add_argument("--markdown", help="also write the final table to this file")
     p.add_argument("--samples", type=int, default=samples,
                    help=samples_help + (f" (default {samples})" if samples is not None else ""))
@@ -140,6 +146,8 @@ def parse_args(p, argv, need_gpu=True, no_gpu_hint=""):
         if unknown or not values:
             p.error(f"--{name}: unknown {', '.join(unknown) or '(none given)'}; expected some of {', '.join(choices)}")
         setattr(args, name, values)
+    if getattr(args, "tiny", False):
+        args.quick = True
     if args.samples is not None and args.samples < 1:
         p.error("--samples must be at least 1")
     if need_gpu and not getattr(args, "cpu", False) and not torch.cuda.is_available():
@@ -159,33 +167,80 @@ def header(family, anchors, *lines, machine=None):
     return lines
 
 
-def bandwidth_header(family, args):
+def bandwidth_header(family, args, copy_gbps=None):
     """The header of a script that times a bandwidth-bound family on the GPU (against the copy rate)
-    or with --cpu on the host: -> (header lines, copy rate in GB/s or None on the host)."""
+    or with --cpu on the host (against copy_gbps, the host's copy rate, when benchmarks/run.py
+    measured it): -> (header lines, copy rate in GB/s or None)."""
     if args.cpu:
-        return header(family, "torch", f"cpu: {qkernels.info()['cpu_threads']} qkernels threads, "
+        copy = [copy_line(copy_gbps, "host memory copy, measured by benchmarks/run.py")] if copy_gbps else []
+        return header(family, "torch", *copy, f"cpu: {qkernels.info()['cpu_threads']} qkernels threads, "
                       f"{torch.get_num_threads()} torch threads; wall-clock median of {args.samples} runs",
-                      machine="the host CPU"), None
+                      machine="the host CPU"), copy_gbps
     copy_gbps = gpu_copy_ceiling_gbps(args.samples)
     return header(family, "torch", copy_line(copy_gbps),
                   f"CUDA-graph replay, median of {args.samples} replays; GB/s: minimal bytes / time"), copy_gbps
+
+
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+             "amx_fp16", "avx_vnni")
+
+
+def cpu_model():
+    """The host CPU's model name and those of CPU_FLAGS it has (/proc/cpuinfo)."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if ":" in line:
+                    k, v = line.split(":", 1)
+                    fields.setdefault(k.strip(), v.strip())
+    except OSError:
+        pass
+    flags = set(fields.get("flags", "").split())
+    return fields.get("model name", "unknown CPU"), [f for f in CPU_FLAGS if f in flags]
+
+
+def cpu_batch_us(fn, batch_s=0.05):
+    """One batch on the host: calls of fn for about batch_s, -> µs per call."""
+    import time
+
+    start = time.perf_counter()
+    n = 0
+    while True:
+        fn()
+        n += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= batch_s:
+            return elapsed * 1e6 / n
+
+
+def host_copy_gbps(nbytes, rounds):
+    """Bytes read + written per second by torch's copy_ of an nbytes float32 buffer on the host
+    (torch's thread count), the median of rounds batches."""
+    src = torch.rand(nbytes // F32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in before timing
+    us = statistics.median(cpu_batch_us(lambda: dst.copy_(src)) for _ in range(rounds))
+    return 2 * nbytes / us / 1e3
 
 
 def copy_line(copy_gbps, what=f"{GPU_COPY_BYTES >> 30} GiB device-to-device copy"):
     return f"copy ceiling: {copy_gbps:.0f} GB/s ({what}, bytes read + written)"
 
 
-def main(parse, collect, columns=None):
-    """A family script's main: its table printed (and written with --markdown)."""
+def main(parse, collect, columns=None, cells=None):
+    """A family script's main: its table printed (and written with --markdown); 1 when a check FAILs.
+    columns: the table's, or a function of the arguments giving them."""
     args = parse()
     if not getattr(args, "cpu", False) and not qkernels.AVAILABLE:
         print(f"warning: qkernels CUDA backend unavailable ({qkernels.info()['cuda_reason']}); our rows will be n/a")
     header, rows, footer = collect(args)
-    columns = columns or COLUMNS
-    print("\n" + "\n".join(header + [""] + text_table(rows, columns) + ([""] + footer if footer else [])))
+    columns = (columns(args) if callable(columns) else columns) or COLUMNS  # callable: the columns of these args
+    cells = cells or row_cells
+    print("\n" + "\n".join(header + [""] + text_table(rows, columns, cells) + ([""] + footer if footer else [])))
     if args.markdown:
-        write_markdown(args.markdown, header, rows, footer, columns)
-    return 0
+        write_markdown(args.markdown, header, rows, footer, columns, cells)
+    return 1 if any(row.check.startswith("FAIL") for row in rows) else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,7 +370,7 @@ def case_rows(case, times, verdicts, failures, ceiling, rate=None):
         ratio = us / ours_us if us and ours_us and not impl.ours else None
         failure = describe(failures[impl.name]) if impl.name in failures else ""
         check = "; ".join(text for text in (verdicts.get(impl.name, ""), failure) if text)
-        rows.append(Row(case.op, case.label, impl.name, us, r, 100.0 * r / ceiling if r else None,
+        rows.append(Row(case.op, case.label, impl.name, us, r, 100.0 * r / ceiling if r and ceiling else None,
                         ratio, target_text(impl, ratio, r, us, ours_rate), check))
     return rows
 
@@ -420,10 +475,10 @@ def cpu_time_us(fn, sets, samples):
     return statistics.median(times)
 
 
-def time_checked_case(case, sets, verdicts, failures, samples, on_cpu, copy_gbps):
+def time_checked_case(case, sets, verdicts, failures, samples, on_cpu, copy_gbps, rate=None):
     """Time every impl of case that passed its check (CUDA-graph replay, or the host's wall clock),
     print a line per impl and return the case's table rows; '% copy' against copy_gbps, or on the
-    host against the fastest impl."""
+    host against the fastest impl; rate(us): the rate column when not GB/s (then no share)."""
     times = {}
     for impl in case.impls:
         if impl.name in failures:
@@ -435,25 +490,29 @@ def time_checked_case(case, sets, verdicts, failures, samples, on_cpu, copy_gbps
             failures[impl.name] = exc
         us = times.get(impl.name)
         print(f"  {impl.name:<20} {fmt_us(us):>9} µs  {verdicts.get(impl.name, '')}", flush=True)
+    if rate is not None:
+        return case_rows(case, times, verdicts, failures, None, rate)
     ceiling = copy_gbps or max((case.nbytes / us / 1e3 for us in times.values()), default=1.0)
     return case_rows(case, times, verdicts, failures, ceiling)
 
 
-def time_cases(seeded_cases, check, samples, on_cpu, copy_gbps):
+def time_cases(seeded_cases, check, samples, on_cpu, copy_gbps, rate_of=None):
     """For each (seed, case): its input sets, check(case, first set) -> (verdicts, failures), then
-    time_checked_case.  -> (rows, footer) for common.main."""
+    time_checked_case (rate_of(case): its rate function, where the rate is not GB/s).  -> (rows,
+    footer) for common.main."""
     rows = []
     for seed, case in seeded_cases:
         print(f"\n{case.op} | {case.label} | {case.nbytes / 1e6:.2f} MB minimal per call", flush=True)
         torch._dynamo.reset()
         sets = seeded_input_sets(case.make_inputs, seed, "cpu" if on_cpu else "cuda")
         verdicts, failures = check(case, sets[0])
-        rows += time_checked_case(case, sets, verdicts, failures, samples, on_cpu, copy_gbps)
+        rows += time_checked_case(case, sets, verdicts, failures, samples, on_cpu, copy_gbps,
+                                  rate_of(case) if rate_of else None)
         del sets
         if not on_cpu:
             release_gpu_memory()
     footer = ["--cpu: '% copy' is relative to the fastest impl of the case (no copy ceiling is timed)"] \
-        if on_cpu else []
+        if on_cpu and not copy_gbps and not rate_of else []
     return rows, footer
 
 
@@ -465,20 +524,21 @@ def fmt_us(us):
 
 def row_cells(row):
     return [row.op, row.case, row.impl, fmt_us(row.us),
-            "" if row.gbps is None else f"{row.gbps:.0f}",
+            "" if row.gbps is None else f"{row.gbps:.1f}" if row.gbps < 10 else f"{row.gbps:.0f}",
             "" if row.pct_copy is None else f"{row.pct_copy:.0f}%",
             "" if row.ratio is None else f"{row.ratio:.2f}x",
             row.target, row.check]
 
 
-def write_markdown(path, header, rows, footer=(), columns=COLUMNS):
+def write_markdown(path, header, rows, footer=(), columns=COLUMNS, cells=row_cells):
     """A family's results file: the header lines, the markdown table, the footer lines."""
     with open(path, "w") as f:
-        f.write("\n\n".join(list(header) + ["\n".join(markdown_table(rows, columns))] + list(footer)) + "\n")
+        f.write("\n\n".join(list(header) + ["\n".join(markdown_table(rows, columns, cells))] + list(footer)) + "\n")
 
 
-def text_table(rows, columns=COLUMNS):
-    cells = [row_cells(row) for row in rows]
+def text_table(rows, columns=COLUMNS, cells=row_cells):
+    """cells(row): a row's column texts (default: COLUMNS')."""
+    cells = [cells(row) for row in rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
     lines = []
     previous = (None, None)
@@ -492,8 +552,8 @@ def text_table(rows, columns=COLUMNS):
     return lines
 
 
-def markdown_table(rows, columns=COLUMNS):
+def markdown_table(rows, columns=COLUMNS, cells=row_cells):
     lines = ["| " + " | ".join(columns) + " |",
              "|" + "|".join("---:" if i in NUMERIC else "---" for i in range(len(columns))) + "|"]
-    lines += ["| " + " | ".join(c.replace("|", "/") for c in row_cells(row)) + " |" for row in rows]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in cells(row)) + " |" for row in rows]
     return lines

@@ -15,14 +15,13 @@ each implementation is first called --warmup times (default 3): the first calls 
 check fault in fresh pages for their outputs (glibc hands freed memory back to the system), which
 would otherwise land on whichever implementation is timed first.
 
-    python3 benchmarks/graph_backward.py [--quick] [--cpu] [--markdown FILE]
+    python3 benchmarks/graph_backward.py [--quick] [--cpu] [--samples N] [--markdown FILE]
 """
 
-import argparse
 import statistics
 import time
 
-import common  # noqa: F401  first: it puts the checkout's qkernels on sys.path
+import common  # first: it puts the checkout's qkernels on sys.path
 import qkernels
 import qkernels.torch  # noqa: F401  the operators, registered before torch.compile traces
 import torch
@@ -133,20 +132,37 @@ def prepare(make, gen, device):
     return s, names
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--cpu", action="store_true")
-    p.add_argument("--replays", type=int, default=10)
+COLUMNS = ["op", "case", "impl", "µs (fwd+bwd)", "GB/s", "% copy", "anchor/ours", "target", "check"]
+
+
+def parse_args(argv=None):
+    p = common.argument_parser(__doc__.split("\n\n")[0], 10, "replays (GPU) or timed calls (CPU) per figure",
+                               tiny=True)
+    p.add_argument("--cpu", action="store_true", help="1/50 of the sizes on the CPU, against PyTorch CPU eager")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before the timed ones (CPU)")
-    p.add_argument("--markdown")
-    a = p.parse_args(argv)
-    device = torch.device("cpu" if a.cpu or not torch.cuda.is_available() else "cuda")
-    div = 50 if device.type == "cpu" else 1
+    return common.parse_args(p, argv, need_gpu=False)
+
+
+def collect(args, copy_gbps=None):
+    """Every case, progress printed as it goes: -> (header, rows, footer) for common.main and
+    benchmarks/run.py (no byte counts: copy_gbps is not used)."""
+    device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
+    div = (5000 if args.tiny else 50) if device.type == "cpu" else 1
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
-    print(f"graph ops forward + backward on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
-    for op, label, make, ours, theirs in cases(device, div, a.quick):
+    if device.type == "cpu":
+        machine = f"the host CPU ({qkernels.info()['cpu_threads']} qkernels threads, {torch.get_num_threads()} torch " \
+                  "threads)"
+        timing = f"time.perf_counter, median of {args.samples} calls after {max(1, args.warmup)} untimed ones"
+    else:
+        machine, timing = None, f"CUDA-graph replay, median of {args.samples} replays"
+    header = common.header("graph ops forward + backward", "PyTorch eager" + (" and torch.compile" if div == 1 else ""),
+                           f"sizes: graph_ops.py's / {div}" + (" (--quick: a subset)" if args.quick else "")
+                           + f"; float32; {timing}",
+                           f"anchor/ours > 1: qkernels faster; check: relative error of every gradient against "
+                           f"float64 autograd of the PyTorch function < {REL_TOL:g}", machine=machine)
+    for op, label, make, ours, theirs in cases(device, div, args.quick):
+        print(f"\n{op} | {label}", flush=True)
         s, names = prepare(make, gen, device)
         with torch.no_grad():
             out = theirs(s)
@@ -158,15 +174,14 @@ def main(argv=None):
         del s64
         if device.type == "cuda":  # the float64 run's cached blocks would starve cudaMallocAsync
             release_gpu_memory()
-        compiled = torch.compile(theirs)
-        impls = [("qkernels", ours), ("pytorch eager", theirs), ("torch.compile", compiled)]
-        if device.type == "cpu":
-            impls = impls[:2]
+        impls = [("qkernels", ours), ("pytorch eager", theirs)]
+        if device.type == "cuda":
+            impls.append(("torch.compile", torch.compile(theirs)))
         verdict = {}
         for name, fn in impls:
             got = train_call(fn, names)(s)
             err = max(((g.double().cpu() - w).norm() / w.norm().clamp(min=1e-30)).item() for g, w in zip(got, want))
-            verdict[name] = ("PASS" if err <= REL_TOL else "FAIL", err)
+            verdict[name] = f"{'PASS' if err <= REL_TOL else 'FAIL'} {err:.1e}"
             del got
             if device.type == "cuda":
                 release_gpu_memory()
@@ -178,35 +193,30 @@ def main(argv=None):
         for name, fn in impls:
             call = train_call(fn, names)
             if device.type == "cuda":
-                times[name] = gpu_replay_time_us(call, sets, a.replays)
+                times[name] = gpu_replay_time_us(call, sets, args.samples)
             else:
-                for _ in range(max(1, a.warmup)):
+                for _ in range(1 if args.tiny else max(1, args.warmup)):
                     call(s)
                 samples = []
-                for _ in range(a.replays):
+                for _ in range(args.samples):
                     t0 = time.perf_counter()
                     call(s)
                     samples.append((time.perf_counter() - t0) * 1e6)
                 times[name] = statistics.median(samples)
+            print(f"  {name:<14} {common.fmt_us(times[name]):>9} µs  {verdict[name]}", flush=True)
         base = times["qkernels"]
         for name, _ in impls:
             ratio = times[name] / base
             target = "" if name == "qkernels" else (
-                f">= {TARGET}x: {'met' if ratio >= TARGET else 'MISSED'}" if name == "torch.compile"
-                else ">= 1.0x: " + ("met" if ratio >= 1.0 else "MISSED") if device.type == "cpu" else "")
-            rows.append((op, label, name, times[name], ratio, target, *verdict[name]))
+                f">={TARGET}x {'met' if ratio >= TARGET else 'MISSED'}" if name == "torch.compile"
+                else ">=1.0x " + ("met" if ratio >= 1.0 else "MISSED") if device.type == "cpu" else "")
+            rows.append(common.Row(op, label, name, times[name], None, None, None if name == "qkernels" else ratio,
+                                   target, verdict[name]))
         del sets, s
         if device.type == "cuda":
             release_gpu_memory()
-    header = "| op | case | impl | µs (fwd+bwd) | anchor/ours | target | check |\n|---|---|---|---:|---:|---|---|"
-    lines = [header] + [f"| {op} | {label} | {name} | {us:.1f} | {ratio:.2f}x | {target} | {v} ({err:.1e}) |"
-                        for op, label, name, us, ratio, target, v, err in rows]
-    print("\n".join(lines))
-    if a.markdown:
-        with open(a.markdown, "w") as f:
-            f.write("\n".join(lines) + "\n")
-    return 0 if all(r[6] == "PASS" for r in rows) else 1
+    return header, rows, []
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(common.main(parse_args, collect, COLUMNS))

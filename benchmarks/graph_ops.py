@@ -69,6 +69,7 @@ class Setup:
     index_dtype: torch.dtype
     on_gpu: bool
     samples: int
+    tiny: bool = False  # --tiny: one input set, short CPU batches (a smoke run)
 
     def size(self, n):
         return max(1, n // self.divisor)
@@ -134,7 +135,7 @@ def input_sets(setup, case, seed):
     """Enough random input sets that cycling through them spans COLD_FOOTPRINT_BYTES."""
     first = case.make_inputs(generator(setup, seed))
     set_bytes = sum(t.nbytes for t in first.values() if isinstance(t, torch.Tensor))
-    n_sets = min(MAX_INPUT_SETS, max(1, math.ceil(COLD_FOOTPRINT_BYTES / max(set_bytes, 1))))
+    n_sets = 1 if setup.tiny else min(MAX_INPUT_SETS, max(1, math.ceil(COLD_FOOTPRINT_BYTES / max(set_bytes, 1))))
     return [first] + [case.make_inputs(generator(setup, seed + k)) for k in range(1, n_sets)]
 
 
@@ -403,14 +404,14 @@ def eager_and_compiled(setup, eager_fn, bind, compile_target):
 # Timing
 
 
-def cpu_time_us(fn, sets, samples):
+def cpu_time_us(fn, sets, samples, batch_s=CPU_BATCH_S):
     """Wall time per call: warm-up, then the median over batches of calls cycling through the input sets."""
     for i in range(WARMUP_CALLS):
         fn(sets[i % len(sets)])
     start = time.perf_counter()
     fn(sets[0])
     estimate_s = time.perf_counter() - start
-    calls = min(MAX_CALLS_PER_GRAPH, max(1, math.ceil(CPU_BATCH_S / max(estimate_s, 1e-7))))
+    calls = min(MAX_CALLS_PER_GRAPH, max(1, math.ceil(batch_s / max(estimate_s, 1e-7))))
     per_call = []
     next_set = 0
     for _ in range(samples):
@@ -425,7 +426,7 @@ def cpu_time_us(fn, sets, samples):
 def time_per_call_us(setup, fn, sets):
     if setup.on_gpu:
         return gpu_replay_time_us(fn, sets, setup.samples)
-    return cpu_time_us(fn, sets, setup.samples)
+    return cpu_time_us(fn, sets, setup.samples, CPU_BATCH_S / 10 if setup.tiny else CPU_BATCH_S)
 
 
 def copy_ceiling_gbps(setup):
@@ -453,24 +454,15 @@ def release_memory(setup):
 # Report
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
-def header_lines(setup, copy_gbps, quick):
+def header_lines(setup, copy_gbps, quick, measured=True):
+    """measured: the copy ceiling was timed here (else benchmarks/run.py gave it)."""
     if setup.on_gpu:
         machine, copy = None, f"{GPU_COPY_BYTES >> 30} GiB device-to-device copy"
         timing = f"CUDA-graph replay, median of {setup.samples} replays"
     else:
-        machine = f"{cpu_model()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
-        copy = f"{CPU_COPY_BYTES >> 30} GiB host-memory copy"
+        machine = f"{common.cpu_model()[0]}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+        copy = f"{CPU_COPY_BYTES >> 30} GiB host-memory copy" if measured else \
+            "host memory copy, measured by benchmarks/run.py"
         timing = f"time.perf_counter, median of {setup.samples} batches"
     scale = f"full sizes / {setup.divisor}" + (" (--quick; targets are for full sizes)" if quick else "")
     return common.header(
@@ -486,7 +478,7 @@ def header_lines(setup, copy_gbps, quick):
 
 def parse_args(argv=None):
     p = common.argument_parser(__doc__, None, "replays (GPU, default 15) or batches (CPU, default 7) per figure",
-                               "sizes 10x smaller (smoke run)", listed=("ops", OPS))
+                               "sizes 10x smaller (smoke run)", listed=("ops", OPS), tiny=True)
     p.add_argument("--cpu", action="store_true", help="CPU backend at 1/50 of the sizes, against PyTorch CPU eager")
     p.add_argument("--index-dtype", choices=("int64", "int32"), default="int64",
                    help="dtype of row_ptr/col_idx/edge_index/edge_graph (PyG uses int64)")
@@ -498,10 +490,11 @@ def make_setup(args):
     return Setup(
         device=torch.device("cuda" if on_gpu else "cpu"),
         backend="cuda" if on_gpu else "cpu",
-        divisor=(1 if on_gpu else 50) * (10 if args.quick else 1),
+        divisor=(1 if on_gpu else 50) * (1000 if args.tiny else 10 if args.quick else 1),
         index_dtype=getattr(torch, args.index_dtype),
         on_gpu=on_gpu,
         samples=args.samples or (15 if on_gpu else 7),
+        tiny=args.tiny,
     )
 
 
@@ -510,8 +503,9 @@ def collect(args, copy_gbps=None):
     copy ceiling when benchmarks/run.py measured it already."""
     setup = make_setup(args)
     warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+    measured = copy_gbps is None
     copy_gbps = copy_gbps or copy_ceiling_gbps(setup)
-    header = header_lines(setup, copy_gbps, args.quick)
+    header = header_lines(setup, copy_gbps, args.quick, measured)
 
     def run_one(case, seed):
         return common.run_case(case, lambda: input_sets(setup, case, seed),

@@ -93,10 +93,10 @@ def make_case(op, rows, h, dtype, device, min_gbps=None):
     return Case(op, f"{phase} R={rows} H={h} {dtype}", make_inputs, nbytes, im, ref)
 
 
-def cases(op, quick, device, copy_gbps=None):
+def cases(op, quick, device, copy_gbps=None, tiny=False):
     if device == "cpu":
-        rows = (1, 64, 4096) if not quick else (1, 512)
-        return [make_case(op, r, h, dt, device) for dt in ("float32", "bfloat16") for h in (4096,) for r in rows]
+        rows, h = ((1, 16), 256) if tiny else ((1, 64, 4096), 4096) if not quick else ((1, 512), 4096)
+        return [make_case(op, r, h, dt, device) for dt in ("float32", "bfloat16") for r in rows]
     decode = (1, 16, 256) if not quick else (16,)
     prefill = (4096, 32768) if not quick else (4096,)
     out = [make_case(op, r, h, "bfloat16", device) for h in (4096, 8192) for r in decode]
@@ -125,16 +125,17 @@ def check(case, inputs):
 
 
 def parse_args(argv=None):
-    p = common.argument_parser(__doc__, 15, listed=("ops", OPS))
+    p = common.argument_parser(__doc__, 15, listed=("ops", OPS), tiny=True)
     p.add_argument("--cpu", action="store_true", help="time the CPU kernels against torch's on the host")
     return common.parse_args(p, argv, no_gpu_hint="; pass --cpu to time the CPU kernels")
 
 
-def collect(args):
+def collect(args, copy_gbps=None):
+    """-> (header, rows, footer); copy_gbps: the host's copy rate when benchmarks/run.py --cpu measured it."""
     device = "cpu" if args.cpu else "cuda"
-    header, copy_gbps = common.bandwidth_header("rmsnorm", args)
+    header, copy_gbps = common.bandwidth_header("rmsnorm", args, copy_gbps)
     seeded = [(1000 * op_no + 100 * n, case) for op_no, op in enumerate(args.ops)
-              for n, case in enumerate(cases(op, args.quick, device, copy_gbps))]
+              for n, case in enumerate(cases(op, args.quick, device, copy_gbps, args.tiny))]
     rows, footer = common.time_cases(seeded, check, args.samples, args.cpu, copy_gbps)
     return header, rows, footer
 

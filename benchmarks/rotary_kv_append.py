@@ -92,9 +92,9 @@ def make_case(tokens, dtype, device, min_gbps=None):
     return Case(OP, f"{phase} T={tokens} Hq={HQ} Hkv={HKV} D={D} {dtype}", make_inputs, nbytes, im, None)
 
 
-def cases(quick, device, copy_gbps=None):
+def cases(quick, device, copy_gbps=None, tiny=False):
     if device == "cpu":
-        tokens = (1, 512) if quick else (1, 64, 4096)
+        tokens = (1, 8) if tiny else (1, 512) if quick else (1, 64, 4096)
         return [make_case(t, dt, device) for dt in ("float32", "bfloat16") for t in tokens]
     decode = (8,) if quick else (1, 8, 64)
     prefill = (4096,) if quick else (4096, 32768)
@@ -125,18 +125,19 @@ def check(case, inputs):
 
 
 def parse_args(argv=None):
-    p = common.argument_parser(__doc__, 15)
+    p = common.argument_parser(__doc__, 15, tiny=True)
     p.add_argument("--cpu", action="store_true", help="time the CPU kernels against torch's on the host")
     return common.parse_args(p, argv, no_gpu_hint="; pass --cpu to time the CPU kernels")
 
 
-def collect(args):
+def collect(args, copy_gbps=None):
+    """-> (header, rows, footer); copy_gbps: the host's copy rate when benchmarks/run.py --cpu measured it."""
     device = "cpu" if args.cpu else "cuda"
     if not args.cpu:
         _dispatch.CUDA_PENDING.pop(OP, None)  # time the kernels even before the dispatcher enables them
         _dispatch.reload_env()
-    header, copy_gbps = common.bandwidth_header(OP, args)
-    seeded = [(100 * n, case) for n, case in enumerate(cases(args.quick, device, copy_gbps))]
+    header, copy_gbps = common.bandwidth_header(OP, args, copy_gbps)
+    seeded = [(100 * n, case) for n, case in enumerate(cases(args.quick, device, copy_gbps, args.tiny))]
     rows, footer = common.time_cases(seeded, check, args.samples, args.cpu, copy_gbps)
     return header, rows, footer
 

@@ -1,7 +1,9 @@
-"""The full benchmark set in one process on the GPU: every family's table, one report.
+"""The full benchmark set in one process on the GPU, or with --cpu on the host: every family's
+table, one report.
 
     python3 benchmarks/run.py [--families graph,decode,prefill,dense,overhead] [--quick] [--out DIR]
     python -m qkernels --bench                      (the same, every family, full sizes)
+    python3 benchmarks/run.py --cpu [--families graph,graph_backward,...] [--quick] [--threads N]
 
 Each family is its own script, imported as a module and run through its collect() with the
 defaults of its own command line (--quick passed on where the family has it): the same cases,
@@ -23,6 +25,13 @@ family's table and, last, the summary.  Written to --out (default benchmarks/res
 page of that name that this script did not write (hand-written notes) is kept: the report then
 goes to <gpu>-run.md/.json.  Both files are rewritten after every family, so a run cut short
 leaves what it measured, marked incomplete.
+
+--cpu runs the CPU families (each script's --cpu mode, or cpu_dense.py) with qkernels and torch on
+the same --threads (default: every core), measures the host's copy rate once (a 1 GiB torch copy_,
+bytes read + written) for every "% copy", and writes cpu.md / cpu.json: the CPU, its vector
+features, the thread counts, the load average at the start and the end (a shared machine), one
+summary table of every op and case (qkernels beside the fastest torch CPU anchor, target >= 1.0x),
+then every family's table.  --tiny (with --cpu) runs the smallest sizes: a smoke run for the tests.
 
 Ratios in the JSON are anchor time / qkernels time everywhere (>1: qkernels faster).  A qkernels
 row names the fastest anchor timed in its case; an anchor row (and another qkernels variant, such
@@ -59,6 +68,7 @@ class Family:
     ceiling: Optional[str] = None  # "copy" or "GEMM": what "% of ceiling" is a share of
     quick: bool = False  # the script has --quick
     op_names: dict = field(default_factory=dict)  # the table's first column -> the qkernels op
+    cpu_flag: bool = False  # --cpu: the script takes --cpu (and --tiny)
 
 
 # Run order.
@@ -72,6 +82,23 @@ FAMILIES = [
     Family("dense", "dense ops", "dense_ops", "GB/s", "copy", quick=True),
 ]
 FAMILY_BY_KEY = {f.key: f for f in FAMILIES}
+
+GRAPH_OPS = ("sparse_aggregate", "fused_edge_features", "fused_norm_residual", "graph_norm_bce")
+CPU_FAMILIES = [
+    Family("graph", "graph ops", "graph_ops", "GB/s", "copy", quick=True, cpu_flag=True),
+    Family("graph_backward", "graph ops forward + backward", "graph_backward", quick=True, cpu_flag=True,
+           op_names={op: f"{op} + {op}_backward" for op in GRAPH_OPS}),
+    Family("dense", "linear, swiglu, rotary_emb", "cpu_dense", "GB/s", "copy", quick=True),
+    Family("rmsnorm", "rmsnorm, fused_add_rmsnorm", "rmsnorm", "GB/s", "copy", quick=True, cpu_flag=True),
+    Family("rotary_kv_append", "rotary_kv_append", "rotary_kv_append", "GB/s", "copy", quick=True, cpu_flag=True),
+    Family("decode", "decode attention", "attn_decode", "GB/s", "copy", quick=True, cpu_flag=True,
+           op_names={"contiguous": "attn_decode", "paged": "attn_paged_decode"}),
+    Family("prefill", "prefill attention", "attn_prefill", "GFLOP/s", quick=True, cpu_flag=True,
+           op_names={"dense": "attn_prefill", "paged": "attn_paged_prefill"}),
+]
+CPU_FAMILY_BY_KEY = {f.key: f for f in CPU_FAMILIES}
+CPU_COPY_BYTES = 1 << 30
+CPU_COPY_ROUNDS = 5
 
 
 @dataclass
@@ -118,7 +145,8 @@ def family_records(family, rows):
                 anchor, ratio = row.impl, row.ratio
             records.append({
                 "family": family.key, "op": family.op_names.get(first_column, first_column), "case": case,
-                "impl": row.impl, "role": role, "us": row.us, "rate": row.gbps,
+                "impl": row.impl, "role": role, "us": row.us,
+                "anchor_us": fastest.us if row is ours and fastest else None, "rate": row.gbps,
                 "unit": family.unit if row.gbps is not None else None, "pct_of_ceiling": row.pct_copy,
                 "ceiling": family.ceiling, "anchor": anchor, "ratio": ratio, "target": row.target,
                 "check": row.check})
@@ -180,6 +208,34 @@ def summary_lines(result):
     return lines
 
 
+def cpu_summary_lines(results):
+    """--cpu: a markdown table, one line per op and case of every family: qkernels' time beside the
+    fastest torch anchor's, the ratio, the share of the host copy rate, the target >= 1.0x."""
+    lines = ["| op | case | qkernels µs | fastest torch CPU anchor | anchor µs | anchor/ours | qkernels % copy | "
+             "target >= 1.0x |", "|---|---|---:|---|---:|---:|---:|---|"]
+    for result in results:
+        for r in result.records:
+            if r["role"] != "qkernels":
+                continue
+            ratio = r["ratio"]
+            verdict = "n/a" if ratio is None else "met" if ratio >= 1.0 else "MISSED"
+            pct = r["pct_of_ceiling"] if r["ceiling"] == "copy" else None
+            lines.append(f"| {r['op']} | {r['case']} | {fmt_us(r['us'])} | {r['anchor'] or 'none'} | "
+                         f"{fmt_us(r['anchor_us'])} | {'' if ratio is None else f'{ratio:.2f}x'} | "
+                         f"{'' if pct is None else f'{pct:.0f}%'} | {verdict} |")
+    return lines
+
+
+def fmt_us(us):
+    return "n/a" if us is None else f"{us:.1f}" if us < 1000 else f"{us:.0f}"
+
+
+def missed_cases(results):
+    """--cpu: (op, case, ratio) of each qkernels row below 1.0x its fastest anchor."""
+    return [(r["op"], r["case"], r["ratio"]) for result in results for r in result.records
+            if r["role"] == "qkernels" and r["ratio"] is not None and r["ratio"] < 1.0]
+
+
 # ---------------------------------------------------------------------------------------------
 # The report files
 
@@ -214,28 +270,61 @@ def ceiling_lines(meta):
             f"- GEMM: {c['gemm_tflops']:.0f} TFLOP/s ({c['gemm_method']})"]
 
 
+def cpu_environment_lines(meta):
+    """--cpu: the host, the threads, the load, the copy rate."""
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16")
+    flags = ", ".join(f"{f} {'yes' if f in meta['flags'] else 'no'}" for f in wanted)
+    load = meta["load_start"], meta.get("load_end")
+    return [f"qkernels {meta['qkernels']}" + (f" (git {meta['git']})" if meta.get("git") else "")
+            + f" · torch {meta['torch']} · {meta['machine']}, {meta['cores']} cores", "",
+            f"- CPU features: {flags}; qkernels' linear/swiglu path: {meta['isa']}",
+            f"- threads: {meta['threads']} for qkernels and {meta['threads']} for torch (torch.set_num_threads; "
+            "the same count on both sides in every family)",
+            f"- load average (1, 5, 15 min) at the start: {', '.join(f'{x:.2f}' for x in load[0])}; at the end: "
+            + (", ".join(f"{x:.2f}" for x in load[1]) if load[1] else "not yet") + " (a shared machine: torch's "
+            "OpenMP team waits for a descheduled thread, so a busy core costs torch more than qkernels)",
+            f"- copy rate: {meta['ceilings']['copy_gbps']:.1f} GB/s ({meta['ceilings']['copy_method']}); every "
+            "% copy below is a share of it (above 100%: the data stays in cache between calls)"]
+
+
 def markdown_report(meta, results, pending=()):
     """The results page: meta (run.py's main() fills it), the families run so far, those still to run."""
     done = ", ".join(r.family.key for r in results)
     quick = " — --quick sizes, not the published figures" if meta["quick"] else ""
-    lines = [f"{MARKER}: regenerate with `python -m qkernels --bench`; edits are lost -->",
-             f"# {meta['gpu']} — qkernels benchmark set", "",
+    cpu = meta.get("cpu", False)
+    regenerate = "python3 benchmarks/run.py --cpu" if cpu else "python -m qkernels --bench"
+    lines = [f"{MARKER}: regenerate with `{regenerate}`; edits are lost -->",
+             f"# {'CPU: ' + meta['machine'] if cpu else meta['gpu']} — qkernels benchmark set", "",
              f"Measured {meta['date']} by `{meta['command']}`, the families in one process "
-             f"({meta['seconds'] / 60:.1f} min){quick}.",
-             "",
-             f"qkernels {meta['qkernels']}" + (f" (git {meta['git']})" if meta.get("git") else "")
-             + f" · torch {meta['torch']} · CUDA {meta['cuda']} · cuDNN {meta['cudnn']} · {meta['gpu']} "
-             f"({meta['device']})", "",
-             "Ceilings, measured once at the start of this run; every % below is a share of them:", ""]
-    lines += ceiling_lines(meta)
+             f"({meta['seconds'] / 60:.1f} min){quick}.", ""]
+    if cpu:
+        lines += cpu_environment_lines(meta)
+    else:
+        lines += [f"qkernels {meta['qkernels']}" + (f" (git {meta['git']})" if meta.get("git") else "")
+                  + f" · torch {meta['torch']} · CUDA {meta['cuda']} · cuDNN {meta['cudnn']} · {meta['gpu']} "
+                  f"({meta['device']})", "",
+                  "Ceilings, measured once at the start of this run; every % below is a share of them:", ""]
+        lines += ceiling_lines(meta)
     if pending:
         lines += ["", f"**Incomplete**: written after {done or 'no family'}; still to run: {', '.join(pending)}."]
-    lines += ["", "## Summary", "",
-              "Ratio: the fastest anchor's time / qkernels' time in a case (>1: qkernels faster), worst and best "
-              "over the op's cases; targets: the family's target column, counted."]
-    for r in results:
-        lines += ["", f"### {r.family.title}", ""]
-        lines += [f"failed: {r.error}"] if r.error and not r.records else summary_lines(r)
+    if cpu:
+        missed = missed_cases(results)
+        lines += ["", "## Summary", "",
+                  "One row per op and case: qkernels (backend cpu) beside the fastest torch CPU anchor timed in the "
+                  "case, anchor/ours = anchor time / qkernels time (>1: qkernels faster); the target is >= 1.0x.", ""]
+        lines += cpu_summary_lines(results)
+        lines += ["", f"{len(missed)} row(s) below 1.0x" + (": " + "; ".join(
+            f"{op} {case} {ratio:.2f}x" for op, case, ratio in missed) if missed else "") + "."]
+        failed = [f"{r.family.key}: {r.error}" for r in results if r.error]
+        if failed:
+            lines += ["", "Families that failed: " + "; ".join(failed)]
+    else:
+        lines += ["", "## Summary", "",
+                  "Ratio: the fastest anchor's time / qkernels' time in a case (>1: qkernels faster), worst and best "
+                  "over the op's cases; targets: the family's target column, counted."]
+        for r in results:
+            lines += ["", f"### {r.family.title}", ""]
+            lines += [f"failed: {r.error}"] if r.error and not r.records else summary_lines(r)
     for r in results:
         lines += ["", f"## {r.family.title} (`benchmarks/{r.family.module}.py`, {r.seconds:.0f} s)", ""]
         if r.error:
@@ -312,7 +401,17 @@ def git_revision():
         return None
 
 
-def run_family(family, quick, ceilings):
+def family_argv(family, quick, cpu=False, tiny=False, samples=None):
+    """The family script's command line in this run."""
+    argv = ["--cpu"] if cpu and family.cpu_flag else []
+    if tiny:
+        argv.append("--tiny")
+    elif quick and family.quick:
+        argv.append("--quick")
+    return argv + (["--samples", str(samples)] if samples else [])
+
+
+def run_family(family, quick, ceilings, cpu=False, tiny=False, samples=None):
     """One family through its collect(): its progress lines go to stderr."""
     import importlib
 
@@ -323,19 +422,20 @@ def run_family(family, quick, ceilings):
     try:
         with contextlib.redirect_stdout(sys.stderr):
             module = importlib.import_module(family.module)
-            args = module.parse_args(["--quick"] if quick and family.quick else [])
+            args = module.parse_args(family_argv(family, quick, cpu, tiny, samples))
             if family.key == "overhead":
                 result.header, results, result.footer = module.collect(args)
                 result.table = result.text = module.markdown_table(results)
                 result.records = overhead_records(results)
             else:
-                if family.ceiling == "GEMM":
-                    result.header, rows, result.footer = module.collect(args, gemm=ceilings["gemm_tflops"])
-                else:
-                    result.header, rows, result.footer = module.collect(args, copy_gbps=ceilings["copy_gbps"])
-                columns = getattr(module, "COLUMNS", common.COLUMNS)
-                result.table = common.markdown_table(rows, columns)
-                result.text = common.text_table(rows, columns)
+                ceiling = {"gemm": ceilings["gemm_tflops"]} if family.ceiling == "GEMM" else \
+                    {"copy_gbps": ceilings["copy_gbps"]} if family.ceiling == "copy" else {}
+                result.header, rows, result.footer = module.collect(args, **ceiling)
+                columns = module.columns(args) if hasattr(module, "columns") else getattr(module, "COLUMNS",
+                                                                                           common.COLUMNS)
+                cells = getattr(module, "row_cells", common.row_cells)
+                result.table = common.markdown_table(rows, columns, cells)
+                result.text = common.text_table(rows, columns, cells)
                 result.records = family_records(family, rows)
     except Exception as exc:  # a family that breaks (memory, a sticky CUDA error) costs its table only
         traceback.print_exc()
@@ -348,17 +448,28 @@ def run_family(family, quick, ceilings):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--families", default=",".join(f.key for f in FAMILIES),
-                   help=f"comma list from {', '.join(f.key for f in FAMILIES)} (default: all)")
+    p.add_argument("--families", default=None,
+                   help=f"comma list from {', '.join(f.key for f in FAMILIES)}, or with --cpu from "
+                        f"{', '.join(f.key for f in CPU_FAMILIES)} (default: all)")
     p.add_argument("--quick", action="store_true", help="each family's --quick where it has one (smoke run)")
     p.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for <gpu>.md and <gpu>.json")
+    p.add_argument("--cpu", action="store_true", help="the CPU families on the host: cpu.md and cpu.json")
+    p.add_argument("--threads", type=int, default=None,
+                   help="--cpu: threads for qkernels and torch (default: all cores)")
+    p.add_argument("--tiny", action="store_true", help="--cpu: the smallest sizes, figures meaningless (a test)")
+    p.add_argument("--samples", type=int, default=None, help="passed to every family (default: each family's own)")
     args = p.parse_args(argv)
-    keys = [k.strip() for k in args.families.split(",") if k.strip()]
-    unknown = [k for k in keys if k not in FAMILY_BY_KEY]
+    families = CPU_FAMILIES if args.cpu else FAMILIES
+    keys = [k.strip() for k in (args.families or ",".join(f.key for f in families)).split(",") if k.strip()]
+    unknown = [k for k in keys if k not in {f.key for f in families}]
     if unknown or not keys:
         p.error(f"--families: unknown {', '.join(unknown) or '(none given)'}; "
-                f"expected some of {', '.join(f.key for f in FAMILIES)}")
-    args.families = [f for f in FAMILIES if f.key in keys]
+                f"expected some of {', '.join(f.key for f in families)}")
+    if (args.tiny or args.threads) and not args.cpu:
+        p.error("--tiny and --threads go with --cpu")
+    if (args.threads is not None and args.threads < 1) or (args.samples is not None and args.samples < 1):
+        p.error("--threads and --samples must be at least 1")
+    args.families = [f for f in families if f.key in keys]
     return args
 
 
@@ -370,6 +481,8 @@ def main(argv=None):
     for path in (ROOT, HERE):
         if path not in sys.path:
             sys.path.insert(0, path)
+    if args.cpu:
+        return main_cpu(args, argv)
     torch = require_gpu()
     try:
         import common
@@ -410,7 +523,7 @@ def main(argv=None):
     for i, family in enumerate(args.families):
         log(f"family {i + 1}/{len(args.families)}: {family.title} (benchmarks/{family.module}.py"
             f"{' --quick' if args.quick and family.quick else ''})")
-        result = run_family(family, args.quick, ceilings)
+        result = run_family(family, args.quick, ceilings, samples=args.samples)
         results.append(result)
         log(f"{family.title}: {len(result.records)} rows in {result.seconds:.0f} s"
             + (f"; failed: {result.error}" if result.error else ""))
@@ -426,6 +539,61 @@ def main(argv=None):
         print(f"\n{r.family.title}" + (f": failed: {r.error}" if r.error else ""))
         print("\n".join(summary_lines(r)))
     print(f"\nwritten: {md}\n         {js}\n(chart: python3 benchmarks/chart.py {js}, where matplotlib is installed)")
+    return 1 if any(r.error for r in results) else 0
+
+
+def main_cpu(args, argv):
+    """--cpu: every CPU family on the host with one thread count for qkernels and torch: cpu.md/.json."""
+    try:
+        import torch
+
+        import common
+        import qkernels
+        from qkernels import _C
+    except ImportError as exc:
+        sys.exit(f"benchmarks/run.py: {exc}; the CPU benchmarks need torch and the extension built in place "
+                 "(QKERNELS_CUDA=0 python3 setup.py build_ext --inplace)")
+    load_start = os.getloadavg()
+    start = time.perf_counter()
+    threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    _C._configure(num_threads=threads)
+    quick = args.quick or args.tiny
+    stem = report_stem(args.out, "cpu", quick)
+    model, flags = common.cpu_model()
+    log(f"{model}, {threads} threads; {len(args.families)} famil{'y' if len(args.families) == 1 else 'ies'}: "
+        f"{', '.join(f.key for f in args.families)}; report: {os.path.join(args.out, stem)}.md/.json")
+    copy_bytes = (64 << 20) if args.tiny else CPU_COPY_BYTES
+    ceilings = {"copy_gbps": common.host_copy_gbps(copy_bytes, CPU_COPY_ROUNDS),
+                "copy_method": f"torch copy_ of a {copy_bytes >> 20} MiB float32 buffer on {threads} threads, bytes "
+                               f"read + written, median of {CPU_COPY_ROUNDS} batches of ~50 ms"}
+    log(f"copy rate {ceilings['copy_gbps']:.1f} GB/s")
+    meta = {"cpu": True, "machine": model, "cores": os.cpu_count(), "flags": flags, "isa": _C._cpu_isa(),
+            "threads": threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": " ".join(["python3 benchmarks/run.py"] + list(argv)), "quick": quick,
+            "qkernels": qkernels.__version__, "git": git_revision(), "torch": torch.__version__,
+            "families": [f.key for f in args.families], "ceilings": ceilings, "load_start": load_start,
+            "load_end": None, "seconds": 0.0}
+
+    results = []
+    for i, family in enumerate(args.families):
+        script = [f"benchmarks/{family.module}.py"] + family_argv(family, args.quick, True, args.tiny, args.samples)
+        log(f"family {i + 1}/{len(args.families)}: {family.title} ({' '.join(script)})")
+        result = run_family(family, args.quick, ceilings, True, args.tiny, args.samples)
+        results.append(result)
+        log(f"{family.title}: {len(result.records)} rows in {result.seconds:.0f} s"
+            + (f"; failed: {result.error}" if result.error else ""))
+        meta["seconds"] = time.perf_counter() - start
+        meta["load_end"] = os.getloadavg() if i + 1 == len(args.families) else None
+        md, js = write_reports(args.out, stem, meta, results, [f.key for f in args.families[i + 1:]])
+
+    for r in results:
+        print(f"\n{r.family.title} (benchmarks/{r.family.module}.py)" + (f": failed: {r.error}" if r.error else ""))
+        print("\n".join(r.header + [""] + r.text + ([""] + r.footer if r.footer else [])))
+    print(f"\nsummary ({model}, {threads} threads; copy rate {ceilings['copy_gbps']:.1f} GB/s; ratio = fastest "
+          "torch anchor / qkernels, >1: qkernels faster)\n")
+    print("\n".join(cpu_summary_lines(results)))
+    print(f"\nwritten: {md}\n         {js}")
     return 1 if any(r.error for r in results) else 0
 
 

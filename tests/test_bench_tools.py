@@ -232,3 +232,45 @@ def test_decode_step_benchmark_options():
     r = subprocess.run([sys.executable, DECODE_STEP, "--device", "cpu", "--contexts", "16,x"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "--contexts" in r.stderr and "Traceback" not in r.stderr
+
+
+@requires_torch
+def test_cpu_report(tmp_path):
+    """run.py --cpu --tiny: every CPU family in one process at the smallest sizes (torch.compile
+    replaced by the function itself: its compile time is not what is tested), then the report's
+    structure: the header, one summary row per op and case, every family's section."""
+    code = ("import runpy, sys, torch; torch.compile = lambda fn, **kw: fn; "
+            f"sys.argv = [{RUN!r}, '--cpu', '--tiny', '--samples', '1', '--threads', '1', '--out', {str(tmp_path)!r}]; "
+            f"runpy.run_path({RUN!r}, run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-4000:]
+    md = (tmp_path / "cpu-quick.md").read_text(encoding="utf-8")
+    report = json.loads((tmp_path / "cpu-quick.json").read_text(encoding="utf-8"))
+    assert md.startswith("<!-- written by benchmarks/run.py") and "Incomplete" not in md
+    for text in ("--cpu --tiny --samples 1 --threads 1", "- CPU features: avx2 ", "amx_bf16 ",
+                 "- threads: 1 for qkernels and 1 for torch", "- load average (1, 5, 15 min) at the start: ",
+                 "- copy rate: ", "## Summary", "| op | case | qkernels µs | fastest torch CPU anchor |"):
+        assert text in md, text
+    meta = report["meta"]
+    assert meta["cpu"] and meta["threads"] == 1 and len(meta["load_end"]) == 3 and meta["ceilings"]["copy_gbps"] > 0
+    families = ["graph", "graph_backward", "dense", "rmsnorm", "rotary_kv_append", "decode", "prefill"]
+    assert [f["key"] for f in report["families"]] == families
+    assert not any(f["error"] for f in report["families"])
+    for f in report["families"]:
+        assert f"## {f['title']} (`{f['script']}`" in md
+    ours = [row for row in report["rows"] if row["role"] == "qkernels"]
+    # every op of the library, each case beside a torch anchor, every check passed
+    ops = {row["op"] for row in ours}
+    for op in ("sparse_aggregate", "fused_edge_features", "fused_norm_residual", "graph_norm_bce", "rotary_emb",
+               "rotary_kv_append", "linear", "swiglu", "rmsnorm", "fused_add_rmsnorm", "attn_decode",
+               "attn_paged_decode", "attn_prefill", "attn_paged_prefill",
+               "graph_norm_bce + graph_norm_bce_backward", "sparse_aggregate + sparse_aggregate_backward"):
+        assert op in ops, op
+    assert any("training" in row["case"] for row in ours if row["op"] == "fused_norm_residual")
+    assert {"float32", "bfloat16", "float16"} <= {row["case"].split()[0] for row in ours if row["op"] == "swiglu"}
+    assert all(row["us"] and row["anchor_us"] and row["ratio"] for row in ours)
+    assert all(row["check"].startswith("PASS") for row in ours), [row["check"] for row in ours]
+    summary = md.split("## Summary")[1].split("\n## ")[0]
+    lines = [line for line in summary.splitlines() if line.startswith("| ") and not line.startswith("| op ")]
+    assert len(lines) == len(ours)
+    assert all(re.search(r"\| [\d.]+x \| (\d+%)? \| (met|MISSED) \|$", line) for line in lines), lines
