@@ -3,10 +3,6 @@
  * publishes a DLPack exchange API, so torch outputs come from torch's caching allocator). */
 #include "qk.h"
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 #include <string.h>
 
 int qk_same_device(const char *op, const qk_view *views, const char *const *names, int n) {
@@ -86,22 +82,6 @@ static void qk_set_error(void *ctx, const char *kind, const char *message) {
     PyErr_SetString(exc, message ? message : "allocation failed");
 }
 
-/* A large host output: ask Linux for transparent huge pages on its 2 MB-aligned interior before the
- * kernel first touches it.  A fresh allocation of tens of MB is otherwise written through one page
- * fault per 4 KB page, which costs more than the op itself (docs/cpu.md).  Only a hint: outputs
- * from out= are the caller's memory and are left alone. */
-static void qk_hint_huge_pages(const qk_view *ov, int64_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    const uintptr_t huge = (uintptr_t)2 << 20, p = (uintptr_t)ov->data;
-    if (ov->device_type != kDLCPU || bytes < 4 * (int64_t)huge) return;
-    const uintptr_t lo = (p + huge - 1) & ~(huge - 1), hi = (p + (uintptr_t)bytes) & ~(huge - 1);
-    if (hi > lo) (void)madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
-#else
-    (void)ov;
-    (void)bytes;
-#endif
-}
-
 int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_view *like, int dtype, int ndim,
                       const int64_t *shape, const qk_launch *l, qk_view *ov, qk_output *o) {
     memset(o, 0, sizeof *o);
@@ -178,13 +158,11 @@ int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_
             ov->strides[i] = mt->dl_tensor.strides ? mt->dl_tensor.strides[i] : c;
             c *= shape[i];
         }
-        qk_hint_huge_pages(ov, bytes);
         return 0;
     }
     o->result = qk_tensor_empty(st, op, dtype, ndim, shape, l->device_type, l->device_id, l->stream);
     if (o->result == NULL) return -1;
     qk_tensor_fill_view(o->result, ov);
-    qk_hint_huge_pages(ov, bytes);
     return 0;
 }
 
