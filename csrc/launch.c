@@ -166,17 +166,25 @@ int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_
     return 0;
 }
 
+/* The element offsets (from its data pointer) of the first and last elements a view reaches along
+ * dimensions from..ndim-1; 0 when one of those dimensions is empty. */
+static int qk_view_span(const qk_view *v, int from, int64_t *first, int64_t *last) {
+    *first = *last = 0;
+    for (int i = from; i < v->ndim; i++) {
+        if (v->shape[i] == 0) return 0;
+        const int64_t step = (v->shape[i] - 1) * v->strides[i]; /* bounded by qk_view_extent at import */
+        if (step < 0) *first += step;
+        else *last += step;
+    }
+    return 1;
+}
+
 /* [lo, hi): the bytes a view can touch; empty when it has no elements. */
 static void qk_view_bytes(const qk_view *v, uintptr_t *lo, uintptr_t *hi) {
-    int64_t first = 0, last = 0;
-    for (int i = 0; i < v->ndim; i++) {
-        if (v->shape[i] == 0) {
-            *lo = *hi = 0;
-            return;
-        }
-        const int64_t step = (v->shape[i] - 1) * v->strides[i]; /* bounded by qk_view_extent at import */
-        if (step < 0) first += step;
-        else last += step;
+    int64_t first, last;
+    if (!qk_view_span(v, 0, &first, &last)) {
+        *lo = *hi = 0;
+        return;
     }
     const int64_t size = (int64_t)qk_dtype_size(v->dtype);
     *lo = (uintptr_t)v->data + (uintptr_t)(first * size);
@@ -200,16 +208,12 @@ static int qk_rows_disjoint(const qk_view *a, const qk_view *b) {
     if (period <= 0) return 0;
     int64_t start[2], width[2];
     const qk_view *v[2] = {a, b};
-    for (int j = 0; j < 2; j++) {
+    for (int j = 0; j < 2; j++) { /* each row's block: the span of dimensions 1.. */
         const int64_t size = (int64_t)qk_dtype_size(v[j]->dtype);
-        int64_t first = 0, last = 0;
-        for (int i = 1; i < v[j]->ndim; i++) {
-            const int64_t step = (v[j]->shape[i] - 1) * v[j]->strides[i] * size;
-            if (step < 0) first += step;
-            else last += step;
-        }
-        start[j] = (int64_t)(intptr_t)v[j]->data + first;
-        width[j] = last - first + size;
+        int64_t first, last;
+        if (!qk_view_span(v[j], 1, &first, &last)) return 0;
+        start[j] = (int64_t)(intptr_t)v[j]->data + first * size;
+        width[j] = (last - first + 1) * size;
         if (width[j] > period) return 0;
     }
     int64_t d = (start[1] - start[0]) % period;
