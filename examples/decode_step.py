@@ -413,12 +413,14 @@ class Model:
         lens = kv_indptr[1:] - kv_indptr[:-1]
         positions = lens - 1
         slots = r2t[rpi.long(), positions.long()]  # where each request's new token goes
+        if self.attention != "paged":  # the same for every layer: once per step
+            slot_rows = slots.long()
+            table = r2t[rpi.long(), :max_len].long().clamp_min(0)  # -1 past a length: masked by kv_lens
 
         def attend(i, q, k, v):
             if self.attention == "paged":  # k, v are in the pools already (rotary_kv_append)
                 return op("attn_paged_decode", q, cache.k[i], cache.v[i], r2t, rpi, kv_indptr)
-            cache.k[i][slots.long()], cache.v[i][slots.long()] = k, v
-            table = r2t[rpi.long(), :max_len].long().clamp_min(0)  # -1 past a length: masked by kv_lens
+            cache.k[i][slot_rows], cache.v[i][slot_rows] = k, v
             return op("attn_decode", q[:, None], cache.k[i][table], cache.v[i][table], kv_lens=lens)[:, 0]
 
         h = self._layers(self.embed[tokens], self._rotate(cache, positions, slots), attend)
