@@ -2,6 +2,7 @@
  * the function and the argument. */
 #include "qk.h"
 
+#include <stdarg.h>
 #include <string.h>
 
 int qk_parse_args(const char *fname, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
@@ -116,17 +117,26 @@ void qk_shape_str(char *buf, size_t n, const int64_t *shape, int ndim) {
     if (k < n) snprintf(buf + k, n - k, "]");
 }
 
-int qk_check_ndim(const char *op, const char *arg, const qk_view *v, int ndim, const char *layout) {
+int qk_check_ndim(const char *op, const char *arg, const qk_view *v, int ndim, const char *layout_fmt, ...) {
     if (v->ndim == ndim) return 0;
-    char got[160];
+    char got[160], layout[192];
+    va_list ap;
+    va_start(ap, layout_fmt);
+    vsnprintf(layout, sizeof layout, layout_fmt, ap);
+    va_end(ap);
     qk_shape_str(got, sizeof got, v->shape, v->ndim);
     PyErr_Format(PyExc_ValueError, "%s: %s must have %d dimensions %s, got shape %s", op, arg, ndim, layout, got);
     return -1;
 }
 
-int qk_check_dim(const char *op, const char *arg, const qk_view *v, int dim, int64_t expected, const char *layout) {
+int qk_check_dim(const char *op, const char *arg, const qk_view *v, int dim, int64_t expected, const char *layout_fmt,
+                 ...) {
     if (v->shape[dim] == expected) return 0;
-    char got[160];
+    char got[160], layout[192];
+    va_list ap;
+    va_start(ap, layout_fmt);
+    vsnprintf(layout, sizeof layout, layout_fmt, ap);
+    va_end(ap);
     qk_shape_str(got, sizeof got, v->shape, v->ndim);
     PyErr_Format(PyExc_ValueError, "%s: %s must have shape %s with size %lld in dimension %d, got %s", op, arg, layout,
                  (long long)expected, dim, got);

@@ -221,17 +221,18 @@ int qk_import_capsule(PyObject *capsule, const char *op, const char *arg, qk_vie
 }
 
 /* What the importer knows about a tensor type, looked up once per type: the DLPack C exchange API
- * it publishes (NULL: none) and whether its tensors carry autograd state (torch's requires_grad and
- * lazy negation bit, which DLPack cannot express). */
+ * it publishes (NULL: none) and, where its tensors carry autograd state (torch's requires_grad and
+ * lazy negation bit, which DLPack cannot express), the type's descriptors of the two (borrowed from
+ * the state, which owns them). */
 typedef struct {
     const DLPackExchangeAPI *api;
-    int autograd;
+    PyObject *requires_grad, *is_neg;
 } qk_type_info;
 
 static qk_type_info qk_type_lookup(qk_state *st, PyTypeObject *type) {
     for (int i = 0; i < st->num_api_types; i++)
-        if (st->api_types[i] == type) return (qk_type_info){st->apis[i], st->autograd[i]};
-    qk_type_info info = {NULL, 0};
+        if (st->api_types[i] == type) return (qk_type_info){st->apis[i], st->requires_grad_desc[i], st->is_neg_desc[i]};
+    qk_type_info info = {NULL, NULL, NULL};
     PyObject *cap = PyObject_GetAttr((PyObject *)type, st->str_exchange_api);
     if (cap == NULL) {
         PyErr_Clear();
@@ -246,14 +247,27 @@ static qk_type_info qk_type_lookup(qk_state *st, PyTypeObject *type) {
         /* The table must stay alive for the process (DLPack's rule); the capsule is held by the type. */
         Py_DECREF(cap);
     }
-    info.autograd = PyObject_HasAttr((PyObject *)type, st->str_requires_grad) &&
-                    PyObject_HasAttr((PyObject *)type, st->str_is_neg);
+    /* Both attributes or neither: a type's requires_grad is a data descriptor read with its __get__,
+     * is_neg a method called with the tensor as self. */
+    PyObject *rg = PyObject_GetAttr((PyObject *)type, st->str_requires_grad);
+    PyObject *neg = rg ? PyObject_GetAttr((PyObject *)type, st->str_is_neg) : NULL;
+    if (rg == NULL || neg == NULL || Py_TYPE(rg)->tp_descr_get == NULL) {
+        PyErr_Clear();
+        Py_CLEAR(rg);
+        Py_CLEAR(neg);
+    }
+    info.requires_grad = rg, info.is_neg = neg;
     if (st->num_api_types < QK_MAX_API_TYPES) {
         Py_INCREF(type);
         st->api_types[st->num_api_types] = type;
         st->apis[st->num_api_types] = info.api;
-        st->autograd[st->num_api_types] = (unsigned char)info.autograd;
+        st->requires_grad_desc[st->num_api_types] = rg; /* the state owns the references from here */
+        st->is_neg_desc[st->num_api_types] = neg;
         st->num_api_types++;
+    } else {
+        /* a full table: this call's info keeps working until the types leave (module lifetime) */
+        Py_XDECREF(rg);
+        Py_XDECREF(neg);
     }
     return info;
 }
@@ -261,7 +275,7 @@ static qk_type_info qk_type_lookup(qk_state *st, PyTypeObject *type) {
 const DLPackExchangeAPI *qk_exchange_api(qk_state *st, PyTypeObject *type) { return qk_type_lookup(st, type).api; }
 
 PyObject *qk_version_bumper(qk_state *st, PyObject *obj) {
-    if (!qk_type_lookup(st, Py_TYPE(obj)).autograd) return NULL;
+    if (!qk_type_lookup(st, Py_TYPE(obj)).requires_grad) return NULL;
     if (st->bump_version == NULL) {
         PyObject *torch_c = PyImport_ImportModule("torch._C"); /* already imported: the caller holds a tensor */
         st->bump_version = torch_c ? PyObject_GetAttrString(torch_c, "_increment_version") : NULL;
@@ -289,8 +303,8 @@ static int qk_grad_enabled(qk_state *st) {
 
 /* A tensor whose autograd state DLPack would drop: refuse it rather than compute without it.
  * 1: it requires grad but grad mode is off (export a detached view); 0: nothing to drop; -1: error. */
-static int qk_autograd_check(qk_state *st, PyObject *obj, const char *op, const char *arg) {
-    PyObject *flag = PyObject_GetAttr(obj, st->str_requires_grad);
+static int qk_autograd_check(qk_state *st, const qk_type_info *info, PyObject *obj, const char *op, const char *arg) {
+    PyObject *flag = Py_TYPE(info->requires_grad)->tp_descr_get(info->requires_grad, obj, (PyObject *)Py_TYPE(obj));
     if (flag == NULL) return -1;
     int requires = PyObject_IsTrue(flag);
     Py_DECREF(flag);
@@ -306,7 +320,7 @@ static int qk_autograd_check(qk_state *st, PyObject *obj, const char *op, const 
             return -1;
         }
     }
-    flag = PyObject_CallMethodNoArgs(obj, st->str_is_neg);
+    flag = PyObject_Vectorcall(info->is_neg, &obj, 1, NULL);
     if (flag == NULL) return -1;
     int neg = PyObject_IsTrue(flag);
     Py_DECREF(flag);
@@ -402,7 +416,7 @@ int qk_import_ex(qk_state *st, PyObject *obj, const char *op, const char *arg, v
     if (PyCapsule_CheckExact(obj)) return qk_import_capsule(obj, op, arg, v);
     const qk_type_info info = qk_type_lookup(st, type);
     int detach = 0;
-    if (info.autograd && (detach = qk_autograd_check(st, obj, op, arg)) < 0) return -1;
+    if (info.requires_grad && (detach = qk_autograd_check(st, &info, obj, op, arg)) < 0) return -1;
     if (info.api && st->use_exchange_api && !via_capsule) {
         DLTensor t;
         if (info.api->dltensor_from_py_object_no_sync(obj, &t) != 0) {

@@ -303,7 +303,11 @@ static int qk_traverse(PyObject *module, visitproc visit, void *arg) {
 #define QK_VISIT(member) Py_VISIT(st->member);
     QK_STATE_OBJECTS(QK_VISIT)
 #undef QK_VISIT
-    for (int i = 0; i < st->num_api_types; i++) Py_VISIT(st->api_types[i]);
+    for (int i = 0; i < st->num_api_types; i++) {
+        Py_VISIT(st->api_types[i]);
+        Py_VISIT(st->requires_grad_desc[i]);
+        Py_VISIT(st->is_neg_desc[i]);
+    }
     return 0;
 }
 
@@ -312,7 +316,11 @@ static int qk_clear(PyObject *module) {
 #define QK_CLEAR(member) Py_CLEAR(st->member);
     QK_STATE_OBJECTS(QK_CLEAR)
 #undef QK_CLEAR
-    for (int i = 0; i < st->num_api_types; i++) Py_CLEAR(st->api_types[i]);
+    for (int i = 0; i < st->num_api_types; i++) {
+        Py_CLEAR(st->api_types[i]);
+        Py_CLEAR(st->requires_grad_desc[i]);
+        Py_CLEAR(st->is_neg_desc[i]);
+    }
     st->num_api_types = 0;
     return 0;
 }

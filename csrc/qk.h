@@ -24,11 +24,13 @@ typedef struct {
     PyObject *str_requires_grad; /* "requires_grad" */
     PyObject *str_is_neg;        /* "is_neg" */
     PyObject *str_detach;        /* "detach" */
-    /* Types seen by the importer: their __dlpack_c_exchange_api__ table (NULL: none) and whether
-     * their tensors carry autograd state (torch). */
+    /* Types seen by the importer: their __dlpack_c_exchange_api__ table (NULL: none) and, where
+     * their tensors carry autograd state (torch), the type's requires_grad and is_neg descriptors
+     * (NULL: none), read per call without a lookup by name. */
     PyTypeObject *api_types[QK_MAX_API_TYPES];
     const DLPackExchangeAPI *apis[QK_MAX_API_TYPES];
-    unsigned char autograd[QK_MAX_API_TYPES];
+    PyObject *requires_grad_desc[QK_MAX_API_TYPES];
+    PyObject *is_neg_desc[QK_MAX_API_TYPES];
     int num_api_types;
     PyObject *grad_enabled; /* torch.is_grad_enabled, found with the first autograd type */
     PyObject *bump_version; /* torch's version-counter increment, found at the first torch out= */
@@ -197,15 +199,18 @@ int qk_graph_status(const char *op, int status, const char *arg, int64_t bad_pos
                                (args)->num_graphs) == 0;                                                       \
     } while (0)
 
-/* Shape/dtype checks raising ValueError/TypeError with the op and argument named. */
-int qk_check_ndim(const char *op, const char *arg, const qk_view *v, int ndim, const char *layout);
+/* Shape/dtype checks raising ValueError/TypeError with the op and argument named.  The expected
+ * layout of the shape checks is a printf format with its values, formatted only when the check
+ * fails: the passing checks of every call cost no formatting. */
+int qk_check_ndim(const char *op, const char *arg, const qk_view *v, int ndim, const char *layout_fmt, ...)
+    __attribute__((format(printf, 5, 6)));
 int qk_check_dtype_index(const char *op, const char *arg, const qk_view *v);
 /* float32 anywhere; float16/bfloat16 too on cuda (fp32 arithmetic) */
 int qk_check_dtype_float(const char *op, const char *arg, const qk_view *v);
 /* v's dtype equals ref's; owner names ref in the message, e.g. "x's" */
 int qk_check_same_dtype(const char *op, const char *arg, const qk_view *v, const char *owner, const qk_view *ref);
 int qk_check_dim(const char *op, const char *arg, const qk_view *v, int dim, int64_t expected,
-                 const char *layout);
+                 const char *layout_fmt, ...) __attribute__((format(printf, 6, 7)));
 /* the LLM ops: bfloat16 or float16 anywhere, float32 too on cpu */
 int qk_check_dtype_llm(const char *op, const char *arg, const qk_view *v);
 /* the last dimension is unit-stride (or has at most one element) */

@@ -89,13 +89,13 @@ int qk_attn_check_dense_kv(const char *op, const qk_view *q, const qk_view *k, c
     if (qk_check_ndim(op, "k", k, 4, "[B, Lkv, Hkv, D]") < 0 || qk_check_ndim(op, "v", v, 4, "[B, Lkv, Hkv, D]") < 0 ||
         qk_check_same_dtype(op, "k", k, "q's", q) < 0 || qk_check_same_dtype(op, "v", v, "q's", q) < 0)
         return -1;
-    char layout[128];
-    snprintf(layout, sizeof layout, "[B, Lkv, Hkv, D] = [%lld, %lld, %lld, %lld]", (long long)q->shape[0],
-             (long long)k->shape[1], (long long)k->shape[2], (long long)q->shape[3]);
-    if (qk_check_dim(op, "k", k, 0, q->shape[0], layout) < 0 || qk_check_dim(op, "k", k, 3, q->shape[3], layout) < 0)
+#define KV_LAYOUT "[B, Lkv, Hkv, D] = [%lld, %lld, %lld, %lld]", (long long)q->shape[0], (long long)k->shape[1], \
+                  (long long)k->shape[2], (long long)q->shape[3]
+    if (qk_check_dim(op, "k", k, 0, q->shape[0], KV_LAYOUT) < 0 || qk_check_dim(op, "k", k, 3, q->shape[3], KV_LAYOUT) < 0)
         return -1;
     for (int d = 0; d < 4; d++)
-        if (qk_check_dim(op, "v", v, d, k->shape[d], layout) < 0) return -1;
+        if (qk_check_dim(op, "v", v, d, k->shape[d], KV_LAYOUT) < 0) return -1;
+#undef KV_LAYOUT
     return attn_check_rows(op, q, "k", k, "v", v);
 }
 
@@ -104,23 +104,21 @@ int qk_attn_check_pool(const char *op, const qk_view *q, const qk_view *p, int64
     static const char *const layouts[5] = {"[S, Hkv, D]", "[S, Hkv, D]", "[R, max_ctx]", "[B]", "[B + 1]"};
     static const int ndims[5] = {3, 3, 2, 1, 1};
     for (int i = 0; i < 5; i++)
-        if (qk_check_ndim(op, names[i], &p[i], ndims[i], layouts[i]) < 0) return -1;
+        if (qk_check_ndim(op, names[i], &p[i], ndims[i], "%s", layouts[i]) < 0) return -1;
     for (int i = 0; i < 5; i++) {
         const int bad = i < 2 ? qk_check_same_dtype(op, names[i], &p[i], "q's", q) < 0
                               : qk_check_dtype_index(op, names[i], &p[i]) < 0;
         if (bad) return -1;
     }
     const int64_t D = q->shape[q->ndim - 1];
-    char layout[128];
-    snprintf(layout, sizeof layout, "[S, Hkv, D] = [%lld, %lld, %lld]", (long long)p[0].shape[0],
-             (long long)p[0].shape[1], (long long)D);
-    if (qk_check_dim(op, names[0], &p[0], 2, D, layout) < 0) return -1;
+#define POOL_LAYOUT "[S, Hkv, D] = [%lld, %lld, %lld]", (long long)p[0].shape[0], (long long)p[0].shape[1], (long long)D
+    if (qk_check_dim(op, names[0], &p[0], 2, D, POOL_LAYOUT) < 0) return -1;
     for (int d = 0; d < 3; d++)
-        if (qk_check_dim(op, names[1], &p[1], d, p[0].shape[d], layout) < 0) return -1;
-    for (int i = 3; i < 5; i++) {
-        snprintf(layout, sizeof layout, i == 3 ? "[B] = [%lld]" : "[B + 1] = [%lld]", (long long)(B + i - 3));
-        if (qk_check_dim(op, names[i], &p[i], 0, B + i - 3, layout) < 0) return -1;
-    }
+        if (qk_check_dim(op, names[1], &p[1], d, p[0].shape[d], POOL_LAYOUT) < 0) return -1;
+#undef POOL_LAYOUT
+    if (qk_check_dim(op, names[3], &p[3], 0, B, "[B] = [%lld]", (long long)B) < 0 ||
+        qk_check_dim(op, names[4], &p[4], 0, B + 1, "[B + 1] = [%lld]", (long long)(B + 1)) < 0)
+        return -1;
     return attn_check_rows(op, q, names[0], &p[0], names[1], &p[1]);
 }
 
@@ -167,7 +165,7 @@ const void *qk_attn_mask_data(const qk_view *m) {
 static int attn_mask_width(const char *op, const qk_view *m, int64_t L, const char *L_name, int flags,
                            const char *layout) {
     const int64_t W = m->shape[m->ndim - 1];
-    if (!(flags & QK_ATTN_MASK_NARROW) || W == L) return qk_check_dim(op, "mask", m, m->ndim - 1, L, layout);
+    if (!(flags & QK_ATTN_MASK_NARROW) || W == L) return qk_check_dim(op, "mask", m, m->ndim - 1, L, "%s", layout);
     if (W >= 1 && W <= L) return 0;
     char got[160];
     qk_shape_str(got, sizeof got, m->shape, m->ndim);
@@ -185,15 +183,15 @@ int qk_attn_check_mask(const char *op, const qk_view *m, int64_t B, int64_t L, c
     if (allow_3d && (m->ndim == 3 || m->ndim == 4)) { /* SDPA's decode masks: [B|1, 1, L], [B|1, 1, 1, L] */
         snprintf(layout, sizeof layout, m->ndim == 3 ? "[B|1, 1, %s] = [%lld|1, 1, %lld]" : "[B|1, 1, 1, %s] = "
                  "[%lld|1, 1, 1, %lld]", W, (long long)B, (long long)L);
-        if (m->shape[0] != 1 && qk_check_dim(op, "mask", m, 0, B, layout) < 0) return -1;
+        if (m->shape[0] != 1 && qk_check_dim(op, "mask", m, 0, B, "%s", layout) < 0) return -1;
         for (int d = 1; d < m->ndim - 1; d++)
-            if (qk_check_dim(op, "mask", m, d, 1, layout) < 0) return -1;
+            if (qk_check_dim(op, "mask", m, d, 1, "%s", layout) < 0) return -1;
         return attn_mask_width(op, m, L, L_name, flags, layout);
     }
     snprintf(layout, sizeof layout, allow_3d ? "[B, %s] or [B, 1, %s]" : "[B, %s]", W, W);
-    if (qk_check_ndim(op, "mask", m, 2, layout) < 0) return -1;
+    if (qk_check_ndim(op, "mask", m, 2, "%s", layout) < 0) return -1;
     snprintf(layout, sizeof layout, "[B, %s] = [%lld, %lld]", W, (long long)B, (long long)L);
-    return (!(allow_3d && m->shape[0] == 1) && qk_check_dim(op, "mask", m, 0, B, layout) < 0) ||
+    return (!(allow_3d && m->shape[0] == 1) && qk_check_dim(op, "mask", m, 0, B, "%s", layout) < 0) ||
                    attn_mask_width(op, m, L, L_name, flags, layout) < 0
                ? -1
                : 0;

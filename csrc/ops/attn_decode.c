@@ -107,16 +107,15 @@ PyObject *qk_op_attn_decode(PyObject *module, PyObject *const *args, Py_ssize_t 
     if (qk_attn_import(st, OP, a, names, 3, NUM_INPUTS, stream, in, &n_in) < 0) goto done;
     if (qk_check_ndim(OP, "q", &in[Q], 4, "[B, 1, Hq, D]") < 0 || qk_check_dtype_llm(OP, "q", &in[Q]) < 0) goto done;
     const int64_t B = in[Q].shape[0], Hq = in[Q].shape[2], D = in[Q].shape[3];
-    char layout[128];
-    snprintf(layout, sizeof layout, "[B, 1, Hq, D] = [%lld, 1, %lld, %lld]", (long long)B, (long long)Hq, (long long)D);
-    if (qk_check_dim(OP, "q", &in[Q], 1, 1, layout) < 0 || qk_attn_check_dense_kv(OP, &in[Q], &in[K], &in[V]) < 0)
+    if (qk_check_dim(OP, "q", &in[Q], 1, 1, "[B, 1, Hq, D] = [%lld, 1, %lld, %lld]", (long long)B, (long long)Hq,
+                     (long long)D) < 0 ||
+        qk_attn_check_dense_kv(OP, &in[Q], &in[K], &in[V]) < 0)
         goto done;
     const int64_t Lkv = in[K].shape[1];
     if (QK_GIVEN(a[KV_LENS])) {
-        snprintf(layout, sizeof layout, "[B] = [%lld]", (long long)B);
         if (qk_check_ndim(OP, "kv_lens", &in[KV_LENS], 1, "[B]") < 0 ||
             qk_check_dtype_index(OP, "kv_lens", &in[KV_LENS]) < 0 ||
-            qk_check_dim(OP, "kv_lens", &in[KV_LENS], 0, B, layout) < 0)
+            qk_check_dim(OP, "kv_lens", &in[KV_LENS], 0, B, "[B] = [%lld]", (long long)B) < 0)
             goto done;
     }
     qk_attn_decode_args ad = {0};
@@ -175,17 +174,17 @@ PyObject *qk_op_attn_paged_decode(PyObject *module, PyObject *const *args, Py_ss
     const int64_t B = in[Q].shape[0], Hq = in[Q].shape[1], D = in[Q].shape[2];
     const int64_t S = in[KC].shape[0], Hkv = in[KC].shape[1];
     const int64_t R = in[R2T].shape[0], max_ctx = in[R2T].shape[1];
-    char layout[128];
     if (has_new_k) {
-        snprintf(layout, sizeof layout, "[B, Hkv, D] = [%lld, %lld, %lld]", (long long)B, (long long)Hkv, (long long)D);
         static const char *const nn[2] = {"new_k", "new_v"};
+#define NEW_LAYOUT "[B, Hkv, D] = [%lld, %lld, %lld]", (long long)B, (long long)Hkv, (long long)D
         for (int i = 0; i < 2; i++) {
             const qk_view *v = &in[NEW_K + i];
             if (qk_check_ndim(OP, nn[i], v, 3, "[B, Hkv, D]") < 0 || qk_check_same_dtype(OP, nn[i], v, "q's", &in[Q]) < 0 ||
-                qk_check_dim(OP, nn[i], v, 0, B, layout) < 0 || qk_check_dim(OP, nn[i], v, 1, Hkv, layout) < 0 ||
-                qk_check_dim(OP, nn[i], v, 2, D, layout) < 0 || qk_attn_check_unit(OP, nn[i], v) < 0)
+                qk_check_dim(OP, nn[i], v, 0, B, NEW_LAYOUT) < 0 || qk_check_dim(OP, nn[i], v, 1, Hkv, NEW_LAYOUT) < 0 ||
+                qk_check_dim(OP, nn[i], v, 2, D, NEW_LAYOUT) < 0 || qk_attn_check_unit(OP, nn[i], v) < 0)
                 goto done;
         }
+#undef NEW_LAYOUT
         for (int i = 0; i < 2; i++) {
             if (in[KC + i].readonly) {
                 PyErr_Format(PyExc_BufferError, OP ": %s is read-only, but new_k/new_v are written into it",

@@ -68,10 +68,10 @@ static int ap_mask(const char *op, const qk_view *m, const qk_view *q, int64_t B
         else
             snprintf(layout, sizeof layout, "[1|Hq, %s, %s] = [1|%lld, %s, %s]", paged ? "Mq" : "Lq|1",
                      paged ? "W" : "Lkv", (long long)Hq, rows, cols);
-        if ((four && m->shape[ib] != 1 && qk_check_dim(op, "mask", m, ib, B, layout) < 0) ||
-            (m->shape[ih] != 1 && qk_check_dim(op, "mask", m, ih, Hq, layout) < 0) ||
-            (!paged && m->shape[ii] != 1 && qk_check_dim(op, "mask", m, ii, Lq, layout) < 0) ||
-            (paged && m->shape[ii] < 1 && qk_check_dim(op, "mask", m, ii, 1, layout) < 0))
+        if ((four && m->shape[ib] != 1 && qk_check_dim(op, "mask", m, ib, B, "%s", layout) < 0) ||
+            (m->shape[ih] != 1 && qk_check_dim(op, "mask", m, ih, Hq, "%s", layout) < 0) ||
+            (!paged && m->shape[ii] != 1 && qk_check_dim(op, "mask", m, ii, Lq, "%s", layout) < 0) ||
+            (paged && m->shape[ii] < 1 && qk_check_dim(op, "mask", m, ii, 1, "%s", layout) < 0))
             return -1;
         if (paged) {
             const int64_t W = m->shape[ij];
@@ -85,7 +85,7 @@ static int ap_mask(const char *op, const qk_view *m, const qk_view *q, int64_t B
                 return -1;
             }
             pa->mask_rows = m->shape[ii] > 1 ? m->shape[ii] : 0; /* one row broadcasts to every query */
-        } else if (qk_check_dim(op, "mask", m, ij, L, layout) < 0) {
+        } else if (qk_check_dim(op, "mask", m, ij, L, "%s", layout) < 0) {
             return -1;
         }
         pa->mask_kind = 2;
@@ -234,11 +234,9 @@ PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_s
     const int64_t total_q = in[Q].shape[0], Hq = in[Q].shape[1], D = in[Q].shape[2];
     const int64_t S = in[KC].shape[0];
     const int64_t R = in[R2T].shape[0], max_ctx = in[R2T].shape[1], B = in[RPI].shape[0];
-    char layout[64];
-    snprintf(layout, sizeof layout, "[B + 1] = [%lld]", (long long)B + 1);
     if (qk_check_ndim(OP, "qo_indptr", &in[QO_INDPTR], 1, "[B + 1]") < 0 ||
         qk_check_dtype_index(OP, "qo_indptr", &in[QO_INDPTR]) < 0 ||
-        qk_check_dim(OP, "qo_indptr", &in[QO_INDPTR], 0, B + 1, layout) < 0)
+        qk_check_dim(OP, "qo_indptr", &in[QO_INDPTR], 0, B + 1, "[B + 1] = [%lld]", (long long)B + 1) < 0)
         goto done;
     if (QK_GIVEN(a[MASK]) && ap_mask(OP, &in[MASK], &in[Q], B, Hq, -1, max_ctx, &pa) < 0) goto done;
     if (qk_attn_scale(OP, a[9], D, &pa.scale) < 0) goto done;

@@ -54,10 +54,8 @@ PyObject *qk_op_fused_edge_features(PyObject *module, PyObject *const *args, Py_
         goto done;
     const int64_t E = in[1].shape[1], H = in[0].shape[1];
     if (has_attr) {
-        char layout[96];
-        snprintf(layout, sizeof layout, "[E, H] = [%lld, %lld]", (long long)E, (long long)H);
-        if (qk_check_dim(OP, "edge_attr", &in[2], 0, E, layout) < 0 ||
-            qk_check_dim(OP, "edge_attr", &in[2], 1, H, layout) < 0 ||
+        if (qk_check_dim(OP, "edge_attr", &in[2], 0, E, "[E, H] = [%lld, %lld]", (long long)E, (long long)H) < 0 ||
+            qk_check_dim(OP, "edge_attr", &in[2], 1, H, "[E, H] = [%lld, %lld]", (long long)E, (long long)H) < 0 ||
             qk_check_same_dtype(OP, "edge_attr", &in[2], "x's", &in[0]) < 0)
             goto done;
     }

@@ -140,10 +140,8 @@ static int nr_batch_arg(qk_state *st, const char *op, PyObject *batch_obj, PyObj
 }
 
 static int nr_batch_check(const char *op, const qk_view *bv, int64_t R, int64_t G) {
-    char layout[64];
-    snprintf(layout, sizeof layout, "[R] = [%lld]", (long long)R);
     if (qk_check_ndim(op, "batch", bv, 1, "[R]") < 0 || qk_check_dtype_index(op, "batch", bv) < 0 ||
-        qk_check_dim(op, "batch", bv, 0, R, layout) < 0)
+        qk_check_dim(op, "batch", bv, 0, R, "[R] = [%lld]", (long long)R) < 0)
         return -1;
     if (bv->device_type == kDLCUDA && G > INT32_MAX) { /* graph ids are ints in the CUDA kernels' registers */
         PyErr_Format(PyExc_ValueError, "%s: num_graphs must be below 2^31 on cuda, got %lld", op, (long long)G);
@@ -237,12 +235,11 @@ PyObject *qk_op_fused_norm_residual(PyObject *module, PyObject *const *args, Py_
     for (int i = 1; i < 4; i++)
         if (qk_check_same_dtype(OP, in_names[i], &in[i], "x's", &in[0]) < 0) goto done;
     const int64_t R = in[0].shape[0], H = in[0].shape[1];
-    char layout[96];
-    snprintf(layout, sizeof layout, "[R, H] = [%lld, %lld]", (long long)R, (long long)H);
-    if (qk_check_dim(OP, "residual", &in[1], 0, R, layout) < 0 || qk_check_dim(OP, "residual", &in[1], 1, H, layout) < 0)
-        goto done;
-    snprintf(layout, sizeof layout, "[H] = [%lld]", (long long)H);
-    if (qk_check_dim(OP, "gamma", &in[2], 0, H, layout) < 0 || qk_check_dim(OP, "beta", &in[3], 0, H, layout) < 0)
+    const long long r_ = (long long)R, h_ = (long long)H;
+    if (qk_check_dim(OP, "residual", &in[1], 0, R, "[R, H] = [%lld, %lld]", r_, h_) < 0 ||
+        qk_check_dim(OP, "residual", &in[1], 1, H, "[R, H] = [%lld, %lld]", r_, h_) < 0 ||
+        qk_check_dim(OP, "gamma", &in[2], 0, H, "[H] = [%lld]", h_) < 0 ||
+        qk_check_dim(OP, "beta", &in[3], 0, H, "[H] = [%lld]", h_) < 0)
         goto done;
     if (x.batch_kind == 1 && nr_batch_check(OP, &in[x.batch_at], R, x.G) < 0) goto done;
     if (qk_launch_begin(st, OP, &in[0], stream, stream_given, &l) < 0) goto done;
@@ -304,13 +301,11 @@ PyObject *qk_op_fused_norm_residual_backward(PyObject *module, PyObject *const *
         qk_check_same_dtype(OP, "gamma", &in[2], "grad_out's", &in[0]) < 0)
         goto done;
     const int64_t R = in[1].shape[0], H = in[1].shape[1];
-    char layout[96];
-    snprintf(layout, sizeof layout, "[R, H] = [%lld, %lld]", (long long)R, (long long)H);
-    if (qk_check_dim(OP, "grad_out", &in[0], 0, R, layout) < 0 ||
-        qk_check_dim(OP, "grad_out", &in[0], 1, H, layout) < 0)
+    const long long r_ = (long long)R, h_ = (long long)H;
+    if (qk_check_dim(OP, "grad_out", &in[0], 0, R, "[R, H] = [%lld, %lld]", r_, h_) < 0 ||
+        qk_check_dim(OP, "grad_out", &in[0], 1, H, "[R, H] = [%lld, %lld]", r_, h_) < 0 ||
+        qk_check_dim(OP, "gamma", &in[2], 0, H, "[H] = [%lld]", h_) < 0)
         goto done;
-    snprintf(layout, sizeof layout, "[H] = [%lld]", (long long)H);
-    if (qk_check_dim(OP, "gamma", &in[2], 0, H, layout) < 0) goto done;
     if (x.batch_kind == 1 && nr_batch_check(OP, &in[x.batch_at], R, x.G) < 0) goto done;
     if (qk_launch_begin(st, OP, &in[0], stream, stream_given, &l) < 0) goto done;
     launched = 1;

@@ -89,9 +89,8 @@ static int gb_inputs(qk_state *st, const char *op, PyObject *const *objs, PyObje
     if (qk_check_dtype_float(op, "logits", lg) < 0 || qk_check_same_dtype(op, "target", tg, "logits'", lg) < 0)
         return -1;
     const int64_t E = lg->shape[0];
-    char layout[64];
-    snprintf(layout, sizeof layout, "[E] = [%lld]", (long long)E);
-    if (qk_check_dim(op, "target", tg, 0, E, layout) < 0 || qk_check_dim(op, "edge_graph", eg, 0, E, layout) < 0)
+    if (qk_check_dim(op, "target", tg, 0, E, "[E] = [%lld]", (long long)E) < 0 ||
+        qk_check_dim(op, "edge_graph", eg, 0, E, "[E] = [%lld]", (long long)E) < 0)
         return -1;
     if (pw_kind == 2 && gb_pos_weight_check(op, &in[first + 3], lg, E) < 0) return -1;
     gb->logits = lg->data;

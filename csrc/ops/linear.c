@@ -135,19 +135,18 @@ static PyObject *ln_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (ln_check_x(op, "x", x) < 0 || qk_check_dtype_llm(op, "x", x) < 0) goto done;
     const int64_t K = x->shape[x->ndim - 1];
     const int64_t N = in[1].ndim == 2 ? in[1].shape[0] : 0;
-    char layout[96];
-    snprintf(layout, sizeof layout, "[N, K] = [%lld, %lld]", (long long)N, (long long)K);
+    const long long n_ = (long long)N, k_ = (long long)K;
     for (int i = 1; i < n_in; i++) {
         if (qk_check_same_dtype(op, names[i], &in[i], "x's", x) < 0) goto done;
         if (i == 2 && !swiglu) {
-            snprintf(layout, sizeof layout, "[N] = [%lld]", (long long)N);
-            if (qk_check_ndim(op, "bias", &in[2], 1, "[N]") < 0 || qk_check_dim(op, "bias", &in[2], 0, N, layout) < 0)
+            if (qk_check_ndim(op, "bias", &in[2], 1, "[N]") < 0 || qk_check_dim(op, "bias", &in[2], 0, N, "[N] = [%lld]", n_) < 0)
                 goto done;
             continue;
         }
         /* the weight fixes N; K comes from x */
         if (qk_check_ndim(op, names[i], &in[i], 2, "[N, K]") < 0 ||
-            qk_check_dim(op, names[i], &in[i], 0, N, layout) < 0 || qk_check_dim(op, names[i], &in[i], 1, K, layout) < 0 ||
+            qk_check_dim(op, names[i], &in[i], 0, N, "[N, K] = [%lld, %lld]", n_, k_) < 0 ||
+            qk_check_dim(op, names[i], &in[i], 1, K, "[N, K] = [%lld, %lld]", n_, k_) < 0 ||
             qk_check_inner_unit(op, names[i], &in[i]) < 0)
             goto done;
     }
@@ -225,12 +224,13 @@ static PyObject *lb_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (ln_check_x(op, "x", x) < 0 || qk_check_same_dtype(op, "x", x, "grad_out's", g) < 0) goto done;
     const int64_t K = x->shape[x->ndim - 1];
     const int64_t N = in[2].ndim == 2 ? in[2].shape[0] : 0;
-    char layout[160];
-    snprintf(layout, sizeof layout, "[N, K] = [%lld, %lld]", (long long)N, (long long)K);
+    const long long n_ = (long long)N, k_ = (long long)K;
     for (int i = 2; i < n_in; i++) /* the (up) weight fixes N; K comes from x */
         if (qk_check_same_dtype(op, names[i], &in[i], "grad_out's", g) < 0 ||
-            qk_check_ndim(op, names[i], &in[i], 2, "[N, K]") < 0 || qk_check_dim(op, names[i], &in[i], 0, N, layout) < 0 ||
-            qk_check_dim(op, names[i], &in[i], 1, K, layout) < 0 || qk_check_inner_unit(op, names[i], &in[i]) < 0)
+            qk_check_ndim(op, names[i], &in[i], 2, "[N, K]") < 0 ||
+            qk_check_dim(op, names[i], &in[i], 0, N, "[N, K] = [%lld, %lld]", n_, k_) < 0 ||
+            qk_check_dim(op, names[i], &in[i], 1, K, "[N, K] = [%lld, %lld]", n_, k_) < 0 ||
+            qk_check_inner_unit(op, names[i], &in[i]) < 0)
             goto done;
     {   /* grad_out: x's leading dimensions, then N */
         int64_t want[QK_MAX_DIMS];

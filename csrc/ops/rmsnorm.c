@@ -152,9 +152,7 @@ static PyObject *rn_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         qk_check_same_dtype(OP, "weight", w, "x's", x) < 0)
         goto done;
     const int64_t H = x->shape[x->ndim - 1];
-    char layout[160];
-    snprintf(layout, sizeof layout, "[H] = [%lld]", (long long)H);
-    if (qk_check_dim(OP, "weight", w, 0, H, layout) < 0 || qk_check_inner_unit(OP, "x", x) < 0) goto done;
+    if (qk_check_dim(OP, "weight", w, 0, H, "[H] = [%lld]", (long long)H) < 0 || qk_check_inner_unit(OP, "x", x) < 0) goto done;
     if (fused) {
         if (qk_check_same_dtype(OP, "residual", res, "x's", x) < 0) goto done;
         int same = res->ndim == x->ndim;

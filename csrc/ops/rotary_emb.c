@@ -63,16 +63,14 @@ static PyObject *ro_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs
                      (long long)D);
         goto done;
     }
-    char layout[128];
-    if (batched)
-        snprintf(layout, sizeof layout, "[B, S, D/2, 2] = [%lld, %lld, %lld, 2]", (long long)B, (long long)S,
-                 (long long)(D / 2));
-    else
-        snprintf(layout, sizeof layout, "[T, D/2, 2] = [%lld, %lld, 2]", (long long)S, (long long)(D / 2));
-    if (qk_check_ndim(OP, "freqs_cis", f, x->ndim, layout) < 0) goto done;
+    /* freqs_cis's layout, [B, S, D/2, 2] or [T, D/2, 2], and the values it prints */
+    const char *const layout = batched ? "[B, S, D/2, 2] = [%lld, %lld, %lld, 2]" : "[T, D/2, 2] = [%lld, %lld, 2]";
+    const long long l0 = batched ? (long long)B : (long long)S, l1 = batched ? (long long)S : (long long)(D / 2),
+                    l2 = (long long)(D / 2);
+    if (qk_check_ndim(OP, "freqs_cis", f, x->ndim, layout, l0, l1, l2) < 0) goto done;
     const int64_t want[4] = {B, S, D / 2, 2};
     for (int i = 0; i < f->ndim; i++)
-        if (qk_check_dim(OP, "freqs_cis", f, i, want[4 - f->ndim + i], layout) < 0) goto done;
+        if (qk_check_dim(OP, "freqs_cis", f, i, want[4 - f->ndim + i], layout, l0, l1, l2) < 0) goto done;
     if (qk_check_inner_unit(OP, X, x) < 0 || qk_check_inner_unit(OP, "freqs_cis", f) < 0) goto done;
     if (qk_launch_begin(st, OP, x, stream, stream_given, &l) < 0) goto done;
     launched = 1;

@@ -38,10 +38,16 @@ static void rka_raise_index(const qk_rotary_kv_append_args *a) {
 }
 
 /* A pool: [S, Hkv, D] of q's dtype, unit-stride rows, writable, distinct elements. */
-static int rka_check_pool(const char *name, const qk_view *p, const qk_view *q, const char *layout) {
+static int rka_check_pool(const char *name, const qk_view *p, const qk_view *q, int64_t Hkv, const qk_view *like) {
+    const int64_t D = q->shape[2];
+    /* like: the k pool the v pool must match; NULL for the k pool itself */
+#define POOL_LAYOUT "[S, Hkv, D] = [%lld, %lld, %lld]", (long long)(like ? like->shape[0] : p->shape[0]), (long long)Hkv, \
+                    (long long)D
     if (qk_check_ndim(OP, name, p, 3, "[S, Hkv, D]") < 0 || qk_check_same_dtype(OP, name, p, "q's", q) < 0 ||
-        qk_check_dim(OP, name, p, 2, q->shape[2], layout) < 0 || qk_check_inner_unit(OP, name, p) < 0)
+        qk_check_dim(OP, name, p, 2, D, POOL_LAYOUT) < 0 || qk_check_dim(OP, name, p, 1, Hkv, POOL_LAYOUT) < 0 ||
+        (like && qk_check_dim(OP, name, p, 0, like->shape[0], POOL_LAYOUT) < 0) || qk_check_inner_unit(OP, name, p) < 0)
         return -1;
+#undef POOL_LAYOUT
     if (p->readonly) {
         PyErr_Format(PyExc_BufferError, OP ": %s is read-only, but the new tokens are written into it", name);
         return -1;
@@ -82,37 +88,30 @@ PyObject *qk_op_rotary_kv_append(PyObject *module, PyObject *const *args, Py_ssi
     if (qk_check_ndim(OP, "k", &in[K], 3, "[T, Hkv, D]") < 0 || qk_check_same_dtype(OP, "k", &in[K], "q's", q) < 0)
         goto done;
     const int64_t Hkv = in[K].shape[1];
-    char layout[128];
-    snprintf(layout, sizeof layout, "[T, Hkv, D] = [%lld, %lld, %lld]", (long long)T, (long long)Hkv, (long long)D);
-    if (qk_check_dim(OP, "k", &in[K], 0, T, layout) < 0 || qk_check_dim(OP, "k", &in[K], 2, D, layout) < 0 ||
+#define KV_LAYOUT "[T, Hkv, D] = [%lld, %lld, %lld]", (long long)T, (long long)Hkv, (long long)D
+    if (qk_check_dim(OP, "k", &in[K], 0, T, KV_LAYOUT) < 0 || qk_check_dim(OP, "k", &in[K], 2, D, KV_LAYOUT) < 0 ||
         qk_check_ndim(OP, "v", &in[V], 3, "[T, Hkv, D]") < 0 || qk_check_same_dtype(OP, "v", &in[V], "q's", q) < 0)
         goto done;
     for (int d = 0; d < 3; d++)
-        if (qk_check_dim(OP, "v", &in[V], d, in[K].shape[d], layout) < 0) goto done;
+        if (qk_check_dim(OP, "v", &in[V], d, in[K].shape[d], KV_LAYOUT) < 0) goto done;
+#undef KV_LAYOUT
     if (in[CS].dtype != QK_F32) {
         PyErr_Format(PyExc_TypeError, OP ": cos_sin must be float32, got %s", qk_dtype_name(in[CS].dtype));
         goto done;
     }
-    snprintf(layout, sizeof layout, "[max_pos, D/2, 2] = [max_pos, %lld, 2]", (long long)(D / 2));
     if (qk_check_ndim(OP, "cos_sin", &in[CS], 3, "[max_pos, D/2, 2]") < 0 ||
-        qk_check_dim(OP, "cos_sin", &in[CS], 1, D / 2, layout) < 0 ||
-        qk_check_dim(OP, "cos_sin", &in[CS], 2, 2, layout) < 0)
+        qk_check_dim(OP, "cos_sin", &in[CS], 1, D / 2, "[max_pos, D/2, 2] = [max_pos, %lld, 2]", (long long)(D / 2)) < 0 ||
+        qk_check_dim(OP, "cos_sin", &in[CS], 2, 2, "[max_pos, D/2, 2] = [max_pos, %lld, 2]", (long long)(D / 2)) < 0)
         goto done;
-    snprintf(layout, sizeof layout, "[S, Hkv, D] = [S, %lld, %lld]", (long long)Hkv, (long long)D);
-    if (rka_check_pool("k_pool", &in[KP], q, layout) < 0 || qk_check_dim(OP, "k_pool", &in[KP], 1, Hkv, layout) < 0)
+    if (rka_check_pool("k_pool", &in[KP], q, Hkv, NULL) < 0 || rka_check_pool("v_pool", &in[VP], q, Hkv, &in[KP]) < 0)
         goto done;
     const int64_t S = in[KP].shape[0];
-    snprintf(layout, sizeof layout, "[S, Hkv, D] = [%lld, %lld, %lld]", (long long)S, (long long)Hkv, (long long)D);
-    if (rka_check_pool("v_pool", &in[VP], q, layout) < 0 || qk_check_dim(OP, "v_pool", &in[VP], 0, S, layout) < 0 ||
-        qk_check_dim(OP, "v_pool", &in[VP], 1, Hkv, layout) < 0)
-        goto done;
     static const int idx_args[2] = {POS, SLOTS};
-    snprintf(layout, sizeof layout, "[T] = [%lld]", (long long)T);
     for (int i = 0; i < 2; i++) {
         const qk_view *v = &in[idx_args[i]];
         const char *name = names[idx_args[i]];
         if (qk_check_ndim(OP, name, v, 1, "[T]") < 0 || qk_check_dtype_index(OP, name, v) < 0 ||
-            qk_check_dim(OP, name, v, 0, T, layout) < 0)
+            qk_check_dim(OP, name, v, 0, T, "[T] = [%lld]", (long long)T) < 0)
             goto done;
     }
     if (qk_check_inner_unit(OP, "q", q) < 0 || qk_check_inner_unit(OP, "k", &in[K]) < 0 ||

@@ -38,10 +38,8 @@ static int sa_check_op(const char *op, qk_view *in) {
         return -1;
     }
     const int64_t E = in[COL_IDX].shape[0], H = in[NODE_FEAT].shape[1];
-    char layout[96];
-    snprintf(layout, sizeof layout, "[E, H] = [%lld, %lld]", (long long)E, (long long)H);
-    if (qk_check_dim(op, "edge_weight", &in[EDGE_WEIGHT], 0, E, layout) < 0 ||
-        qk_check_dim(op, "edge_weight", &in[EDGE_WEIGHT], 1, H, layout) < 0)
+    if (qk_check_dim(op, "edge_weight", &in[EDGE_WEIGHT], 0, E, "[E, H] = [%lld, %lld]", (long long)E, (long long)H) < 0 ||
+        qk_check_dim(op, "edge_weight", &in[EDGE_WEIGHT], 1, H, "[E, H] = [%lld, %lld]", (long long)E, (long long)H) < 0)
         return -1;
     return 0;
 }
@@ -162,10 +160,10 @@ PyObject *qk_op_sparse_aggregate_backward(PyObject *module, PyObject *const *arg
         qk_check_same_dtype(OP, "grad_out", &v[GRAD_OUT], "node_feat's", &in[NODE_FEAT]) < 0)
         goto done;
     const int64_t N_dst = in[ROW_PTR].shape[0] - 1, H = in[NODE_FEAT].shape[1], D = in[NODE_FEAT].shape[2];
-    char layout[128];
-    snprintf(layout, sizeof layout, "[N_dst, H, D] = [%lld, %lld, %lld]", (long long)N_dst, (long long)H, (long long)D);
     for (int d = 0; d < 3; d++)
-        if (qk_check_dim(OP, "grad_out", &v[GRAD_OUT], d, d == 0 ? N_dst : d == 1 ? H : D, layout) < 0) goto done;
+        if (qk_check_dim(OP, "grad_out", &v[GRAD_OUT], d, d == 0 ? N_dst : d == 1 ? H : D, "[N_dst, H, D] = [%lld, %lld, %lld]",
+                         (long long)N_dst, (long long)H, (long long)D) < 0)
+            goto done;
     if (qk_launch_begin(st, OP, &v[GRAD_OUT], stream, stream_given, &l) < 0) goto done;
     launched = 1;
     const int64_t E = in[COL_IDX].shape[0], N_src = in[NODE_FEAT].shape[0];
