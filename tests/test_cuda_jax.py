@@ -36,11 +36,13 @@ def _dtypes(op):
 
 
 def _cast(op, args, dtype):
-    """The sample's float arguments in dtype (freqs_cis, graph_norm_bce's grad and indices as sampled)."""
+    """The sample's float arguments in dtype; those DEVICE_DTYPES keeps in float32 (the rotary tables,
+    graph_norm_bce's grad) and the indices as sampled."""
+    kept = T.DEVICE_DTYPES.get(op, ())
     out = []
     for i, a in enumerate(args):
-        keep = (isinstance(a, (int, float)) or i not in T.FLOAT_ARGS[op] or (op.startswith("rotary") and i == 1)
-                or (op == "graph_norm_bce_backward" and i == 0))
+        keep = (isinstance(a, (int, float)) or i not in T.FLOAT_ARGS[op]
+                or (i < len(kept) and kept[i] is None))
         arr = np.asarray(a)
         out.append(a if isinstance(a, (int, float)) else
                    jax.device_put(jnp.asarray(arr if keep else arr.astype(getattr(jnp, dtype))), GPU))
