@@ -88,9 +88,10 @@ def test_train_gnn_graph_mode_arguments_on_cpu(tmp_path):
     --check and in the timed table, while the other variants still run; a misspelt variant and a
     graph mode under --ddp are usage errors."""
     script = os.path.join(ROOT, "examples", "train_gnn.py")
-    out = run([sys.executable, script, "--check", "--device", "cpu", "--variants", "qkernels:graph,pytorch:compile-graph"],
-              cwd=tmp_path)
-    assert re.search(r"^qkernels:graph, pytorch:compile-graph: skipped, CUDA graphs need a CUDA device$", out, re.M), out
+    graphs = "qkernels:graph,pytorch:compile-graph"
+    out = run([sys.executable, script, "--check", "--device", "cpu", "--variants", graphs], cwd=tmp_path)
+    assert re.search(r"^qkernels:graph, pytorch:compile-graph: skipped, CUDA graphs need a CUDA device$", out,
+                     re.M), out
     assert re.search(r"^comparison \(8 steps.*: PASS$", out, re.M) and "check passed" in out, out
     tiny = ["--device", "cpu", "--distance", "3", "--batch", "2", "--layers", "1", "--steps", "2", "--iters", "1"]
     out = run([sys.executable, script, *tiny, "--variants", "qkernels:eager,pytorch:graph"], cwd=tmp_path)
