@@ -6,13 +6,18 @@ Adam trains it on freshly sampled syndromes.  The same model is also written wit
 (gather + cat, index_add, layer_norm + dropout, binary_cross_entropy_with_logits), so one script
 compares:
 
-  qkernels   eager | torch.compile | torch.compile(mode="reduce-overhead")  (CUDA graphs)
-  pytorch    eager | torch.compile | torch.compile(mode="reduce-overhead")
+  qkernels   eager | torch.compile | torch.compile(mode="reduce-overhead")  (CUDA graphs) | graph | compile-graph
+  pytorch    eager | torch.compile | torch.compile(mode="reduce-overhead")                | graph | compile-graph
+
+graph (CUDA only) captures the whole training step, Adam included, in one torch.cuda.graph and the
+forward alone in another; each step copies its batch into the graphs' static inputs and replays once.
+compile-graph does the same with torch.compile's default mode inside (asked for by name only).
 
 First a comparison run: the same seed, data and initial weights through qkernels and pure PyTorch
 (eager) with dropout off; their loss curves must agree (LOSS_RTOL).  Then the timed runs, with
 dropout on (qkernels regenerates its mask from a seed drawn from torch's generator; PyTorch stores
 it): the training step (forward, loss, backward, Adam) and the forward pass alone, per variant.
+The graph variants join the comparison run, and show that every replay draws new dropout masks.
 
     python examples/train_gnn.py [--distance 5] [--batch 256] [--layers 3] [--hidden 32] [--steps 30]
                                  [--dropout 0.1] [--variants qkernels:eager,...] [--check]
@@ -36,6 +41,7 @@ import datetime
 import os
 import sys
 import time
+import warnings
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see eval_gnn.py
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast (NVLS) is off on the lent hosts
@@ -61,6 +67,15 @@ from gnn_args import training_parser  # noqa: E402  (beside this file too)
 # absolute) by step 4, while the first step's gradients agree to 1.7e-7.  A wrong gradient moves the
 # curves apart by orders of magnitude more within a few steps.
 LOSS_ATOL, LOSS_RTOL = 1e-6, 1e-3
+
+IMPLS = ("qkernels", "pytorch")
+# graph, compile-graph: the whole step in one CUDA graph (GraphStep), from the eager model or from
+# torch.compile's default mode (its kernels, no CUDA graphs of its own)
+GRAPH_MODES = ("graph", "compile-graph")
+MODES = ("eager", "compile", "reduce-overhead", *GRAPH_MODES)
+VARIANTS = ("qkernels:eager,qkernels:compile,qkernels:reduce-overhead,pytorch:eager,pytorch:compile,"
+            "pytorch:reduce-overhead")
+CUDA_VARIANTS = "qkernels:graph,pytorch:graph"  # added to the default on CUDA
 
 
 class QkernelsOps:
@@ -166,10 +181,13 @@ def make_batches(graph, st, a, count, seed, device):
     return out
 
 
-def build(impl, mode, weights, st, a, dropout):
+def build(impl, mode, weights, st, a, dropout, lr=None):
     model = Decoder(weights, a.heads, (QkernelsOps if impl == "qkernels" else TorchOps)(st), dropout)
     model = model.to(st.row_ptr.device)
-    opt = torch.optim.Adam(model.parameters(), lr=a.lr, **({"fused": True} if st.row_ptr.is_cuda else {}))
+    opt = torch.optim.Adam(model.parameters(), lr=a.lr if lr is None else lr,
+                           **({"fused": True} if st.row_ptr.is_cuda else {}),
+                           **({"capturable": True} if mode in GRAPH_MODES else {}))
+    mode = {"graph": "eager", "compile-graph": "compile"}.get(mode, mode)
     fwd = model if mode == "eager" else torch.compile(model, mode=None if mode == "compile" else mode,
                                                       fullgraph=impl == "qkernels")
     return model, opt, fwd
@@ -185,6 +203,103 @@ def train(model, opt, fwd, batches):
         opt.step()
         losses.append(loss.detach())
     return [float(v) for v in losses]
+
+
+class GraphStep:
+    """The training step (zero_grad, forward, loss, backward, Adam) captured whole in one CUDA graph,
+    torch.cuda.graph's whole-network capture: a step is one replay, so the host launches one graph
+    instead of a few hundred kernels, autograd's engine and the optimizer.  Each call copies its
+    batch into the static inputs first (the copies belong to the step).  The gradients are None at
+    capture, so the captured backward assigns them: static buffers of the graph's pool that every
+    replay overwrites.  Dropout seeds come from torch's generator inside the graph (qkernels draws
+    a seed tensor, PyTorch its Philox offset), which the replay advances: new masks every replay."""
+
+    def __init__(self, model, opt, fwd, warm):
+        """warm: the batches of the warm-up steps, eager on a side stream (cuBLAS, the optimizer's
+        state and torch.compile set themselves up outside the capture).  They are real training
+        steps: their losses are self.warm_losses."""
+        self.model, self.opt, self.fwd = model, opt, fwd
+        self.static = [t.clone() for t in warm[0]]
+        self.fwd_graph = None
+        model.train()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*capturable=True.*")  # Adam: "step() not captured"
+            losses = [self._step(batch).detach() for batch in warm]
+        torch.cuda.current_stream().wait_stream(side)
+        self.warm_losses = [float(v) for v in losses]
+        opt.zero_grad(set_to_none=True)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.loss = self._step(None).detach()
+
+    def _step(self, batch):
+        if batch is not None:
+            torch._foreach_copy_(self.static, list(batch))
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.fwd(*self.static)
+        loss.backward()
+        self.opt.step()
+        return loss
+
+    def step(self, batch):
+        """One training step on batch -> its loss (a static tensor the next replay overwrites)."""
+        torch._foreach_copy_(self.static, list(batch))
+        self.graph.replay()
+        return self.loss
+
+    def capture_forward(self):
+        """The forward alone (eval mode, no gradients) as a graph of its own, warmed up the same way."""
+        self.model.eval()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad():
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    self.fwd(*self.static)
+            torch.cuda.current_stream().wait_stream(side)
+            self.fwd_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.fwd_graph):
+                self.fwd_out = self.fwd(*self.static)
+
+    def forward(self, batch):
+        torch._foreach_copy_(self.static, list(batch))
+        self.fwd_graph.replay()
+        return self.fwd_out
+
+
+def train_graph(model, opt, fwd, batches, warm=3):
+    """train() through a GraphStep: the first batches (up to warm, leaving at least one to replay when
+    there are two) are its warm-up steps, the rest are replays -> (losses, how many were replayed)."""
+    n = max(1, min(warm, len(batches) - 1))
+    gs = GraphStep(model, opt, fwd, batches[:n])
+    return gs.warm_losses + [float(gs.step(b)) for b in batches[n:]], len(batches) - n
+
+
+def fresh_masks(impl, mode, weights, st, a, batch):
+    """Whether dropout draws new masks at every replay of the captured step: with Adam's lr 0 the
+    weights stay, so two replays on one batch give different losses with dropout 0.5 and the same
+    loss (to rounding: PyTorch's index_add sums in any order) with dropout off."""
+    same = []
+    for p in (0.5, 0.0):
+        model, opt, fwd = build(impl, mode, weights, st, a, p, lr=0.0)
+        gs = GraphStep(model, opt, fwd, [batch])
+        first, second = float(gs.step(batch)), float(gs.step(batch))
+        same.append(abs(first - second) <= 1e-5 * abs(first))
+    return same == [False, True]
+
+
+def parse_variants(p, text):
+    """--variants -> [(impl, mode)]; an unknown one is a usage error naming it."""
+    out = []
+    for v in text.split(","):
+        impl, _, mode = v.strip().partition(":")
+        if impl not in IMPLS or mode not in MODES:
+            p.error(f"--variants takes impl:mode, impl one of {','.join(IMPLS)} and mode one of {','.join(MODES)} "
+                    f"(got {v.strip()!r})")
+        out.append((impl, mode))
+    return out
 
 
 def timed(fn, iters, device):
@@ -203,8 +318,8 @@ def timed(fn, iters, device):
 def main(argv=None):
     p = training_parser(__doc__.split("\n\n")[0], "timed steps per variant", "dropout of the timed runs")
     p.add_argument("--device", choices=("cuda", "cpu"))
-    p.add_argument("--variants", default="qkernels:eager,qkernels:compile,qkernels:reduce-overhead,pytorch:eager,"
-                   "pytorch:compile,pytorch:reduce-overhead", help="comma-separated impl:mode of the timed runs")
+    p.add_argument("--variants", help="comma-separated impl:mode of the timed runs, impl qkernels or pytorch, mode "
+                   f"one of {', '.join(MODES)} (default: {VARIANTS}, and on CUDA {CUDA_VARIANTS})")
     p.add_argument("--check", action="store_true", help="tiny sizes on the CPU, the comparison run only")
     p.add_argument("--profile", action="store_true", help="after the timed runs, where a training step's device "
                    "time goes: the kernels of one step per variant (torch.profiler), largest first")
@@ -212,6 +327,7 @@ def main(argv=None):
                    "gloo on the CPU); --batch is per rank")
     p.add_argument("--timeout", type=float, default=1800, help="--ddp: seconds a collective may wait")
     a = p.parse_args(argv)
+    variants = parse_variants(p, a.variants) if a.variants else None
     if a.check:
         a.distance, a.batch, a.steps, a.device = 3, 4, 8, a.device or "cpu"
         a.timeout = min(a.timeout, 120)
@@ -219,10 +335,15 @@ def main(argv=None):
     if a.ddp:
         if "RANK" not in os.environ:
             p.error("--ddp runs under torchrun: torchrun --nproc-per-node N examples/train_gnn.py --ddp")
-        if a.variants == p.get_default("variants"):  # CUDA graphs under DDP: by request only
+        if any(mode in GRAPH_MODES for _, mode in variants or ()):
+            p.error("--ddp: the graph modes capture one process's step; use eager, compile or reduce-overhead")
+        if variants is None:  # CUDA graphs under DDP: by request only
             a.variants = "qkernels:eager,qkernels:compile,pytorch:eager,pytorch:compile"
         return ddp_main(a)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() and qkernels.AVAILABLE else "cpu"))
+    if variants is None:
+        variants = parse_variants(p, VARIANTS + ("," + CUDA_VARIANTS if device.type == "cuda" else ""))
+    graphs = [f"{impl}:{mode}" for impl, mode in variants if mode in GRAPH_MODES]
 
     graph = build_graph(a.distance, a.rounds, a.p, a.p)
     st = batch_structure(graph, a.batch, device)
@@ -244,6 +365,20 @@ def main(argv=None):
     print(f"comparison ({a.steps} steps, dropout off): loss {q[0]:.6f} -> {q[-1]:.6f} (qkernels), "
           f"{t[0]:.6f} -> {t[-1]:.6f} (pytorch); max abs diff {np.max(np.abs(q - t)):.1e}, "
           f"{worst:.2f} of the tolerance {LOSS_ATOL:.0e} + {LOSS_RTOL:.0e} |loss|: {'PASS' if ok else 'FAIL'}")
+    if graphs and device.type != "cuda":
+        print(f"{', '.join(graphs)}: skipped, CUDA graphs need a CUDA device")
+    elif graphs:  # each graph variant's curve against pure PyTorch's eager one, then its dropout masks
+        for variant in graphs:
+            impl, mode = variant.split(":")
+            torch._dynamo.reset()
+            g, replayed = train_graph(*build(impl, mode, weights, st, a, 0.0), batches)
+            g = np.array(g)
+            err = float(np.max(np.abs(g - t) / (LOSS_ATOL + LOSS_RTOL * np.abs(t))))
+            fresh = fresh_masks(impl, mode, weights, st, a, batches[0])
+            ok &= err <= 1.0 and fresh
+            print(f"comparison, {variant} ({replayed} of the {a.steps} steps replayed): loss {g[0]:.6f} -> "
+                  f"{g[-1]:.6f}, {err:.2f} of the tolerance against pytorch eager: {'PASS' if err <= 1.0 else 'FAIL'}; "
+                  f"new dropout masks every replay: {'PASS' if fresh else 'FAIL'}")
     if a.check:
         # one compiled step with qkernels inside torch.compile (fullgraph): the eager loss, the same grads
         model, opt, fwd = build("qkernels", "compile", weights, st, a, 0.0)
@@ -257,22 +392,31 @@ def main(argv=None):
 
     print(f"timed: {a.iters} steps per variant, dropout {a.dropout}")
     print(f"  {'variant':<28} {'train step':>11} {'forward':>9}")
-    node_x, edge_x, labels = batches[0]
-    for variant in a.variants.split(","):
-        impl, mode = variant.split(":")
+    batch = batches[0]
+    for impl, mode in variants:
+        variant = f"{impl}:{mode}"
+        if mode in GRAPH_MODES and device.type != "cuda":
+            print(f"  {variant:<28} skipped: CUDA graphs need a CUDA device")
+            continue
         torch._dynamo.reset()
         model, opt, fwd = build(impl, mode, weights, st, a, a.dropout)
+        if mode in GRAPH_MODES:
+            gs = GraphStep(model, opt, fwd, [batch] * 3)
+            step = lambda gs=gs: gs.step(batch)  # noqa: E731  (the copies into the graph's inputs, one replay)
+            t_step = timed(step, a.iters, device)
+            gs.capture_forward()
+            t_fwd = timed(lambda: gs.forward(batch), a.iters, device)
+        else:
+            def step():
+                opt.zero_grad(set_to_none=True)
+                loss = fwd(*batch)
+                loss.backward()
+                opt.step()
 
-        def step():
-            opt.zero_grad(set_to_none=True)
-            loss = fwd(node_x, edge_x, labels)
-            loss.backward()
-            opt.step()
-
-        t_step = timed(step, a.iters, device)
-        model.eval()
-        with torch.no_grad():
-            t_fwd = timed(lambda: fwd(node_x, edge_x, labels), a.iters, device)
+            t_step = timed(step, a.iters, device)
+            model.eval()
+            with torch.no_grad():
+                t_fwd = timed(lambda: fwd(*batch), a.iters, device)
         print(f"  {variant:<28} {t_step * 1e3:>8.3f} ms {t_fwd * 1e3:>6.3f} ms")
         if a.profile:
             model.train()

@@ -22,14 +22,14 @@ TINY = ["--layers", "1", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "
         "--tokens", "4", "--device", "cpu"]
 
 
-def run(cmd, cwd=ROOT, status=0, **extra_env):
+def run(cmd, cwd=ROOT, status=0, timeout=120, **extra_env):
     """cmd's output; qkernels comes from PYTHONPATH (this checkout), as an installed one would: the
     examples put nothing on sys.path themselves (train_gnn.py imports eval_gnn.py from its own directory, which Python puts there)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     for var in ("ASTR_BACKEND", "QECDEC_BACKEND", "QKERNELS_OPS"):  # the automatic choice, whatever the
         env.pop(var, None)                                           # caller's shell says
     env.update(extra_env)
-    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == status, f"{' '.join(cmd)} exited {r.returncode}\n{r.stdout}\n{r.stderr}"
     return r.stdout if status == 0 else r
 
@@ -80,6 +80,48 @@ def test_train_gnn_check(tmp_path):
     assert re.search(r"^comparison .*: PASS$", out, re.M), out
     assert re.search(r"^compiled \(fullgraph\).*: PASS$", out, re.M), out
     assert "check passed" in out
+
+
+@requires_torch
+def test_train_gnn_graph_mode_arguments_on_cpu(tmp_path):
+    """The graph modes (whole step in one CUDA graph) on a CPU device: skipped with a message, in
+    --check and in the timed table, while the other variants still run; a misspelt variant and a
+    graph mode under --ddp are usage errors."""
+    script = os.path.join(ROOT, "examples", "train_gnn.py")
+    graphs = "qkernels:graph,pytorch:compile-graph"
+    out = run([sys.executable, script, "--check", "--device", "cpu", "--variants", graphs], cwd=tmp_path)
+    assert re.search(r"^qkernels:graph, pytorch:compile-graph: skipped, CUDA graphs need a CUDA device$", out,
+                     re.M), out
+    assert re.search(r"^comparison \(8 steps.*: PASS$", out, re.M) and "check passed" in out, out
+    tiny = ["--device", "cpu", "--distance", "3", "--batch", "2", "--layers", "1", "--steps", "2", "--iters", "1"]
+    out = run([sys.executable, script, *tiny, "--variants", "qkernels:eager,pytorch:graph"], cwd=tmp_path)
+    assert re.search(r"^  qkernels:eager +\d+\.\d{3} ms +\d+\.\d{3} ms$", out, re.M), out
+    assert re.search(r"^  pytorch:graph +skipped: CUDA graphs need a CUDA device$", out, re.M), out
+    r = run([sys.executable, script, "--check", "--variants", "qkernels:graf"], cwd=tmp_path, status=2)
+    assert "--variants takes impl:mode" in r.stderr and "(got 'qkernels:graf')" in r.stderr, r.stderr
+    r = run([sys.executable, script, "--ddp", "--check", "--variants", "qkernels:graph"], cwd=tmp_path, status=2,
+            RANK="0")
+    assert "--ddp: the graph modes capture one process's step" in r.stderr, r.stderr
+
+
+@requires_torch
+@requires_cuda
+def test_train_gnn_graph_mode_cuda(tmp_path):
+    """The whole training step captured in one CUDA graph (graph, and the default variants on CUDA
+    include it): its loss curve follows pure PyTorch's eager one, every replay draws new dropout
+    masks, and the timed run replays it with its kernels in the profile."""
+    script = os.path.join(ROOT, "examples", "train_gnn.py")
+    out = run([sys.executable, script, "--check", "--device", "cuda"], cwd=tmp_path, timeout=600)
+    for impl in ("qkernels", "pytorch"):
+        assert re.search(rf"^comparison, {impl}:graph \(5 of the 8 steps replayed\): .* against pytorch eager: PASS; "
+                         r"new dropout masks every replay: PASS$", out, re.M), out
+    assert "check passed" in out, out
+    out = run([sys.executable, script, "--device", "cuda", "--distance", "3", "--batch", "16", "--steps", "4",
+               "--iters", "3", "--variants", "qkernels:graph,pytorch:graph", "--profile"], cwd=tmp_path, timeout=600)
+    for impl in ("qkernels", "pytorch"):
+        assert re.search(rf"^  {impl}:graph +\d+\.\d{{3}} ms +\d+\.\d{{3}} ms$", out, re.M), out
+    assert len(re.findall(r"^    \d+ distinct kernels, [1-9]\d* launches", out, re.M)) == 2, out
+    assert len(re.findall(r"^    host calls: .*cudaGraphLaunch 1\b", out, re.M)) == 2, out
 
 
 @requires_torch
