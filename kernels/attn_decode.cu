@@ -84,7 +84,9 @@ __global__ void __launch_bounds__(kThreads) decode_split(qk_attn_decode_args a, 
     extern __shared__ __align__(128) unsigned char smem[];
     T *sq = reinterpret_cast<T *>(smem);                 // [kM][D]
     unsigned char *pipe = smem + kM * D * 2;
-    // The combine kernel may be scheduled now; it waits for this grid's end before reading.
+    // Launched as a programmatic dependent: nothing in memory is touched before the previous kernel
+    // ends.  The combine kernel may then be scheduled; it waits for this grid's end before reading.
+    qk_dependent_wait();
     if (!kCluster) qk_dependent_launch();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int split = blockIdx.x, b = blockIdx.z;
@@ -445,6 +447,7 @@ template <int D, bool kWide> __host__ __device__ constexpr int combine_slices() 
 template <typename T, int D, bool kWide>
 __global__ void __launch_bounds__(kThreads) decode_combine(qk_attn_decode_args a, const float *ws, int nsplit) {
     qk_dependent_wait();
+    qk_dependent_launch();  // a small grid: the next kernel's launch may overlap it
     constexpr int kSlices = combine_slices<D, kWide>();
     constexpr int kPer = kWide ? 1 : (D + 31) / 32;     // columns per lane, 32 apart
     const int64_t wid = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
@@ -515,14 +518,16 @@ int launch_cluster(const qk_attn_decode_args *a, cudaStream_t s, int ncl, int64_
         cudaGetLastError();
         return QK_E_UNSUPPORTED;
     }
-    cudaLaunchAttribute attr = qk_cluster_attr((unsigned)ncl);
-    const cudaLaunchConfig_t cfg =
-        qk_launch_config(dim3((unsigned)ncl, (unsigned)groups_y, (unsigned)a->B), dim3(kThreads), smem, s, &attr);
+    // The cluster shape, then (for the launch only) the programmatic dependence on the previous kernel.
+    cudaLaunchAttribute attr[2] = {qk_cluster_attr((unsigned)ncl), qk_dependent_attr()};
+    cudaLaunchConfig_t cfg =
+        qk_launch_config(dim3((unsigned)ncl, (unsigned)groups_y, (unsigned)a->B), dim3(kThreads), smem, s, attr, 1);
     int clusters = 0;  // can a cluster of ncl CTAs with this much shared memory be placed at all?
     if (cudaOccupancyMaxActiveClusters(&clusters, fn, &cfg) != cudaSuccess || clusters < 1) {
         cudaGetLastError();
         return QK_E_UNSUPPORTED;
     }
+    cfg.numAttrs = 2;
     qk_attn_decode_args p = *a;
     float *ws = nullptr;
     int ns = ncl;
@@ -578,7 +583,7 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     int ns = (int)nsplit;
     int64_t ch = chunk;
     void *args[] = {&p, &ws, &ns, &ch};
-    int status = qk_launch((const void *)decode_split<T, D, kM, kPaged, false>,
+    int status = qk_launch_dependent((const void *)decode_split<T, D, kM, kPaged, false>,
                            dim3((unsigned)nsplit, (unsigned)(a->Hkv * groups), (unsigned)a->B), dim3(kThreads), smem, s, args);
     if (nsplit > 1) {
         if (!status) {

@@ -135,9 +135,19 @@ __device__ __forceinline__ void rn_store_row(const qk_rmsnorm_args &a, int64_t r
     }
 }
 
+// Every kernel here launches as a programmatic dependent (qk_launch_dependent): it waits for the
+// previous kernel before touching memory, so its launch overlaps that kernel's tail.  early: the grid
+// fits one wave (decode's few rows), so the next kernel may be scheduled at once, overlapping its
+// launch and set-up with this one; with more blocks than SMs its resident early CTAs would only wait.
+__device__ __forceinline__ void rn_enter(int early) {
+    qk_dependent_wait();
+    if (early) qk_dependent_launch();
+}
+
 // A row per group of G lanes, K vectors per lane.
 template <typename T, int K, int G, bool kAdd>
-__global__ void __launch_bounds__(kRowsThreads) rn_rows(qk_rmsnorm_args a) {
+__global__ void __launch_bounds__(kRowsThreads) rn_rows(qk_rmsnorm_args a, int early) {
+    rn_enter(early);
     constexpr int V = qk_vec<T>::N, kRowsPerBlock = kRowsThreads / G;
     const int lane = threadIdx.x % G, sub = threadIdx.x / G;
     const int nvec = (int)(a.H / V);
@@ -154,7 +164,8 @@ __global__ void __launch_bounds__(kRowsThreads) rn_rows(qk_rmsnorm_args a) {
 
 // A row per block of blockDim.x threads, K vectors per thread.
 template <typename T, int K, bool kAdd>
-__global__ void __launch_bounds__(kBlockNT) rn_block(qk_rmsnorm_args a) {
+__global__ void __launch_bounds__(kBlockNT) rn_block(qk_rmsnorm_args a, int early) {
+    rn_enter(early);
     constexpr int V = qk_vec<T>::N;
     __shared__ float red[33];
     const int nvec = (int)(a.H / V);
@@ -186,7 +197,8 @@ __device__ __forceinline__ void rn_sum_at(const T *xr, const T *rr, int64_t c, f
 
 // A row per block, read twice; kVec: 16-byte vectors (H % V == 0 and aligned), else single values.
 template <typename T, bool kAdd, bool kVec>
-__global__ void __launch_bounds__(kMaxNT) rn_reread(qk_rmsnorm_args a) {
+__global__ void __launch_bounds__(kMaxNT) rn_reread(qk_rmsnorm_args a, int early) {
+    rn_enter(early);
     constexpr int V = kVec ? qk_vec<T>::N : 1;
     __shared__ float red[33];
     const int64_t n = a.H / V;
@@ -265,7 +277,9 @@ int rn_launch(const qk_rmsnorm_args *a, cudaStream_t stream) {
         vec = vec && a->x_stride[i] % V == 0 && a->out_stride[i] % V == 0 && (!add || a->res_stride[i] % V == 0);
     const int64_t nvec = a->H / V;
     qk_rmsnorm_args p = *a;
-    void *args[] = {&p};
+    int sms = 0, early = 0;
+    QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
+    void *args[] = {&p, &early};
     const int variant = a->variant;
 
     if (vec && nvec <= 32 * KM && variant != QK_RMSNORM_BLOCK && variant != QK_RMSNORM_REREAD) {
@@ -274,16 +288,16 @@ int rn_launch(const qk_rmsnorm_args *a, cudaStream_t stream) {
         else while (K * 32 < nvec) K *= 2;
         const void *kernel = add ? rn_rows_kernel<T, true>(K, G) : rn_rows_kernel<T, false>(K, G);
         const int64_t rows_per_block = kRowsThreads / G;
-        return qk_launch(kernel, dim3(rn_grid((a->R + rows_per_block - 1) / rows_per_block)), dim3(kRowsThreads), 0,
-                         stream, args);
+        const int blocks = rn_grid((a->R + rows_per_block - 1) / rows_per_block);
+        early = blocks <= sms;
+        return qk_launch_dependent(kernel, dim3(blocks), dim3(kRowsThreads), 0, stream, args);
     }
     const int grid = rn_grid(a->R);
+    early = grid <= sms;
     if (vec && nvec <= (int64_t)kBlockNT * KM && variant != QK_RMSNORM_REREAD) {
         // Few rows (decode): the widest block, the fewest vectors a thread (latency).  Many rows: up to 4
         // vectors a thread, down to kBlockTarget threads, so that more rows are resident per SM and the
         // loads in flight cover each row's reduction (docs/rmsnorm.md has the figures).
-        int sms = 0;
-        QK_CUDA_TRY((cudaError_t)qk_sm_count(&sms));
         const bool many = a->R >= (int64_t)kManyRowsPerSM * sms;
         const int kmax = many && KM > 4 ? 4 : KM, target = many ? kBlockTarget : kBlockNT;
         int K = 1;
@@ -292,13 +306,13 @@ int rn_launch(const qk_rmsnorm_args *a, cudaStream_t stream) {
         int64_t nt = (nvec + K - 1) / K;
         nt = (nt + 31) / 32 * 32;
         const void *kernel = add ? rn_block_kernel<T, true>(K) : rn_block_kernel<T, false>(K);
-        return qk_launch(kernel, dim3(grid), dim3((unsigned)nt), 0, stream, args);
+        return qk_launch_dependent(kernel, dim3(grid), dim3((unsigned)nt), 0, stream, args);
     }
     const int64_t n = vec ? nvec : a->H;
     int64_t nt = n < kMaxNT ? (n + 31) / 32 * 32 : kMaxNT;
     const void *kernel = vec ? (add ? (const void *)rn_reread<T, true, true> : (const void *)rn_reread<T, false, true>)
                              : (add ? (const void *)rn_reread<T, true, false> : (const void *)rn_reread<T, false, false>);
-    return qk_launch(kernel, dim3(grid), dim3((unsigned)nt), 0, stream, args);
+    return qk_launch_dependent(kernel, dim3(grid), dim3((unsigned)nt), 0, stream, args);
 }
 
 }  // namespace

@@ -60,7 +60,12 @@ __device__ __forceinline__ bool rka_row_pair(const qk_rotary_kv_append_args &a, 
 
 template <typename T, int kMode, bool kFVec>
 __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4)
-    rka_kernel(qk_rotary_kv_append_args a, int nc, int nct, int hpar) {
+    rka_kernel(qk_rotary_kv_append_args a, int nc, int nct, int hpar, int early) {
+    // A programmatic dependent (qk_launch_dependent): nothing in memory is touched before the previous
+    // kernel ends.  early: the grid fits one wave (decode's few tokens), so the next kernel's launch
+    // and set-up may overlap this one.
+    qk_dependent_wait();
+    if (early) qk_dependent_launch();
     const int tid = threadIdx.x;
     const int jt = tid % nct, hs = tid / nct;
     const int64_t R = a.Hq + a.Hkv, D = a.D, half = D / 2;
@@ -188,8 +193,8 @@ int rka_launch(const qk_rotary_kv_append_args *a, cudaStream_t stream) {
     const int64_t cap = (int64_t)sms * 16;
     const unsigned blocks = (unsigned)(a->T < cap ? a->T : cap);
     qk_rotary_kv_append_args p = *a;
-    int nc = (int)nc64, nct_ = nct, hpar_ = hpar;
-    void *args[] = {&p, &nc, &nct_, &hpar_};
+    int nc = (int)nc64, nct_ = nct, hpar_ = hpar, early = blocks <= (unsigned)sms;
+    void *args[] = {&p, &nc, &nct_, &hpar_, &early};
     const void *kernel;
     if (mode == kVecInterleaved)
         kernel = fvec ? (const void *)rka_kernel<T, kVecInterleaved, true> : (const void *)rka_kernel<T, kVecInterleaved, false>;
@@ -197,7 +202,7 @@ int rka_launch(const qk_rotary_kv_append_args *a, cudaStream_t stream) {
         kernel = fvec ? (const void *)rka_kernel<T, kVecHalf, true> : (const void *)rka_kernel<T, kVecHalf, false>;
     else
         kernel = (const void *)rka_kernel<T, kScalar, false>;
-    return qk_launch(kernel, dim3(blocks), dim3(kThreads), 0, stream, args);
+    return qk_launch_dependent(kernel, dim3(blocks), dim3(kThreads), 0, stream, args);
 }
 
 }  // namespace
