@@ -193,9 +193,10 @@ __device__ __forceinline__ void qk_dependent_wait() {
 #endif
 }
 // Let the next kernel on the stream be scheduled now (it waits with qk_dependent_wait, so that is
-// always safe).  It pays where this grid keeps one CTA per SM to the end (the row kernel); where
-// blocks share SMs the early start can cost (the GEMV does not trigger; docs/linear.md).  The wgmma
-// kernel and decode's split kernel trigger too, untimed.
+// always safe).  It pays where this grid keeps one CTA per SM to the end (the row kernel) and where
+// the grid fits one wave (the norms, rotary append and decode attention at decode sizes:
+// docs/decode-step.md); where blocks share SMs the early start can cost (the GEMV does not trigger;
+// docs/linear.md).
 __device__ __forceinline__ void qk_dependent_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
