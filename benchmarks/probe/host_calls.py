@@ -10,27 +10,11 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import common  # noqa: F401,E402  (first: the checkout's qkernels)
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-import qkernels  # noqa: E402
-from qkernels.testing import DEVICE_DTYPES, OPS, sample  # noqa: E402
-
-
-def op_call(op, dev):
-    options = {"d": 64} if op.startswith("attn") else {}
-    args, kwargs = sample(op, np.random.default_rng(1), **options)
-    dtypes = DEVICE_DTYPES.get(op, ())
-
-    def convert(i, a):
-        if not isinstance(a, np.ndarray):
-            return a
-        t = torch.from_numpy(a).to(dev)
-        return t.to(getattr(torch, dtypes[i])) if i < len(dtypes) and dtypes[i] else t
-    args = [convert(i, a) for i, a in enumerate(args)]
-    fn = getattr(qkernels, op)
-    return lambda: fn(*args, **kwargs)
+from overhead import op_call  # noqa: E402  (the sample calls overhead.py times)
+from qkernels.testing import OPS  # noqa: E402
 
 
 def api_table(fn, calls):
