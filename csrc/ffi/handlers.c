@@ -22,7 +22,7 @@
 static int g_threads = 1;
 static const qk_cuda_api *g_cuda;
 
-/* Scratch blocks a launcher holds at once (the most any takes is 4). */
+/* Scratch blocks a launcher may hold at once (linear_backward's nesting holds the most, 3). */
 #define FC_MAX_BLOCKS 8
 #define FC_STR_(x) #x
 #define FC_STR(x) FC_STR_(x)
@@ -42,7 +42,7 @@ typedef struct {
     void *stream;
     XLA_FFI_Error *err;
     /* cuda: the launchers' temporaries, carved from the call's scratch result (qkernels.jax adds it at
-     * trace time, sized by a dry run of this handler: fc_dry_run) in request order */
+     * trace time, sized by a dry run of this handler: qk_jax_scratch_bytes) in request order */
     qk_scratch scratch;
     char *base;             /* the result's first FC_ALIGN-aligned byte, or NULL */
     size_t cap;             /* bytes from base to the result's end */
@@ -1080,16 +1080,16 @@ PyObject *qk_jax_scratch_bytes(PyObject *module, PyObject *args) {
     if (!PyArg_ParseTuple(args, "siOOO!O!:_jax_scratch_bytes", &op, &device, &ops, &res, &PyDict_Type, &attrs,
                           &PyDict_Type, &aliases))
         return NULL;
-    if (!g_cuda) {
-        PyErr_SetString(PyExc_RuntimeError, "_jax_scratch_bytes: the CUDA handlers are not registered");
-        return NULL;
-    }
     XLA_FFI_Error *(*body)(fc *) = NULL;
 #define QK_FFI_BODY(name, launcher, family, deciding) \
     if (!body && !strcmp(op, #name)) body = ffi_##name;
     QK_OPS(QK_FFI_BODY)
 #undef QK_FFI_BODY
     if (!body) return PyErr_Format(PyExc_ValueError, "_jax_scratch_bytes: unknown op %s", op);
+    if (!g_cuda) {
+        PyErr_SetString(PyExc_RuntimeError, "_jax_scratch_bytes: the CUDA handlers are not registered");
+        return NULL;
+    }
 
     static XLA_FFI_Buffer in[FC_MAX_OPERANDS], out[FC_MAX_RESULTS];
     static int64_t in_dims[FC_MAX_OPERANDS][FC_MAX_RANK], out_dims[FC_MAX_RESULTS][FC_MAX_RANK];
