@@ -127,6 +127,12 @@ inline int qk_scratch_free(const qk_scratch *sc, void *p, size_t bytes, cudaStre
     if (sc && sc->free) return sc->free(sc->ctx, p, bytes, (void *)s);
     return (int)cudaFreeAsync(p, s);
 }
+// cudaMemsetAsync on a launcher's arguments, left out in a dry run (qk_scratch.dry_run), whose
+// arguments are stand-in addresses the driver would refuse at capture.
+inline int qk_memset_args(const qk_scratch *sc, void *p, int value, size_t bytes, cudaStream_t s) {
+    if (sc && sc->dry_run) return QK_OK;
+    return (int)cudaMemsetAsync(p, value, bytes, s);
+}
 #define QK_SCRATCH_TRY(sc, bytes, s, pp)                                  \
     do {                                                                  \
         const int qk_st_ = qk_scratch_alloc((sc), (bytes), (s), (void **)(pp)); \

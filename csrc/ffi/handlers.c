@@ -29,11 +29,10 @@ static const qk_cuda_api *g_cuda;
 /* Every block starts on this boundary, as cudaMallocAsync's do; XLA promises its buffers only 16 bytes,
  * so the scratch result is FC_ALIGN - 1 bytes longer than the blocks need and is aligned here. */
 #define FC_ALIGN 256
-/* The stand-in addresses a dry run gives the call's buffers and scratch: never dereferenced (nothing
- * captured runs), each exactly 16-byte aligned (what XLA promises; launchers choose vector paths at
- * 16), apart so that no two ranges meet. */
+/* The stand-in addresses a dry run gives the call's buffers: never dereferenced (nothing captured
+ * runs), each exactly 16-byte aligned (what XLA promises; launchers choose vector paths at 16), apart
+ * so that no two ranges meet.  Its scratch is real memory (qk_cuda_api.dry_run), never touched. */
 #define FC_FAKE_BUFFER(i) ((void *)(((uintptr_t)1 << 44) + ((uintptr_t)(i) << 36) + 16))
-#define FC_FAKE_SCRATCH ((char *)((uintptr_t)3 << 44))
 
 typedef struct {
     XLA_FFI_CallFrame *cf;
@@ -48,6 +47,7 @@ typedef struct {
     size_t cap;             /* bytes from base to the result's end */
     size_t top, peak;       /* the end of the live blocks; the most they reached */
     size_t refused, offset; /* a request that did not fit, and where it would have started */
+    int too_many;           /* refused for the number of blocks, not their size */
     int nblocks;
     struct { size_t off, end; int live; } blocks[FC_MAX_BLOCKS];
     int sizing;             /* a dry run: errors go to msg, not to XLA */
@@ -56,13 +56,13 @@ typedef struct {
 
 /* The launchers' scratch (qk_scratch) from the scratch result: a stack of blocks, each on an FC_ALIGN
  * boundary.  The memory belongs to XLA's program, so a command-buffer replay finds it still there; a
- * dry run carves the same blocks from a stand-in base with no limit and keeps the peak. */
+ * dry run carves the same blocks from its own and keeps the peak. */
 static int fc_scratch_alloc(void *ctx, size_t bytes, void *stream, void **p) {
     fc *c = (fc *)ctx;
     (void)stream;
     const size_t off = (c->top + FC_ALIGN - 1) & ~(size_t)(FC_ALIGN - 1);
     if (c->nblocks == FC_MAX_BLOCKS || off < c->top || bytes > c->cap || off > c->cap - bytes) {
-        c->refused = bytes ? bytes : 1, c->offset = off;
+        c->refused = bytes ? bytes : 1, c->offset = off, c->too_many = c->nblocks == FC_MAX_BLOCKS;
         return QK_E_NOMEM;
     }
     c->blocks[c->nblocks].off = off, c->blocks[c->nblocks].end = off + bytes, c->blocks[c->nblocks].live = 1;
@@ -945,10 +945,12 @@ typedef struct {
     XLA_FFI_Error *result;
 } fc_dry;
 
-static int fc_dry_body(void *ctx, void *stream) {
+static int fc_dry_body(void *ctx, void *stream, void *scratch) {
     fc_dry *d = (fc_dry *)ctx;
-    d->c->stream = stream;
-    d->result = d->body(d->c);
+    fc *c = d->c;
+    c->stream = stream, c->base = (char *)scratch, c->err = NULL;
+    c->top = c->peak = c->refused = c->offset = 0, c->nblocks = 0, c->too_many = 0;
+    d->result = d->body(c);
     return 0;
 }
 
@@ -1163,15 +1165,28 @@ PyObject *qk_jax_scratch_bytes(PyObject *module, PyObject *args) {
     memset(&c, 0, sizeof c);
     c.cf = &cf, c.op = op, c.cuda = 1, c.sizing = 1;
     c.scratch.alloc = fc_scratch_alloc, c.scratch.free = fc_scratch_free, c.scratch.ctx = &c;
-    c.scratch.sized_ahead = 1;
-    c.base = FC_FAKE_SCRATCH, c.cap = (size_t)1 << 43; /* no limit: the stand-in range ends there */
+    c.scratch.sized_ahead = 1, c.scratch.dry_run = 1;
+    /* Real scratch, since CUB's sorts memset theirs: a guess, grown past each refused request and run
+     * again (the requests do not depend on the capacity until one is refused). */
     fc_dry d = {&c, body, NULL};
-    const int st = g_cuda->dry_run(device, fc_dry_body, &d);
-    if (d.result)
-        return PyErr_Format(PyExc_RuntimeError, "%s (in the trace-time dry run that sizes its scratch)", c.msg);
-    if (st)
-        return PyErr_Format(PyExc_RuntimeError, "%s: CUDA error %d (%s) in the trace-time dry run that sizes its "
-                            "scratch", op, st, g_cuda->error_string(st));
+    size_t cap = (size_t)1 << 20;
+    for (int attempt = 0;; attempt++) {
+        c.cap = cap, c.refused = 0, d.result = NULL;
+        const int st = g_cuda->dry_run(device, cap, fc_dry_body, &d);
+        if (c.refused && !c.too_many && attempt < 48) { /* even where the launcher went on without it */
+            const size_t need = c.offset + c.refused;
+            if (need < c.offset || need > (size_t)1 << 46)
+                return PyErr_Format(PyExc_MemoryError, "%s: the launcher asked for %zu bytes of scratch", op, c.refused);
+            cap = need > 2 * cap ? need : 2 * cap;
+            continue;
+        }
+        if (d.result)
+            return PyErr_Format(PyExc_RuntimeError, "%s (in the trace-time dry run that sizes its scratch)", c.msg);
+        if (st)
+            return PyErr_Format(PyExc_RuntimeError, "%s: CUDA error %d (%s) in the trace-time dry run that sizes "
+                                "its scratch", op, st, g_cuda->error_string(st));
+        break;
+    }
     if (c.nblocks)
         return PyErr_Format(PyExc_RuntimeError, "%s: the launcher kept %d scratch blocks past its return", op,
                             c.nblocks);

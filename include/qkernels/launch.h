@@ -79,6 +79,10 @@ typedef struct qk_scratch {
     int (*free)(void *ctx, void *p, size_t bytes, void *stream);
     void *ctx;
     int sized_ahead;
+    /* Nothing enqueued will run (qk_cuda_api.dry_run): a launcher leaves out the memsets it issues on
+     * its arguments, since the driver checks a memset's address when it is captured and a dry run's
+     * arguments are stand-ins (its scratch is real memory, never touched). */
+    int dry_run;
 } qk_scratch;
 
 /* Element types the kernels see; the binding maps DLPack dtypes onto these. */
@@ -542,11 +546,13 @@ typedef struct {
      * before any launch (the kernels read no environment): a library path tried first (or NULL), and
      * ':'-separated CUDA install roots tried after the others (or NULL). */
     void (*set_cublaslt_search)(const char *library, const char *roots);
-    /* run(ctx, stream) on `device` with `stream` in stream capture (relaxed mode), the captured graph
-     * discarded: launchers called there enqueue nothing that ever runs and touch no device memory,
-     * while their scratch requests reach their hook as in a real call.  Returns run's status, else
-     * the capture's; the caller's current device is restored. */
-    int (*dry_run)(int device, int (*run)(void *ctx, void *stream), void *ctx);
+    /* run(ctx, stream, scratch) on `device` with `stream` in stream capture (relaxed mode), the captured
+     * graph discarded: launchers called there enqueue nothing that ever runs, while their scratch
+     * requests reach their hook as in a real call.  scratch: scratch_bytes of device memory allocated on
+     * the stream before the capture and freed after it, never touched (CUB's sorts memset their
+     * temporaries, and the driver checks a captured memset's address), or NULL for 0 bytes.  Returns
+     * run's status, else the capture's; the caller's current device is restored. */
+    int (*dry_run)(int device, size_t scratch_bytes, int (*run)(void *ctx, void *stream, void *scratch), void *ctx);
     /* One entry per launcher, named as in QK_LAUNCHERS. */
 #define QK_CUDA_ENTRY(name, args) int (*name)(const qk_##args##_args *a, void *stream);
     QK_LAUNCHERS(QK_CUDA_ENTRY)
