@@ -51,6 +51,7 @@ typedef struct {
     int nblocks;
     struct { size_t off, end; int live; } blocks[FC_MAX_BLOCKS];
     int sizing;             /* a dry run: errors go to msg, not to XLA */
+    int hooked;             /* the args struct has the scratch hook (FC_SCRATCH) */
     char msg[512];
 } fc;
 
@@ -87,8 +88,13 @@ static int fc_scratch_free(void *ctx, void *p, size_t bytes, void *stream) {
     return QK_OK;
 }
 
-/* The scratch hook for an args struct: the scratch result on cuda (the cpu launchers take none). */
-#define FC_SCRATCH(c) ((c)->cuda ? &(c)->scratch : NULL)
+/* The scratch hook for an args struct: the scratch result on cuda (the cpu launchers take none).  A
+ * handler that never asks for it runs a launcher that takes no scratch, which a dry run then skips. */
+static const qk_scratch *fc_scratch_hook(fc *c) {
+    c->hooked = 1;
+    return c->cuda ? &c->scratch : NULL;
+}
+#define FC_SCRATCH(c) fc_scratch_hook(c)
 
 /* What a dry run's handler returns for an error: the message is in c->msg. */
 static XLA_FFI_Error *const FC_SIZING_ERROR = (XLA_FFI_Error *)&g_threads;
@@ -208,10 +214,12 @@ static int64_t fc_attr_i64(fc *c, const char *name, int64_t dflt) {
     return dflt;
 }
 
-/* Run launcher `name` where the call frame's platform says; status into st. */
+/* Run launcher `name` where the call frame's platform says; status into st.  A dry run leaves out a
+ * launcher without the scratch hook: it takes no scratch. */
 #define FC_RUN(st, c, name, args)                                     \
     do {                                                              \
-        if ((c)->cuda) (st) = g_cuda->name((args), (c)->stream);      \
+        if ((c)->sizing && !(c)->hooked) (st) = QK_OK;                \
+        else if ((c)->cuda) (st) = g_cuda->name((args), (c)->stream); \
         else (st) = qk_##name##_cpu((args), NULL);                    \
     } while (0)
 
@@ -948,8 +956,9 @@ typedef struct {
 static int fc_dry_body(void *ctx, void *stream, void *scratch) {
     fc_dry *d = (fc_dry *)ctx;
     fc *c = d->c;
-    c->stream = stream, c->base = (char *)scratch, c->err = NULL;
-    c->top = c->peak = c->refused = c->offset = 0, c->nblocks = 0, c->too_many = 0;
+    c->stream = stream, c->err = NULL; /* the cap's bytes from the first FC_ALIGN boundary */
+    c->base = scratch ? (char *)(((uintptr_t)scratch + FC_ALIGN - 1) & ~(uintptr_t)(FC_ALIGN - 1)) : NULL;
+    c->top = c->peak = c->refused = c->offset = 0, c->nblocks = 0, c->too_many = 0, c->hooked = 0;
     d->result = d->body(c);
     return 0;
 }
@@ -1172,7 +1181,7 @@ PyObject *qk_jax_scratch_bytes(PyObject *module, PyObject *args) {
     size_t cap = (size_t)1 << 20;
     for (int attempt = 0;; attempt++) {
         c.cap = cap, c.refused = 0, d.result = NULL;
-        const int st = g_cuda->dry_run(device, cap, fc_dry_body, &d);
+        const int st = g_cuda->dry_run(device, cap + FC_ALIGN - 1, fc_dry_body, &d);
         if (c.refused && !c.too_many && attempt < 48) { /* even where the launcher went on without it */
             const size_t need = c.offset + c.refused;
             if (need < c.offset || need > (size_t)1 << 46)
