@@ -209,6 +209,10 @@ static PyMethodDef qk_methods[] = {
     {"_jax_handlers", (PyCFunction)qk_jax_handlers, METH_O,
      "_jax_handlers(cuda)\n--\n\n{op: (cpu handler, cuda handler or None, command-buffer compatible)}: the XLA FFI "
      "handlers as capsules for jax.ffi.register_ffi_target (csrc/ffi/handlers.c)."},
+    {"_jax_scratch_bytes", (PyCFunction)qk_jax_scratch_bytes, METH_VARARGS,
+     "_jax_scratch_bytes(op, device, operands, results, attrs, aliases)\n--\n\n(requested, result_bytes): the "
+     "scratch op's CUDA handler asks for with these (dtype name, shape) operands and results, found by a dry run of "
+     "the handler on CUDA device `device`, and the size of the uint8 scratch result qkernels.jax gives it."},
     {NULL, NULL, 0, NULL},
 };
 

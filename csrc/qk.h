@@ -222,6 +222,7 @@ PyObject *qk_direct_key(PyObject *module, PyObject *const *args, Py_ssize_t narg
 
 /* csrc/ffi/handlers.c (built where jaxlib's headers are found): the XLA FFI handlers for qkernels.jax */
 PyObject *qk_jax_handlers(PyObject *module, PyObject *cuda);
+PyObject *qk_jax_scratch_bytes(PyObject *module, PyObject *args);
 
 /* csrc/ops/: each op's binding (its raw entry point, no dispatch) and docstrings; dispatch.c wraps
  * each as the public entry point. */

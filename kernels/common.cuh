@@ -113,8 +113,9 @@ inline int qk_grid_for(int64_t work, int per_block, int max_blocks = 65536) {
         if (qk_err_ != cudaSuccess) return (int)qk_err_;   \
     } while (0)
 
-// A launcher's temporary device memory: from the args struct's scratch hook when it has one (XLA's
-// allocator under qkernels.jax), else the stream-ordered pool.  Every launcher goes through these two.
+// A launcher's temporary device memory: from the args struct's scratch hook when it has one (under
+// qkernels.jax a block of the call's scratch result), else the stream-ordered pool.  Every launcher goes
+// through these two.
 inline int qk_scratch_alloc(const qk_scratch *sc, size_t bytes, cudaStream_t s, void **p) {
     *p = nullptr;
     if (bytes == 0) return QK_OK;
@@ -125,6 +126,12 @@ inline int qk_scratch_free(const qk_scratch *sc, void *p, size_t bytes, cudaStre
     if (!p) return QK_OK;
     if (sc && sc->free) return sc->free(sc->ctx, p, bytes, (void *)s);
     return (int)cudaFreeAsync(p, s);
+}
+// cudaMemsetAsync on a launcher's arguments, left out in a dry run (qk_scratch.dry_run), whose
+// arguments are stand-in addresses the driver would refuse at capture.
+inline int qk_memset_args(const qk_scratch *sc, void *p, int value, size_t bytes, cudaStream_t s) {
+    if (sc && sc->dry_run) return QK_OK;
+    return (int)cudaMemsetAsync(p, value, bytes, s);
 }
 #define QK_SCRATCH_TRY(sc, bytes, s, pp)                                  \
     do {                                                                  \

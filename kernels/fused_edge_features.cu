@@ -399,7 +399,7 @@ extern "C" int qk_fused_edge_features_backward_cuda(const qk_fused_edge_features
         })
     }
     if (a->num_nodes == 0) return QK_OK;
-    if (a->num_edges == 0) return (int)cudaMemsetAsync(a->grad_x, 0, (size_t)(a->num_nodes * a->H) * esize, s);
+    if (a->num_edges == 0) return qk_memset_args(a->scratch, a->grad_x, 0, (size_t)(a->num_nodes * a->H) * esize, s);
     QK_DISPATCH_FLOAT(a->dtype, T, QK_DISPATCH_INDEX(a->index_dtype, I, {
         int G, K;
         efb_shape<T>(a, G, K);

@@ -560,7 +560,7 @@ __global__ void __launch_bounds__(kBwdThreads) bce_grad(qk_graph_norm_bce_args a
 
 extern "C" int qk_graph_norm_bce_cuda(const qk_graph_norm_bce_args *a, void *stream) {
     cudaStream_t s = (cudaStream_t)stream;
-    if (a->num_edges == 0) return (int)cudaMemsetAsync(a->out, 0, sizeof(float), s);  // every graph contributes 0
+    if (a->num_edges == 0) return qk_memset_args(a->scratch, a->out, 0, sizeof(float), s);  // every graph contributes 0
     int sms;
     const int sm_status = qk_sm_count(&sms);
     if (sm_status) return sm_status;

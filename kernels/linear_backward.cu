@@ -25,7 +25,7 @@
 //   (what the products' tensor cores take, as autograd of the unfused formulation would hold them).
 // lb_colsum (grad_b): a thread per column over a range of rows, split ranges added by lb_finish.
 //
-// Scratch (workspaces, ga / gb) comes from a->scratch (qk_scratch_alloc: XLA's allocator under
+// Scratch (workspaces, ga / gb) comes from a->scratch (qk_scratch_alloc: the call's scratch result under
 // qkernels.jax, else cudaMallocAsync on the caller's stream); grids come from the
 // shapes and the SM count only and nothing is read back: CUDA-graph safe.  Rows that are not 16-byte
 // vectorisable (K or N % 8, unaligned pointers or strides) are loaded element by element into the same

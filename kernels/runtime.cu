@@ -196,6 +196,40 @@ int stream_wait(void *consumer, void *producer) {
     return (int)e;
 }
 
+// A dry run (qk_cuda_api.dry_run): relaxed capture, so that first-use host work in the launchers
+// (cuBLASLt's handle, lazy module loading) is allowed here and already done when XLA records them.  The
+// scratch is allocated before the capture (inside it, cudaMallocAsync would become a graph node).
+int dry_run(int device, size_t scratch_bytes, int (*run)(void *ctx, void *stream, void *scratch), void *ctx) {
+    int prev = -1;
+    QK_CUDA_TRY(cudaGetDevice(&prev));
+    if (prev != device) QK_CUDA_TRY(cudaSetDevice(device));
+    cudaStream_t s = nullptr;
+    void *scratch = nullptr;
+    int st = (int)cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    if (st == 0 && scratch_bytes) st = (int)cudaMallocAsync(&scratch, scratch_bytes, s);
+    if (st == 0) {
+        st = (int)cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed);
+        if (st == 0) {
+            st = run(ctx, (void *)s, scratch);
+            cudaGraph_t g = nullptr;
+            const cudaError_t end = cudaStreamEndCapture(s, &g);  // ends it even after a failed launch
+            if (g) cudaGraphDestroy(g);
+            if (st == 0) st = (int)end;
+        }
+    }
+    if (scratch) {
+        const cudaError_t e = cudaFreeAsync(scratch, s);
+        if (st == 0) st = (int)e;
+    }
+    if (s) cudaStreamDestroy(s);  // its pending free completes first
+    cudaGetLastError();  // a failure here is reported through st, not left for the next launch
+    if (prev != device) {
+        const cudaError_t e = cudaSetDevice(prev);
+        if (st == 0) st = (int)e;
+    }
+    return st;
+}
+
 // Filled by name: a positional table would silently call the wrong entry after a field moves.
 qk_cuda_api make_api() {
     qk_cuda_api t = {};
@@ -214,6 +248,7 @@ qk_cuda_api make_api() {
     t.sparse_aggregate_check = qk_sparse_aggregate_check_cuda;
     t.index_check = qk_index_check_cuda;
     t.set_cublaslt_search = qk_set_cublaslt_search_cuda;
+    t.dry_run = dry_run;
 #define QK_FILL(name, args) t.name = qk_##name##_cuda;
     QK_LAUNCHERS(QK_FILL)
 #undef QK_FILL

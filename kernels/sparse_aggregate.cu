@@ -783,8 +783,10 @@ extern "C" int qk_sparse_aggregate_backward_cuda(const qk_sparse_aggregate_backw
     if (a->index_dtype != QK_I32 && a->index_dtype != QK_I64) return QK_E_UNSUPPORTED;
     // Nothing to gather: the gradients that exist are zero.
     if (hd == 0 || E == 0 || a->num_src == 0) {
-        if (a->grad_edge_weight) QK_CUDA_TRY(cudaMemsetAsync(a->grad_edge_weight, 0, (size_t)(E * a->num_heads) * esize, s));
-        if (a->grad_node_feat) QK_CUDA_TRY(cudaMemsetAsync(a->grad_node_feat, 0, (size_t)(a->num_src * hd) * esize, s));
+        if (a->grad_edge_weight)
+            QK_CUDA_TRY((cudaError_t)qk_memset_args(a->scratch, a->grad_edge_weight, 0, (size_t)(E * a->num_heads) * esize, s));
+        if (a->grad_node_feat)
+            QK_CUDA_TRY((cudaError_t)qk_memset_args(a->scratch, a->grad_node_feat, 0, (size_t)(a->num_src * hd) * esize, s));
         return QK_OK;
     }
     QK_DISPATCH_FLOAT(a->dtype, T, QK_DISPATCH_INDEX(a->index_dtype, I, {
@@ -803,7 +805,7 @@ extern "C" int qk_sparse_aggregate_backward_cuda(const qk_sparse_aggregate_backw
             }
         }
         if (!a->deterministic && a->dtype == QK_F32 && k > 0) {  // atomics into a zeroed fp32 grad_node_feat
-            QK_CUDA_TRY(cudaMemsetAsync(a->grad_node_feat, 0, (size_t)(a->num_src * hd) * sizeof(float), s));
+            QK_CUDA_TRY((cudaError_t)qk_memset_args(a->scratch, a->grad_node_feat, 0, (size_t)(a->num_src * hd) * sizeof(float), s));
             const bool ew = a->grad_edge_weight != nullptr;
             switch (k) {
             case 1: return ew ? sab_launch_csr<float, I, 1, true, true>(a, s) : sab_launch_csr<float, I, 1, false, true>(a, s);

@@ -126,11 +126,56 @@ def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(tuple(int(s) for s in shape), dtype)
 
 
+_scratch_cache = {}
+
+
+def _cuda_ordinal():
+    """The CUDA ordinal of the GPU a traced computation runs on by default."""
+    default = jax.config.jax_default_device
+    dev = default if getattr(default, "platform", None) in ("gpu", "cuda") else jax.local_devices(backend="gpu")[0]
+    ordinal = getattr(dev, "local_hardware_id", None)
+    return dev.id if ordinal is None else int(ordinal)
+
+
+def _scratch_bytes(op, arrays, results, aliases=None, attrs=None):
+    """(requested, result_bytes) of op's CUDA handler for these operands, results and attributes: the
+    scratch its launcher asks for, found by a dry run of the handler on the default GPU (the sizes depend
+    on the device's SM count and cuBLASLt's plans), and the uint8 result that holds it (0: none)."""
+    def spec(a):
+        return np.dtype(a.dtype).name, tuple(int(d) for d in a.shape)
+    attrs = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in (attrs or {}).items()}
+    key = (op, _cuda_ordinal(), tuple(map(spec, arrays)), tuple(map(spec, results)),
+           tuple(sorted(attrs.items())), tuple(sorted((aliases or {}).items())))
+    hit = _scratch_cache.get(key)
+    if hit is None:
+        if len(_scratch_cache) > 4096:
+            _scratch_cache.clear()
+        hit = _scratch_cache[key] = _C._jax_scratch_bytes(op, key[1], key[2], key[3], attrs, dict(aliases or {}))
+    return hit
+
+
 def _ffi(op, results, *arrays, aliases=None, **attrs):
     """One custom call of handler `op`; a result list gives a tuple.  Unbatchable calls vmap
-    sequentially (one call per element): ops with a folding rule never get here batched."""
-    call = jax.ffi.ffi_call(_PREFIX + op, results, vmap_method="sequential", input_output_aliases=aliases)
-    return call(*arrays, **attrs)
+    sequentially (one call per element): ops with a folding rule never get here batched.
+
+    On the GPU a call whose launcher takes scratch gets one more result, uint8 [bytes] (attribute
+    scratch), that the handler carves the scratch from and that is dropped here: a buffer of XLA's
+    program, so every handler is command-buffer compatible (a CUDA-graph replay finds it still
+    allocated).  Its size comes from a dry run of the handler at trace time (_scratch_bytes).  The
+    platform is the one the dispatcher resolved for these arrays (_device: the default device under
+    jit); the cpu handler ignores such a result."""
+    single = not isinstance(results, (list, tuple))
+    res = [results] if single else list(results)
+    nbytes = 0
+    if "cuda" in _PLATFORMS.get(op, ()) and _device(arrays[0]) == "cuda":
+        nbytes = _scratch_bytes(op, arrays, res, aliases, attrs)[1]
+    if not nbytes:
+        call = jax.ffi.ffi_call(_PREFIX + op, results, vmap_method="sequential", input_output_aliases=aliases)
+        return call(*arrays, **attrs)
+    call = jax.ffi.ffi_call(_PREFIX + op, res + [_sds((nbytes,), jnp.uint8)], vmap_method="sequential",
+                            input_output_aliases=aliases)
+    outs = list(call(*arrays, scratch=True, **attrs))[:-1]
+    return outs[0] if single else type(results)(outs)
 
 
 def _err(kind, op, msg):

@@ -3,6 +3,8 @@ float16 where the kernels take them, against the float64 references; gradients a
 decode's aliased caches.  Skips without jax, without the handlers or without a GPU that both jax
 and qkernels see."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -63,6 +65,22 @@ def _close(got, ref, dtype):
     np.testing.assert_allclose(got, np.asarray(ref, np.float64), rtol=tol, atol=tol * scale)
 
 
+def _host(dev):
+    """The device arguments on the host: floats as float32 (of the values the device holds), the rest as is."""
+    host = [a if isinstance(a, (int, float)) else _f64(a) if np.issubdtype(np.asarray(a).dtype, np.floating)
+            or a.dtype == jnp.bfloat16 else np.asarray(a) for a in dev]
+    return [h.astype(np.float32) if isinstance(h, np.ndarray) and h.dtype == np.float64 else h for h in host]
+
+
+def _close_all(out, ref, dtype):
+    if isinstance(ref, tuple):
+        assert isinstance(out, tuple) and len(out) == len(ref)
+        for o, r in zip(out, ref):
+            _close(o, r, dtype)
+    else:
+        _close(out, ref, dtype)
+
+
 def _sizes(op):
     if op.startswith("attn"):  # the CUDA kernels take head_dim 32, 64, 128 or 256
         return dict(d=64)
@@ -76,9 +94,7 @@ def test_op_jit_on_gpu(op, dtype, rng):
         pytest.skip(f"{op}'s CUDA kernels take {', '.join(_dtypes(op))}")
     args, kwargs = T.sample(op, rng, **_sizes(op))
     dev = _cast(op, args, dtype)
-    host = [a if isinstance(a, (int, float)) else _f64(a) if np.issubdtype(np.asarray(a).dtype, np.floating)
-            or a.dtype == jnp.bfloat16 else np.asarray(a) for a in dev]
-    host = [h.astype(np.float32) if isinstance(h, np.ndarray) and h.dtype == np.float64 else h for h in host]
+    host = _host(dev)
     arrays = [i for i, a in enumerate(dev) if not isinstance(a, (int, float))]
     f = getattr(qj, op)
 
@@ -89,11 +105,7 @@ def test_op_jit_on_gpu(op, dtype, rng):
     ref = T.reference(op, *host, **kwargs)
     if op in T.MUTATED:  # qkernels.jax returns the updated arguments after the output
         ref = (ref, *T.written(op, *host, **kwargs))
-    if isinstance(ref, tuple):
-        for o, r in zip(out, ref):
-            _close(o, r, dtype)
-    else:
-        _close(out, ref, dtype)
+    _close_all(out, ref, dtype)
     for o in out if isinstance(out, tuple) else (out,):
         if o is not None:
             assert next(iter(o.devices())).platform == "gpu"
@@ -185,3 +197,188 @@ def test_dropout_mask_same_on_gpu_and_cpu(rng):
     assert next(iter(cpu.devices())).platform == "cpu"
     _close(gpu, _f64(cpu), "float32")
     _close(gpu, T.reference("fused_norm_residual", *args, **kw), "float32")
+
+
+# ---- scratch as a result: sizes where the launchers take scratch, replays, the size query ---------------
+
+# sample() options at which each scratch-taking CUDA launcher asks for scratch, and whether it always does
+# there (False: it depends on the device or the libraries: the decode split and cluster choice, whether
+# cuBLASLt loads and the workspace its plan takes).
+SCRATCH = {
+    "sparse_aggregate": (dict(n_dst=101, n_src=61, heads=2, dim=8, avg_degree=8), True),  # E > 512
+    "sparse_aggregate_backward": (dict(n_dst=101, n_src=61, heads=2, dim=8, avg_degree=8), True),
+    "fused_edge_features_backward": (dict(n=61, e=403, h=16), True),
+    "fused_norm_residual": (dict(rows=301, h=64, graphs=5), True),  # graph mode
+    "fused_norm_residual_backward": (dict(rows=301, h=64, p=0.1), True),
+    "graph_norm_bce": (dict(e=5003, graphs=7), True),
+    "graph_norm_bce_backward": (dict(e=5003, graphs=7), True),
+    "attn_decode": (dict(b=8, l=2048, hkv=8, ratio=4, d=128), False),
+    "attn_paged_decode": (dict(lens=[2000, 900, 1500, 64, 1200, 700, 30, 1800], hkv=8, ratio=4, d=128), False),
+    "linear": (dict(m=200, k=256, n=192), False),  # M > 64: cuBLASLt
+    "swiglu": (dict(m=200, k=256, n=192), False),
+    "linear_backward": (dict(m=200, k=256, n=192), False),
+    "swiglu_backward": (dict(m=200, k=256, n=192), True),  # ga, gb [M, N] at any M
+}
+# Arguments kept across replays: graph_norm_bce's 0/1 targets.
+_KEEP = {"graph_norm_bce": (1,), "graph_norm_bce_backward": (2,)}
+
+
+def _dtype(op):
+    return "float32" if op in GRAPH else "bfloat16"
+
+
+def _varied(op, args, rng):
+    """args with new values in the float arguments (same shapes and indices): scaled and perturbed."""
+    out = list(args)
+    for i in T.FLOAT_ARGS[op]:
+        a = args[i]
+        if i in _KEEP.get(op, ()) or isinstance(a, (int, float)):
+            continue
+        noise = 0.1 * float(np.std(a)) * rng.standard_normal(a.shape)
+        out[i] = (a * (0.5 + rng.random()) + noise).astype(a.dtype)
+    return out
+
+
+def _requested(monkeypatch, op, fn, *arrays, full=False):
+    """The scratch sizes (bytes) the trace-time size query returned for op's calls while tracing fn
+    (full: the (requested, result bytes) pairs)."""
+    seen, real = [], qj._scratch_bytes
+
+    def record(o, *a, **k):
+        r = real(o, *a, **k)
+        if o == op:
+            seen.append(tuple(r) if full else r[0])
+        return r
+
+    monkeypatch.setattr(qj, "_scratch_bytes", record)
+    jax.clear_caches()  # the public ops' jits would not trace again
+    jax.jit(fn).lower(*arrays)
+    monkeypatch.setattr(qj, "_scratch_bytes", real)
+    jax.clear_caches()
+    return seen
+
+
+@pytest.mark.parametrize("op", sorted(SCRATCH))
+def test_scratch_ops_twice_in_one_program_replayed(op, rng, monkeypatch):
+    """One jitted program calls op twice (two scratch results), replayed with new inputs each time: the
+    handlers are command-buffer compatible, so XLA may record them once and replay the graph; every
+    replay must equal the float64 reference (stale or freed scratch would not)."""
+    assert op not in T.MUTATED
+    opts, always = SCRATCH[op]
+    dtype = _dtype(op)
+    args, kwargs = T.sample(op, rng, **opts)
+    arrays = [i for i, a in enumerate(args) if not isinstance(a, (int, float))]
+    one = with_traced(getattr(qj, op), args, kwargs, arrays)
+    n = len(arrays)
+
+    def two(*ts):
+        return one(*ts[:n]), one(*ts[n:])
+
+    first = [_cast(op, _varied(op, args, rng), dtype) for _ in range(2)]
+    sizes = _requested(monkeypatch, op, two, *[d[i] for d in first for i in arrays])
+    assert len(sizes) == 2 and sizes[0] == sizes[1]
+    assert sizes[0] > 0 or not always, f"{op} took no scratch at {opts}"
+    run = jax.jit(two)
+    for step in range(5):
+        devs = first if step == 0 else [_cast(op, _varied(op, args, rng), dtype) for _ in range(2)]
+        outs = run(*[d[i] for d in devs for i in arrays])
+        for dev, out in zip(devs, outs):
+            ref = T.reference(op, *_host(dev), **kwargs)
+            for o, r in zip(out if isinstance(ref, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,)):
+                _close_to_its_scale(o, r, dtype)
+
+
+def _close_to_its_scale(got, ref, dtype):
+    """As _close, the absolute tolerance relative to the reference's own largest value (no floor at 1):
+    outputs of magnitude far below 1 (attention over thousands of keys) still tell one input from another."""
+    if ref is None:
+        assert got is None
+        return
+    ref = np.asarray(ref, np.float64)
+    scale = float(np.max(np.abs(ref), initial=0.0)) or 1.0
+    np.testing.assert_allclose(_f64(got), ref, rtol=TOL[dtype], atol=TOL[dtype] * scale)
+
+
+@pytest.mark.parametrize("op", sorted(SCRATCH))
+def test_scratch_size_is_what_the_launcher_takes(op, rng, monkeypatch):
+    """The dry run's size is exact: the op runs with a scratch result of that size (plus the alignment
+    slack) and is refused, with an error naming op, when the result is one byte short of it."""
+    opts, always = SCRATCH[op]
+    dtype = _dtype(op)
+    args, kwargs = T.sample(op, rng, **opts)
+    dev = _cast(op, args, dtype)
+    arrays = [i for i, a in enumerate(dev) if not isinstance(a, (int, float))]
+    fn = with_traced(getattr(qj, op), dev, kwargs, arrays)
+    ins = [dev[i] for i in arrays]
+    ((requested, result_bytes),) = _requested(monkeypatch, op, fn, *ins, full=True)
+    assert result_bytes == (requested + 255 if requested else 0)  # any alignment fits 256-byte blocks
+    if requested == 0:
+        assert not always, f"{op} took no scratch at {opts}"
+        pytest.skip(f"{op} takes no scratch at {opts} on this device")
+    real = qj._scratch_bytes
+
+    def short(o, *a, **k):
+        r = real(o, *a, **k)
+        return (r[0], r[0] - 1) if o == op else r
+
+    monkeypatch.setattr(qj, "_scratch_bytes", short)
+    jax.clear_caches()
+    with pytest.raises(Exception, match=f"{op}: the launcher asked for .* bytes of scratch"):
+        jax.block_until_ready(jax.jit(fn)(*ins))
+    monkeypatch.setattr(qj, "_scratch_bytes", real)
+    jax.clear_caches()
+    _close_all(jax.jit(fn)(*ins), T.reference(op, *_host(dev), **kwargs), dtype)
+
+
+@pytest.mark.parametrize("op", ("sparse_aggregate", "fused_norm_residual", "graph_norm_bce", "linear", "swiglu"))
+def test_grad_with_scratch_on_gpu_matches_cpu(op, rng):
+    """jax.grad through forward and backward handlers at sizes where they take scratch, against the
+    same on the CPU handlers."""
+    args, kwargs = T.sample(op, rng, **SCRATCH[op][0])
+    dtype = _dtype(op)
+    dev = _cast(op, args, dtype)
+    cpu = [a if isinstance(a, (int, float)) else jax.device_put(jnp.asarray(np.asarray(a)), CPU) for a in args]
+    diff = [i for i in T.FLOAT_ARGS[op] if not (op == "graph_norm_bce" and i == 1)]
+    f = getattr(qj, op)
+
+    def grads(full, kw):
+        def loss(*d):
+            a = list(full)
+            for i, v in zip(diff, d):
+                a[i] = v
+            return jnp.sum(f(*a, **kw).astype(jnp.float32))
+
+        return jax.jit(jax.grad(loss, argnums=tuple(range(len(diff)))))(*[full[i] for i in diff])
+
+    got = grads(dev, {k: jax.device_put(jnp.asarray(v), GPU) if isinstance(v, np.ndarray) else v
+                      for k, v in kwargs.items()})
+    with jax.default_device(CPU):
+        ref = grads(cpu, {k: jax.device_put(jnp.asarray(v), CPU) if isinstance(v, np.ndarray) else v
+                          for k, v in kwargs.items()})
+    for g, r in zip(got, ref):
+        assert next(iter(g.devices())).platform == "gpu"
+        _close(g, _f64(r), dtype)
+
+
+def test_vmap_with_scratch_on_gpu(rng):
+    """vmap at sizes where the launchers take scratch: sparse_aggregate folds the batch into the heads
+    (one call, sized for the folded shapes); fused_edge_features_backward runs one call per element
+    (each with its own scratch result); against a loop of float64 references."""
+    (rp, ci, ew, nf), _ = T.sample("sparse_aggregate", rng, **SCRATCH["sparse_aggregate"][0])
+    V = 3
+    ews = np.stack([ew * (1 + i) for i in range(V)]).astype(np.float32)
+    nfs = np.stack([nf - i for i in range(V)]).astype(np.float32)
+    put = functools.partial(jax.device_put, device=GPU)
+    out = jax.jit(jax.vmap(qj.sparse_aggregate, in_axes=(None, None, 0, 0)))(
+        put(jnp.asarray(rp)), put(jnp.asarray(ci)), put(jnp.asarray(ews)), put(jnp.asarray(nfs)))
+    for i in range(V):
+        _close(out[i], T.reference("sparse_aggregate", rp, ci, ews[i], nfs[i]), "float32")
+    (g, x, ei), _ = T.sample("fused_edge_features_backward", rng, **SCRATCH["fused_edge_features_backward"][0])
+    gs = np.stack([g * (1 + i) for i in range(V)]).astype(np.float32)
+    xs = np.stack([x + i for i in range(V)]).astype(np.float32)
+    gx, ga = jax.jit(jax.vmap(qj.fused_edge_features_backward, in_axes=(0, 0, None)))(
+        put(jnp.asarray(gs)), put(jnp.asarray(xs)), put(jnp.asarray(ei)))
+    for i in range(V):
+        rx, ra = T.reference("fused_edge_features_backward", gs[i], xs[i], ei)
+        _close(gx[i], rx, "float32")
+        _close(ga[i], ra, "float32")

@@ -476,3 +476,45 @@ def test_registered_and_import_isolation():
     import sys
     code = "import sys, qkernels; assert 'jax' not in sys.modules, 'import qkernels imported jax'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(qkernels.__file__)))
+
+
+def test_every_handler_is_command_buffer_compatible():
+    """The trait XLA reads: every op, since a call's scratch is one of its results (handlers.c)."""
+    handlers = qkernels._C._jax_handlers(False)
+    assert set(handlers) == set(qkernels._C.OPS)
+    assert [op for op, (_, _, cb) in handlers.items() if cb is not True] == []
+
+
+def test_cpu_handler_ignores_a_scratch_result(rng):
+    """A call traced for the GPU and compiled for the CPU carries the scratch result: the cpu handler
+    computes as without it."""
+    (x, w, b), _ = _sample("linear", rng, m=5, k=12, n=9)
+    out = jax.ShapeDtypeStruct((5, 9), jnp.float32)
+    call = jax.ffi.ffi_call("qkernels_linear", [out, jax.ShapeDtypeStruct((300,), jnp.uint8)])
+    got, scratch = jax.jit(lambda *a: call(*a, scratch=True))(*_jargs((x, w, b)))
+    assert scratch.shape == (300,) and scratch.dtype == jnp.uint8
+    _close(got, T.reference("linear", x, w, b))
+
+
+@pytest.mark.parametrize("op", ("sparse_aggregate", "linear", "fused_norm_residual_backward"))
+def test_no_scratch_result_on_cpu(op, rng):
+    """Traced for the CPU, a call has only the op's results (the scratch result is the GPU's)."""
+    args, kwargs = _sample(op, rng)
+    arrays = [i for i, a in enumerate(args) if not isinstance(a, (int, float))]
+    jaxpr = jax.make_jaxpr(with_traced(getattr(qj, op), _jargs(args), kwargs, arrays))(
+        *[jnp.asarray(args[i]) for i in arrays])
+    text = str(jaxpr)
+    assert "qkernels_" + op in text
+    assert "u8[" not in text and "scratch" not in text
+
+
+def test_scratch_size_query_arguments():
+    """The size query's argument errors (a CUDA-less machine reports the missing handlers after them)."""
+    q = qkernels._C._jax_scratch_bytes
+    with pytest.raises(ValueError, match="unknown op nope"):
+        q("nope", 0, [], [], {}, {})
+    with pytest.raises(TypeError):
+        q("linear", 0, [], [], [], {})
+    if "cuda" not in qj.registered()["linear"]:
+        with pytest.raises(RuntimeError, match="CUDA handlers are not registered"):
+            q("linear", 0, [("bfloat16", (80, 16)), ("bfloat16", (8, 16))], [("bfloat16", (80, 8))], {}, {})

@@ -22,12 +22,17 @@
 static int g_threads = 1;
 static const qk_cuda_api *g_cuda;
 
-/* Scratch blocks a launcher holds at once (the most any takes is 3). */
+/* Scratch blocks a launcher may hold at once (linear_backward's nesting holds the most, 3). */
 #define FC_MAX_BLOCKS 8
 #define FC_STR_(x) #x
 #define FC_STR(x) FC_STR_(x)
-/* XLA's allocator takes alignments up to 16 bytes; the launchers expect cudaMallocAsync's 256. */
+/* Every block starts on this boundary, as cudaMallocAsync's do; XLA promises its buffers only 16 bytes,
+ * so the scratch result is FC_ALIGN - 1 bytes longer than the blocks need and is aligned here. */
 #define FC_ALIGN 256
+/* The stand-in addresses a dry run gives the call's buffers: never dereferenced (nothing captured
+ * runs), each exactly 16-byte aligned (what XLA promises; launchers choose vector paths at 16), apart
+ * so that no two ranges meet.  Its scratch is real memory (qk_cuda_api.dry_run), never touched. */
+#define FC_FAKE_BUFFER(i) ((void *)(((uintptr_t)1 << 44) + ((uintptr_t)(i) << 36) + 16))
 
 typedef struct {
     XLA_FFI_CallFrame *cf;
@@ -35,71 +40,73 @@ typedef struct {
     int cuda;
     void *stream;
     XLA_FFI_Error *err;
-    qk_scratch scratch; /* cuda: the launchers' temporaries from XLA's allocator */
-    size_t scratch_failed; /* the size of a refused request, for the error */
-    const char *scratch_why; /* what the allocator returned */
-    struct { void *raw, *aligned; } blocks[FC_MAX_BLOCKS]; /* live scratch: what XLA handed out */
+    /* cuda: the launchers' temporaries, carved from the call's scratch result (qkernels.jax adds it at
+     * trace time, sized by a dry run of this handler: qk_jax_scratch_bytes) in request order */
+    qk_scratch scratch;
+    char *base;             /* the result's first FC_ALIGN-aligned byte, or NULL */
+    size_t cap;             /* bytes from base to the result's end */
+    size_t top, peak;       /* the end of the live blocks; the most they reached */
+    size_t refused, offset; /* a request that did not fit, and where it would have started */
+    int too_many;           /* refused for the number of blocks, not their size */
+    int nblocks;
+    struct { size_t off, end; int live; } blocks[FC_MAX_BLOCKS];
+    int sizing;             /* a dry run: errors go to msg, not to XLA */
+    int hooked;             /* the args struct has the scratch hook (FC_SCRATCH) */
+    char msg[512];
 } fc;
 
-static void fc_drop(XLA_FFI_CallFrame *cf, XLA_FFI_Error *e) {
-    XLA_FFI_Error_Destroy_Args d = {XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, NULL, e};
-    cf->api->XLA_FFI_Error_Destroy(&d);
-}
-
-/* The launchers' scratch (qk_scratch) from the device allocator of the call's execution context, so
- * that it comes out of the memory XLA already holds (its BFC arena) rather than a second pool beside
- * it.  XLA orders that allocator on its compute stream, as it does for the scratch of its own
- * library calls: a block freed here is handed out again only to work queued after ours. */
+/* The launchers' scratch (qk_scratch) from the scratch result: a stack of blocks, each on an FC_ALIGN
+ * boundary.  The memory belongs to XLA's program, so a command-buffer replay finds it still there; a
+ * dry run carves the same blocks from its own and keeps the peak. */
 static int fc_scratch_alloc(void *ctx, size_t bytes, void *stream, void **p) {
     fc *c = (fc *)ctx;
     (void)stream;
-    int slot = 0;
-    while (slot < FC_MAX_BLOCKS && c->blocks[slot].raw) slot++;
-    if (slot == FC_MAX_BLOCKS || bytes > SIZE_MAX - FC_ALIGN) {
-        c->scratch_failed = bytes;
-        c->scratch_why = "nothing: more than " FC_STR(FC_MAX_BLOCKS) " blocks or too large";
+    const size_t off = (c->top + FC_ALIGN - 1) & ~(size_t)(FC_ALIGN - 1);
+    if (c->nblocks == FC_MAX_BLOCKS || off < c->top || bytes > c->cap || off > c->cap - bytes) {
+        c->refused = bytes ? bytes : 1, c->offset = off, c->too_many = c->nblocks == FC_MAX_BLOCKS;
         return QK_E_NOMEM;
     }
-    XLA_FFI_DeviceMemory_Allocate_Args a = {XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE, NULL, c->cf->ctx,
-                                            bytes + FC_ALIGN, 16, NULL};
-    XLA_FFI_Error *e = c->cf->api->XLA_FFI_DeviceMemory_Allocate(&a);
-    if (e || !a.data) {
-        c->scratch_failed = bytes;
-        c->scratch_why = e ? "an error" : "no memory";
-        if (e) fc_drop(c->cf, e);
-        return QK_E_NOMEM;
-    }
-    uintptr_t raw = (uintptr_t)a.data;
-    c->blocks[slot].raw = a.data;
-    c->blocks[slot].aligned = *p = (void *)((raw + FC_ALIGN - 1) & ~(uintptr_t)(FC_ALIGN - 1));
+    c->blocks[c->nblocks].off = off, c->blocks[c->nblocks].end = off + bytes, c->blocks[c->nblocks].live = 1;
+    c->nblocks++;
+    c->top = off + bytes;
+    if (c->top > c->peak) c->peak = c->top;
+    *p = c->base + off;
     return QK_OK;
 }
 
+/* A block is done with once the work enqueued so far is (the stream orders what comes after); the
+ * stack shrinks past the blocks freed at its top. */
 static int fc_scratch_free(void *ctx, void *p, size_t bytes, void *stream) {
     fc *c = (fc *)ctx;
-    (void)stream;
-    int slot = 0;
-    while (slot < FC_MAX_BLOCKS && c->blocks[slot].aligned != p) slot++;
-    if (slot == FC_MAX_BLOCKS) return QK_E_NOMEM; /* not ours: a launcher bug, reported, never freed */
-    XLA_FFI_DeviceMemory_Free_Args a = {XLA_FFI_DeviceMemory_Free_Args_STRUCT_SIZE, NULL, c->cf->ctx,
-                                        bytes + FC_ALIGN, c->blocks[slot].raw};
-    c->blocks[slot].raw = c->blocks[slot].aligned = NULL;
-    XLA_FFI_Error *e = c->cf->api->XLA_FFI_DeviceMemory_Free(&a);
-    if (!e) return QK_OK;
-    fc_drop(c->cf, e);
-    return QK_E_NOMEM;
+    (void)stream, (void)bytes;
+    int i = c->nblocks - 1;
+    while (i >= 0 && !(c->blocks[i].live && c->base + c->blocks[i].off == (char *)p)) i--;
+    if (i < 0) return QK_E_NOMEM; /* not ours: a launcher bug, reported */
+    c->blocks[i].live = 0;
+    while (c->nblocks > 0 && !c->blocks[c->nblocks - 1].live) c->nblocks--;
+    c->top = c->nblocks > 0 ? c->blocks[c->nblocks - 1].end : 0;
+    return QK_OK;
 }
 
-/* The scratch hook for an args struct: XLA's allocator on cuda (the cpu launchers take none). */
-#define FC_SCRATCH(c) ((c)->cuda ? &(c)->scratch : NULL)
+/* The scratch hook for an args struct: the scratch result on cuda (the cpu launchers take none).  A
+ * handler that never asks for it runs a launcher that takes no scratch, which a dry run then skips. */
+static const qk_scratch *fc_scratch_hook(fc *c) {
+    c->hooked = 1;
+    return c->cuda ? &c->scratch : NULL;
+}
+#define FC_SCRATCH(c) fc_scratch_hook(c)
+
+/* What a dry run's handler returns for an error: the message is in c->msg. */
+static XLA_FFI_Error *const FC_SIZING_ERROR = (XLA_FFI_Error *)&g_threads;
 
 static XLA_FFI_Error *fc_fail(fc *c, XLA_FFI_Error_Code code, const char *fmt, ...) {
-    char msg[512];
-    int n = snprintf(msg, sizeof msg, "%s: ", c->op);
+    char *msg = c->msg;
+    int n = snprintf(msg, sizeof c->msg, "%s: ", c->op);
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg + n, sizeof msg - (size_t)n, fmt, ap);
+    vsnprintf(msg + n, sizeof c->msg - (size_t)n, fmt, ap);
     va_end(ap);
+    if (c->sizing) return c->err = FC_SIZING_ERROR;
     XLA_FFI_Error_Create_Args a = {XLA_FFI_Error_Create_Args_STRUCT_SIZE, NULL, msg, code};
     c->err = c->cf->api->XLA_FFI_Error_Create(&a); /* XLA copies the message */
     return c->err;
@@ -207,10 +214,12 @@ static int64_t fc_attr_i64(fc *c, const char *name, int64_t dflt) {
     return dflt;
 }
 
-/* Run launcher `name` where the call frame's platform says; status into st. */
+/* Run launcher `name` where the call frame's platform says; status into st.  A dry run leaves out a
+ * launcher without the scratch hook: it takes no scratch. */
 #define FC_RUN(st, c, name, args)                                     \
     do {                                                              \
-        if ((c)->cuda) (st) = g_cuda->name((args), (c)->stream);      \
+        if ((c)->sizing && !(c)->hooked) (st) = QK_OK;                \
+        else if ((c)->cuda) (st) = g_cuda->name((args), (c)->stream); \
         else (st) = qk_##name##_cpu((args), NULL);                    \
     } while (0)
 
@@ -220,9 +229,11 @@ static XLA_FFI_Error *fc_status(fc *c, int status) {
     if (status == QK_E_UNSUPPORTED)
         return fc_fail(c, XLA_FFI_Error_Code_UNIMPLEMENTED, "no %s kernel for this dtype/shape combination",
                        c->cuda ? "cuda" : "cpu");
-    if (status == QK_E_NOMEM && c->scratch_failed)
-        return fc_fail(c, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED, "out of memory: XLA's allocator refused %zu bytes of "
-                       "scratch (it returned %s)", c->scratch_failed, c->scratch_why);
+    if (status == QK_E_NOMEM && c->refused)
+        return fc_fail(c, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED, "the launcher asked for %zu bytes of scratch at "
+                       "offset %zu, past the %zu the call's scratch result holds (qkernels.jax sizes it at trace "
+                       "time by a dry run on the default GPU: another device model may need more)",
+                       c->refused, c->offset, c->cap);
     if (status == QK_E_NOMEM) return fc_fail(c, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED, "out of memory");
     if (status == QK_E_THREAD) return fc_fail(c, XLA_FFI_Error_Code_INTERNAL, "a CPU worker thread could not start");
     if (status > 0 && g_cuda)
@@ -242,16 +253,17 @@ static XLA_FFI_Error *sa_index_error(fc *c, int bad_arg, int64_t pos, int64_t va
                    (long long)value, (long long)N_src);
 }
 
-/* Command-buffer (CUDA graph) trait: only where the CUDA launcher takes no scratch.  XLA records a
- * compatible handler once by stream capture and replays the graph until its own buffers move; scratch
- * from its allocator is released when the handler returns, so a replay would write to memory the
- * allocator has since handed to other buffers.  Host-side first-use work in the launchers
- * (cudaFuncSetAttribute, occupancy queries) is legal under capture; nothing reads device memory back. */
+/* Command-buffer (CUDA graph) trait, per op.  XLA records a compatible handler once by stream capture
+ * and replays the graph until its own buffers move, so everything a launcher writes must be one of
+ * XLA's buffers: its scratch is the call's scratch result, not memory held only while the handler
+ * runs.  Host-side first-use work in the launchers (cudaFuncSetAttribute, occupancy queries, loading
+ * cuBLASLt) is legal under capture and already done by the trace-time dry run; nothing reads device
+ * memory back.  Every op has it; an op that could not would say CB_NO here. */
 enum { CB_NO = 0, CB_YES = XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE };
 
 /* sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat) -> out.  The CUDA launcher takes scratch
  * for the long rows' partials past 512 edges. */
-static const unsigned cb_sparse_aggregate = CB_NO;
+static const unsigned cb_sparse_aggregate = CB_YES;
 static XLA_FFI_Error *ffi_sparse_aggregate(fc *c) {
     XLA_FFI_Buffer *rp = ARG(0, "row_ptr", 1), *ci = rp ? ARG(1, "col_idx", 1) : NULL,
                    *ew = ci ? ARG(2, "edge_weight", 2) : NULL, *nf = ew ? ARG(3, "node_feat", 3) : NULL,
@@ -276,7 +288,7 @@ static XLA_FFI_Error *ffi_sparse_aggregate(fc *c) {
 /* sparse_aggregate_backward(grad_out, row_ptr, col_idx, edge_weight, node_feat) -> (grad_edge_weight,
  * grad_node_feat); attributes edge_weight_grad, node_feat_grad (false: that result is [0], not
  * computed), deterministic. */
-static const unsigned cb_sparse_aggregate_backward = CB_NO;
+static const unsigned cb_sparse_aggregate_backward = CB_YES;
 static XLA_FFI_Error *ffi_sparse_aggregate_backward(fc *c) {
     XLA_FFI_Buffer *go = ARG(0, "grad_out", 3), *rp = go ? ARG(1, "row_ptr", 1) : NULL,
                    *ci = rp ? ARG(2, "col_idx", 1) : NULL, *ew = ci ? ARG(3, "edge_weight", 2) : NULL,
@@ -331,7 +343,7 @@ static XLA_FFI_Error *ffi_fused_edge_features(fc *c) {
 
 /* fused_edge_features_backward(grad_out, x, edge_index) -> (grad_x, grad_edge_attr: [E, H] when
  * grad_out has 3H columns, else [0]) */
-static const unsigned cb_fused_edge_features_backward = CB_NO;
+static const unsigned cb_fused_edge_features_backward = CB_YES;
 static XLA_FFI_Error *ffi_fused_edge_features_backward(fc *c) {
     XLA_FFI_Buffer *go = ARG(0, "grad_out", 2), *x = go ? ARG(1, "x", 2) : NULL,
                    *ei = x ? ARG(2, "edge_index", 2) : NULL, *gx = ei ? RET(0, "grad_x", 2) : NULL,
@@ -394,7 +406,7 @@ static XLA_FFI_Error *nr_status(fc *c, int st, int64_t pos, int64_t value, int64
 
 /* fused_norm_residual(x, residual, gamma, beta, seed[, batch]) -> out; attributes p, training, eps,
  * num_graphs (0: row mode).  The graph-mode CUDA launcher takes scratch. */
-static const unsigned cb_fused_norm_residual = CB_NO;
+static const unsigned cb_fused_norm_residual = CB_YES;
 static XLA_FFI_Error *ffi_fused_norm_residual(fc *c) {
     XLA_FFI_Buffer *x = ARG(0, "x", 2), *r = x ? ARG(1, "residual", 2) : NULL, *g = r ? ARG(2, "gamma", 1) : NULL,
                    *b = g ? ARG(3, "beta", 1) : NULL, *out = b ? RET(0, "out", 2) : NULL;
@@ -414,7 +426,7 @@ static XLA_FFI_Error *ffi_fused_norm_residual(fc *c) {
 }
 
 /* fused_norm_residual_backward(grad_out, x, gamma, seed[, batch]) -> (grad_x, grad_gamma, grad_beta) */
-static const unsigned cb_fused_norm_residual_backward = CB_NO;
+static const unsigned cb_fused_norm_residual_backward = CB_YES;
 static XLA_FFI_Error *ffi_fused_norm_residual_backward(fc *c) {
     XLA_FFI_Buffer *go = ARG(0, "grad_out", 2), *x = go ? ARG(1, "x", 2) : NULL, *g = x ? ARG(2, "gamma", 1) : NULL,
                    *gx = g ? RET(0, "grad_x", 2) : NULL, *gg = gx ? RET(1, "grad_gamma", 1) : NULL,
@@ -470,7 +482,7 @@ static XLA_FFI_Error *gb_status(fc *c, int st, const qk_graph_norm_bce_args *a) 
 }
 
 /* graph_norm_bce(logits, target, edge_graph[, pos_weight]) -> float32 [] */
-static const unsigned cb_graph_norm_bce = CB_NO;
+static const unsigned cb_graph_norm_bce = CB_YES;
 static XLA_FFI_Error *ffi_graph_norm_bce(fc *c) {
     qk_graph_norm_bce_args a = {0};
     if (gb_fill(c, 0, &a) < 0) return c->err;
@@ -483,7 +495,7 @@ static XLA_FFI_Error *ffi_graph_norm_bce(fc *c) {
 }
 
 /* graph_norm_bce_backward(grad [] float32, logits, target, edge_graph[, pos_weight]) -> grad_logits [E] */
-static const unsigned cb_graph_norm_bce_backward = CB_NO;
+static const unsigned cb_graph_norm_bce_backward = CB_YES;
 static XLA_FFI_Error *ffi_graph_norm_bce_backward(fc *c) {
     XLA_FFI_Buffer *g = ARG(0, "grad", 0);
     qk_graph_norm_bce_args a = {0};
@@ -559,9 +571,9 @@ static XLA_FFI_Error *ln_run(fc *c, int swiglu) {
     a.dtype = dtype_of(x);
     return ln_launch(c, &a, swiglu, 0, a.M > 0 && a.N > 0);
 }
-static const unsigned cb_linear = CB_NO;
+static const unsigned cb_linear = CB_YES;
 static XLA_FFI_Error *ffi_linear(fc *c) { return ln_run(c, 0); }
-static const unsigned cb_swiglu = CB_NO;
+static const unsigned cb_swiglu = CB_YES;
 static XLA_FFI_Error *ffi_swiglu(fc *c) { return ln_run(c, 1); }
 
 /* linear_backward(grad_out [M, N], x [M, K], weight) -> (grad_x, grad_weight, grad_bias) and
@@ -588,9 +600,9 @@ static XLA_FFI_Error *lb_run(fc *c, int swiglu) {
     return ln_launch(c, &a, swiglu, 1, (want_x && a.M > 0 && a.K > 0) || (want_w && a.N > 0 && a.K > 0) ||
                                            (want_b && a.N > 0));
 }
-static const unsigned cb_linear_backward = CB_NO;
+static const unsigned cb_linear_backward = CB_YES;
 static XLA_FFI_Error *ffi_linear_backward(fc *c) { return lb_run(c, 0); }
-static const unsigned cb_swiglu_backward = CB_NO;
+static const unsigned cb_swiglu_backward = CB_YES;
 static XLA_FFI_Error *ffi_swiglu_backward(fc *c) { return lb_run(c, 1); }
 
 /* ---- attention ----------------------------------------------------------------------------- */
@@ -694,7 +706,7 @@ static int pool_operands(fc *c, int n, XLA_FFI_Buffer **b) {
 
 /* attn_decode(q [B, 1, Hq, D], k, v [B, Lkv, Hkv, D][, kv_lens [B]][, mask [B|1, Lkv]]) -> out;
  * attributes scale, has_kv_lens.  The CUDA launcher may take a split-K workspace as scratch. */
-static const unsigned cb_attn_decode = CB_NO;
+static const unsigned cb_attn_decode = CB_YES;
 static XLA_FFI_Error *ffi_attn_decode(fc *c) {
     XLA_FFI_Buffer *q = ARG(0, "q", 4), *k = q ? ARG(1, "k", 4) : NULL, *v = k ? ARG(2, "v", 4) : NULL,
                    *out = v ? RET(0, "out", 4) : NULL;
@@ -725,7 +737,7 @@ static XLA_FFI_Error *ffi_attn_decode(fc *c) {
 /* attn_paged_decode(q [B, Hq, D], k_cache, v_cache [S, Hkv, D], req_to_token, req_pool_indices,
  * kv_indptr[, new_k, new_v][, mask [B|1, W]]) -> out, or (out, k_cache, v_cache) with new_k/new_v
  * (attribute has_new): the caches alias operands 1 and 2, so the pools are written in place. */
-static const unsigned cb_attn_paged_decode = CB_NO;
+static const unsigned cb_attn_paged_decode = CB_YES;
 static XLA_FFI_Error *ffi_attn_paged_decode(fc *c) {
     XLA_FFI_Buffer *b[7];
     if (pool_operands(c, 6, b) < 0) return c->err;
@@ -906,8 +918,11 @@ static XLA_FFI_Error *fc_enter(XLA_FFI_CallFrame *cf, const char *op, int cuda, 
                                        XLA_FFI_Error_Code_FAILED_PRECONDITION};
         return cf->api->XLA_FFI_Error_Create(&a);
     }
-    fc c = {cf, op, cuda, NULL, NULL, {fc_scratch_alloc, fc_scratch_free, NULL}, 0, "", {{NULL, NULL}}};
-    c.scratch.ctx = &c;
+    fc c;
+    memset(&c, 0, sizeof c);
+    c.cf = cf, c.op = op, c.cuda = cuda;
+    c.scratch.alloc = fc_scratch_alloc, c.scratch.free = fc_scratch_free, c.scratch.ctx = &c;
+    c.scratch.sized_ahead = 1;
     if (cf->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL; /* only the execute stage is registered */
     if (cuda) {
         if (!g_cuda)
@@ -916,8 +931,36 @@ static XLA_FFI_Error *fc_enter(XLA_FFI_CallFrame *cf, const char *op, int cuda, 
         XLA_FFI_Error *e = cf->api->XLA_FFI_Stream_Get(&sa);
         if (e) return e;
         c.stream = sa.stream;
+        /* Attribute scratch: the last result is the launcher's scratch, uint8 [bytes].  The cpu
+         * handler ignores one (a cpu launcher takes none). */
+        if (fc_attr(&c, "scratch", 0) != 0) {
+            XLA_FFI_Buffer *sb = fc_buf(&c, 1, cf->rets.size > 0 ? (int)cf->rets.size - 1 : 0, "scratch", 1, 1);
+            if (!sb) return c.err;
+            if (sb->dtype != XLA_FFI_DataType_U8)
+                return fc_fail(&c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "scratch must be uint8 [bytes]");
+            const uintptr_t raw = (uintptr_t)sb->data, skip = (FC_ALIGN - raw % FC_ALIGN) % FC_ALIGN;
+            const size_t n = sb->dims[0] > 0 ? (size_t)sb->dims[0] : 0;
+            if (sb->data && n > skip) c.base = (char *)sb->data + skip, c.cap = n - skip;
+        }
     }
     return body(&c);
+}
+
+/* The dry run's callback: the handler's body on the capturing stream. */
+typedef struct {
+    fc *c;
+    XLA_FFI_Error *(*body)(fc *);
+    XLA_FFI_Error *result;
+} fc_dry;
+
+static int fc_dry_body(void *ctx, void *stream, void *scratch) {
+    fc_dry *d = (fc_dry *)ctx;
+    fc *c = d->c;
+    c->stream = stream, c->err = NULL; /* the cap's bytes from the first FC_ALIGN boundary */
+    c->base = scratch ? (char *)(((uintptr_t)scratch + FC_ALIGN - 1) & ~(uintptr_t)(FC_ALIGN - 1)) : NULL;
+    c->top = c->peak = c->refused = c->offset = 0, c->nblocks = 0, c->too_many = 0, c->hooked = 0;
+    d->result = d->body(c);
+    return 0;
 }
 
 #define QK_FFI_DEFINE(op, launcher, family, deciding)                                                       \
@@ -957,4 +1000,205 @@ PyObject *qk_jax_handlers(PyObject *module, PyObject *cuda_obj) {
     QK_OPS(QK_FFI_ENTRY)
 #undef QK_FFI_ENTRY
     return d;
+}
+
+/* ---- trace-time scratch sizing ------------------------------------------------------------- */
+
+#define FC_MAX_OPERANDS 16
+#define FC_MAX_RESULTS 8
+#define FC_MAX_ATTRS 16
+#define FC_MAX_RANK 8
+
+static const struct {
+    const char *name;
+    XLA_FFI_DataType type;
+} fc_dtypes[] = {{"float32", XLA_FFI_DataType_F32}, {"float16", XLA_FFI_DataType_F16},
+                 {"bfloat16", XLA_FFI_DataType_BF16}, {"float64", XLA_FFI_DataType_F64},
+                 {"int32", XLA_FFI_DataType_S32},    {"int64", XLA_FFI_DataType_S64},
+                 {"bool", XLA_FFI_DataType_PRED},    {"uint8", XLA_FFI_DataType_U8},
+                 {"int8", XLA_FFI_DataType_S8},      {"uint32", XLA_FFI_DataType_U32},
+                 {"uint64", XLA_FFI_DataType_U64}};
+
+/* (dtype name, shape) pairs into buffers; -1 with an exception set. */
+static int fc_parse_buffers(PyObject *seq, const char *what, int max, XLA_FFI_Buffer *bufs,
+                            int64_t (*dims)[FC_MAX_RANK], void **ptrs, int *n) {
+    PyObject *fast = PySequence_Fast(seq, "_jax_scratch_bytes: operands and results must be sequences");
+    if (!fast) return -1;
+    const Py_ssize_t count = PySequence_Fast_GET_SIZE(fast);
+    if (count > max) {
+        PyErr_Format(PyExc_ValueError, "_jax_scratch_bytes: more than %d %s", max, what);
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const char *dt;
+        PyObject *shape, *sf = NULL;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "sO", &dt, &shape)) goto fail;
+        XLA_FFI_Buffer *b = &bufs[i];
+        memset(b, 0, sizeof *b);
+        b->struct_size = sizeof *b;
+        b->dtype = XLA_FFI_DataType_INVALID;
+        for (size_t k = 0; k < sizeof fc_dtypes / sizeof fc_dtypes[0]; k++)
+            if (!strcmp(dt, fc_dtypes[k].name)) b->dtype = fc_dtypes[k].type;
+        if (b->dtype == XLA_FFI_DataType_INVALID) {
+            PyErr_Format(PyExc_TypeError, "_jax_scratch_bytes: %s %zd has dtype %s, which no handler takes", what,
+                         i, dt);
+            goto fail;
+        }
+        if (!(sf = PySequence_Fast(shape, "_jax_scratch_bytes: a shape must be a sequence"))) goto fail;
+        const Py_ssize_t rank = PySequence_Fast_GET_SIZE(sf);
+        if (rank > FC_MAX_RANK) {
+            PyErr_Format(PyExc_ValueError, "_jax_scratch_bytes: %s %zd has more than %d dimensions", what, i,
+                         FC_MAX_RANK);
+            Py_DECREF(sf);
+            goto fail;
+        }
+        for (Py_ssize_t d = 0; d < rank; d++) {
+            const long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(sf, d));
+            if (v == -1 && PyErr_Occurred()) {
+                Py_DECREF(sf);
+                goto fail;
+            }
+            if (v < 0) {
+                PyErr_Format(PyExc_ValueError, "_jax_scratch_bytes: %s %zd has a negative dimension", what, i);
+                Py_DECREF(sf);
+                goto fail;
+            }
+            dims[i][d] = v;
+        }
+        Py_DECREF(sf);
+        b->rank = rank, b->dims = dims[i], b->data = ptrs[i];
+    }
+    *n = (int)count;
+    Py_DECREF(fast);
+    return 0;
+fail:
+    Py_DECREF(fast);
+    return -1;
+}
+
+/* _jax_scratch_bytes(op, device, operands, results, attrs, aliases) -> (requested, result_bytes): the
+ * bytes of scratch op's CUDA handler asks for with these operands, results ((dtype name, shape) each),
+ * attributes ({name: bool, int or float}) and input-output aliases ({operand: result}), found by running
+ * the handler itself on stand-in buffers inside a dry run on CUDA device `device` (qk_cuda_api.dry_run:
+ * captured, never executed), and the size of the uint8 result that holds them at any alignment (0 when
+ * none is needed).  The handler's own args filling and the launcher's own sizing decide, so the two
+ * cannot disagree; the launcher's cuBLASLt plan is the one the real call finds in its cache. */
+PyObject *qk_jax_scratch_bytes(PyObject *module, PyObject *args) {
+    (void)module;
+    const char *op;
+    int device;
+    PyObject *ops, *res, *attrs, *aliases;
+    if (!PyArg_ParseTuple(args, "siOOO!O!:_jax_scratch_bytes", &op, &device, &ops, &res, &PyDict_Type, &attrs,
+                          &PyDict_Type, &aliases))
+        return NULL;
+    XLA_FFI_Error *(*body)(fc *) = NULL;
+#define QK_FFI_BODY(name, launcher, family, deciding) \
+    if (!body && !strcmp(op, #name)) body = ffi_##name;
+    QK_OPS(QK_FFI_BODY)
+#undef QK_FFI_BODY
+    if (!body) return PyErr_Format(PyExc_ValueError, "_jax_scratch_bytes: unknown op %s", op);
+    if (!g_cuda) {
+        PyErr_SetString(PyExc_RuntimeError, "_jax_scratch_bytes: the CUDA handlers are not registered");
+        return NULL;
+    }
+
+    static XLA_FFI_Buffer in[FC_MAX_OPERANDS], out[FC_MAX_RESULTS];
+    static int64_t in_dims[FC_MAX_OPERANDS][FC_MAX_RANK], out_dims[FC_MAX_RESULTS][FC_MAX_RANK];
+    static XLA_FFI_ArgType in_types[FC_MAX_OPERANDS];
+    static XLA_FFI_RetType out_types[FC_MAX_RESULTS];
+    static void *in_ptrs[FC_MAX_OPERANDS], *out_ptrs[FC_MAX_RESULTS], *in_bufs[FC_MAX_OPERANDS],
+        *out_bufs[FC_MAX_RESULTS];
+    static XLA_FFI_ByteSpan names[FC_MAX_ATTRS], *name_ptrs[FC_MAX_ATTRS];
+    static XLA_FFI_Scalar scalars[FC_MAX_ATTRS];
+    static void *attr_ptrs[FC_MAX_ATTRS];
+    static XLA_FFI_AttrType attr_types[FC_MAX_ATTRS];
+    static union { uint8_t b; int64_t i; double f; } values[FC_MAX_ATTRS];
+    /* The GIL is held throughout, so these statics serve one call at a time. */
+
+    for (int i = 0; i < FC_MAX_OPERANDS; i++) in_ptrs[i] = FC_FAKE_BUFFER(i), in_types[i] = XLA_FFI_ArgType_BUFFER;
+    for (int i = 0; i < FC_MAX_RESULTS; i++)
+        out_ptrs[i] = FC_FAKE_BUFFER(FC_MAX_OPERANDS + i), out_types[i] = XLA_FFI_RetType_BUFFER;
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(aliases, &pos, &k, &v)) {
+        const long o = PyLong_AsLong(k), r = PyLong_AsLong(v);
+        if ((o == -1 || r == -1) && PyErr_Occurred()) return NULL;
+        if (o < 0 || o >= FC_MAX_OPERANDS || r < 0 || r >= FC_MAX_RESULTS)
+            return PyErr_Format(PyExc_ValueError, "_jax_scratch_bytes: alias %ld -> %ld is out of range", o, r);
+        out_ptrs[r] = in_ptrs[o];
+    }
+    int nin, nout;
+    if (fc_parse_buffers(ops, "operands", FC_MAX_OPERANDS, in, in_dims, in_ptrs, &nin) < 0 ||
+        fc_parse_buffers(res, "results", FC_MAX_RESULTS, out, out_dims, out_ptrs, &nout) < 0)
+        return NULL;
+    for (int i = 0; i < nin; i++) in_bufs[i] = &in[i];
+    for (int i = 0; i < nout; i++) out_bufs[i] = &out[i];
+
+    if (PyDict_Size(attrs) > FC_MAX_ATTRS)
+        return PyErr_Format(PyExc_ValueError, "_jax_scratch_bytes: more than %d attributes", FC_MAX_ATTRS);
+    int na = 0;
+    pos = 0;
+    while (PyDict_Next(attrs, &pos, &k, &v)) {
+        Py_ssize_t len;
+        const char *name = PyUnicode_Check(k) ? PyUnicode_AsUTF8AndSize(k, &len) : NULL;
+        if (!name) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "_jax_scratch_bytes: attribute names are strings");
+            return NULL;
+        }
+        names[na].ptr = name, names[na].len = (size_t)len, name_ptrs[na] = &names[na];
+        if (PyBool_Check(v)) {
+            values[na].b = v == Py_True, scalars[na].dtype = XLA_FFI_DataType_PRED;
+        } else if (PyLong_Check(v)) {
+            values[na].i = PyLong_AsLongLong(v), scalars[na].dtype = XLA_FFI_DataType_S64;
+            if (values[na].i == -1 && PyErr_Occurred()) return NULL;
+        } else if (PyFloat_Check(v)) {
+            values[na].f = PyFloat_AsDouble(v), scalars[na].dtype = XLA_FFI_DataType_F64;
+        } else {
+            return PyErr_Format(PyExc_TypeError, "_jax_scratch_bytes: attribute %s must be a bool, int or float", name);
+        }
+        scalars[na].value = &values[na];
+        attr_ptrs[na] = &scalars[na], attr_types[na] = XLA_FFI_AttrType_SCALAR;
+        na++;
+    }
+
+    XLA_FFI_CallFrame cf;
+    memset(&cf, 0, sizeof cf);
+    cf.struct_size = sizeof cf;
+    cf.stage = XLA_FFI_ExecutionStage_EXECUTE;
+    cf.args.struct_size = sizeof cf.args, cf.args.size = nin, cf.args.types = in_types, cf.args.args = in_bufs;
+    cf.rets.struct_size = sizeof cf.rets, cf.rets.size = nout, cf.rets.types = out_types, cf.rets.rets = out_bufs;
+    cf.attrs.struct_size = sizeof cf.attrs, cf.attrs.size = na, cf.attrs.types = attr_types;
+    cf.attrs.names = name_ptrs, cf.attrs.attrs = attr_ptrs;
+
+    fc c;
+    memset(&c, 0, sizeof c);
+    c.cf = &cf, c.op = op, c.cuda = 1, c.sizing = 1;
+    c.scratch.alloc = fc_scratch_alloc, c.scratch.free = fc_scratch_free, c.scratch.ctx = &c;
+    c.scratch.sized_ahead = 1, c.scratch.dry_run = 1;
+    /* Real scratch, since CUB's sorts memset theirs: a guess, grown past each refused request and run
+     * again (the requests do not depend on the capacity until one is refused). */
+    fc_dry d = {&c, body, NULL};
+    size_t cap = (size_t)1 << 20;
+    for (int attempt = 0;; attempt++) {
+        c.cap = cap, c.refused = 0, d.result = NULL;
+        const int st = g_cuda->dry_run(device, cap + FC_ALIGN - 1, fc_dry_body, &d);
+        if (c.refused && !c.too_many && attempt < 48) { /* even where the launcher went on without it */
+            const size_t need = c.offset + c.refused;
+            if (need < c.offset || need > (size_t)1 << 46)
+                return PyErr_Format(PyExc_MemoryError, "%s: the launcher asked for %zu bytes of scratch", op, c.refused);
+            cap = need > 2 * cap ? need : 2 * cap;
+            continue;
+        }
+        if (d.result)
+            return PyErr_Format(PyExc_RuntimeError, "%s (in the trace-time dry run that sizes its scratch)", c.msg);
+        if (st)
+            return PyErr_Format(PyExc_RuntimeError, "%s: CUDA error %d (%s) in the trace-time dry run that sizes "
+                                "its scratch", op, st, g_cuda->error_string(st));
+        break;
+    }
+    if (c.nblocks)
+        return PyErr_Format(PyExc_RuntimeError, "%s: the launcher kept %d scratch blocks past its return", op,
+                            c.nblocks);
+    const unsigned long long peak = c.peak;
+    return Py_BuildValue("(KK)", peak, peak ? peak + FC_ALIGN - 1 : 0ull);
 }

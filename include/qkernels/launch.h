@@ -70,11 +70,19 @@ enum {
  * that have one).  NULL (a zero-initialised struct): cudaMallocAsync / cudaFreeAsync on the launch
  * stream.  Otherwise alloc returns 0 and *p, or a non-zero status (QK_E_NOMEM, or a cudaError_t);
  * free releases p (of the size it was asked for) once the work already enqueued on stream is done
- * with it: the XLA FFI handlers pass XLA's device allocator, which is ordered on XLA's stream. */
+ * with it.  The XLA FFI handlers pass a block the caller owns, carved in request order, whose size
+ * a dry run of the same launcher found at trace time (qk_cuda_api.dry_run): sized_ahead is then
+ * set, and a launcher's requests may depend on its data pointers' alignment only up to 16 bytes
+ * (all XLA promises), since the dry run sees stand-in pointers. */
 typedef struct qk_scratch {
     int (*alloc)(void *ctx, size_t bytes, void *stream, void **p);
     int (*free)(void *ctx, void *p, size_t bytes, void *stream);
     void *ctx;
+    int sized_ahead;
+    /* Nothing enqueued will run (qk_cuda_api.dry_run): a launcher leaves out the memsets it issues on
+     * its arguments, since the driver checks a memset's address when it is captured and a dry run's
+     * arguments are stand-ins (its scratch is real memory, never touched). */
+    int dry_run;
 } qk_scratch;
 
 /* Element types the kernels see; the binding maps DLPack dtypes onto these. */
@@ -511,7 +519,7 @@ typedef struct {
     X(rotary_kv_append, rotary_kv_append, rotary_emb, 0)
 
 /* The CUDA shared object exports one symbol, qk_cuda_get_api, returning this table. */
-#define QK_CUDA_ABI 13
+#define QK_CUDA_ABI 14
 
 typedef struct {
     int abi;
@@ -538,6 +546,13 @@ typedef struct {
      * before any launch (the kernels read no environment): a library path tried first (or NULL), and
      * ':'-separated CUDA install roots tried after the others (or NULL). */
     void (*set_cublaslt_search)(const char *library, const char *roots);
+    /* run(ctx, stream, scratch) on `device` with `stream` in stream capture (relaxed mode), the captured
+     * graph discarded: launchers called there enqueue nothing that ever runs, while their scratch
+     * requests reach their hook as in a real call.  scratch: scratch_bytes of device memory allocated on
+     * the stream before the capture and freed after it, never touched (CUB's sorts memset their
+     * temporaries, and the driver checks a captured memset's address), or NULL for 0 bytes.  Returns
+     * run's status, else the capture's; the caller's current device is restored. */
+    int (*dry_run)(int device, size_t scratch_bytes, int (*run)(void *ctx, void *stream, void *scratch), void *ctx);
     /* One entry per launcher, named as in QK_LAUNCHERS. */
 #define QK_CUDA_ENTRY(name, args) int (*name)(const qk_##args##_args *a, void *stream);
     QK_LAUNCHERS(QK_CUDA_ENTRY)
