@@ -275,8 +275,9 @@ def test_scratch_ops_twice_in_one_program_replayed(op, rng, monkeypatch):
         return one(*ts[:n]), one(*ts[n:])
 
     first = [_cast(op, _varied(op, args, rng), dtype) for _ in range(2)]
+    # the op's own jit traces it once for both calls of the same signature: one size, or two equal ones
     sizes = _requested(monkeypatch, op, two, *[d[i] for d in first for i in arrays])
-    assert len(sizes) == 2 and sizes[0] == sizes[1]
+    assert 1 <= len(sizes) <= 2 and len(set(sizes)) == 1, sizes
     assert sizes[0] > 0 or not always, f"{op} took no scratch at {opts}"
     run = jax.jit(two)
     for step in range(5):
