@@ -200,3 +200,18 @@ long long qk_num_graphs_arg(const char *fname, PyObject *obj, int64_t scratch_by
     }
     return G;
 }
+
+long long qk_count_arg(const char *fname, const char *arg, PyObject *obj, long long max) {
+    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: %s must be an int, got %.200s", fname, arg, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    const long long n = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (n == -1 && PyErr_Occurred()) return -1;
+    if (overflow || n < 0 || n > max) {
+        PyErr_Format(PyExc_ValueError, "%s: %s must be between 0 and %lld, got %R", fname, arg, max, obj);
+        return -1;
+    }
+    return n;
+}

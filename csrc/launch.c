@@ -19,6 +19,27 @@ int qk_same_device(const char *op, const qk_view *views, const char *const *name
     return 0;
 }
 
+int qk_plan_arg(qk_state *st, PyObject *obj, const char *op, void *stream, int64_t len, const char *layout,
+                const qk_view *like, qk_view *v) {
+    if (obj == NULL || obj == Py_None) return 0;
+    if (qk_import(st, obj, op, "plan", stream, v) < 0) return -1;
+    if (v->dtype != QK_I32)
+        PyErr_Format(PyExc_TypeError, "%s: plan must be int32 (the output of the op's plan function), got %s", op,
+                     qk_dtype_name(v->dtype));
+    else if (v->ndim != 1 || v->shape[0] != len)
+        PyErr_Format(PyExc_ValueError, "%s: plan must have shape [%s] = [%lld] for these inputs", op, layout,
+                     (long long)len);
+    else if (len > 1 && v->strides[0] != 1)
+        PyErr_Format(PyExc_ValueError, "%s: plan must be contiguous (stride 1), got stride %lld", op,
+                     (long long)v->strides[0]);
+    else if (v->device_type != like->device_type || v->device_id != like->device_id)
+        PyErr_Format(PyExc_ValueError, "%s: plan must be on the device of the other inputs", op);
+    else
+        return 1;
+    qk_views_release(v, 1);
+    return -1;
+}
+
 int qk_import_all(qk_state *st, const char *op, PyObject *const *objs, const char *const *names, int n, void *stream,
                   qk_view *in, int *n_in) {
     for (; *n_in < n; (*n_in)++)

@@ -114,6 +114,8 @@ int qk_variant_arg(const char *fname, const char *arg, PyObject *obj, const char
 /* num_graphs=: an int in [1, 2^63 - 1] whose scratch of scratch_bytes per graph fits in 2^63 bytes (else
  * TypeError, ValueError or MemoryError naming fname); -1 with an exception. */
 long long qk_num_graphs_arg(const char *fname, PyObject *obj, int64_t scratch_bytes);
+/* A count argument: an int in [0, max] (TypeError / ValueError naming fname and arg), or -1 raised. */
+long long qk_count_arg(const char *fname, const char *arg, PyObject *obj, long long max);
 /* An int in [0, max], with pow2 a power of two (or 0); else ValueError (a non-int TypeError). */
 int qk_tuning_int_arg(const char *fname, const char *arg, PyObject *obj, int max, int pow2, int *value);
 /* A bool keyword: its truth (absent: dflt) in *value; where truth cannot be taken TypeError naming fname and arg. */
@@ -137,6 +139,11 @@ typedef struct {
 } qk_output;
 
 int qk_same_device(const char *op, const qk_view *views, const char *const *names, int n);
+/* plan= of the graph backward ops: 0 for None, 1 with *v imported (the caller releases it with its
+ * inputs) when obj is an int32 vector of len elements, unit stride, on like's device; -1 raised
+ * (TypeError for the dtype, ValueError for the shape, stride or device, naming op and `plan`). */
+int qk_plan_arg(qk_state *st, PyObject *obj, const char *op, void *stream, int64_t len, const char *layout,
+                const qk_view *like, qk_view *v);
 /* qk_import of objs[0..n) as in[0..n) (names[i] in messages; *n_in counts the views to release), then
  * qk_same_device: -1 with the exception at the first failure. */
 int qk_import_all(qk_state *st, const char *op, PyObject *const *objs, const char *const *names, int n, void *stream,

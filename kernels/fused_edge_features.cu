@@ -186,8 +186,8 @@ __global__ void __launch_bounds__(256) efb_walk(EfbArgs a, const uint32_t *keys,
             for (int u = 0; u < U; u++) {
                 key[u] = b + u < k1 ? keys[b + u] : N;
                 int64_t e = -1, other = -1;
-                if (key[u] < N) {
-                    const uint32_t item = items[b + u];
+                const uint32_t item = key[u] < N ? items[b + u] : 0u;
+                if (key[u] < N && item < M) {  // a plan's item out of range is never followed
                     e = item >> 1;
                     other = efb_node<I>(a, 1 - (item & 1), e);
                 }
@@ -249,6 +249,7 @@ __global__ void __launch_bounds__(256) efb_scalar(EfbArgs a, const U *keys, cons
         const int64_t end = qk_lower_bound(keys, M, (uint64_t)n + 1);
         float acc = 0.f;
         for (int64_t k = qk_lower_bound(keys, M, (uint64_t)n); k < end; k++) {
+            if ((uint64_t)items[k] >= (uint64_t)M) continue;  // a plan's item out of range
             const int64_t item = (int64_t)items[k], e = item >> 1, other = efb_node<I>(a, 1 - (item & 1), e);
             const float xo = other >= 0 ? qk_to_float(x[other * a.x_stride[0] + h * a.x_stride[1]]) : 0.f;
             const T *g = go + e * a.go_stride[0];
@@ -375,7 +376,108 @@ int efb_grouped(const EfbArgs *a, int G, int K, cudaStream_t s) {
     return status ? status : freed;
 }
 
+// The same walk over a plan from fused_edge_features_plan: no grouping, the nodes without entries
+// zeroed from the plan's segments.  Entries are uint32 views of the int32 plan, so a negative one
+// reads as out of range and is skipped.
+template <typename T, typename I>
+int efb_planned(const EfbArgs *a, int G, int K, cudaStream_t s) {
+    const int64_t m = 2 * a->num_edges, N = a->num_nodes;
+    const int32_t *ptr = a->plan;
+    const uint32_t *keys = (const uint32_t *)(ptr + N + 1), *items = keys + m;
+    EfbArgs p = *a;
+    if (G == 0) {
+        void *args[] = {&p, &keys, &items};
+        return qk_launch((const void *)efb_scalar<T, I, uint32_t>, dim3(qk_grid_for(N * a->H, 256, 132 * 16)),
+                         dim3(256), 0, s, args);
+    }
+    const int chunk = qk_walk_chunk(m, 132 * (2048 / G));
+    const int64_t nchunks = (m + chunk - 1) / chunk;
+    const size_t bytes = (size_t)(2 * nchunks * a->H) * sizeof(float);
+    float *slots = nullptr;
+    QK_SCRATCH_TRY(a->scratch, bytes, s, &slots);
+    const float *cslots = slots;
+    T *gx = static_cast<T *>(a->grad_x);
+    int64_t M = m;
+    uint32_t NN = (uint32_t)N;
+    int H = (int)a->H, ck = chunk;
+    void *walk[] = {&p, &keys, &items, &slots, &ck};
+    void *fix[] = {&gx, &keys, &cslots, &M, &ck, &NN, &H};
+    const void *walker = nullptr, *fixer = nullptr;
+    if (G == 8) {
+        walker = (const void *)efb_walk<T, I, 8, 1>;
+        fixer = (const void *)qk_walk_fixup<T, 8, 1>;
+    } else if (G == 16) {
+        walker = (const void *)efb_walk<T, I, 16, 1>;
+        fixer = (const void *)qk_walk_fixup<T, 16, 1>;
+    } else if (K == 1) {
+        walker = (const void *)efb_walk<T, I, 32, 1>;
+        fixer = (const void *)qk_walk_fixup<T, 32, 1>;
+    } else if (K == 2) {
+        walker = (const void *)efb_walk<T, I, 32, 2>;
+        fixer = (const void *)qk_walk_fixup<T, 32, 2>;
+    } else {
+        walker = (const void *)efb_walk<T, I, 32, 4>;
+        fixer = (const void *)qk_walk_fixup<T, 32, 4>;
+    }
+    const dim3 grid(qk_grid_for(nchunks, 256 / G)), block(256);
+    int status = qk_launch(walker, grid, block, 0, s, walk);
+    if (!status) status = qk_launch(fixer, grid, block, 0, s, fix);
+    if (!status) {
+        int64_t rows = N, elems = a->H;
+        void *zero[] = {&gx, &ptr, &rows, &elems};
+        status = qk_launch((const void *)qk_zero_empty<T>, dim3(qk_grid_for(rows, 8, 132 * 16)), dim3(256), 0, s, zero);
+    }
+    const int freed = qk_scratch_free(a->scratch, slots, bytes, s);
+    return status ? status : freed;
+}
+
 }  // namespace
+
+extern "C" int qk_fused_edge_features_plan_cuda(const qk_fused_edge_features_plan_args *a, void *stream) {
+    cudaStream_t s = (cudaStream_t)stream;
+    if (a->index_dtype != QK_I32 && a->index_dtype != QK_I64) return QK_E_UNSUPPORTED;
+    const int64_t m = 2 * a->num_edges, N = a->num_nodes;
+    if (a->num_edges > INT32_MAX / 2 || N >= INT32_MAX) return QK_E_UNSUPPORTED;
+    const int end_bit = qk_bit_width((uint64_t)N);
+    size_t temp_bytes = 0;
+    cub::DoubleBuffer<uint32_t> keys(nullptr, nullptr), items(nullptr, nullptr);
+    if (m > 0) QK_CUDA_TRY(qk_sort_pairs<uint32_t>(nullptr, temp_bytes, keys, items, (uint32_t)m, end_bit, s));
+    qk_scratch_layout plan;
+    const size_t bytes = (size_t)m * sizeof(uint32_t);
+    const size_t o_keys0 = plan.take(bytes), o_keys1 = plan.take(bytes), o_items0 = plan.take(bytes),
+                 o_items1 = plan.take(bytes), o_marked = plan.take(m > 0 ? (size_t)N : 0), o_temp = plan.take(temp_bytes);
+    char *base = nullptr;
+    if (m > 0) QK_SCRATCH_TRY(a->scratch, plan.bytes, s, &base);
+    keys = cub::DoubleBuffer<uint32_t>((uint32_t *)(base + o_keys0), (uint32_t *)(base + o_keys1));
+    items = cub::DoubleBuffer<uint32_t>((uint32_t *)(base + o_items0), (uint32_t *)(base + o_items1));
+    uint8_t *marked = (uint8_t *)(base + o_marked);  // written by the shared prepare kernel, unread
+    EfbArgs p = {};
+    p.edge_index = a->edge_index;
+    p.num_nodes = N, p.num_edges = a->num_edges;
+    p.ei_stride[0] = a->ei_stride[0], p.ei_stride[1] = a->ei_stride[1];
+    p.index_dtype = a->index_dtype;
+    int status = QK_OK;
+    if (m > 0) {
+        uint32_t *k0 = keys.Current(), *i0 = items.Current();
+        void *args[] = {&p, &k0, &i0, &marked};
+        QK_DISPATCH_INDEX(a->index_dtype, I, {
+            status = qk_launch((const void *)efb_prepare<I, uint32_t>, dim3(qk_grid_for(m, 256, 132 * 16)), dim3(256), 0,
+                               s, args);
+        })
+        if (!status && end_bit > 0)
+            status = (int)qk_sort_pairs<uint32_t>(base + o_temp, temp_bytes, keys, items, (uint32_t)m, end_bit, s);
+    }
+    if (!status) {
+        int32_t *out = a->plan;
+        const uint32_t *sk = keys.Current(), *si = items.Current(), *none = nullptr;
+        int64_t mm = m, n = N;
+        void *args[] = {&out, &sk, &si, &none, &mm, &n};
+        status = qk_launch((const void *)qk_plan_write, dim3(qk_grid_for(m > N + 1 ? m : N + 1, 256, 132 * 16)),
+                           dim3(256), 0, s, args);
+    }
+    const int freed = qk_scratch_free(a->scratch, base, plan.bytes, s);
+    return status ? status : freed;
+}
 
 extern "C" int qk_fused_edge_features_backward_cuda(const qk_fused_edge_features_backward_args *a, void *stream) {
     cudaStream_t s = (cudaStream_t)stream;
@@ -403,6 +505,7 @@ extern "C" int qk_fused_edge_features_backward_cuda(const qk_fused_edge_features
     QK_DISPATCH_FLOAT(a->dtype, T, QK_DISPATCH_INDEX(a->index_dtype, I, {
         int G, K;
         efb_shape<T>(a, G, K);
+        if (a->plan) return efb_planned<T, I>(a, G, K, s);
         if (2 * a->num_edges < (int64_t)UINT32_MAX && a->num_nodes < (int64_t)UINT32_MAX)
             return efb_grouped<T, I, uint32_t>(a, G, K, s);
         return efb_grouped<T, I, uint64_t>(a, 0, 0, s);

@@ -521,7 +521,8 @@ __global__ void __launch_bounds__(256)
 // chunks) or 2 * chunk + 1 (it starts here and goes on); sab_fixup adds them up.
 template <typename T, int K, bool kEW>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    sab_csc(SabArgs a, const uint32_t *keys, const uint32_t *edges, const uint32_t *row_of, float *slots, int chunk) {
+    sab_csc(SabArgs a, const uint32_t *keys, const uint32_t *edges, const uint32_t *row_of, float *slots, int chunk,
+            int rows_by_pos) {
     constexpr int V = qk_vec<T>::N;
     constexpr int U = kEW ? (K >= 4 ? 1 : 4 / K) : (K >= 8 ? 1 : 8 / K);  // edges in flight, in the register budget
     const int lane = threadIdx.x & 31;
@@ -569,7 +570,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
             float w[U][K];
 #pragma unroll
             for (int u = 0; u < U; u++) {
-                const int64_t row = key[u] < N ? (int64_t)row_of[e[u]] : -1;
+                // a plan's entries are checked: an edge or row out of range is never followed
+                int64_t row = key[u] < N && e[u] < M ? (int64_t)row_of[rows_by_pos ? b + u : e[u]] : -1;
+                if (row >= a.num_dst) row = -1;
 #pragma unroll
                 for (int k = 0; k < K; k++) {
                     const int c = lane + 32 * k;
@@ -608,7 +611,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 #pragma unroll
                         for (int j = 0; j < V; j++) p[k] = fmaf(qk_to_float(g[u][k].v[j]), qk_to_float(own[u][k].v[j]), p[k]);
                     }
-                    sab_store_head_dots<T, K>(p, gd, nvec, lane, gew + (int64_t)e[u] * H);
+                    if (e[u] < M) sab_store_head_dots<T, K>(p, gd, nvec, lane, gew + (int64_t)e[u] * H);
                 }
             }
             if (!kEW && cur >= N) break;
@@ -646,7 +649,7 @@ __global__ void __launch_bounds__(256) sab_gew_scalar(SabArgs a) {
 // found by binary search, summed in order.
 template <typename T, typename U>
 __global__ void __launch_bounds__(256)
-    sab_gnf_scalar(SabArgs a, const U *keys, const U *edges, const U *row_of) {
+    sab_gnf_scalar(SabArgs a, const U *keys, const U *edges, const U *row_of, int rows_by_pos) {
     const T *go = static_cast<const T *>(a.grad_out), *ew = static_cast<const T *>(a.edge_weight);
     T *gnf = static_cast<T *>(a.grad_node_feat);
     const int64_t D = a.head_dim, hd = a.num_heads * D, total = a.num_src * hd;
@@ -655,9 +658,12 @@ __global__ void __launch_bounds__(256)
         const int64_t end = qk_lower_bound(keys, a.num_edges, (uint64_t)j + 1);
         float acc = 0.f;
         for (int64_t k = qk_lower_bound(keys, a.num_edges, (uint64_t)j); k < end; k++) {
-            const int64_t e = (int64_t)edges[k];
-            acc = fmaf(qk_to_float(ew[e * a.ew_stride[0] + h * a.ew_stride[1]]),
-                       qk_to_float(go[(int64_t)row_of[e] * a.go_stride[0] + h * a.go_stride[1] + d * a.go_stride[2]]), acc);
+            const uint64_t e = (uint64_t)edges[k];
+            if (e >= (uint64_t)a.num_edges) continue;  // a plan's entry out of range
+            const uint64_t r = (uint64_t)row_of[rows_by_pos ? (uint64_t)k : e];
+            if (r >= (uint64_t)a.num_dst) continue;
+            acc = fmaf(qk_to_float(ew[(int64_t)e * a.ew_stride[0] + h * a.ew_stride[1]]),
+                       qk_to_float(go[(int64_t)r * a.go_stride[0] + h * a.go_stride[1] + d * a.go_stride[2]]), acc);
         }
         gnf[i] = qk_from_float<T>(acc);
     }
@@ -732,8 +738,8 @@ int sab_grouped(const SabArgs *a, int k, cudaStream_t s) {
         T *gnf = static_cast<T *>(a->grad_node_feat);
         int64_t M = E;
         uint32_t N = (uint32_t)a->num_src;
-        int row_elems = (int)hd, ck = chunk;
-        void *walk[] = {&p, &k32, &e32, &r32, &slots, &ck};
+        int row_elems = (int)hd, ck = chunk, by_pos = 0;
+        void *walk[] = {&p, &k32, &e32, &r32, &slots, &ck, &by_pos};
         void *fix[] = {&gnf, &k32, &cslots, &M, &ck, &N, &row_elems};
         const dim3 grid(qk_grid_for(nchunks, kWarpsPerBlock)), block(kWarpsPerBlock * 32);
         const void *walker = nullptr, *fixer = nullptr;
@@ -759,7 +765,8 @@ int sab_grouped(const SabArgs *a, int k, cudaStream_t s) {
                                s, zero);
         }
     } else if (!status) {
-        void *args[] = {&p, &sk, &se, &sr};
+        int by_pos = 0;
+        void *args[] = {&p, &sk, &se, &sr, &by_pos};
         status = qk_launch((const void *)sab_gnf_scalar<T, U>, dim3(qk_grid_for(a->num_src * hd, 256, 132 * 16)),
                            dim3(256), 0, s, args);
         if (!status && a->grad_edge_weight) {
@@ -772,7 +779,115 @@ int sab_grouped(const SabArgs *a, int k, cudaStream_t s) {
     return status ? status : freed;
 }
 
+// The same walk over a plan from sparse_aggregate_plan (rows per position): no grouping, and the
+// sources without entries zeroed from the plan's segments.  Entries are uint32 views of the int32
+// plan, so a negative one reads as out of range and is skipped.
+template <typename T, typename I>
+int sab_planned(const SabArgs *a, int k, cudaStream_t s) {
+    const int64_t E = a->num_edges, hd = a->num_heads * a->head_dim, N = a->num_src;
+    const int32_t *ptr = a->plan;
+    const uint32_t *keys = (const uint32_t *)(ptr + N + 1), *edges = keys + E, *rows = edges + E;
+    SabArgs p = *a;
+    int by_pos = 1;
+    if (k == 0) {
+        void *args[] = {&p, &keys, &edges, &rows, &by_pos};
+        int status = qk_launch((const void *)sab_gnf_scalar<T, uint32_t>, dim3(qk_grid_for(N * hd, 256, 132 * 16)),
+                               dim3(256), 0, s, args);
+        if (!status && a->grad_edge_weight) {
+            void *gargs[] = {&p};
+            status = qk_launch((const void *)sab_gew_scalar<T, I>, dim3(qk_grid_for(E * a->num_heads, 256, 132 * 16)),
+                               dim3(256), 0, s, gargs);
+        }
+        return status;
+    }
+    const int chunk = qk_walk_chunk(E, 132 * 64);
+    const int64_t nchunks = (E + chunk - 1) / chunk;
+    const size_t bytes = (size_t)(2 * nchunks * hd) * sizeof(float);
+    float *slots = nullptr;
+    QK_SCRATCH_TRY(a->scratch, bytes, s, &slots);
+    const float *cslots = slots;
+    T *gnf = static_cast<T *>(a->grad_node_feat);
+    int64_t M = E;
+    uint32_t NN = (uint32_t)N;
+    int row_elems = (int)hd, ck = chunk;
+    void *walk[] = {&p, &keys, &edges, &rows, &slots, &ck, &by_pos};
+    void *fix[] = {&gnf, &keys, &cslots, &M, &ck, &NN, &row_elems};
+    const dim3 grid(qk_grid_for(nchunks, kWarpsPerBlock)), block(kWarpsPerBlock * 32);
+    const void *walker = nullptr, *fixer = nullptr;
+    switch (k) {
+#define SAB_CASE(KK)                                                                                          \
+    case KK:                                                                                                  \
+        walker = a->grad_edge_weight ? (const void *)sab_csc<T, KK, true> : (const void *)sab_csc<T, KK, false>; \
+        fixer = (const void *)qk_walk_fixup<T, 32, KK>;                                                               \
+        break;
+        SAB_CASE(1)
+        SAB_CASE(2)
+        SAB_CASE(4)
+        SAB_CASE(8)
+#undef SAB_CASE
+    }
+    int status = qk_launch(walker, grid, block, 0, s, walk);
+    if (!status) status = qk_launch(fixer, grid, block, 0, s, fix);
+    if (!status) {
+        int64_t nrows = N, elems = hd;
+        void *zero[] = {&gnf, &ptr, &nrows, &elems};
+        status = qk_launch((const void *)qk_zero_empty<T>, dim3(qk_grid_for(nrows, 8, 132 * 16)), dim3(256), 0, s, zero);
+    }
+    const int freed = qk_scratch_free(a->scratch, slots, bytes, s);
+    return status ? status : freed;
+}
+
 }  // namespace
+
+extern "C" int qk_sparse_aggregate_plan_cuda(const qk_sparse_aggregate_plan_args *a, void *stream) {
+    cudaStream_t s = (cudaStream_t)stream;
+    if (a->index_dtype != QK_I32 && a->index_dtype != QK_I64) return QK_E_UNSUPPORTED;
+    const int64_t E = a->num_edges, N = a->num_src;
+    if (E > INT32_MAX || N >= INT32_MAX) return QK_E_UNSUPPORTED;
+    const int end_bit = qk_bit_width((uint64_t)N);
+    size_t temp_bytes = 0;
+    cub::DoubleBuffer<uint32_t> keys(nullptr, nullptr), edges(nullptr, nullptr);
+    if (E > 0) QK_CUDA_TRY(qk_sort_pairs<uint32_t>(nullptr, temp_bytes, keys, edges, (uint32_t)E, end_bit, s));
+    qk_scratch_layout plan;
+    const size_t items = (size_t)E * sizeof(uint32_t);
+    const size_t o_keys0 = plan.take(items), o_keys1 = plan.take(items), o_edges0 = plan.take(items),
+                 o_edges1 = plan.take(items), o_rows = plan.take(items), o_marked = plan.take(E > 0 ? (size_t)N : 0),
+                 o_temp = plan.take(temp_bytes);
+    char *base = nullptr;
+    if (E > 0) QK_SCRATCH_TRY(a->scratch, plan.bytes, s, &base);
+    keys = cub::DoubleBuffer<uint32_t>((uint32_t *)(base + o_keys0), (uint32_t *)(base + o_keys1));
+    edges = cub::DoubleBuffer<uint32_t>((uint32_t *)(base + o_edges0), (uint32_t *)(base + o_edges1));
+    uint32_t *row_of = (uint32_t *)(base + o_rows);
+    uint8_t *marked = (uint8_t *)(base + o_marked);  // written by the shared prepare kernel, unread
+    SabArgs p = {};
+    p.row_ptr = a->row_ptr, p.col_idx = a->col_idx;
+    p.num_dst = a->num_dst, p.num_src = N, p.num_edges = E;
+    p.row_ptr_stride = a->row_ptr_stride, p.col_idx_stride = a->col_idx_stride;
+    p.index_dtype = a->index_dtype;
+    int status = QK_OK;
+    if (E > 0) {
+        const int chunk = qk_walk_chunk(E, 132 * 64);  // the backward's grouping, step for step
+        uint32_t *k0 = keys.Current(), *e0 = edges.Current();
+        int per_warp = chunk < 32 ? 32 : chunk;
+        void *args[] = {&p, &k0, &e0, &row_of, &marked, &per_warp};
+        QK_DISPATCH_INDEX(a->index_dtype, I, {
+            status = qk_launch((const void *)sab_prepare<I, uint32_t>, dim3(qk_grid_for(E, 8 * per_warp)), dim3(256), 0,
+                               s, args);
+        })
+        if (!status && end_bit > 0)
+            status = (int)qk_sort_pairs<uint32_t>(base + o_temp, temp_bytes, keys, edges, (uint32_t)E, end_bit, s);
+    }
+    if (!status) {
+        int32_t *out = a->plan;
+        const uint32_t *sk = keys.Current(), *se = edges.Current(), *sr = row_of;
+        int64_t m = E, n = N;
+        void *args[] = {&out, &sk, &se, &sr, &m, &n};
+        status = qk_launch((const void *)qk_plan_write, dim3(qk_grid_for(E > N + 1 ? E : N + 1, 256, 132 * 16)),
+                           dim3(256), 0, s, args);
+    }
+    const int freed = qk_scratch_free(a->scratch, base, plan.bytes, s);
+    return status ? status : freed;
+}
 
 extern "C" int qk_sparse_aggregate_backward_cuda(const qk_sparse_aggregate_backward_args *a, void *stream) {
     cudaStream_t s = (cudaStream_t)stream;
@@ -804,6 +919,7 @@ extern "C" int qk_sparse_aggregate_backward_cuda(const qk_sparse_aggregate_backw
                                  dim3(256), 0, s, args);
             }
         }
+        if (a->plan) return sab_planned<T, I>(a, k, s);
         if (!a->deterministic && a->dtype == QK_F32 && k > 0) {  // atomics into a zeroed fp32 grad_node_feat
             QK_CUDA_TRY((cudaError_t)qk_memset_args(a->scratch, a->grad_node_feat, 0, (size_t)(a->num_src * hd) * sizeof(float), s));
             const bool ew = a->grad_edge_weight != nullptr;

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from . import _C
 
 BACKENDS = ("cuda", "flash", "cpu")
-GRAPH_FAMILIES = ("fused_edge_features", "fused_norm_residual", "graph_norm_bce", "sparse_aggregate")
+GRAPH_FAMILIES = ("fused_edge_features", "fused_norm_residual", "graph_norm_bce", "sparse_aggregate", "graph_plan")
 LLM_FAMILIES = ("attention", "rotary_emb", "linear", "swiglu", "rmsnorm")
 FAMILIES = LLM_FAMILIES + GRAPH_FAMILIES
 GROUPS = {"graph": GRAPH_FAMILIES, "llm": LLM_FAMILIES}
@@ -176,10 +176,15 @@ _PREDICATES["cpu"]["attention"] = [_CUDA_FLOATS]
 _PREDICATES["cuda"]["rmsnorm"] = [_ON_CUDA, _CUDA_FLOATS]
 _PREDICATES["cpu"]["rmsnorm"] = [_CUDA_FLOATS]
 
+# The plan ops: their deciding argument is the graph's index tensor.
+_INDICES = _req("index dtype int32 or int64", lambda a: a["dtype"] in ("int32", "int64"))
+_PREDICATES["cuda"]["graph_plan"] = [_ON_CUDA, _INDICES]
+_PREDICATES["cpu"]["graph_plan"] = [_INDICES]
+
 # Families or ops whose CUDA kernels are built but not enabled yet: until their GPU tests have passed
 # (tests/test_cuda_<op>.py runs them as if enabled), the cuda backend declines them, so GPU tensors are
 # staged through the cpu kernels (with a FallbackWarning) and backend="cuda" refuses with the reason.
-CUDA_PENDING = {}
+CUDA_PENDING = {"graph_plan": "the plan kernels have not yet passed their GPU tests"}
 
 _availability = {}
 _describe = _C.describe

@@ -33,7 +33,7 @@ def _idx(a):
 
 # ---- references: graph ops ------------------------------------------------------------------
 
-def _ref_sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat):
+def _ref_sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, *, plan=None):
     """out[i, h] = sum of edge_weight[e, h] * node_feat[col_idx[e], h] over row_ptr[i] <= e < row_ptr[i + 1]
     (offsets absolute: a CSR slice keeps them); [N_dst, H, D]."""
     row_ptr, col_idx = _idx(row_ptr), _idx(col_idx)
@@ -45,7 +45,7 @@ def _ref_sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat):
     return out
 
 def _ref_sparse_aggregate_backward(grad_out, row_ptr, col_idx, edge_weight, node_feat, *, edge_weight_grad=True,
-                                   node_feat_grad=True, deterministic=True):
+                                   node_feat_grad=True, deterministic=True, plan=None):
     """(grad_edge_weight [E, H], grad_node_feat [N_src, H, D]) of sparse_aggregate for grad_out [N_dst, H, D],
     None where not wanted: grad_edge_weight[e, h] = grad_out[i, h] . node_feat[col_idx[e], h] for the row i
     holding e (0 outside [row_ptr[0], row_ptr[-1])); grad_node_feat[j, h] = sum of edge_weight[e, h] *
@@ -64,15 +64,30 @@ def _ref_sparse_aggregate_backward(grad_out, row_ptr, col_idx, edge_weight, node
         np.add.at(gnf, cols, ew[lo:hi, :, None] * go[rows])
     return gew, gnf
 
+def _ref_sparse_aggregate_plan(row_ptr, col_idx, num_src):
+    """int [N_src + 1 + 3E]: ptr, then src, edge and row per entry, the edges in [row_ptr[0], row_ptr[-1])
+    sorted stably by column and the others after them (src N_src, row 0)."""
+    row_ptr, col_idx = _idx(row_ptr), _idx(col_idx)
+    e = len(col_idx)
+    lo, hi = row_ptr[0], row_ptr[-1]
+    ids = np.arange(e)
+    inside = (ids >= lo) & (ids < hi)
+    key = np.where(inside, col_idx, num_src)
+    row = np.zeros(e, np.int64)
+    row[inside] = np.searchsorted(row_ptr, ids[inside], side="right") - 1
+    order = np.argsort(key, kind="stable")
+    ptr = np.searchsorted(key[order], np.arange(num_src + 1), side="left")
+    return np.concatenate([ptr, key[order], order, row[order]])
 
-def _ref_fused_edge_features(x, edge_index, edge_attr=None):
+
+def _ref_fused_edge_features(x, edge_index, edge_attr=None, *, plan=None):
     """[x[src] + x[dst], |x[src] - x[dst]|, edge_attr] side by side: [E, 2H] or [E, 3H]."""
     src, dst = _idx(edge_index)
     x = np.asarray(x)
     xs, xd = _f64(x[src]), _f64(x[dst])
     return np.concatenate([xs + xd, np.abs(xs - xd)] + ([] if edge_attr is None else [_f64(edge_attr)]), axis=1)
 
-def _ref_fused_edge_features_backward(grad_out, x, edge_index):
+def _ref_fused_edge_features_backward(grad_out, x, edge_index, *, plan=None):
     """(grad_x [N, H], grad_edge_attr [E, H] or None) of fused_edge_features for grad_out [E, 3H] (with
     edge_attr) or [E, 2H]: x[src] and x[dst] get g_sum +- sign(x[src] - x[dst]) * g_abs (sign 0 at a tie, and
     at NaN as torch.sign)."""
@@ -86,6 +101,13 @@ def _ref_fused_edge_features_backward(grad_out, x, edge_index):
     np.add.at(gx, src, g_sum + s * g_abs)
     np.add.at(gx, dst, g_sum - s * g_abs)
     return gx, (go[:, 2 * h:].copy() if h and go.shape[1] == 3 * h else None)
+
+def _ref_fused_edge_features_plan(edge_index, num_nodes):
+    """int [N + 1 + 4E]: ptr, then node and item (2e + side) per entry, the incidences sorted stably by node."""
+    key = _idx(edge_index).T.reshape(-1)  # item 2e + side
+    order = np.argsort(key, kind="stable")
+    ptr = np.searchsorted(key[order], np.arange(num_nodes + 1), side="left")
+    return np.concatenate([ptr, key[order], order])
 
 
 def philox4x32(counter, key):
@@ -490,6 +512,12 @@ def _sample_sparse_aggregate_backward(rng, dt, ix, n_dst=7, n_src=5, heads=2, di
     return (_randn(rng, dt, n_dst, heads, dim), row_ptr, col_idx, ew, nf), kwargs
 
 
+def _sample_sparse_aggregate_plan(rng, dt, ix, n_dst=7, n_src=5, degrees=None, avg_degree=4):
+    """sparse_aggregate's graph and its N_src."""
+    (row_ptr, col_idx, _, _), _ = _sample_sparse_aggregate(rng, dt, ix, n_dst, n_src, 1, 1, degrees, avg_degree)
+    return (row_ptr, col_idx, n_src), {}
+
+
 def _sample_fused_edge_features(rng, dt, ix, n=6, e=11, h=4, edge_attr=True):
     x, ei = _randn(rng, dt, n, h), rng.integers(0, n, (2, e)).astype(ix)
     return (x, ei) + ((_randn(rng, dt, e, h),) if edge_attr else ()), {}
@@ -498,6 +526,10 @@ def _sample_fused_edge_features_backward(rng, dt, ix, n=6, e=11, h=4, edge_attr=
     """grad_out [E, 3H] (edge_attr) or [E, 2H], x [N, H], edge_index [2, E]."""
     (x, ei), _ = _sample_fused_edge_features(rng, dt, ix, n, e, h, edge_attr=False)
     return (_randn(rng, dt, e, (3 if edge_attr else 2) * h), x, ei), {}
+
+def _sample_fused_edge_features_plan(rng, dt, ix, n=6, e=11):
+    """edge_index [2, E] and N."""
+    return (rng.integers(0, n, (2, e)).astype(ix), n), {}
 
 
 def graph_batch(rng, rows, graphs, ix=np.int64, sort=True):
@@ -674,6 +706,8 @@ WORK_SIZES = {
     "sparse_aggregate_backward": dict(n_dst=2000, n_src=2000, heads=4, dim=32, avg_degree=8),
     "fused_edge_features": dict(n=2000, e=16000, h=32),
     "fused_edge_features_backward": dict(n=2000, e=16000, h=32),
+    "sparse_aggregate_plan": dict(n_dst=2000, n_src=2000, avg_degree=8),
+    "fused_edge_features_plan": dict(n=2000, e=16000),
     "fused_norm_residual": dict(rows=2000, h=128),
     "fused_norm_residual_backward": dict(rows=2000, h=128, p=0.1),
     "graph_norm_bce": dict(e=50000, graphs=32),
@@ -727,6 +761,7 @@ FLOAT_ARGS = {
     "attn_decode": (0, 1, 2), "attn_prefill": (0, 1, 2), "attn_paged_decode": (0, 1, 2),
     "attn_paged_prefill": (0, 1, 2), "rmsnorm": (0, 1), "fused_add_rmsnorm": (0, 1, 2),
     "rotary_kv_append": (0, 1, 2, 3, 5, 6),
+    "sparse_aggregate_plan": (), "fused_edge_features_plan": (),
 }
 
 OPS = tuple(FLOAT_ARGS)

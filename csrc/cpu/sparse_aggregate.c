@@ -198,6 +198,7 @@ typedef struct {
     int64_t lo, hi, total_cost;
     const int64_t *off, *order; /* per source: its edges (as e - lo) in ascending order */
     int64_t *row_of;            /* [hi - lo]: the row of edge lo + k */
+    const int32_t *pedge, *prow; /* with a plan: entry k's edge and row (order and row_of unused) */
     int64_t *bad_pos, *bad_value;
     int phase, nomem;
 } sab_job;
@@ -254,9 +255,21 @@ QK_MULTIVERSION static void sab_sources(sab_job *j, float *acc, int64_t s0, int6
         const float *x = nf + src * a->nf_stride[0];
         memset(acc, 0, sizeof(float) * (size_t)(H * D));
         for (int64_t k = begin; k < end; k++) {
-            if (k + SA_AHEAD < end) sa_prefetch(go + j->row_of[j->order[k + SA_AHEAD]] * a->go_stride[0], row_bytes);
-            const int64_t item = j->order[k], e = j->lo + item;
-            const float *g = go + j->row_of[item] * a->go_stride[0];
+            int64_t e, row;
+            if (j->pedge) { /* a plan's entry out of range is skipped, never followed */
+                e = j->pedge[k];
+                row = j->prow[k];
+                if (e < 0 || e >= a->num_edges || row < 0 || row >= a->num_dst) continue;
+                if (k + SA_AHEAD < end) {
+                    const int64_t ahead = j->prow[k + SA_AHEAD];
+                    if (ahead >= 0 && ahead < a->num_dst) sa_prefetch(go + ahead * a->go_stride[0], row_bytes);
+                }
+            } else {
+                if (k + SA_AHEAD < end) sa_prefetch(go + j->row_of[j->order[k + SA_AHEAD]] * a->go_stride[0], row_bytes);
+                e = j->lo + j->order[k];
+                row = j->row_of[j->order[k]];
+            }
+            const float *g = go + row * a->go_stride[0];
             for (int64_t h = 0; h < H; h++) {
                 const float w = ew[e * a->ew_stride[0] + h * a->ew_stride[1]];
                 const float *gh = g + h * a->go_stride[1];
@@ -330,8 +343,28 @@ int qk_sparse_aggregate_backward_cpu(qk_sparse_aggregate_backward_args *a, void 
         return status;
     }
     int64_t *off = malloc(sizeof(int64_t) * (size_t)(a->num_src + 1));
-    int64_t *order = malloc(sizeof(int64_t) * (size_t)(m > 0 ? 2 * m : 1));
-    if (off == NULL || order == NULL) status = QK_E_NOMEM;
+    int64_t *order = a->plan ? NULL : malloc(sizeof(int64_t) * (size_t)(m > 0 ? 2 * m : 1));
+    if (off == NULL || (order == NULL && !a->plan)) status = QK_E_NOMEM;
+    if (status == QK_OK && a->plan) {
+        /* the plan's segments, made non-decreasing within [0, E] so a malformed one cannot send a
+         * walk outside its entries; edges it leaves out get grad_edge_weight 0 */
+        const int32_t *ptr = a->plan;
+        int64_t prev = 0;
+        for (int64_t s = 0; s <= a->num_src; s++) {
+            int64_t v = ptr[s];
+            v = v < prev ? prev : v > a->num_edges ? a->num_edges : v;
+            off[s] = prev = v;
+        }
+        if (gew) memset(gew, 0, sizeof(float) * (size_t)(a->num_edges * H));
+        j.off = off;
+        j.pedge = a->plan + a->num_src + 1 + a->num_edges;
+        j.prow = j.pedge + a->num_edges;
+        j.total_cost = off[a->num_src] + a->num_src;
+        status = sab_run(&j, 2, (off[a->num_src] + a->num_src) * H * (gew ? 2 * D + 1 : D + 1));
+        free(off);
+        free(bad);
+        return status;
+    }
     if (status == QK_OK) {
         const int64_t first = j.lo * a->col_idx_stride; /* the key of item k is col_idx[lo + k] */
         const void *base = a->index_dtype == QK_I32 ? (const void *)((const int32_t *)a->col_idx + first)
@@ -359,5 +392,110 @@ int qk_sparse_aggregate_backward_cpu(qk_sparse_aggregate_backward_args *a, void 
     free(off);
     free(order);
     free(bad);
+    return status;
+}
+
+/* ---- sparse_aggregate_plan ---------------------------------------------------------------------
+ * The grouping of the backward, kept: the edges in range grouped by column (qk_group_by_key, which
+ * validates the columns), each edge's row from row_ptr, then the entries written per source by
+ * shares of equal cost, and the edges outside the rows after them. */
+
+typedef struct {
+    const qk_sparse_aggregate_plan_args *a;
+    const int64_t *off, *order;
+    int64_t *row_of;
+    int64_t lo, hi, total_cost;
+    int phase;
+} sap_job;
+
+static int64_t sap_row_at(const qk_sparse_aggregate_plan_args *a, int64_t first_edge, int64_t target) {
+    int64_t lo = 0, hi = a->num_dst;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (qk_index(a->row_ptr, a->index_dtype, mid, a->row_ptr_stride) - first_edge + mid < target) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+static void sap_worker(void *p, int tid, int nthreads) {
+    sap_job *j = p;
+    const qk_sparse_aggregate_plan_args *a = j->a;
+    const int64_t E = a->num_edges, N = a->num_src;
+    int32_t *ptr = a->plan, *src = ptr + N + 1, *edge = src + E, *row = edge + E;
+    if (j->phase == 0) { /* rows split by cost: each edge's row */
+        const int64_t r0 = sap_row_at(a, j->lo, j->total_cost * tid / nthreads);
+        const int64_t r1 = tid == nthreads - 1 ? a->num_dst : sap_row_at(a, j->lo, j->total_cost * (tid + 1) / nthreads);
+        for (int64_t r = r0; r < r1; r++) {
+            const int64_t b = qk_index(a->row_ptr, a->index_dtype, r, a->row_ptr_stride);
+            const int64_t e1 = qk_index(a->row_ptr, a->index_dtype, r + 1, a->row_ptr_stride);
+            for (int64_t e = b; e < e1; e++) j->row_of[e - j->lo] = r;
+        }
+        return;
+    }
+    const int64_t s0 = qk_group_at(j->off, N, j->total_cost * tid / nthreads);
+    const int64_t s1 = tid == nthreads - 1 ? N : qk_group_at(j->off, N, j->total_cost * (tid + 1) / nthreads);
+    for (int64_t s = s0; s < s1; s++) {
+        ptr[s] = (int32_t)j->off[s];
+        for (int64_t k = j->off[s]; k < j->off[s + 1]; k++) {
+            src[k] = (int32_t)s;
+            edge[k] = (int32_t)(j->lo + j->order[k]);
+            row[k] = (int32_t)j->row_of[j->order[k]];
+        }
+    }
+    if (tid == nthreads - 1) { /* the edges outside the rows, in ascending id */
+        const int64_t m = j->hi - j->lo;
+        ptr[N] = (int32_t)m;
+        int64_t k = m;
+        for (int64_t e = 0; e < E; e++) {
+            if (e >= j->lo && e < j->hi) continue;
+            src[k] = (int32_t)N;
+            edge[k] = (int32_t)e;
+            row[k++] = 0;
+        }
+    }
+}
+
+int qk_sparse_aggregate_plan_cpu(qk_sparse_aggregate_plan_args *a, void *stream) {
+    (void)stream;
+    if (a->num_edges > INT32_MAX || a->num_src >= INT32_MAX) return QK_E_UNSUPPORTED;
+    const int checked = sa_check_csr(QK_F32, a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst,
+                                     a->num_edges, &a->bad_arg, &a->bad_pos, &a->bad_value);
+    if (checked != QK_OK) return checked;
+    sap_job j = {.a = a};
+    j.lo = qk_index(a->row_ptr, a->index_dtype, 0, a->row_ptr_stride);
+    j.hi = qk_index(a->row_ptr, a->index_dtype, a->num_dst, a->row_ptr_stride);
+    const int64_t m = j.hi - j.lo;
+    const int maxt = a->num_threads > 0 ? a->num_threads : 1;
+    int64_t *off = malloc(sizeof(int64_t) * (size_t)(a->num_src + 1));
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)(m > 0 ? 2 * m : 1));
+    int status = off && order ? QK_OK : QK_E_NOMEM;
+    if (status == QK_OK) {
+        const int64_t first = j.lo * a->col_idx_stride;
+        const void *base = a->index_dtype == QK_I32 ? (const void *)((const int32_t *)a->col_idx + first)
+                                                    : (const void *)((const int64_t *)a->col_idx + first);
+        const qk_key_reader keys = {base, a->index_dtype, 1, a->col_idx_stride, 0};
+        int64_t bad_item = 0, bad_key = 0;
+        status = qk_group_by_key(&keys, m, a->num_src, maxt, off, order, &bad_item, &bad_key);
+        if (status == QK_E_INDEX) {
+            a->bad_arg = 1;
+            a->bad_pos = j.lo + bad_item;
+            a->bad_value = bad_key;
+        }
+    }
+    if (status == QK_OK) {
+        j.off = off;
+        j.order = order;
+        j.row_of = order + m;
+        j.total_cost = m + a->num_dst;
+        if (m > 0) status = qk_parallel_run(qk_threads_for(m + a->num_dst, maxt), sap_worker, &j);
+    }
+    if (status == QK_OK) {
+        j.phase = 1;
+        j.total_cost = m + a->num_src;
+        status = qk_parallel_run(qk_threads_for(3 * m + a->num_src, maxt), sap_worker, &j);
+    }
+    free(off);
+    free(order);
     return status;
 }

@@ -364,6 +364,47 @@ static XLA_FFI_Error *ffi_fused_edge_features_backward(fc *c) {
     return fc_status(c, st);
 }
 
+/* sparse_aggregate_plan(row_ptr, col_idx) -> int32 plan [num_src + 1 + 3E] (num_src from its length) */
+static const unsigned cb_sparse_aggregate_plan = CB_YES;
+static XLA_FFI_Error *ffi_sparse_aggregate_plan(fc *c) {
+    XLA_FFI_Buffer *rp = ARG(0, "row_ptr", 1), *ci = rp ? ARG(1, "col_idx", 1) : NULL,
+                   *out = ci ? RET(0, "plan", 1) : NULL;
+    if (!out) return c->err;
+    qk_sparse_aggregate_plan_args a = {0};
+    a.row_ptr = rp->data, a.col_idx = ci->data, a.plan = (int32_t *)out->data;
+    a.num_dst = rp->dims[0] - 1, a.num_edges = ci->dims[0], a.num_src = out->dims[0] - 1 - 3 * ci->dims[0];
+    if (a.num_dst < 0 || a.num_src < 0)
+        return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "plan has %lld elements, fewer than 1 + 3E",
+                       (long long)out->dims[0]);
+    a.row_ptr_stride = a.col_idx_stride = 1;
+    a.index_dtype = dtype_of(rp), a.num_threads = g_threads;
+    a.scratch = FC_SCRATCH(c);
+    int st;
+    FC_RUN(st, c, sparse_aggregate_plan, &a);
+    if (st == QK_E_INDEX) return sa_index_error(c, a.bad_arg, a.bad_pos, a.bad_value, a.num_edges, a.num_src);
+    return fc_status(c, st);
+}
+
+/* fused_edge_features_plan(edge_index) -> int32 plan [num_nodes + 1 + 4E] (num_nodes from its length) */
+static const unsigned cb_fused_edge_features_plan = CB_YES;
+static XLA_FFI_Error *ffi_fused_edge_features_plan(fc *c) {
+    XLA_FFI_Buffer *ei = ARG(0, "edge_index", 2), *out = ei ? RET(0, "plan", 1) : NULL;
+    if (!out) return c->err;
+    qk_fused_edge_features_plan_args a = {0};
+    a.edge_index = ei->data, a.plan = (int32_t *)out->data;
+    a.num_edges = ei->dims[1], a.num_nodes = out->dims[0] - 1 - 4 * ei->dims[1];
+    if (a.num_nodes < 0)
+        return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "plan has %lld elements, fewer than 1 + 4E",
+                       (long long)out->dims[0]);
+    dense_strides(ei, a.ei_stride);
+    a.index_dtype = dtype_of(ei), a.num_threads = g_threads;
+    a.scratch = FC_SCRATCH(c);
+    int st;
+    FC_RUN(st, c, fused_edge_features_plan, &a);
+    if (st == QK_E_INDEX) return fe_index_error(c, a.bad_row, a.bad_pos, a.bad_value, a.num_nodes);
+    return fc_status(c, st);
+}
+
 /* drop when the 32-bit draw < p * 2^32 (as the binding) */
 static void nr_dropout(double p, uint32_t *threshold, float *scale) {
     const double thr = ldexp(p, 32);

@@ -7,11 +7,12 @@
 
 #define OP "sparse_aggregate"
 
-QK_DOCS(sparse_aggregate, "row_ptr, col_idx, edge_weight, node_feat, *, out=None",
+QK_DOCS(sparse_aggregate, "row_ptr, col_idx, edge_weight, node_feat, *, out=None, plan=None",
     "Multi-head CSR SpMM (message aggregation of a GNN layer).\n\n"
     "row_ptr [N_dst+1] and col_idx [E] (int32 or int64, the same for both), edge_weight [E, H],\n"
     "node_feat [N_src, H, D] -> [N_dst, H, D] with out[i,h,:] = sum over e in [row_ptr[i], row_ptr[i+1])\n"
-    "of edge_weight[e,h] * node_feat[col_idx[e],h,:]; rows without edges are 0.\n" QK_GRAPH_DOC)
+    "of edge_weight[e,h] * node_feat[col_idx[e],h,:]; rows without edges are 0.  plan is ignored (the\n"
+    "autograd layers take it here to hand it to sparse_aggregate_backward).\n" QK_GRAPH_DOC)
 
 enum { ROW_PTR, COL_IDX, EDGE_WEIGHT, NODE_FEAT, NUM_INPUTS };
 
@@ -56,10 +57,10 @@ static int sa_raise_index_op(const char *op, int bad_arg, int64_t bad_pos, int64
 }
 
 PyObject *qk_op_sparse_aggregate(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    static const char *const names[] = {"row_ptr", "col_idx", "edge_weight", "node_feat", "out", "stream", NULL};
+    static const char *const names[] = {"row_ptr", "col_idx", "edge_weight", "node_feat", "out", "stream", "plan", NULL};
     static const char *const input_names[] = {"row_ptr", "col_idx", "edge_weight", "node_feat"};
     qk_state *st = qk_get_state(module);
-    PyObject *a[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
+    PyObject *a[7] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     if (qk_parse_args(OP, args, nargs, kwnames, names, 4, 4, a) < 0) return NULL;
     void *stream;
     int stream_given;
@@ -120,7 +121,7 @@ done:
 
 QK_DOCS(sparse_aggregate_backward,
     "grad_out, row_ptr, col_idx, edge_weight, node_feat, *, edge_weight_grad=True, node_feat_grad=True, "
-    "deterministic=True",
+    "deterministic=True, plan=None",
     "Gradients of sparse_aggregate: -> (grad_edge_weight [E, H], grad_node_feat [N_src, H, D]), None\n"
     "where edge_weight_grad / node_feat_grad is False.\n\n"
     "grad_out [N_dst, H, D]; the other arguments as sparse_aggregate's.  grad_edge_weight[e,h] =\n"
@@ -129,15 +130,17 @@ QK_DOCS(sparse_aggregate_backward,
     "ascending e, of edge_weight[e,h] * grad_out[i,h,:].  Deterministic: the same inputs give the same\n"
     "bits.  deterministic=False lets cuda scatter a float32 grad_node_feat with atomic adds instead of\n"
     "grouping the edges by source (nondeterministic: the last bits may differ from call to call); cpu,\n"
-    "float16 and bfloat16 ignore it.\n" QK_GRAPH_DOC)
+    "float16 and bfloat16 ignore it.  plan: sparse_aggregate_plan(row_ptr, col_idx, N_src) for this graph;\n"
+    "grad_node_feat then walks it instead of grouping the edges by source on every call (the same bits).\n"
+    "A plan of another graph gives wrong gradients but never reads out of bounds.\n" QK_GRAPH_DOC)
 
 PyObject *qk_op_sparse_aggregate_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                                           PyObject *kwnames) {
     static const char *const names[] = {"grad_out", "row_ptr", "col_idx", "edge_weight", "node_feat",
-                                        "edge_weight_grad", "node_feat_grad", "deterministic", "stream", NULL};
+                                        "edge_weight_grad", "node_feat_grad", "deterministic", "stream", "plan", NULL};
     static const char *const input_names[] = {"grad_out", "row_ptr", "col_idx", "edge_weight", "node_feat"};
     qk_state *st = qk_get_state(module);
-    PyObject *a[9] = {NULL};
+    PyObject *a[10] = {NULL};
     if (qk_parse_args(OP, args, nargs, kwnames, names, 5, 5, a) < 0) return NULL;
     void *stream;
     int stream_given, want_ew, want_nf, deterministic;
@@ -148,7 +151,7 @@ PyObject *qk_op_sparse_aggregate_backward(PyObject *module, PyObject *const *arg
         return NULL;
 
     enum { GRAD_OUT, NUM_VIEWS = 5 };
-    qk_view v[NUM_VIEWS] = {{0}}, ov[2] = {{0}};
+    qk_view v[NUM_VIEWS + 1] = {{0}}, ov[2] = {{0}}; /* + plan */
     qk_output o[2] = {{0}};
     qk_launch l = {0};
     int ok = 0, launched = 0, n_in = 0;
@@ -164,9 +167,12 @@ PyObject *qk_op_sparse_aggregate_backward(PyObject *module, PyObject *const *arg
         if (qk_check_dim(OP, "grad_out", &v[GRAD_OUT], d, d == 0 ? N_dst : d == 1 ? H : D, "[N_dst, H, D] = [%lld, %lld, %lld]",
                          (long long)N_dst, (long long)H, (long long)D) < 0)
             goto done;
+    const int64_t E = in[COL_IDX].shape[0], N_src = in[NODE_FEAT].shape[0];
+    const int has_plan = qk_plan_arg(st, a[9], OP, stream, N_src + 1 + 3 * E, "N_src + 1 + 3E", &v[GRAD_OUT], &v[NUM_VIEWS]);
+    if (has_plan < 0) goto done;
+    n_in += has_plan;
     if (qk_launch_begin(st, OP, &v[GRAD_OUT], stream, stream_given, &l) < 0) goto done;
     launched = 1;
-    const int64_t E = in[COL_IDX].shape[0], N_src = in[NODE_FEAT].shape[0];
     const int64_t ew_shape[2] = {E, H}, nf_shape[3] = {N_src, H, D};
     const int dtype = in[NODE_FEAT].dtype;
     if ((want_ew && qk_output_prepare(st, OP, NULL, &v[GRAD_OUT], dtype, 2, ew_shape, &l, &ov[0], &o[0]) < 0) ||
@@ -197,6 +203,7 @@ PyObject *qk_op_sparse_aggregate_backward(PyObject *module, PyObject *const *arg
     sb.dtype = dtype;
     sb.num_threads = st->num_threads;
     sb.deterministic = deterministic;
+    sb.plan = has_plan ? (const int32_t *)v[NUM_VIEWS].data : NULL;
 
     int status = QK_OK;
     if ((want_ew || want_nf) && l.device_type == kDLCUDA && st->check_indices) {
@@ -221,4 +228,92 @@ PyObject *qk_op_sparse_aggregate_backward(PyObject *module, PyObject *const *arg
     else ok = 1;
 done:
     return qk_op_finish_many(&l, launched, o, ov, 2, ok, v, n_in);
+}
+
+
+/* sparse_aggregate_plan(row_ptr, col_idx, num_src, *, stream=None) -> int32 [num_src + 1 + 3E] */
+#undef OP
+#define OP "sparse_aggregate_plan"
+
+QK_DOCS(sparse_aggregate_plan, "row_ptr, col_idx, num_src",
+    "The transposed graph sparse_aggregate_backward groups by source, built once for a graph that\n"
+    "several backward calls share (pass it as their plan=).\n\n"
+    "row_ptr [N_dst+1], col_idx [E] as sparse_aggregate's, num_src = N_src -> int32 [N_src + 1 + 3E]:\n"
+    "ptr [N_src + 1] (source j's entries are ptr[j] .. ptr[j+1] - 1; ptr[N_src] counts the kept ones),\n"
+    "then src [E], edge [E] and row [E] per entry: the edges sorted by source, ascending edge id within\n"
+    "one, and the row holding each.  Edges outside [row_ptr[0], row_ptr[-1]) follow the kept ones in\n"
+    "ascending id with src = N_src and row 0.  E and N_src must be below 2^31.\n" QK_GRAPH_DOC)
+
+PyObject *qk_op_sparse_aggregate_plan(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"row_ptr", "col_idx", "num_src", "stream", NULL};
+    static const char *const in_names[] = {"row_ptr", "col_idx"};
+    qk_state *st = qk_get_state(module);
+    PyObject *a[4] = {NULL, NULL, NULL, NULL};
+    if (qk_parse_args(OP, args, nargs, kwnames, names, 3, 3, a) < 0) return NULL;
+    void *stream;
+    int stream_given;
+    if (qk_stream_arg(OP, a[3], &stream, &stream_given) < 0) return NULL;
+    const long long N_src = qk_count_arg(OP, "num_src", a[2], INT32_MAX - 1);
+    if (N_src < 0) return NULL;
+    qk_view in[2] = {{0}}, ov = {0};
+    qk_output o = {0};
+    qk_launch l = {0};
+    int ok = 0, launched = 0, n_in = 0;
+    if (qk_import_all(st, OP, a, in_names, 2, stream, in, &n_in) < 0) goto done;
+    if (qk_check_ndim(OP, "row_ptr", &in[0], 1, "[N_dst + 1]") < 0 || qk_check_ndim(OP, "col_idx", &in[1], 1, "[E]") < 0 ||
+        qk_check_dtype_index(OP, "row_ptr", &in[0]) < 0 || qk_check_dtype_index(OP, "col_idx", &in[1]) < 0)
+        goto done;
+    if (in[1].dtype != in[0].dtype) {
+        PyErr_Format(PyExc_TypeError, "%s: col_idx must have the same dtype as row_ptr (%s), got %s", OP,
+                     qk_dtype_name(in[0].dtype), qk_dtype_name(in[1].dtype));
+        goto done;
+    }
+    if (in[0].shape[0] < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: row_ptr must have shape [N_dst + 1] with at least one element, got [0]", OP);
+        goto done;
+    }
+    const int64_t E = in[1].shape[0];
+    if (E > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: the plan holds int32 edge ids: E = %lld must be below 2^31", OP, (long long)E);
+        goto done;
+    }
+    if (qk_launch_begin(st, OP, &in[0], stream, stream_given, &l) < 0) goto done;
+    launched = 1;
+    const int64_t shape[1] = {N_src + 1 + 3 * E};
+    if (qk_output_prepare(st, OP, NULL, &in[0], QK_I32, 1, shape, &l, &ov, &o) < 0) goto done;
+
+    qk_sparse_aggregate_plan_args p = {0};
+    p.row_ptr = in[0].data;
+    p.col_idx = in[1].data;
+    p.plan = (int32_t *)ov.data;
+    p.num_dst = in[0].shape[0] - 1;
+    p.num_src = N_src;
+    p.num_edges = E;
+    p.row_ptr_stride = in[0].strides[0];
+    p.col_idx_stride = in[1].strides[0];
+    p.index_dtype = in[0].dtype;
+    p.num_threads = st->num_threads;
+
+    int status = QK_OK;
+    if (l.device_type == kDLCUDA && st->check_indices) {
+        qk_sparse_aggregate_args fa = {0}; /* QKERNELS_CHECK=1: the forward's validation */
+        fa.row_ptr = p.row_ptr;
+        fa.col_idx = p.col_idx;
+        fa.num_dst = p.num_dst;
+        fa.num_src = N_src;
+        fa.num_edges = E;
+        fa.row_ptr_stride = p.row_ptr_stride;
+        fa.col_idx_stride = p.col_idx_stride;
+        fa.index_dtype = p.index_dtype;
+        status = l.cuda->sparse_aggregate_check(&fa, l.stream);
+        p.bad_arg = fa.bad_arg;
+        p.bad_pos = fa.bad_pos;
+        p.bad_value = fa.bad_value;
+    }
+    if (status == QK_OK) QK_RUN(status, &l, sparse_aggregate_plan, &p);
+    if (status == QK_E_INDEX) sa_raise_index_op(OP, p.bad_arg, p.bad_pos, p.bad_value, E, N_src);
+    else if (status) qk_raise_status(OP, status);
+    else ok = 1;
+done:
+    return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);
 }

@@ -142,7 +142,26 @@ typedef struct {
     int bad_arg; /* QK_E_INDEX: 0 row_ptr, 1 col_idx */
     int64_t bad_pos, bad_value;
     const qk_scratch *scratch; /* CUDA temporaries (see qk_scratch); NULL: the stream-ordered pool */
+    /* sparse_aggregate_plan's output (int32 [num_src + 1 + 3 num_edges]) or NULL: grad_node_feat walks
+     * it instead of grouping the edges; entries outside their arrays' ranges are skipped. */
+    const int32_t *plan;
 } qk_sparse_aggregate_backward_args;
+
+/* sparse_aggregate_plan: the transposed graph the backward groups by source, int32
+ * [num_src + 1 + 3E]: ptr[num_src + 1] (source j's entries are [ptr[j], ptr[j+1]); ptr[num_src]
+ * counts the entries kept), then per entry k (sorted by source, ascending edge id within one)
+ * src[E], edge[E] and row[E] (the row holding the edge).  Edges outside [row_ptr[0],
+ * row_ptr[num_dst]) and, on cuda, edges with a bad column follow the kept ones in ascending edge
+ * id with src = num_src and row 0; the cpu launcher refuses a bad column (QK_E_INDEX, bad_arg 1). */
+typedef struct {
+    const void *row_ptr, *col_idx; /* as in qk_sparse_aggregate_args */
+    int32_t *plan;
+    int64_t num_dst, num_src, num_edges, row_ptr_stride, col_idx_stride;
+    int index_dtype, num_threads;
+    int bad_arg; /* QK_E_INDEX: 0 row_ptr, 1 col_idx */
+    int64_t bad_pos, bad_value;
+    const qk_scratch *scratch;
+} qk_sparse_aggregate_plan_args;
 
 /* fused_edge_features: out[e] = cat(x[src]+x[dst], |x[src]-x[dst]|, edge_attr[e]) with
  * src = edge_index[0,e], dst = edge_index[1,e]; out has 3H columns, or 2H without edge_attr.
@@ -178,7 +197,24 @@ typedef struct {
     int bad_row; /* QK_E_INDEX: 0 src, 1 dst */
     int64_t bad_pos, bad_value;
     const qk_scratch *scratch; /* CUDA temporaries (see qk_scratch); NULL: the stream-ordered pool */
+    /* fused_edge_features_plan's output (int32 [num_nodes + 1 + 4 num_edges]) or NULL: grad_x walks it
+     * instead of grouping the incidences; entries outside their arrays' ranges are skipped. */
+    const int32_t *plan;
 } qk_fused_edge_features_backward_args;
+
+/* fused_edge_features_plan: the 2E incidences grouped by node, int32 [num_nodes + 1 + 4E]:
+ * ptr[num_nodes + 1], then per entry k (sorted by node, ascending item within one) node[2E] and
+ * item[2E] (item 2e + side: side 0 at src, 1 at dst).  On cuda an incidence with a bad node follows
+ * the kept ones with node = num_nodes; the cpu launcher refuses it (QK_E_INDEX). */
+typedef struct {
+    const void *edge_index; /* [2, num_edges], index_dtype */
+    int32_t *plan;
+    int64_t num_nodes, num_edges, ei_stride[2];
+    int index_dtype, num_threads;
+    int bad_row; /* QK_E_INDEX: 0 src, 1 dst */
+    int64_t bad_pos, bad_value;
+    const qk_scratch *scratch;
+} qk_fused_edge_features_plan_args;
 
 /* fused_norm_residual: y = LayerNorm(x) * gamma + beta over the last dim (population variance,
  * two-pass: mean, then squared deviations), then when training dropout with probability p (kept
@@ -479,8 +515,10 @@ typedef struct {
 #define QK_LAUNCHERS(X)                         \
     X(sparse_aggregate, sparse_aggregate)       \
     X(sparse_aggregate_backward, sparse_aggregate_backward) \
+    X(sparse_aggregate_plan, sparse_aggregate_plan) \
     X(fused_edge_features, fused_edge_features) \
     X(fused_edge_features_backward, fused_edge_features_backward) \
+    X(fused_edge_features_plan, fused_edge_features_plan) \
     X(fused_norm_residual, fused_norm_residual) \
     X(fused_norm_residual_backward, fused_norm_residual_backward) \
     X(graph_norm_bce, graph_norm_bce)           \
@@ -498,8 +536,10 @@ typedef struct {
 #define QK_OPS(X)                                                         \
     X(sparse_aggregate, sparse_aggregate, sparse_aggregate, 3)            \
     X(sparse_aggregate_backward, sparse_aggregate_backward, sparse_aggregate, 0) \
+    X(sparse_aggregate_plan, sparse_aggregate_plan, graph_plan, 0)        \
     X(fused_edge_features, fused_edge_features, fused_edge_features, 0)   \
     X(fused_edge_features_backward, fused_edge_features_backward, fused_edge_features, 0) \
+    X(fused_edge_features_plan, fused_edge_features_plan, graph_plan, 0)  \
     X(fused_norm_residual, fused_norm_residual, fused_norm_residual, 0)   \
     X(fused_norm_residual_backward, fused_norm_residual_backward, fused_norm_residual, 0) \
     X(graph_norm_bce, graph_norm_bce, graph_norm_bce, 0)                  \
@@ -519,7 +559,7 @@ typedef struct {
     X(rotary_kv_append, rotary_kv_append, rotary_emb, 0)
 
 /* The CUDA shared object exports one symbol, qk_cuda_get_api, returning this table. */
-#define QK_CUDA_ABI 14
+#define QK_CUDA_ABI 15
 
 typedef struct {
     int abi;
