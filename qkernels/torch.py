@@ -27,8 +27,11 @@ NAMESPACE = "qkernels"
 # what it returns.  Every tensor of a differentiable op is positional: autograd.Function sees only those.
 # A public argument that takes a number or a tensor is two schema arguments (see _UNIONS).
 SCHEMAS = {
-    "sparse_aggregate": ("Tensor row_ptr, Tensor col_idx, Tensor edge_weight, Tensor node_feat", "Tensor"),
-    "fused_edge_features": ("Tensor x, Tensor edge_index, Tensor? edge_attr=None", "Tensor"),
+    "sparse_aggregate": ("Tensor row_ptr, Tensor col_idx, Tensor edge_weight, Tensor node_feat, Tensor? plan=None",
+                         "Tensor"),
+    "fused_edge_features": ("Tensor x, Tensor edge_index, Tensor? edge_attr=None, Tensor? plan=None", "Tensor"),
+    "sparse_aggregate_plan": ("Tensor row_ptr, Tensor col_idx, int num_src", "Tensor"),
+    "fused_edge_features_plan": ("Tensor edge_index, int num_nodes", "Tensor"),
     "fused_norm_residual": ("Tensor x, Tensor residual, Tensor gamma, Tensor beta, Tensor? seed_tensor=None, "
                             "Tensor? batch=None, *, float p=0.0, bool training=False, float eps=1e-05, int? seed=None, "
                             "int? num_graphs=None", "Tensor"),
@@ -54,8 +57,9 @@ SCHEMAS = {
     # backward ops: a gradient not asked for comes back as an empty tensor (schemas have no optional returns)
     "sparse_aggregate_backward": ("Tensor grad_out, Tensor row_ptr, Tensor col_idx, Tensor edge_weight, "
                                   "Tensor node_feat, *, bool edge_weight_grad=True, bool node_feat_grad=True, "
-                                  "bool deterministic=True", "(Tensor, Tensor)"),
-    "fused_edge_features_backward": ("Tensor grad_out, Tensor x, Tensor edge_index", "(Tensor, Tensor)"),
+                                  "bool deterministic=True, Tensor? plan=None", "(Tensor, Tensor)"),
+    "fused_edge_features_backward": ("Tensor grad_out, Tensor x, Tensor edge_index, *, Tensor? plan=None",
+                                     "(Tensor, Tensor)"),
     "fused_norm_residual_backward": ("Tensor grad_out, Tensor x, Tensor gamma, *, float p=0.0, bool training=False, "
                                      "float eps=1e-05, int? seed=None, Tensor? seed_tensor=None, Tensor? batch=None, "
                                      "int? num_graphs=None", "(Tensor, Tensor, Tensor)"),
@@ -91,6 +95,10 @@ FAKES = {
     "sparse_aggregate": lambda c: c["node_feat"].new_empty((c["row_ptr"].shape[0] - 1, *c["node_feat"].shape[1:])),
     "fused_edge_features": lambda c: c["x"].new_empty(
         (c["edge_index"].shape[1], (2 if c["edge_attr"] is None else 3) * c["x"].shape[1])),
+    "sparse_aggregate_plan": lambda c: c["row_ptr"].new_empty(
+        (c["num_src"] + 1 + 3 * c["col_idx"].shape[0],), dtype=torch.int32),
+    "fused_edge_features_plan": lambda c: c["edge_index"].new_empty(
+        (c["num_nodes"] + 1 + 4 * c["edge_index"].shape[1],), dtype=torch.int32),
     "fused_norm_residual": lambda c: c["x"].new_empty(c["x"].shape),
     "graph_norm_bce": lambda c: c["logits"].new_empty((), dtype=torch.float32),
     "rotary_emb": lambda c: c["x"].new_empty(c["x"].shape),
@@ -154,18 +162,18 @@ def _backward_ops(ctx):
 
 
 def _grad_sparse_aggregate(ctx, g):
-    row_ptr, col_idx, ew, nf = ctx.saved_tensors
+    row_ptr, col_idx, ew, nf, plan = ctx.saved_tensors
     need = ctx.needs_input_grad
     gw, gn = _backward_ops(ctx).sparse_aggregate_backward(g, row_ptr, col_idx, ew, nf, edge_weight_grad=need[2],
-                                                          node_feat_grad=need[3], backend=ctx.backend)
-    return None, None, gw if need[2] else None, gn if need[3] else None
+                                                          node_feat_grad=need[3], plan=plan, backend=ctx.backend)
+    return None, None, gw if need[2] else None, gn if need[3] else None, None
 
 
 def _grad_fused_edge_features(ctx, g):
-    x, edge_index = ctx.saved_tensors
-    gx, ga = _backward_ops(ctx).fused_edge_features_backward(g, x, edge_index, backend=ctx.backend)
+    x, edge_index, plan = ctx.saved_tensors
+    gx, ga = _backward_ops(ctx).fused_edge_features_backward(g, x, edge_index, plan=plan, backend=ctx.backend)
     need = ctx.needs_input_grad
-    return gx if need[0] else None, None, ga if ctx.has_attr and need[2] else None
+    return gx if need[0] else None, None, ga if ctx.has_attr and need[2] else None, None
 
 
 def _grad_fused_norm_residual(ctx, g):
@@ -210,11 +218,11 @@ def _grad_swiglu(ctx, g):
 
 
 def _save_sparse_aggregate(ctx, a, kw):
-    ctx.save_for_backward(*a[:4])
+    ctx.save_for_backward(*a[:4], a[4] if len(a) > 4 else None)  # the plan, if any, for the backward
 
 
 def _save_fused_edge_features(ctx, a, kw):
-    ctx.save_for_backward(a[0], a[1])
+    ctx.save_for_backward(a[0], a[1], a[3] if len(a) > 3 else None)
     ctx.has_attr = a[2] is not None
 
 

@@ -150,6 +150,8 @@ def test_malformed_capsules(op, data, defect):
 def test_autograd_state(op, data, mode):
     args, kwargs = sample(op, np.random.default_rng(data.draw(st.integers(0, 2**16))))
     expected = outputs(run(op, copies(args), kwargs))
+    if not FLOAT_ARGS[op]:
+        return  # the plan ops: nothing autograd could track
     pos = data.draw(st.sampled_from(FLOAT_ARGS[op]))
     t = [torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in args]
     if mode == "neg":

@@ -47,8 +47,9 @@ def test_every_launcher_has_both_backends(launcher, args):
 @pytest.mark.parametrize("op", list(_C.OPS))
 def test_the_binding_lives_in_one_file_named_for_it(op):
     """csrc/ops/<op>.c, or the file of the launcher or args struct it shares (attn_paged_*, swiglu), or of
-    its dispatch family (a backward op beside its forward op)."""
+    its dispatch family (a backward op beside its forward op), or the op's a plan op serves."""
     launcher, family = {row[0]: row[1:3] for row in table("QK_OPS")}[op]
     args = dict(table("QK_LAUNCHERS"))[launcher]
     files = [p.name for p in (ROOT / "csrc" / "ops").glob("*.c") if f"qk_op_{op}(" in p.read_text()]
-    assert len(files) == 1 and files[0] in (f"{op}.c", f"{launcher}.c", f"{args}.c", f"{family}.c")
+    beside = op.removesuffix("_plan") + ".c"  # a graph plan op beside the op whose backward takes it
+    assert len(files) == 1 and files[0] in (f"{op}.c", f"{launcher}.c", f"{args}.c", f"{family}.c", beside)

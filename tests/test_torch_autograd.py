@@ -309,3 +309,71 @@ def test_training_a_linear_in_front_of_sparse_aggregate(rng):
     lin.bias.grad = None
     model(_t_sparse_aggregate).backward()
     torch.testing.assert_close(got, lin.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+# ---- graph plans: built once, passed through the forward to the backward -------------------------
+
+def _planned_calls(rng, device):
+    """(sparse_aggregate args, its plan, fused_edge_features args, its plan) as torch tensors."""
+    import qkernels
+
+    sa, _ = _torch_call("sparse_aggregate", rng, device=device, n_dst=40, n_src=30, heads=2, dim=8)
+    ef, _ = _torch_call("fused_edge_features", rng, device=device, n=30, e=90, h=8)
+    ef[1][1, ::4] = ef[1][0, ::4]  # self loops
+    return (sa, qkernels.sparse_aggregate_plan(sa[0], sa[1], sa[3].shape[0]),
+            ef, qkernels.fused_edge_features_plan(ef[1], ef[0].shape[0]))
+
+
+def _loss_and_grads(fn, sa, sa_plan, ef, ef_plan):
+    import torch
+
+    ew, nf = sa[2].detach().requires_grad_(True), sa[3].detach().requires_grad_(True)
+    x, ea = ef[0].detach().requires_grad_(True), ef[2].detach().requires_grad_(True)
+    loss = fn(sa[0], sa[1], ew, nf, sa_plan, x, ef[1], ea, ef_plan)
+    loss.backward()
+    return loss.detach(), [t.grad for t in (ew, nf, x, ea)]
+
+
+def _planned_step(row_ptr, col_idx, ew, nf, sa_plan, x, ei, ea, ef_plan):
+    import qkernels
+
+    a = qkernels.sparse_aggregate(row_ptr, col_idx, ew, nf, plan=sa_plan)
+    b = qkernels.fused_edge_features(x, ei, ea, plan=ef_plan)
+    return (a ** 2).sum() + (b ** 2).sum()
+
+
+def test_plan_gives_the_same_gradient_bits(device, rng):
+    import torch
+
+    sa, sa_plan, ef, ef_plan = _planned_calls(rng, device)
+    loss_p, g_p = _loss_and_grads(_planned_step, sa, sa_plan, ef, ef_plan)
+    loss_n, g_n = _loss_and_grads(_planned_step, sa, None, ef, None)
+    assert torch.equal(loss_p, loss_n)
+    for a, b in zip(g_p, g_n):
+        assert torch.equal(a, b)
+    ref = _loss_and_grads(lambda rp, ci, ew, nf, _p, x, ei, ea, _q: (_t_sparse_aggregate(rp, ci, ew, nf) ** 2).sum()
+                          + (_t_fused_edge_features(x, ei, ea) ** 2).sum(),
+                          [t.double() if t.is_floating_point() else t for t in sa], None,
+                          [t.double() if t.is_floating_point() else t for t in ef], None)[1]
+    for a, b in zip(g_p, ref):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+def test_plan_compiles_without_breaks(device, rng):
+    sa, sa_plan, ef, ef_plan = _planned_calls(rng, device)
+    args = [*sa, sa_plan, *ef, ef_plan]
+    args = [args[0], args[1], args[2].detach().requires_grad_(True), args[3].detach().requires_grad_(True), args[4],
+            args[5].detach().requires_grad_(True), args[6], args[7].detach().requires_grad_(True), args[8]]
+    assert_compiles_like_eager(_planned_step, lambda f: _loss_and_grads(f, sa, sa_plan, ef, ef_plan), *args)
+
+
+def test_opcheck_with_plans(device, rng):
+    import torch
+
+    sa, sa_plan, ef, ef_plan = _planned_calls(rng, device)
+    sa = [t.requires_grad_(True) if t.is_floating_point() else t for t in sa]
+    ef = [t.requires_grad_(True) if t.is_floating_point() else t for t in ef]
+    torch.library.opcheck(torch.ops.qkernels.sparse_aggregate.default, (*sa, sa_plan), {})
+    torch.library.opcheck(torch.ops.qkernels.fused_edge_features.default, (*ef, ef_plan), {})
+    torch.library.opcheck(torch.ops.qkernels.sparse_aggregate_plan.default, (sa[0], sa[1], sa[3].shape[0]), {})
+    torch.library.opcheck(torch.ops.qkernels.fused_edge_features_plan.default, (ef[1], ef[0].shape[0]), {})
