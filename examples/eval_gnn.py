@@ -242,6 +242,9 @@ class BatchStructure:
     edge_graph: torch.Tensor  # [B*E] int32, sorted
     node_static: torch.Tensor  # [B*N, 4] float32
     edge_raw: torch.Tensor    # [B*E, 9] float32
+    # the transposed graphs the backward ops would otherwise group on every call (docs/graph-ops.md)
+    sa_plan: torch.Tensor = None  # sparse_aggregate_plan(row_ptr, col_idx, B*N), int32
+    ef_plan: torch.Tensor = None  # fused_edge_features_plan(edge_index, B*N), int32
 
 
 def batch_structure(graph, B, device):
@@ -255,10 +258,15 @@ def batch_structure(graph, B, device):
     def t(a, dtype):
         return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
 
+    # built once per batch structure on the host (the structure is fixed for a run), then copied
+    i32 = np.int32
+    sa_plan = qkernels.sparse_aggregate_plan(row_ptr.astype(i32), col_idx.astype(i32), B * N)
+    ef_plan = qkernels.fused_edge_features_plan(edge_index.astype(i32), B * N)
     return BatchStructure(B, t(edge_index, torch.int32), t(row_ptr, torch.int32), t(col_idx, torch.int32),
                           t(dir_edge, torch.int64), t(np.repeat(g, E), torch.int32),
                           t(np.tile(graph.node_raw, (B, 1)), torch.float32),
-                          t(np.tile(graph.edge_raw, (B, 1)), torch.float32))
+                          t(np.tile(graph.edge_raw, (B, 1)), torch.float32),
+                          t(np.asarray(sa_plan), torch.int32), t(np.asarray(ef_plan), torch.int32))
 
 
 # ---- the model ---------------------------------------------------------------------------------

@@ -87,10 +87,11 @@ class QkernelsOps:
         self.st = st
 
     def edge_features(self, x, e):
-        return qkernels.fused_edge_features(x, self.st.edge_index, e)
+        return qkernels.fused_edge_features(x, self.st.edge_index, e, plan=self.st.ef_plan)
 
     def aggregate(self, att, v):
-        return qkernels.sparse_aggregate(self.st.row_ptr, self.st.col_idx, att[self.st.dir_edge], v)
+        return qkernels.sparse_aggregate(self.st.row_ptr, self.st.col_idx, att[self.st.dir_edge], v,
+                                         plan=self.st.sa_plan)
 
     def norm(self, x, res, gamma, beta, p, training):
         return qkernels.fused_norm_residual(x, res, gamma, beta, p=p, training=training)
