@@ -472,7 +472,7 @@ extern "C" int qk_fused_edge_features_plan_cuda(const qk_fused_edge_features_pla
         const uint32_t *sk = keys.Current(), *si = items.Current(), *none = nullptr;
         int64_t mm = m, n = N;
         void *args[] = {&out, &sk, &si, &none, &mm, &n};
-        status = qk_launch((const void *)qk_plan_write, dim3(qk_grid_for(m > N + 1 ? m : N + 1, 256, 132 * 16)),
+        status = qk_launch((const void *)qk_plan_write<uint32_t>, dim3(qk_grid_for(m > N + 1 ? m : N + 1, 256, 132 * 16)),
                            dim3(256), 0, s, args);
     }
     const int freed = qk_scratch_free(a->scratch, base, plan.bytes, s);

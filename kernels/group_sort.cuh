@@ -114,14 +114,15 @@ __global__ void __launch_bounds__(256) qk_zero_empty(T *out, const int32_t *ptr,
 // A plan from the sorted pairs (sparse_aggregate_plan, fused_edge_features_plan): ptr[0..n] (the
 // first position of each key, by binary search), then keys[m], values[m] and, when row_of is given,
 // row_of[value] per position.  Launch with 256 threads and qk_grid_for(max(m, n + 1), 256).
-__global__ void __launch_bounds__(256) qk_plan_write(int32_t *plan, const uint32_t *keys, const uint32_t *values,
-                                                     const uint32_t *row_of, int64_t m, int64_t n) {
+template <typename U>
+__global__ void __launch_bounds__(256) qk_plan_write(int32_t *plan, const U *keys, const U *values, const U *row_of,
+                                                     int64_t m, int64_t n) {
     int32_t *ptr = plan, *pk = plan + n + 1, *pv = pk + m, *pr = pv + m;
     const int64_t total = m > n + 1 ? m : n + 1;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
         if (i <= n) ptr[i] = (int32_t)qk_lower_bound(keys, m, (uint64_t)i);
         if (i < m) {
-            const uint32_t v = values[i];
+            const U v = values[i];
             pk[i] = (int32_t)keys[i];
             pv[i] = (int32_t)v;
             if (row_of) pr[i] = (int32_t)row_of[v];

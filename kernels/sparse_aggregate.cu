@@ -882,7 +882,7 @@ extern "C" int qk_sparse_aggregate_plan_cuda(const qk_sparse_aggregate_plan_args
         const uint32_t *sk = keys.Current(), *se = edges.Current(), *sr = row_of;
         int64_t m = E, n = N;
         void *args[] = {&out, &sk, &se, &sr, &m, &n};
-        status = qk_launch((const void *)qk_plan_write, dim3(qk_grid_for(E > N + 1 ? E : N + 1, 256, 132 * 16)),
+        status = qk_launch((const void *)qk_plan_write<uint32_t>, dim3(qk_grid_for(E > N + 1 ? E : N + 1, 256, 132 * 16)),
                            dim3(256), 0, s, args);
     }
     const int freed = qk_scratch_free(a->scratch, base, plan.bytes, s);

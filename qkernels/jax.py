@@ -274,55 +274,71 @@ def _sa_heads(axis_size, in_batched, *arrays):
 _sa_call = _fold(_sa_raw, _sa_heads)
 
 
-def _sa_bwd_raw(g, row_ptr, col_idx, ew, nf, want_ew=True, want_nf=True, deterministic=True):
+def _sa_bwd_raw(g, row_ptr, col_idx, ew, nf, *plan, want_ew=True, want_nf=True, deterministic=True):
     outs = [_sds(ew.shape if want_ew else (0,), ew.dtype), _sds(nf.shape if want_nf else (0,), nf.dtype)]
-    return tuple(_ffi("sparse_aggregate_backward", outs, g, row_ptr, col_idx, ew, nf, edge_weight_grad=bool(want_ew),
-                      node_feat_grad=bool(want_nf), deterministic=bool(deterministic)))
+    return tuple(_ffi("sparse_aggregate_backward", outs, g, row_ptr, col_idx, ew, nf, *plan,
+                      edge_weight_grad=bool(want_ew), node_feat_grad=bool(want_nf), deterministic=bool(deterministic)))
 
 
+def _check_plan(op, plan, length, layout):
+    _check(_dt(plan) == "int32", TypeError, op, f"plan must be int32, got {_dt(plan)}")
+    _check(plan.ndim == 1 and plan.shape[0] == length, ValueError, op,
+           f"plan must have shape [{layout}] = [{length}], got {tuple(plan.shape)}")
+
+
+# plan: the transposed graph (sparse_aggregate_plan) or nothing; the forward ignores it
 @jax.custom_vjp
-def _sa_diff(row_ptr, col_idx, ew, nf):
+def _sa_diff(row_ptr, col_idx, ew, nf, *plan):
     return _sa_call(row_ptr, col_idx, ew, nf)
 
 
-def _sa_fwd(row_ptr, col_idx, ew, nf):
-    return _sa_call(row_ptr, col_idx, ew, nf), (row_ptr, col_idx, ew, nf)
+def _sa_fwd(row_ptr, col_idx, ew, nf, *plan):
+    return _sa_call(row_ptr, col_idx, ew, nf), (row_ptr, col_idx, ew, nf, *plan)
 
 
 def _sa_bwd(res, g):
     gw, gn = _sa_bwd_raw(g, *res)
-    return None, None, gw, gn
+    return (None, None, gw, gn) + (None,) * (len(res) - 4)
 
 
 _sa_diff.defvjp(_sa_fwd, _sa_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("platform",))
-def _sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, platform):
-    return _sa_diff(row_ptr, col_idx, edge_weight, node_feat)
+def _sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, *plan, platform):
+    return _sa_diff(row_ptr, col_idx, edge_weight, node_feat, *plan)
 
 
-def sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, *, backend=None):
+def sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, *, plan=None, backend=None):
     """Multi-head CSR SpMM: out[i,h,:] = sum over e in [row_ptr[i], row_ptr[i+1]) of edge_weight[e,h] *
-    node_feat[col_idx[e],h,:] -> [N_dst, H, D].  Differentiable in edge_weight and node_feat."""
+    node_feat[col_idx[e],h,:] -> [N_dst, H, D].  Differentiable in edge_weight and node_feat; plan
+    (sparse_aggregate_plan of the graph) goes to the backward."""
     op = "sparse_aggregate"
     row_ptr, col_idx, edge_weight, node_feat = map(_arr, (row_ptr, col_idx, edge_weight, node_feat))
     _check_sa(op, row_ptr, col_idx, edge_weight, node_feat)
-    return _sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat,
+    plan = () if plan is None else (_arr(plan),)
+    if plan:
+        _check_plan(op, plan[0], node_feat.shape[0] + 1 + 3 * col_idx.shape[0], "N_src + 1 + 3E")
+    return _sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat, *plan,
                              platform=_platform(op, node_feat, backend))
 
 
 @functools.partial(jax.jit, static_argnames=("want_ew", "want_nf", "deterministic", "platform"))
-def _sparse_aggregate_backward(g, row_ptr, col_idx, ew, nf, want_ew, want_nf, deterministic, platform):
-    return _sa_bwd_raw(g, row_ptr, col_idx, ew, nf, want_ew, want_nf, deterministic)
+def _sparse_aggregate_backward(g, row_ptr, col_idx, ew, nf, *plan, want_ew, want_nf, deterministic, platform):
+    return _sa_bwd_raw(g, row_ptr, col_idx, ew, nf, *plan, want_ew=want_ew, want_nf=want_nf,
+                       deterministic=deterministic)
 
 
 def sparse_aggregate_backward(grad_out, row_ptr, col_idx, edge_weight, node_feat, *, edge_weight_grad=True,
-                              node_feat_grad=True, deterministic=True, backend=None):
+                              node_feat_grad=True, deterministic=True, plan=None, backend=None):
     """(grad_edge_weight or None, grad_node_feat or None) of sparse_aggregate for grad_out [N_dst, H, D]."""
     op = "sparse_aggregate_backward"
     args = tuple(map(_arr, (grad_out, row_ptr, col_idx, edge_weight, node_feat)))
-    _check_sa(op, *args[1:])
+    if plan is not None:
+        plan = _arr(plan)
+        _check_plan(op, plan, args[4].shape[0] + 1 + 3 * args[2].shape[0], "N_src + 1 + 3E")
+        args = args + (plan,)
+    _check_sa(op, *args[1:5])
     g, nf = args[0], args[4]
     _need_rank(op, "grad_out", g, 3, "[N_dst, H, D]")
     _same_dtype(op, "grad_out", g, "node_feat's", nf)
@@ -373,51 +389,57 @@ def _fe_fold(axis_size, in_batched, x, ei, *attr):
 _fe_call = _fold(_fe_raw, _fe_fold)
 
 
-def _fe_bwd_raw(g, x, ei):
+def _fe_bwd_raw(g, x, ei, plan=None):
     H, E = x.shape[1], ei.shape[1]
     outs = [_sds(x.shape, x.dtype), _sds((E, H) if g.shape[1] == 3 * H and H > 0 else (0,), x.dtype)]
-    return tuple(_ffi("fused_edge_features_backward", outs, g, x, ei))
+    return tuple(_ffi("fused_edge_features_backward", outs, g, x, ei, *(() if plan is None else (plan,))))
 
 
+# plan: fused_edge_features_plan of the graph, or int32 [0] for none (the forward ignores it)
 @jax.custom_vjp
-def _fe_diff(x, ei, *attr):
+def _fe_diff(x, ei, plan, *attr):
     return _fe_call(x, ei, *attr)
 
 
-def _fe_fwd(x, ei, *attr):
-    return _fe_call(x, ei, *attr), (x, ei)
+def _fe_fwd(x, ei, plan, *attr):
+    return _fe_call(x, ei, *attr), (x, ei, plan)
 
 
 def _fe_bwd(res, g):
-    x, ei = res
-    gx, ga = _fe_bwd_raw(g, x, ei)
-    return (gx, None) + ((ga,) if g.shape[1] == 3 * x.shape[1] else ())
+    x, ei, plan = res
+    gx, ga = _fe_bwd_raw(g, x, ei, plan if plan.shape[0] else None)
+    return (gx, None, None) + ((ga,) if g.shape[1] == 3 * x.shape[1] else ())
 
 
 _fe_diff.defvjp(_fe_fwd, _fe_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("platform",))
-def _fused_edge_features(x, ei, *attr, platform):
-    return _fe_diff(x, ei, *attr)
+def _fused_edge_features(x, ei, plan, *attr, platform):
+    return _fe_diff(x, ei, plan, *attr)
 
 
-def fused_edge_features(x, edge_index, edge_attr=None, *, backend=None):
+def fused_edge_features(x, edge_index, edge_attr=None, *, plan=None, backend=None):
     """[x[src] + x[dst], |x[src] - x[dst]|, edge_attr] -> [E, 3H] (or [E, 2H] without edge_attr).
-    Differentiable in x and edge_attr."""
+    Differentiable in x and edge_attr; plan (fused_edge_features_plan of the graph) goes to the backward."""
     op = "fused_edge_features"
     x, edge_index = _arr(x), _arr(edge_index)
     attr = () if edge_attr is None else (_arr(edge_attr),)
     _check_fe(op, x, edge_index, *attr)
-    return _fused_edge_features(x, edge_index, *attr, platform=_platform(op, x, backend))
+    if plan is None:
+        plan = jnp.zeros((0,), jnp.int32)
+    else:
+        plan = _arr(plan)
+        _check_plan(op, plan, x.shape[0] + 1 + 4 * edge_index.shape[1], "N + 1 + 4E")
+    return _fused_edge_features(x, edge_index, plan, *attr, platform=_platform(op, x, backend))
 
 
 @functools.partial(jax.jit, static_argnames=("platform",))
-def _fused_edge_features_backward(g, x, ei, platform):
-    return _fe_bwd_raw(g, x, ei)
+def _fused_edge_features_backward(g, x, ei, *plan, platform):
+    return _fe_bwd_raw(g, x, ei, *plan)
 
 
-def fused_edge_features_backward(grad_out, x, edge_index, *, backend=None):
+def fused_edge_features_backward(grad_out, x, edge_index, *, plan=None, backend=None):
     """(grad_x [N, H], grad_edge_attr [E, H] or None) for grad_out [E, 3H] (with edge_attr) or [E, 2H]."""
     op = "fused_edge_features_backward"
     g, x, edge_index = map(_arr, (grad_out, x, edge_index))
@@ -427,8 +449,56 @@ def fused_edge_features_backward(grad_out, x, edge_index, *, backend=None):
     H = x.shape[1]
     _check(g.shape[0] == edge_index.shape[1] and g.shape[1] in (2 * H, 3 * H), ValueError, op,
            f"grad_out must have shape [E, 2H] or [E, 3H] with E = {edge_index.shape[1]}, H = {H}, got {tuple(g.shape)}")
-    gx, ga = _fused_edge_features_backward(g, x, edge_index, platform=_platform(op, g, backend))
+    plan = () if plan is None else (_arr(plan),)
+    if plan:
+        _check_plan(op, plan[0], x.shape[0] + 1 + 4 * edge_index.shape[1], "N + 1 + 4E")
+    gx, ga = _fused_edge_features_backward(g, x, edge_index, *plan, platform=_platform(op, g, backend))
     return gx, (ga if g.shape[1] == 3 * H else None)
+
+
+# ---- graph plans ----------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("num_src", "platform"))
+def _sparse_aggregate_plan(row_ptr, col_idx, num_src, platform):
+    return _ffi("sparse_aggregate_plan", _sds((num_src + 1 + 3 * col_idx.shape[0],), jnp.int32), row_ptr, col_idx)
+
+
+def sparse_aggregate_plan(row_ptr, col_idx, num_src, *, backend=None):
+    """The transposed graph sparse_aggregate_backward groups by source, int32 [N_src + 1 + 3E] (see
+    qkernels.sparse_aggregate_plan); pass it as plan= to sparse_aggregate or its backward."""
+    op = "sparse_aggregate_plan"
+    row_ptr, col_idx = _arr(row_ptr), _arr(col_idx)
+    _need_rank(op, "row_ptr", row_ptr, 1, "[N_dst + 1]")
+    _need_rank(op, "col_idx", col_idx, 1, "[E]")
+    _need_index(op, "row_ptr", row_ptr)
+    _check(col_idx.dtype == row_ptr.dtype, TypeError, op, f"col_idx must have the same dtype as row_ptr "
+           f"({_dt(row_ptr)}), got {_dt(col_idx)}")
+    _check(row_ptr.shape[0] >= 1, ValueError, op, "row_ptr must have shape [N_dst + 1] with at least one element")
+    _check(isinstance(num_src, (int, np.integer)) and 0 <= num_src < 2**31 - 1, ValueError, op,
+           f"num_src must be an int between 0 and 2147483646, got {num_src!r}")
+    _check(col_idx.shape[0] < 2**31, ValueError, op, f"the plan holds int32 edge ids: E = {col_idx.shape[0]} "
+           "must be below 2^31")
+    return _sparse_aggregate_plan(row_ptr, col_idx, int(num_src), platform=_platform(op, row_ptr, backend))
+
+
+@functools.partial(jax.jit, static_argnames=("num_nodes", "platform"))
+def _fused_edge_features_plan(ei, num_nodes, platform):
+    return _ffi("fused_edge_features_plan", _sds((num_nodes + 1 + 4 * ei.shape[1],), jnp.int32), ei)
+
+
+def fused_edge_features_plan(edge_index, num_nodes, *, backend=None):
+    """The incidences fused_edge_features_backward groups by node, int32 [N + 1 + 4E] (see
+    qkernels.fused_edge_features_plan); pass it as plan= to fused_edge_features or its backward."""
+    op = "fused_edge_features_plan"
+    edge_index = _arr(edge_index)
+    _need_rank(op, "edge_index", edge_index, 2, "[2, E]")
+    _need_index(op, "edge_index", edge_index)
+    _need_dim(op, "edge_index", edge_index, 0, 2, "[2, E]")
+    _check(isinstance(num_nodes, (int, np.integer)) and 0 <= num_nodes < 2**31 - 1, ValueError, op,
+           f"num_nodes must be an int between 0 and 2147483646, got {num_nodes!r}")
+    _check(2 * edge_index.shape[1] < 2**31, ValueError, op, f"the plan holds int32 incidence ids: 2E = "
+           f"{2 * edge_index.shape[1]} must be below 2^31")
+    return _fused_edge_features_plan(edge_index, int(num_nodes), platform=_platform(op, edge_index, backend))
 
 
 # ---- fused_norm_residual ------------------------------------------------------------------------

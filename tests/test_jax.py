@@ -518,3 +518,51 @@ def test_scratch_size_query_arguments():
     if "cuda" not in qj.registered()["linear"]:
         with pytest.raises(RuntimeError, match="CUDA handlers are not registered"):
             q("linear", 0, [("bfloat16", (80, 16)), ("bfloat16", (8, 16))], [("bfloat16", (80, 8))], {}, {})
+
+
+# ---- graph plans ----------------------------------------------------------------------------------
+
+def _same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("ix", [np.int32, np.int64])
+def test_plans_give_the_same_gradient_bits(ix, rng):
+    """plan= through the forward ops' vjp and the backward ops: the bits of the unplanned gradients."""
+    (rp, ci, ew, nf), _ = T.sample("sparse_aggregate", rng, index_dtype=ix, n_dst=30, n_src=20, heads=2, dim=8)
+    (x, ei, ea), _ = T.sample("fused_edge_features", rng, index_dtype=ix, n=20, e=70, h=8)
+    ei[1, ::4] = ei[0, ::4]
+    sa_plan, ef_plan = qj.sparse_aggregate_plan(rp, ci, 20), qj.fused_edge_features_plan(ei, 20)
+    assert np.array_equal(np.asarray(sa_plan), T.reference("sparse_aggregate_plan", rp, ci, 20))
+    assert np.array_equal(np.asarray(ef_plan), T.reference("fused_edge_features_plan", ei, 20))
+
+    def loss(ew, nf, x, ea, sa_plan, ef_plan):
+        a = qj.sparse_aggregate(rp, ci, ew, nf, plan=sa_plan)
+        b = qj.fused_edge_features(x, ei, ea, plan=ef_plan)
+        return (a ** 2).sum() + (b ** 2).sum()
+
+    args = tuple(map(jnp.asarray, (ew, nf, x, ea)))
+    planned = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args, sa_plan, ef_plan)
+    plain = jax.grad(lambda *a: loss(*a, None, None), argnums=(0, 1, 2, 3))(*args)
+    for p, q in zip(planned, plain):
+        _same_bits(p, q)
+    go = rng.standard_normal((30, 2, 8)).astype(np.float32)
+    for p, q in zip(qj.sparse_aggregate_backward(go, rp, ci, ew, nf, plan=sa_plan),
+                    qj.sparse_aggregate_backward(go, rp, ci, ew, nf)):
+        _same_bits(p, q)
+    g = rng.standard_normal((70, 24)).astype(np.float32)
+    for p, q in zip(qj.fused_edge_features_backward(g, x, ei, plan=ef_plan), qj.fused_edge_features_backward(g, x, ei)):
+        _same_bits(p, q)
+
+
+def test_plan_errors_at_trace_time(rng):
+    (rp, ci, ew, nf), _ = T.sample("sparse_aggregate", rng)
+    plan = qj.sparse_aggregate_plan(rp, ci, nf.shape[0])
+    with pytest.raises(TypeError, match="sparse_aggregate: plan must be int32"):
+        qj.sparse_aggregate(rp, ci, ew, nf, plan=plan.astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"sparse_aggregate_backward: plan must have shape \[N_src \+ 1 \+ 3E\]"):
+        qj.sparse_aggregate_backward(np.zeros((len(rp) - 1,) + nf.shape[1:], np.float32), rp, ci, ew, nf,
+                                     plan=plan[:-1])
+    with pytest.raises(ValueError, match="fused_edge_features_plan: num_nodes must be an int"):
+        qj.fused_edge_features_plan(np.zeros((2, 3), np.int32), -1)

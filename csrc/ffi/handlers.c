@@ -285,7 +285,7 @@ static XLA_FFI_Error *ffi_sparse_aggregate(fc *c) {
     return fc_status(c, st);
 }
 
-/* sparse_aggregate_backward(grad_out, row_ptr, col_idx, edge_weight, node_feat) -> (grad_edge_weight,
+/* sparse_aggregate_backward(grad_out, row_ptr, col_idx, edge_weight, node_feat[, plan]) -> (grad_edge_weight,
  * grad_node_feat); attributes edge_weight_grad, node_feat_grad (false: that result is [0], not
  * computed), deterministic. */
 static const unsigned cb_sparse_aggregate_backward = CB_YES;
@@ -310,6 +310,15 @@ static XLA_FFI_Error *ffi_sparse_aggregate_backward(fc *c) {
     a.index_dtype = dtype_of(rp), a.dtype = dtype_of(nf), a.num_threads = g_threads;
     a.deterministic = fc_attr(c, "deterministic", 1) != 0;
     a.scratch = FC_SCRATCH(c);
+    if (NARGS > 5) { /* plan: int32 [N_src + 1 + 3E], or [0] for none */
+        XLA_FFI_Buffer *plan = ARG(5, "plan", 1);
+        if (!plan) return c->err;
+        if (dtype_of(plan) != QK_I32) return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "plan must be int32");
+        if (plan->dims[0] != 0 && plan->dims[0] != a.num_src + 1 + 3 * a.num_edges)
+            return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "plan must have shape [N_src + 1 + 3E] = [%lld]",
+                           (long long)(a.num_src + 1 + 3 * a.num_edges));
+        a.plan = plan->dims[0] ? (const int32_t *)plan->data : NULL;
+    }
     int st = QK_OK;
     if (want_ew || want_nf) FC_RUN(st, c, sparse_aggregate_backward, &a);
     if (st == QK_E_INDEX) return sa_index_error(c, a.bad_arg, a.bad_pos, a.bad_value, a.num_edges, a.num_src);
@@ -341,7 +350,7 @@ static XLA_FFI_Error *ffi_fused_edge_features(fc *c) {
     return fc_status(c, st);
 }
 
-/* fused_edge_features_backward(grad_out, x, edge_index) -> (grad_x, grad_edge_attr: [E, H] when
+/* fused_edge_features_backward(grad_out, x, edge_index[, plan]) -> (grad_x, grad_edge_attr: [E, H] when
  * grad_out has 3H columns, else [0]) */
 static const unsigned cb_fused_edge_features_backward = CB_YES;
 static XLA_FFI_Error *ffi_fused_edge_features_backward(fc *c) {
@@ -358,6 +367,15 @@ static XLA_FFI_Error *ffi_fused_edge_features_backward(fc *c) {
     dense_strides(ei, a.ei_stride);
     a.index_dtype = dtype_of(ei), a.dtype = dtype_of(x), a.num_threads = g_threads;
     a.scratch = FC_SCRATCH(c);
+    if (NARGS > 3) { /* plan: int32 [N + 1 + 4E], or [0] for none */
+        XLA_FFI_Buffer *plan = ARG(3, "plan", 1);
+        if (!plan) return c->err;
+        if (dtype_of(plan) != QK_I32) return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "plan must be int32");
+        if (plan->dims[0] != 0 && plan->dims[0] != a.num_nodes + 1 + 4 * a.num_edges)
+            return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "plan must have shape [N + 1 + 4E] = [%lld]",
+                           (long long)(a.num_nodes + 1 + 4 * a.num_edges));
+        a.plan = plan->dims[0] ? (const int32_t *)plan->data : NULL;
+    }
     int st = QK_OK;
     if (a.num_nodes > 0 && a.H > 0) FC_RUN(st, c, fused_edge_features_backward, &a);
     if (st == QK_E_INDEX) return fe_index_error(c, a.bad_row, a.bad_pos, a.bad_value, a.num_nodes);
