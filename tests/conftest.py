@@ -278,6 +278,8 @@ DEVICE_SIZES = {
     "sparse_aggregate_backward": dict(n_dst=60, n_src=40, heads=2, dim=16),
     "fused_edge_features": dict(n=50, e=100, h=8),
     "fused_edge_features_backward": dict(n=50, e=100, h=8),
+    "sparse_aggregate_plan": dict(n_dst=60, n_src=40),
+    "fused_edge_features_plan": dict(n=50, e=100),
     "fused_norm_residual": dict(rows=30, h=64),
     "graph_norm_bce": dict(e=500, graphs=7),
     "fused_norm_residual_backward": dict(rows=30, h=64, p=0.2),
