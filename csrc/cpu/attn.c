@@ -214,7 +214,8 @@ QK_INLINE void ad_load32(const void *row, int64_t d, int bf, at_v16 *x0, at_v16 
 
 /* s[g][u0 + u] = q_g . k_{u0 + u} for ng (1, 2 or 4) query rows of qs ([ng][D]) and 16 / ng keys:
  * 16 dot products at once, each in 16 lanes reduced by ad_reduce16, then the D mod 16 last terms in
- * order (fp32 rows only; bf needs D a multiple of 32).  Each K vector serves ng rows from a register. */
+ * order (fp32 rows only; bf needs D a multiple of 32).  Each K vector serves ng rows from a register;
+ * dot (g, u) is lane g nk + u, so each row's scores leave as one piece. */
 QK_INLINE void ad_scores16(float *restrict s, const float *restrict qs, const void *const *kr, int u0, int ng,
                            int bf, int64_t D) {
     const int nk = 16 / ng;
@@ -227,25 +228,25 @@ QK_INLINE void ad_scores16(float *restrict s, const float *restrict qs, const vo
         for (int u = 0; u < nk; u++) {
             at_v16 k0, k1;
             ad_load32(kr[u0 + u], d, bf, &k0, &k1);
-            for (int g = 0; g < ng; g++) acc[u * ng + g] += q0[g] * k0;
-            for (int g = 0; g < ng; g++) acc[u * ng + g] += q1[g] * k1;
+            for (int g = 0; g < ng; g++) acc[g * nk + u] += q0[g] * k0;
+            for (int g = 0; g < ng; g++) acc[g * nk + u] += q1[g] * k1;
         }
     }
     if (!bf && d + 16 <= D) {
         for (int u = 0; u < nk; u++) {
             const at_v16 k0 = AT_LOAD16((const float *)kr[u0 + u] + d);
-            for (int g = 0; g < ng; g++) acc[u * ng + g] += AT_LOAD16(qs + g * D + d) * k0;
+            for (int g = 0; g < ng; g++) acc[g * nk + u] += AT_LOAD16(qs + g * D + d) * k0;
         }
         d += 16;
     }
     ad_reduce16(&sum, acc);
-    for (int u = 0; u < nk; u++)
-        for (int g = 0; g < ng; g++) {
-            float r = sum[u * ng + g];
-            if (!bf)
-                for (int64_t e = d; e < D; e++) r += qs[g * D + e] * ((const float *)kr[u0 + u])[e];
-            s[g * AD_BLOCK + u0 + u] = r;
-        }
+    float r[16];
+    memcpy(r, &sum, sizeof r);
+    if (!bf)
+        for (int g = 0; g < ng; g++)
+            for (int u = 0; u < nk; u++)
+                for (int64_t e = d; e < D; e++) r[g * nk + u] += qs[g * D + e] * ((const float *)kr[u0 + u])[e];
+    for (int g = 0; g < ng; g++) memcpy(s + g * AD_BLOCK + u0, r + g * nk, sizeof(float) * (size_t)nk);
 }
 
 /* acc[g] = acc[g] corr[g] + sum_{u < t} w[g][u] vr[u] for ng (1, 2 or 4) rows and the columns d ..
@@ -293,11 +294,18 @@ QK_INLINE float at_exp1(float x) {
  * sum, and *corr = e^(m - m') rescales the row's accumulator.  A row that has kept nothing yet
  * (m' = -inf) gets weights 0, corr 0 and keeps l = 0. */
 QK_INLINE void ad_softmax(float *restrict s, float *m, float *l, float *corr) {
-    at_v16 ld, s0 = AT_LOAD16(s), s1 = AT_LOAD16(s + 16), mv = (at_v16){0} + *m;
+    at_v16 ld, s0 = AT_LOAD16(s), s1 = AT_LOAD16(s + 16), mv = (at_v16){0} + *m, x;
     at_max16(&mv, &s0);
     at_max16(&mv, &s1);
-    float mx = mv[0];
-    for (int i = 1; i < 16; i++) mx = mv[i] > mx ? mv[i] : mx;
+    x = AT_SHUF16(mv, mv, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    at_max16(&mv, &x);
+    x = AT_SHUF16(mv, mv, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    at_max16(&mv, &x);
+    x = AT_SHUF16(mv, mv, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    at_max16(&mv, &x);
+    x = AT_SHUF16(mv, mv, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    at_max16(&mv, &x);
+    const float mx = mv[0];
     const float base = mx == -INFINITY ? 0.f : mx;
     s0 -= base;
     s1 -= base;
@@ -305,9 +313,12 @@ QK_INLINE void ad_softmax(float *restrict s, float *m, float *l, float *corr) {
     at_exp16(&s1);
     AT_STORE16(s, s0);
     AT_STORE16(s + 16, s1);
-    const at_v16 e = s0 + s1;
-    float sum = 0.f;
-    for (int i = 0; i < 8; i++) sum += e[i] + e[i + 8];
+    at_v16 e = s0 + s1; /* summed in a tree: lane i + lane i + 8, then + 4, + 2, + 1 */
+    e += AT_SHUF16(e, e, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    e += AT_SHUF16(e, e, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    e += AT_SHUF16(e, e, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    e += AT_SHUF16(e, e, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    const float sum = e[0];
     *corr = at_exp1(*m - base);
     *l = *l * *corr + sum;
     *m = mx;
