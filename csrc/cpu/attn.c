@@ -660,7 +660,8 @@ int qk_attn_decode_cpu(qk_attn_decode_args *a, void *stream) {
                 atomic_init(&j.left[b * j.groups + g], (int)(first[b + 1] - first[b]));
     }
     j.first = first, j.part = part;
-    j.bf = a->dtype == QK_BF16 && a->D % 32 == 0;
+    /* ad_load32's even / odd split reads the words little-endian */
+    j.bf = a->dtype == QK_BF16 && a->D % 32 == 0 && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__;
     atomic_init(&j.next, 0);
     atomic_init(&j.nomem, 0);
     status = qk_parallel_run(nthreads, ad_worker, &j);
