@@ -17,6 +17,7 @@
  * 3.3 ms, against torch 2.13's CPU scaled_dot_product_attention (enable_gqa) at 7.6 and 4.3 ms.
  *
  * Prefill: see the comment above qk_attn_prefill_cpu. */
+#include "attn_prefill_isa.h"
 #include "cpu.h"
 #include "half.h"
 
@@ -358,9 +359,9 @@ int qk_attn_decode_cpu(qk_attn_decode_args *a, void *stream) {
 
 /* ---- prefill ----------------------------------------------------------------------------- */
 
-#define AP_KT 32     /* keys per tile */
-#define AP_ROWS 128  /* query rows (positions x the G heads of a kv head) a block aims for */
-#define AP_QB_MAX 64 /* query positions per block at most */
+#define AP_KT QK_AP_KT /* keys per tile (attn_prefill_isa.h) */
+#define AP_ROWS 128    /* query rows (positions x the G heads of a kv head) a block aims for */
+#define AP_QB_MAX 64   /* query positions per block at most */
 
 /* e^x for 16 floats x <= 0 (scores minus their running max), about 1 ulp: 2^n e^f with
  * n = round(x log2 e), f = x - n ln 2 in two parts (Cody-Waite) and Cephes' expf polynomial for e^f.
@@ -490,7 +491,8 @@ typedef struct {
     const qk_attn_prefill_args *a;
     at_pool pool;
     const ap_block *blocks; /* item i is block i / Hkv for kv head i % Hkv */
-    int64_t items, G, QB, Dp; /* QB: the most query positions of a block (sizes the scratch) */
+    int64_t items, G, QB, Dp, Dp32; /* QB: the most query positions of a block (sizes the scratch) */
+    int level, wide; /* QK_AP_* and AVX-512 (attn_prefill_isa.h) */
     atomic_llong next;
     atomic_int nomem;
 } ap_job;
@@ -498,10 +500,14 @@ typedef struct {
 /* Scratch of one worker (Rp: rows padded to 16): q scaled and transposed [D][Rp]; scores, then
  * weights, keys-major [AP_KT][Rp]; acc [Rp][Dp]; converted K rows [AP_KT][D] and V rows
  * [AP_KT][Dp] (zero-padded); a zero key row for the tile's unused columns; running max, sum and
- * rescale factor [Rp]; the rows' causal limits relative to the tile [Rp]; one q row [D]. */
+ * rescale factor [Rp]; the rows' causal limits relative to the tile [Rp]; one q row [D].
+ * bfloat16 levels: q in pairs, K and V rows as given, V and the weights packed
+ * (attn_prefill_isa.h). */
 typedef struct {
     float *qt, *st, *acc, *kbuf, *vbuf, *kzero, *m, *l, *corr, *qrow;
     int32_t *lim;
+    uint32_t *qp, *vp, *pp;
+    uint16_t *kb16, *vb16;
     int64_t pos[AP_KT];
     const float *kr[AP_KT], *vr[AP_KT];
 } ap_scratch;
@@ -531,11 +537,25 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
     const int64_t G = j->G, D = a->D, Dp = j->Dp, nq = blk->i1 - blk->i0, R = nq * G, Rp = (R + 15) & ~(int64_t)15;
     const size_t es = a->dtype == QK_F32 ? 4 : 2;
     const int64_t off = blk->kv_len - blk->q_len; /* query i sits at key position i + off */
-    memset(w->qt, 0, sizeof(float) * (size_t)(D * Rp));
-    for (int64_t r = 0; r < R; r++) { /* row r: position i0 + r / G, head h G + r % G */
-        const int64_t o = blk->q_off + (blk->i0 + r / G) * a->q_stride[1] + (h * G + r % G) * a->q_stride[2];
-        at_row_scaled(w->qrow, (const char *)a->q + o * es, a->dtype, D, a->scale);
-        for (int64_t d = 0; d < D; d++) w->qt[d * Rp + r] = w->qrow[d];
+    const int bf = j->level >= QK_AP_DPBF16, amx = j->level == QK_AP_AMX;
+    const int64_t Dp32 = j->Dp32, DB = Dp32 / 32;
+    if (bf) {
+        memset(w->qp, 0, sizeof(uint32_t) * (size_t)(Rp * Dp32 / 2));
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t o = blk->q_off + (blk->i0 + r / G) * a->q_stride[1] + (h * G + r % G) * a->q_stride[2];
+            const uint16_t *qh = (const uint16_t *)a->q + o;
+            for (int64_t p = 0; 2 * p < D; p++) {
+                const uint32_t hi = 2 * p + 1 < D ? qh[2 * p + 1] : 0;
+                w->qp[((r / 16) * DB + p / 16) * 256 + (p % 16) * 16 + r % 16] = qh[2 * p] | hi << 16;
+            }
+        }
+    } else {
+        memset(w->qt, 0, sizeof(float) * (size_t)(D * Rp));
+        for (int64_t r = 0; r < R; r++) { /* row r: position i0 + r / G, head h G + r % G */
+            const int64_t o = blk->q_off + (blk->i0 + r / G) * a->q_stride[1] + (h * G + r % G) * a->q_stride[2];
+            at_row_scaled(w->qrow, (const char *)a->q + o * es, a->dtype, D, a->scale);
+            for (int64_t d = 0; d < D; d++) w->qt[d * Rp + r] = w->qrow[d];
+        }
     }
     memset(w->acc, 0, sizeof(float) * (size_t)(Rp * Dp));
     for (int64_t r = 0; r < Rp; r++) w->m[r] = -INFINITY, w->l[r] = 0.f;
@@ -569,6 +589,12 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
                     __builtin_prefetch(vn + byte);
                 }
             }
+            if (bf) {
+                memcpy(w->kb16 + t * Dp32, kp, (size_t)row_bytes);
+                memcpy(w->vb16 + t * Dp, vp, (size_t)row_bytes);
+                w->pos[t++] = cursor;
+                continue;
+            }
             if (k_in_place) w->kr[t] = (const float *)kp;
             else at_row_to(w->kbuf + t * D, kp, a->dtype, D), w->kr[t] = w->kbuf + t * D;
             if (v_in_place) w->vr[t] = (const float *)vp;
@@ -576,8 +602,17 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
             w->pos[t++] = cursor;
         }
         if (t == 0) break;
-        for (int u = t; u < AP_KT; u++) w->kr[u] = w->kzero; /* finite scores, masked below */
-        ap_scores(w->st, w->qt, w->kr, D, Rp);
+        if (bf) {
+            if (t < AP_KT) { /* finite scores, masked below; zero weights times zero V rows */
+                memset(w->kb16 + t * Dp32, 0, sizeof(uint16_t) * (size_t)((AP_KT - t) * Dp32));
+                memset(w->vb16 + t * Dp, 0, sizeof(uint16_t) * (size_t)((AP_KT - t) * Dp));
+            }
+            qk_ap_scores_bf16(w->st, w->qp, w->kb16, Dp32, Rp, a->scale, amx);
+        } else {
+            for (int u = t; u < AP_KT; u++) w->kr[u] = w->kzero; /* finite scores, masked below */
+            if (j->level == QK_AP_FMA) qk_ap_scores_fma(w->st, w->qt, w->kr, D, Rp, j->wide);
+            else ap_scores(w->st, w->qt, w->kr, D, Rp);
+        }
         if (t < AP_KT || row_mask || row_bias || w->pos[t - 1] > lo) {
             /* keep key u for row r iff u < t, pos[u] <= the row's causal limit and the row mask
              * keeps it; positions relative to the tile's first fit in 32 bits */
@@ -615,7 +650,9 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
                 }
         }
         for (int64_t r = 0; r < Rp; r += 16) ap_softmax16(w->st, r, Rp, w->m, w->l, w->corr);
-        ap_accumulate(w->acc, w->corr, w->st, w->vr, Rp, t, Dp);
+        if (bf) qk_ap_pv_bf16(w->acc, w->corr, w->st, w->vb16, w->vp, w->pp, Rp, Dp, amx);
+        else if (j->level == QK_AP_FMA) qk_ap_pv_fma(w->acc, w->corr, w->st, w->vr, Rp, t, Dp, j->wide);
+        else ap_accumulate(w->acc, w->corr, w->st, w->vr, Rp, t, Dp);
     }
     for (int64_t r = 0; r < R; r++) {
         const int64_t o = blk->out_off + (blk->i0 + r / G) * a->out_stride[1] + (h * G + r % G) * a->out_stride[2];
@@ -626,10 +663,15 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
 QK_MULTIVERSION static void ap_worker(void *p, int tid, int nthreads) {
     (void)tid, (void)nthreads;
     ap_job *j = p;
-    const int64_t D = j->a->D, Dp = j->Dp, Rp = (j->QB * j->G + 15) & ~(int64_t)15;
+    const int64_t D = j->a->D, Dp = j->Dp, Dp32 = j->Dp32, Rp = (j->QB * j->G + 15) & ~(int64_t)15;
     float *mem = calloc((size_t)(D * Rp + AP_KT * Rp + Rp * Dp + AP_KT * D + AP_KT * Dp + D + 4 * Rp + D),
                         sizeof(float));
-    if (mem == NULL) {
+    /* bfloat16 levels: qp [Rp Dp32 / 2], vp [16 Dp], pp [16 Rp] pairs; kb16 [AP_KT][Dp32], vb16 [AP_KT][Dp] */
+    const int bf = j->level >= QK_AP_DPBF16;
+    uint32_t *mem16 = bf ? calloc((size_t)(Rp * Dp32 / 2 + 16 * Dp + 16 * Rp + AP_KT * (Dp32 + Dp) / 2), 4) : NULL;
+    if (mem == NULL || (bf && mem16 == NULL)) {
+        free(mem);
+        free(mem16);
         atomic_store(&j->nomem, 1);
         return;
     }
@@ -637,12 +679,17 @@ QK_MULTIVERSION static void ap_worker(void *p, int tid, int nthreads) {
     w.qt = mem, w.st = w.qt + D * Rp, w.acc = w.st + AP_KT * Rp, w.kbuf = w.acc + Rp * Dp;
     w.vbuf = w.kbuf + AP_KT * D, w.kzero = w.vbuf + AP_KT * Dp, w.m = w.kzero + D, w.l = w.m + Rp;
     w.corr = w.l + Rp, w.lim = (int32_t *)(w.corr + Rp), w.qrow = w.corr + 2 * Rp;
+    w.qp = mem16, w.vp = bf ? w.qp + Rp * Dp32 / 2 : NULL, w.pp = bf ? w.vp + 16 * Dp : NULL;
+    w.kb16 = bf ? (uint16_t *)(w.pp + 16 * Rp) : NULL, w.vb16 = bf ? w.kb16 + AP_KT * Dp32 : NULL;
+    if (j->level == QK_AP_AMX) qk_ap_amx_begin();
     for (;;) {
         const int64_t item = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (item >= j->items) break;
         ap_block_run(j, &j->blocks[item / j->a->Hkv], item % j->a->Hkv, &w);
     }
+    if (j->level == QK_AP_AMX) qk_ap_amx_end();
     free(mem);
+    free(mem16);
 }
 
 /* Paged: pool rows, kv lengths and slots (at_pool_check), then query rows qo_indptr[b] ..
@@ -769,7 +816,8 @@ int qk_attn_prefill_cpu(qk_attn_prefill_args *a, void *stream) {
     }
     qsort(blocks, (size_t)nblocks, sizeof(ap_block), ap_cost_order);
     ap_job j = {.a = a, .pool = pool, .blocks = blocks, .items = nblocks * a->Hkv, .G = G, .QB = widest,
-                .Dp = (a->D + 15) & ~(int64_t)15};
+                .Dp = (a->D + 15) & ~(int64_t)15, .Dp32 = (a->D + 31) & ~(int64_t)31};
+    j.level = qk_ap_level(a->dtype, a->cpu_isa, &j.wide);
     atomic_init(&j.next, 0);
     atomic_init(&j.nomem, 0);
     int nthreads = qk_threads_for(work * a->Hq * a->D * 2, a->num_threads > 0 ? a->num_threads : 1);
