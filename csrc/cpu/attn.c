@@ -359,7 +359,8 @@ int qk_attn_decode_cpu(qk_attn_decode_args *a, void *stream) {
 
 /* ---- prefill ----------------------------------------------------------------------------- */
 
-#define AP_KT QK_AP_KT /* keys per tile (attn_prefill_isa.h) */
+#define AP_KT QK_AP_KT /* keys per tile (attn_prefill_isa.h); the bfloat16 levels take QK_AP_KT_BF16 */
+#define AP_KT_MAX (QK_AP_KT_BF16 > AP_KT ? QK_AP_KT_BF16 : AP_KT)
 #define AP_ROWS 128    /* query rows (positions x the G heads of a kv head) a block aims for */
 #define AP_QB_MAX 64   /* query positions per block at most */
 
@@ -458,16 +459,21 @@ static inline __attribute__((always_inline)) void ap_accumulate(float *restrict 
  * the weights' sum, corr = e^(m_old - m) rescales the accumulators.  Rows that have kept nothing yet
  * (m = -inf) get weights 0, corr 0 (their acc is 0) and keep l = 0. */
 static inline __attribute__((always_inline)) void ap_softmax16(float *restrict st, int64_t r, int64_t Rp, float *m,
-                                                                float *l, float *corr) {
-    at_v16 ld, mx = AT_LOAD16(m + r);
-    for (int u = 0; u < AP_KT; u++) {
-        const at_v16 s = AT_LOAD16(st + u * Rp + r);
-        ap_max16(&mx, &s);
-    }
+                                                                float *l, float *corr, int kt) {
+    at_v16 ld, mx = AT_LOAD16(m + r), mc[4] = {mx, mx, mx, mx};
+    for (int u = 0; u < kt; u += 4) /* four chains: the max is exact, so any order gives its value */
+        for (int c = 0; c < 4; c++) {
+            const at_v16 s = AT_LOAD16(st + (u + c) * Rp + r);
+            ap_max16(&mc[c], &s);
+        }
+    ap_max16(&mc[0], &mc[1]);
+    ap_max16(&mc[2], &mc[3]);
+    ap_max16(&mc[0], &mc[2]);
+    mx = mc[0];
     const at_i16 none = mx == -INFINITY;
     const at_v16 base = (at_v16)((at_i16)mx & ~none); /* 0 where nothing is kept: e^(-inf - 0) = 0 */
     at_v16 sum = {0}, c = AT_LOAD16(m + r) - base;
-    for (int u = 0; u < AP_KT; u++) {
+    for (int u = 0; u < kt; u++) {
         at_v16 e = AT_LOAD16(st + u * Rp + r) - base;
         ap_exp16(&e);
         AT_STORE16(st + u * Rp + r, e);
@@ -492,7 +498,7 @@ typedef struct {
     at_pool pool;
     const ap_block *blocks; /* item i is block i / Hkv for kv head i % Hkv */
     int64_t items, G, QB, Dp, Dp32; /* QB: the most query positions of a block (sizes the scratch) */
-    int level, wide; /* QK_AP_* and AVX-512 (attn_prefill_isa.h) */
+    int level, wide, kt; /* QK_AP_* and AVX-512 (attn_prefill_isa.h); keys per tile */
     atomic_llong next;
     atomic_int nomem;
 } ap_job;
@@ -508,8 +514,8 @@ typedef struct {
     int32_t *lim;
     uint32_t *qp, *vp, *pp;
     uint16_t *kb16, *vb16;
-    int64_t pos[AP_KT];
-    const float *kr[AP_KT], *vr[AP_KT];
+    int64_t pos[AP_KT_MAX];
+    const float *kr[AP_KT_MAX], *vr[AP_KT_MAX];
 } ap_scratch;
 
 /* The K and V rows of key position j of block blk's sequence, kv head h. */
@@ -537,17 +543,16 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
     const int64_t G = j->G, D = a->D, Dp = j->Dp, nq = blk->i1 - blk->i0, R = nq * G, Rp = (R + 15) & ~(int64_t)15;
     const size_t es = a->dtype == QK_F32 ? 4 : 2;
     const int64_t off = blk->kv_len - blk->q_len; /* query i sits at key position i + off */
-    const int bf = j->level >= QK_AP_DPBF16, amx = j->level == QK_AP_AMX;
+    const int bf = j->level >= QK_AP_DPBF16, amx = j->level == QK_AP_AMX, kt = j->kt;
     const int64_t Dp32 = j->Dp32, DB = Dp32 / 32;
     if (bf) {
-        memset(w->qp, 0, sizeof(uint32_t) * (size_t)(Rp * Dp32 / 2));
-        for (int64_t r = 0; r < R; r++) {
-            const int64_t o = blk->q_off + (blk->i0 + r / G) * a->q_stride[1] + (h * G + r % G) * a->q_stride[2];
-            const uint16_t *qh = (const uint16_t *)a->q + o;
-            for (int64_t p = 0; 2 * p < D; p++) {
-                const uint32_t hi = 2 * p + 1 < D ? qh[2 * p + 1] : 0;
-                w->qp[((r / 16) * DB + p / 16) * 256 + (p % 16) * 16 + r % 16] = qh[2 * p] | hi << 16;
+        for (int64_t r0 = 0; r0 < Rp; r0 += 16) {
+            const uint16_t *rows[16];
+            for (int64_t r = r0; r < r0 + 16; r++) {
+                const int64_t o = blk->q_off + (blk->i0 + r / G) * a->q_stride[1] + (h * G + r % G) * a->q_stride[2];
+                rows[r - r0] = r < R ? (const uint16_t *)a->q + o : NULL;
             }
+            qk_ap_pack_q(w->qp + r0 * DB * 16, rows, D, Dp32);
         }
     } else {
         memset(w->qt, 0, sizeof(float) * (size_t)(D * Rp));
@@ -577,13 +582,13 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
     const int64_t row_bytes = D * (int64_t)es;
     for (int64_t cursor = 0; cursor < hi;) {
         int t = 0;
-        for (; cursor < hi && t < AP_KT; cursor++) {
+        for (; cursor < hi && t < kt; cursor++) {
             if (key_mask && !key_mask[cursor * ms3]) continue; /* a key no row keeps: not loaded */
             const char *kp, *vp;
             ap_key_rows(j, blk, h, cursor, &kp, &vp);
-            if (cursor + AP_KT < hi) { /* the next tile's row: rows of a head are far apart, one page each */
+            if (cursor + kt < hi) { /* the next tile's row: rows of a head are far apart, one page each */
                 const char *kn, *vn;
-                ap_key_rows(j, blk, h, cursor + AP_KT, &kn, &vn);
+                ap_key_rows(j, blk, h, cursor + kt, &kn, &vn);
                 for (int64_t byte = 0; byte < row_bytes; byte += 64) {
                     __builtin_prefetch(kn + byte);
                     __builtin_prefetch(vn + byte);
@@ -603,17 +608,17 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
         }
         if (t == 0) break;
         if (bf) {
-            if (t < AP_KT) { /* finite scores, masked below; zero weights times zero V rows */
-                memset(w->kb16 + t * Dp32, 0, sizeof(uint16_t) * (size_t)((AP_KT - t) * Dp32));
-                memset(w->vb16 + t * Dp, 0, sizeof(uint16_t) * (size_t)((AP_KT - t) * Dp));
+            if (t < kt) { /* finite scores, masked below; zero weights times zero V rows */
+                memset(w->kb16 + t * Dp32, 0, sizeof(uint16_t) * (size_t)((kt - t) * Dp32));
+                memset(w->vb16 + t * Dp, 0, sizeof(uint16_t) * (size_t)((kt - t) * Dp));
             }
-            qk_ap_scores_bf16(w->st, w->qp, w->kb16, Dp32, Rp, a->scale, amx);
+            qk_ap_scores_bf16(w->st, w->qp, w->kb16, Dp32, Rp, kt, a->scale, amx);
         } else {
             for (int u = t; u < AP_KT; u++) w->kr[u] = w->kzero; /* finite scores, masked below */
             if (j->level == QK_AP_FMA) qk_ap_scores_fma(w->st, w->qt, w->kr, D, Rp, j->wide);
             else ap_scores(w->st, w->qt, w->kr, D, Rp);
         }
-        if (t < AP_KT || row_mask || row_bias || w->pos[t - 1] > lo) {
+        if (t < kt || row_mask || row_bias || w->pos[t - 1] > lo) {
             /* keep key u for row r iff u < t, pos[u] <= the row's causal limit and the row mask
              * keeps it; positions relative to the tile's first fit in 32 bits */
             const int64_t p0 = w->pos[0];
@@ -621,7 +626,7 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
                 const int64_t rel = a->causal && r < R ? blk->i0 + r / G + off - p0 : INT32_MAX - 1;
                 w->lim[r] = (int32_t)(rel < -1 ? -1 : (rel > INT32_MAX - 1 ? INT32_MAX - 1 : rel));
             }
-            for (int u = 0; u < AP_KT; u++) {
+            for (int u = 0; u < kt; u++) {
                 const int64_t rel = u < t ? w->pos[u] - p0 : INT32_MAX;
                 const int32_t pu = (int32_t)(rel < INT32_MAX ? rel : INT32_MAX);
                 for (int64_t r = 0; r < Rp; r += 16) {
@@ -649,8 +654,8 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
                             w->st[u * Rp + r] += at_mask_value(a->mask, a->mask_dtype, mr + w->pos[u] * ms3);
                 }
         }
-        for (int64_t r = 0; r < Rp; r += 16) ap_softmax16(w->st, r, Rp, w->m, w->l, w->corr);
-        if (bf) qk_ap_pv_bf16(w->acc, w->corr, w->st, w->vb16, w->vp, w->pp, Rp, Dp, amx);
+        for (int64_t r = 0; r < Rp; r += 16) ap_softmax16(w->st, r, Rp, w->m, w->l, w->corr, kt);
+        if (bf) qk_ap_pv_bf16(w->acc, w->corr, w->st, w->vb16, w->vp, w->pp, Rp, Dp, kt, amx);
         else if (j->level == QK_AP_FMA) qk_ap_pv_fma(w->acc, w->corr, w->st, w->vr, Rp, t, Dp, j->wide);
         else ap_accumulate(w->acc, w->corr, w->st, w->vr, Rp, t, Dp);
     }
@@ -663,12 +668,11 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
 QK_MULTIVERSION static void ap_worker(void *p, int tid, int nthreads) {
     (void)tid, (void)nthreads;
     ap_job *j = p;
-    const int64_t D = j->a->D, Dp = j->Dp, Dp32 = j->Dp32, Rp = (j->QB * j->G + 15) & ~(int64_t)15;
-    float *mem = calloc((size_t)(D * Rp + AP_KT * Rp + Rp * Dp + AP_KT * D + AP_KT * Dp + D + 4 * Rp + D),
-                        sizeof(float));
-    /* bfloat16 levels: qp [Rp Dp32 / 2], vp [16 Dp], pp [16 Rp] pairs; kb16 [AP_KT][Dp32], vb16 [AP_KT][Dp] */
+    const int64_t D = j->a->D, Dp = j->Dp, Dp32 = j->Dp32, Rp = (j->QB * j->G + 15) & ~(int64_t)15, kt = j->kt;
+    float *mem = calloc((size_t)(D * Rp + kt * Rp + Rp * Dp + kt * D + kt * Dp + D + 4 * Rp + D), sizeof(float));
+    /* bfloat16 levels: qp [Rp Dp32 / 2], vp [kt Dp / 2], pp [kt Rp / 2] pairs; kb16 [kt][Dp32], vb16 [kt][Dp] */
     const int bf = j->level >= QK_AP_DPBF16;
-    uint32_t *mem16 = bf ? calloc((size_t)(Rp * Dp32 / 2 + 16 * Dp + 16 * Rp + AP_KT * (Dp32 + Dp) / 2), 4) : NULL;
+    uint32_t *mem16 = bf ? calloc((size_t)(Rp * Dp32 / 2 + kt * Dp / 2 + kt * Rp / 2 + kt * (Dp32 + Dp) / 2), 4) : NULL;
     if (mem == NULL || (bf && mem16 == NULL)) {
         free(mem);
         free(mem16);
@@ -676,11 +680,11 @@ QK_MULTIVERSION static void ap_worker(void *p, int tid, int nthreads) {
         return;
     }
     ap_scratch w;
-    w.qt = mem, w.st = w.qt + D * Rp, w.acc = w.st + AP_KT * Rp, w.kbuf = w.acc + Rp * Dp;
-    w.vbuf = w.kbuf + AP_KT * D, w.kzero = w.vbuf + AP_KT * Dp, w.m = w.kzero + D, w.l = w.m + Rp;
+    w.qt = mem, w.st = w.qt + D * Rp, w.acc = w.st + kt * Rp, w.kbuf = w.acc + Rp * Dp;
+    w.vbuf = w.kbuf + kt * D, w.kzero = w.vbuf + kt * Dp, w.m = w.kzero + D, w.l = w.m + Rp;
     w.corr = w.l + Rp, w.lim = (int32_t *)(w.corr + Rp), w.qrow = w.corr + 2 * Rp;
-    w.qp = mem16, w.vp = bf ? w.qp + Rp * Dp32 / 2 : NULL, w.pp = bf ? w.vp + 16 * Dp : NULL;
-    w.kb16 = bf ? (uint16_t *)(w.pp + 16 * Rp) : NULL, w.vb16 = bf ? w.kb16 + AP_KT * Dp32 : NULL;
+    w.qp = mem16, w.vp = bf ? w.qp + Rp * Dp32 / 2 : NULL, w.pp = bf ? w.vp + kt * Dp / 2 : NULL;
+    w.kb16 = bf ? (uint16_t *)(w.pp + kt * Rp / 2) : NULL, w.vb16 = bf ? w.kb16 + kt * Dp32 : NULL;
     if (j->level == QK_AP_AMX) qk_ap_amx_begin();
     for (;;) {
         const int64_t item = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
@@ -791,8 +795,11 @@ int qk_attn_prefill_cpu(qk_attn_prefill_args *a, void *stream) {
     }
     if (a->B == 0 || a->Hq == 0) return QK_OK;
     const int64_t G = a->Hq / a->Hkv;
-    int64_t QB = AP_ROWS / G;
-    QB = QB < 1 ? 1 : (QB > AP_QB_MAX ? AP_QB_MAX : QB);
+    int wide;
+    const int level = qk_ap_level(a->dtype, a->cpu_isa, &wide), bf = level >= QK_AP_DPBF16;
+    /* the bfloat16 levels: twice the rows per packed K / V tile (the packing is vector work) */
+    int64_t QB = (bf ? 2 * AP_ROWS : AP_ROWS) / G;
+    QB = QB < 1 ? 1 : (QB > (bf ? 2 * AP_QB_MAX : AP_QB_MAX) ? (bf ? 2 * AP_QB_MAX : AP_QB_MAX) : QB);
     int64_t nblocks = 0;
     ap_block s;
     for (int64_t b = 0; b < a->B; b++) nblocks += (ap_sequence(a, &pool, b, &s) + QB - 1) / QB;
@@ -817,7 +824,7 @@ int qk_attn_prefill_cpu(qk_attn_prefill_args *a, void *stream) {
     qsort(blocks, (size_t)nblocks, sizeof(ap_block), ap_cost_order);
     ap_job j = {.a = a, .pool = pool, .blocks = blocks, .items = nblocks * a->Hkv, .G = G, .QB = widest,
                 .Dp = (a->D + 15) & ~(int64_t)15, .Dp32 = (a->D + 31) & ~(int64_t)31};
-    j.level = qk_ap_level(a->dtype, a->cpu_isa, &j.wide);
+    j.level = level, j.wide = wide, j.kt = bf ? QK_AP_KT_BF16 : AP_KT;
     atomic_init(&j.next, 0);
     atomic_init(&j.nomem, 0);
     int nthreads = qk_threads_for(work * a->Hq * a->D * 2, a->num_threads > 0 ? a->num_threads : 1);

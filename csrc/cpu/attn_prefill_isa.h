@@ -6,7 +6,8 @@
 
 #include <stdint.h>
 
-#define QK_AP_KT 32 /* keys per tile */
+#define QK_AP_KT 32       /* keys per tile: portable and fma */
+#define QK_AP_KT_BF16 128 /* keys per tile: dpbf16 and amx (a multiple of 32) */
 
 enum { /* the prefill's kernel level, fixed per call from the dtype and the instruction set */
     QK_AP_PORTABLE = 0, /* attn.c's plain C (multiversioned), no fused multiply-add */
@@ -28,12 +29,14 @@ void qk_ap_pv_fma(float *acc, const float *corr, const float *pt, const float *c
  * + r % 16] (DB = Dp32 / 32, zero past D and the rows); kb [AP_KT][Dp32] the tile's K rows, vb
  * [AP_KT][Dp] its V rows, zero past D and past the tile's keys.  Scores st[u][r] = scale (k_u . q_r)
  * (fp32 sums of exact bf16 products); then acc[r] = acc[r] corr[r] + sum_u bf16(pt[u][r]) vb[u] with
- * the weights rounded to bfloat16 once.  vp [Dp / 16][16][16] and pp [Rp / 16][16][16] (32-bit pairs)
- * are scratch. */
-void qk_ap_scores_bf16(float *st, const uint32_t *qp, const uint16_t *kb, int64_t Dp32, int64_t Rp, float scale,
-                       int amx);
+ * the weights rounded to bfloat16 once.  vp [Dp / 16][kt / 2][16] and pp [Rp / 16][kt / 32][16][16]
+ * (32-bit pairs) are scratch. */
+void qk_ap_pack_q(uint32_t *qp, const uint16_t *const *rows, int64_t D, int64_t Dp32); /* one row tile: 16
+                                                                                    rows, NULL: zeros */
+void qk_ap_scores_bf16(float *st, const uint32_t *qp, const uint16_t *kb, int64_t Dp32, int64_t Rp, int kt,
+                       float scale, int amx);
 void qk_ap_pv_bf16(float *acc, const float *corr, const float *pt, const uint16_t *vb, uint32_t *vp, uint32_t *pp,
-                   int64_t Rp, int64_t Dp, int amx);
+                   int64_t Rp, int64_t Dp, int kt, int amx);
 
 /* AMX: the tile configuration for the calling thread, before its first qk_ap_*_bf16(amx = 1), and
  * the tile state released after its last. */

@@ -33,13 +33,16 @@ void qk_ap_pv_fma(float *acc, const float *corr, const float *pt, const float *c
                   int64_t Dp, int wide) {
     (void)acc, (void)corr, (void)pt, (void)vr, (void)Rp, (void)t, (void)Dp, (void)wide;
 }
-void qk_ap_scores_bf16(float *st, const uint32_t *qp, const uint16_t *kb, int64_t Dp32, int64_t Rp, float scale,
-                       int amx) {
-    (void)st, (void)qp, (void)kb, (void)Dp32, (void)Rp, (void)scale, (void)amx;
+void qk_ap_scores_bf16(float *st, const uint32_t *qp, const uint16_t *kb, int64_t Dp32, int64_t Rp, int kt,
+                       float scale, int amx) {
+    (void)st, (void)qp, (void)kb, (void)Dp32, (void)Rp, (void)kt, (void)scale, (void)amx;
 }
 void qk_ap_pv_bf16(float *acc, const float *corr, const float *pt, const uint16_t *vb, uint32_t *vp, uint32_t *pp,
-                   int64_t Rp, int64_t Dp, int amx) {
-    (void)acc, (void)corr, (void)pt, (void)vb, (void)vp, (void)pp, (void)Rp, (void)Dp, (void)amx;
+                   int64_t Rp, int64_t Dp, int kt, int amx) {
+    (void)acc, (void)corr, (void)pt, (void)vb, (void)vp, (void)pp, (void)Rp, (void)Dp, (void)kt, (void)amx;
+}
+void qk_ap_pack_q(uint32_t *qp, const uint16_t *const *rows, int64_t D, int64_t Dp32) {
+    (void)qp, (void)rows, (void)D, (void)Dp32;
 }
 void qk_ap_amx_begin(void) {}
 void qk_ap_amx_end(void) {}
@@ -192,34 +195,53 @@ void qk_ap_pv_fma(float *acc, const float *corr, const float *pt, const float *c
 
 /* ---- bfloat16: packing shared by dpbf16 and amx ------------------------------------------------ */
 
-/* vp[dt][p][c] = V rows 2p, 2p + 1 at column 16 dt + c, as one 32-bit pair (a B tile per dt) */
-I512 void pack_v(uint32_t *vp, const uint16_t *vb, int64_t Dp) {
+/* vp[dt][p][c] = V rows 2p, 2p + 1 at column 16 dt + c, as one 32-bit pair (a B tile per dt and
+ * 16 pairs) */
+I512 void pack_v(uint32_t *vp, const uint16_t *vb, int64_t Dp, int kt) {
     for (int64_t dt = 0; dt < Dp / 16; dt++)
-        for (int p = 0; p < KT / 2; p++) {
+        for (int p = 0; p < kt / 2; p++) {
             const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vb + 2 * p * Dp + dt * 16)));
             const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vb + (2 * p + 1) * Dp + dt * 16)));
-            _mm512_storeu_si512(vp + (dt * 16 + p) * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            _mm512_storeu_si512(vp + (dt * kt / 2 + p) * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
 }
 
-/* pp[rt][i][p] = the weights of row 16 rt + i for keys 2p, 2p + 1 rounded to bfloat16, as one pair
- * (an A tile per rt): pairs of keys-major rows packed, then transposed 16 x 16 */
-I512 void pack_p(uint32_t *pp, const float *pt, int64_t Rp) {
-    for (int64_t rt = 0; rt < Rp / 16; rt++) {
-        __m512 v[16];
-        for (int p = 0; p < 16; p++) {
-            const __m512i lo = bf16_bits(_mm512_loadu_ps(pt + 2 * p * Rp + rt * 16));
-            const __m512i hi = bf16_bits(_mm512_loadu_ps(pt + (2 * p + 1) * Rp + rt * 16));
-            v[p] = _mm512_castsi512_ps(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+/* pp[rt][g][i][p] = the weights of row 16 rt + i for keys 32 g + 2p, + 1 rounded to bfloat16, as
+ * one pair (an A tile per rt and 32 keys): pairs of keys-major rows packed, then transposed 16 x 16 */
+I512 void pack_p(uint32_t *pp, const float *pt, int64_t Rp, int kt) {
+    for (int64_t rt = 0; rt < Rp / 16; rt++)
+        for (int g = 0; g < kt / 32; g++) {
+            __m512 v[16];
+            for (int p = 0; p < 16; p++) {
+                const float *w = pt + (32 * g + 2 * p) * Rp + rt * 16;
+                const __m512i lo = bf16_bits(_mm512_loadu_ps(w)), hi = bf16_bits(_mm512_loadu_ps(w + Rp));
+                v[p] = _mm512_castsi512_ps(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+            transpose16(v);
+            for (int i = 0; i < 16; i++) _mm512_storeu_ps((float *)pp + (rt * kt / 32 + g) * 256 + i * 16, v[i]);
         }
+}
+
+I512 void scale_scores(float *st, int64_t Rp, int kt, float scale) {
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < kt * Rp; i += 16) _mm512_storeu_ps(st + i, _mm512_mul_ps(_mm512_loadu_ps(st + i), s));
+}
+
+/* 16 rows of q (NULL: zeros) into their pair layout, 32 d at a time: rows as 16 pairs, transposed */
+static __attribute__((target(T512_ISA))) void pack_q16(uint32_t *qp, const uint16_t *const *rows, int64_t D,
+                                                       int64_t DB) {
+    for (int64_t db = 0; db < DB; db++) {
+        const __mmask32 km = D - db * 32 >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (D - db * 32)) - 1);
+        __m512 v[16];
+        for (int i = 0; i < 16; i++)
+            v[i] = rows[i] ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(km, rows[i] + db * 32)) : _mm512_setzero_ps();
         transpose16(v);
-        for (int i = 0; i < 16; i++) _mm512_storeu_ps((float *)pp + rt * 256 + i * 16, v[i]);
+        for (int p = 0; p < 16; p++) _mm512_storeu_ps((float *)qp + db * 256 + p * 16, v[p]);
     }
 }
 
-I512 void scale_scores(float *st, int64_t Rp, float scale) {
-    const __m512 s = _mm512_set1_ps(scale);
-    for (int64_t i = 0; i < KT * Rp; i += 16) _mm512_storeu_ps(st + i, _mm512_mul_ps(_mm512_loadu_ps(st + i), s));
+void qk_ap_pack_q(uint32_t *qp, const uint16_t *const *rows, int64_t D, int64_t Dp32) {
+    pack_q16(qp, rows, D, Dp32 / 32);
 }
 
 /* ---- dpbf16 ----------------------------------------------------------------------------------- */
@@ -227,9 +249,10 @@ I512 void scale_scores(float *st, int64_t Rp, float scale) {
 #define as_bh(x) ((__m512bh)(x))
 
 /* 4 keys x nc vectors of 16 rows from row tile rt */
-IBF void scbf(float *st, const uint32_t *qp, const uint16_t *kb, int64_t Dp32, int64_t Rp, int64_t rt, int nc) {
+IBF void scbf(float *st, const uint32_t *qp, const uint16_t *kb, int64_t Dp32, int64_t Rp, int kt, int64_t rt,
+              int nc) {
     const int64_t DB = Dp32 / 32;
-    for (int u = 0; u < KT; u += 4) {
+    for (int u = 0; u < kt; u += 4) {
         __m512 acc[4][4];
         for (int i = 0; i < 4; i++)
             for (int c = 0; c < nc; c++) acc[i][c] = _mm512_setzero_ps();
@@ -251,27 +274,27 @@ IBF void scbf(float *st, const uint32_t *qp, const uint16_t *kb, int64_t Dp32, i
 
 static __attribute__((target(T512_ISA ",avx512bf16"))) void scores_dpbf16(float *st, const uint32_t *qp,
                                                                            const uint16_t *kb, int64_t Dp32,
-                                                                           int64_t Rp, float scale) {
+                                                                           int64_t Rp, int kt, float scale) {
     int64_t rt = 0;
-    for (; rt + 4 <= Rp / 16; rt += 4) scbf(st, qp, kb, Dp32, Rp, rt, 4);
-    for (; rt < Rp / 16; rt++) scbf(st, qp, kb, Dp32, Rp, rt, 1);
-    scale_scores(st, Rp, scale);
+    for (; rt + 4 <= Rp / 16; rt += 4) scbf(st, qp, kb, Dp32, Rp, kt, rt, 4);
+    for (; rt < Rp / 16; rt++) scbf(st, qp, kb, Dp32, Rp, kt, rt, 1);
+    scale_scores(st, Rp, kt, scale);
 }
 
 /* rows 16 rt + i .. + 3 x nc vectors of 16 columns from tile dt */
-IBF void pvbf(float *acc, const float *corr, const uint32_t *pp, const uint32_t *vp, int64_t Dp, int64_t rt, int i0,
-              int64_t dt, int nc) {
+IBF void pvbf(float *acc, const float *corr, const uint32_t *pp, const uint32_t *vp, int64_t Dp, int kt, int64_t rt,
+              int i0, int64_t dt, int nc) {
     __m512 o[4][4];
     for (int i = 0; i < 4; i++) {
         const int64_t r = rt * 16 + i0 + i;
         const __m512 cv = _mm512_set1_ps(corr[r]);
         for (int c = 0; c < nc; c++) o[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * Dp + (dt + c) * 16), cv);
     }
-    for (int p = 0; p < KT / 2; p++) {
+    for (int p = 0; p < kt / 2; p++) {
         __m512i v[4];
-        for (int c = 0; c < nc; c++) v[c] = _mm512_loadu_si512(vp + ((dt + c) * 16 + p) * 16);
+        for (int c = 0; c < nc; c++) v[c] = _mm512_loadu_si512(vp + ((dt + c) * kt / 2 + p) * 16);
         for (int i = 0; i < 4; i++) {
-            const __m512i w = _mm512_set1_epi32((int)pp[rt * 256 + (i0 + i) * 16 + p]);
+            const __m512i w = _mm512_set1_epi32((int)pp[(rt * kt / 32 + p / 16) * 256 + (i0 + i) * 16 + p % 16]);
             for (int c = 0; c < nc; c++) o[i][c] = _mm512_dpbf16_ps(o[i][c], as_bh(w), as_bh(v[c]));
         }
     }
@@ -281,14 +304,14 @@ IBF void pvbf(float *acc, const float *corr, const uint32_t *pp, const uint32_t 
 
 static __attribute__((target(T512_ISA ",avx512bf16"))) void pv_dpbf16(float *acc, const float *corr, const float *pt,
                                                                        const uint16_t *vb, uint32_t *vp, uint32_t *pp,
-                                                                       int64_t Rp, int64_t Dp) {
-    pack_v(vp, vb, Dp);
-    pack_p(pp, pt, Rp);
+                                                                       int64_t Rp, int64_t Dp, int kt) {
+    pack_v(vp, vb, Dp, kt);
+    pack_p(pp, pt, Rp, kt);
     for (int64_t rt = 0; rt < Rp / 16; rt++)
         for (int i0 = 0; i0 < 16; i0 += 4) {
             int64_t dt = 0;
-            for (; dt + 4 <= Dp / 16; dt += 4) pvbf(acc, corr, pp, vp, Dp, rt, i0, dt, 4);
-            for (; dt < Dp / 16; dt++) pvbf(acc, corr, pp, vp, Dp, rt, i0, dt, 1);
+            for (; dt + 4 <= Dp / 16; dt += 4) pvbf(acc, corr, pp, vp, Dp, kt, rt, i0, dt, 4);
+            for (; dt < Dp / 16; dt++) pvbf(acc, corr, pp, vp, Dp, kt, rt, i0, dt, 1);
         }
 }
 
@@ -301,9 +324,10 @@ TAMX void qk_ap_amx_end(void) { _tile_release(); }
 
 /* S^T for 32 keys x 32 rows per step: keys 16 kh + .. in A tile 4 + kh, rows of tile rt + rh in B
  * tile 6 + rh, the product in tile kh + 2 rh, stored keys-major into st */
-TAMX static void scores_amx(float *st, const uint32_t *qp, const uint16_t *kb, int64_t Dp32, int64_t Rp,
+TAMX static void scores_amx(float *st, const uint32_t *qp, const uint16_t *kb, int64_t Dp32, int64_t Rp, int kt,
                             float scale) {
     const int64_t DB = Dp32 / 32, RT = Rp / 16, kstride = Dp32 * 2, sstride = Rp * 4;
+    for (int kg = 0; kg < kt; kg += 32, kb += 32 * Dp32, st += 32 * Rp)
     for (int64_t rt = 0; rt < RT; rt += 2) {
         const int two = rt + 1 < RT;
         _tile_zero(0);
@@ -329,37 +353,38 @@ TAMX static void scores_amx(float *st, const uint32_t *qp, const uint16_t *kb, i
             _tile_stored(3, st + 16 * Rp + rt * 16 + 16, sstride);
         }
     }
-    scale_scores(st, Rp, scale);
+    st -= kt * Rp;
+    scale_scores(st, Rp, kt, scale);
 }
 
 /* O += P V for 32 rows x 32 columns per step: rows of tile rt + rh in A tile 4 + rh, columns of
  * tile dt + dh in B tile 6 + dh, the product in tile rh + 2 dh; then acc = acc corr + product */
 TAMX static void pv_amx(float *acc, const float *corr, const float *pt, const uint16_t *vb, uint32_t *vp,
-                        uint32_t *pp, int64_t Rp, int64_t Dp) {
-    pack_v(vp, vb, Dp);
-    pack_p(pp, pt, Rp);
-    const int64_t RT = Rp / 16, DT = Dp / 16;
+                        uint32_t *pp, int64_t Rp, int64_t Dp, int kt) {
+    pack_v(vp, vb, Dp, kt);
+    pack_p(pp, pt, Rp, kt);
+    const int64_t RT = Rp / 16, DT = Dp / 16, KG = kt / 32;
     float cb[4][256] __attribute__((aligned(64)));
     for (int64_t rt = 0; rt < RT; rt += 2) {
         const int tr = rt + 1 < RT;
-        _tile_loadd(4, pp + rt * 256, 64);
-        if (tr) _tile_loadd(5, pp + (rt + 1) * 256, 64);
         for (int64_t dt = 0; dt < DT; dt += 2) {
             const int td = dt + 1 < DT;
             _tile_zero(0);
-            _tile_loadd(6, vp + dt * 256, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            if (tr) {
-                _tile_zero(1);
-                _tile_dpbf16ps(1, 5, 6);
-            }
-            if (td) {
-                _tile_zero(2);
-                _tile_loadd(7, vp + (dt + 1) * 256, 64);
-                _tile_dpbf16ps(2, 4, 7);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t g = 0; g < KG; g++) {
+                _tile_loadd(4, pp + (rt * KG + g) * 256, 64);
+                _tile_loadd(6, vp + (dt * KG + g) * 256, 64);
+                _tile_dpbf16ps(0, 4, 6);
                 if (tr) {
-                    _tile_zero(3);
-                    _tile_dpbf16ps(3, 5, 7);
+                    _tile_loadd(5, pp + ((rt + 1) * KG + g) * 256, 64);
+                    _tile_dpbf16ps(1, 5, 6);
+                }
+                if (td) {
+                    _tile_loadd(7, vp + ((dt + 1) * KG + g) * 256, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                    if (tr) _tile_dpbf16ps(3, 5, 7);
                 }
             }
             _tile_stored(0, cb[0], 64);
@@ -380,16 +405,16 @@ TAMX static void pv_amx(float *acc, const float *corr, const float *pt, const ui
     }
 }
 
-void qk_ap_scores_bf16(float *st, const uint32_t *qp, const uint16_t *kb, int64_t Dp32, int64_t Rp, float scale,
-                       int amx) {
-    if (amx) scores_amx(st, qp, kb, Dp32, Rp, scale);
-    else scores_dpbf16(st, qp, kb, Dp32, Rp, scale);
+void qk_ap_scores_bf16(float *st, const uint32_t *qp, const uint16_t *kb, int64_t Dp32, int64_t Rp, int kt,
+                       float scale, int amx) {
+    if (amx) scores_amx(st, qp, kb, Dp32, Rp, kt, scale);
+    else scores_dpbf16(st, qp, kb, Dp32, Rp, kt, scale);
 }
 
 void qk_ap_pv_bf16(float *acc, const float *corr, const float *pt, const uint16_t *vb, uint32_t *vp, uint32_t *pp,
-                   int64_t Rp, int64_t Dp, int amx) {
-    if (amx) pv_amx(acc, corr, pt, vb, vp, pp, Rp, Dp);
-    else pv_dpbf16(acc, corr, pt, vb, vp, pp, Rp, Dp);
+                   int64_t Rp, int64_t Dp, int kt, int amx) {
+    if (amx) pv_amx(acc, corr, pt, vb, vp, pp, Rp, Dp, kt);
+    else pv_dpbf16(acc, corr, pt, vb, vp, pp, Rp, Dp, kt);
 }
 
 #endif
