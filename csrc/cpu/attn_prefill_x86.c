@@ -16,6 +16,7 @@
 #include "cpu.h"
 #include "linear_isa.h"
 
+#include <math.h>
 #include <string.h>
 
 #ifndef QK_X86_KERNELS
@@ -43,6 +44,9 @@ void qk_ap_pv_bf16(float *acc, const float *corr, const float *pt, const uint16_
 }
 void qk_ap_pack_q(uint32_t *qp, const uint16_t *const *rows, int64_t D, int64_t Dp32) {
     (void)qp, (void)rows, (void)D, (void)Dp32;
+}
+void qk_ap_softmax_bf16(float *st, int64_t Rp, int kt, float *m, float *l, float *corr) {
+    (void)st, (void)Rp, (void)kt, (void)m, (void)l, (void)corr;
 }
 void qk_ap_amx_begin(void) {}
 void qk_ap_amx_end(void) {}
@@ -242,6 +246,55 @@ static __attribute__((target(T512_ISA))) void pack_q16(uint32_t *qp, const uint1
 
 void qk_ap_pack_q(uint32_t *qp, const uint16_t *const *rows, int64_t D, int64_t Dp32) {
     pack_q16(qp, rows, D, Dp32 / 32);
+}
+
+/* e^x for x <= 0 (scores minus their running max), about 2 ulp: 2^n e^f with n = round(x log2 e),
+ * f = x - n ln 2 in two parts, a degree-6 Taylor polynomial with fused multiply-adds; x below -87
+ * gives exactly 0 (masked keys weigh nothing), NaN stays NaN. */
+I512 __m512 exp_neg(__m512 x) {
+    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+    x = _mm512_max_ps(_mm512_set1_ps(-87.f), x); /* NaN passes (MAXPS returns its second operand) */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_maskz_scalef_ps((__mmask16)~under, p, n);
+}
+
+/* attn.c's online-softmax step (ap_softmax16) for the bfloat16 levels, 16 rows a vector: the max in
+ * four chains (exact, so any order), the weights from exp_neg */
+static __attribute__((target(T512_ISA))) void softmax512(float *st, int64_t Rp, int kt, float *m, float *l,
+                                                          float *corr) {
+    for (int64_t r = 0; r < Rp; r += 16) {
+        const __m512 m0 = _mm512_loadu_ps(m + r);
+        __m512 mc[4] = {m0, m0, m0, m0};
+        for (int u = 0; u < kt; u += 4)
+            for (int c = 0; c < 4; c++) mc[c] = _mm512_max_ps(_mm512_loadu_ps(st + (u + c) * Rp + r), mc[c]);
+        const __m512 mx = _mm512_max_ps(_mm512_max_ps(mc[0], mc[1]), _mm512_max_ps(mc[2], mc[3]));
+        /* 0 where nothing is kept: e^(-inf - 0) = 0 */
+        const __m512 base = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ), mx);
+        __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int u = 0; u < kt; u++) {
+            const __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(st + u * Rp + r), base));
+            _mm512_storeu_ps(st + u * Rp + r, e);
+            sum[u & 1] = _mm512_add_ps(sum[u & 1], e);
+        }
+        const __m512 c = exp_neg(_mm512_sub_ps(m0, base));
+        _mm512_storeu_ps(l + r, _mm512_fmadd_ps(_mm512_loadu_ps(l + r), c, _mm512_add_ps(sum[0], sum[1])));
+        _mm512_storeu_ps(corr + r, c);
+        _mm512_storeu_ps(m + r, mx);
+    }
+}
+
+void qk_ap_softmax_bf16(float *st, int64_t Rp, int kt, float *m, float *l, float *corr) {
+    softmax512(st, Rp, kt, m, l, corr);
 }
 
 /* ---- dpbf16 ----------------------------------------------------------------------------------- */
