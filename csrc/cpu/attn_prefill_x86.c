@@ -210,19 +210,23 @@ I512 void pack_v(uint32_t *vp, const uint16_t *vb, int64_t Dp, int kt) {
         }
 }
 
-/* pp[rt][g][i][p] = the weights of row 16 rt + i for keys 32 g + 2p, + 1 rounded to bfloat16, as
- * one pair (an A tile per rt and 32 keys): pairs of keys-major rows packed, then transposed 16 x 16 */
-I512 void pack_p(uint32_t *pp, const float *pt, int64_t Rp, int kt) {
+/* pp[rt][g][i][p] = the weights of row 16 rt + i for keys 32 g + 2p, + 1 rounded to bfloat16 (nearest
+ * even, VCVTNE2PS2BF16: subnormal weights, below 2^-126, count as 0), as one pair (an A tile per rt
+ * and 32 keys): two 16 x 16 transposes of the keys-major fp32 weights, then one conversion per row. */
+static inline __attribute__((target(T512_ISA ",avx512bf16"), always_inline)) void pack_p(uint32_t *pp,
+                                                                                        const float *pt, int64_t Rp,
+                                                                                        int kt) {
     for (int64_t rt = 0; rt < Rp / 16; rt++)
         for (int g = 0; g < kt / 32; g++) {
-            __m512 v[16];
-            for (int p = 0; p < 16; p++) {
-                const float *w = pt + (32 * g + 2 * p) * Rp + rt * 16;
-                const __m512i lo = bf16_bits(_mm512_loadu_ps(w)), hi = bf16_bits(_mm512_loadu_ps(w + Rp));
-                v[p] = _mm512_castsi512_ps(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            __m512 lo[16], hi[16];
+            for (int u = 0; u < 16; u++) {
+                lo[u] = _mm512_loadu_ps(pt + (32 * g + u) * Rp + rt * 16);
+                hi[u] = _mm512_loadu_ps(pt + (32 * g + 16 + u) * Rp + rt * 16);
             }
-            transpose16(v);
-            for (int i = 0; i < 16; i++) _mm512_storeu_ps((float *)pp + (rt * kt / 32 + g) * 256 + i * 16, v[i]);
+            transpose16(lo);
+            transpose16(hi);
+            for (int i = 0; i < 16; i++)
+                _mm512_storeu_si512(pp + (rt * kt / 32 + g) * 256 + i * 16, (__m512i)_mm512_cvtne2ps_pbh(hi[i], lo[i]));
         }
 }
 
