@@ -391,7 +391,7 @@ static inline void ap_max16(at_v16 *m, const at_v16 *x) {
     *m = (at_v16)(((at_i16)*x & gt) | ((at_i16)*m & ~gt));
 }
 
-/* st[u][r] = q[r] . k[u] for the AP_KT keys of a tile and rows r < Rp (a multiple of 16): qt holds
+/* st[u][r] = q[r] . k[u] for the AP_KT keys of a tile (portable level) and rows r < Rp (a multiple of 16): qt holds
  * the block's queries transposed, [D][Rp], kr the keys' rows.  The outer-product form of a small
  * GEMM with the rows in the vector lanes, 4 keys x nc (1 or 2) vectors of rows per pass; the 32 x D
  * slice of qt and the tile's keys stay in L1 while the 8 groups of keys go by. */
@@ -498,17 +498,16 @@ typedef struct {
     at_pool pool;
     const ap_block *blocks; /* item i is block i / Hkv for kv head i % Hkv */
     int64_t items, G, QB, Dp, Dp32; /* QB: the most query positions of a block (sizes the scratch) */
-    int level, wide, kt; /* QK_AP_* and AVX-512 (attn_prefill_isa.h); keys per tile */
+    int level, wide, kt;            /* QK_AP_* and AVX-512 (attn_prefill_isa.h); keys per tile */
     atomic_llong next;
     atomic_int nomem;
 } ap_job;
 
-/* Scratch of one worker (Rp: rows padded to 16): q scaled and transposed [D][Rp]; scores, then
- * weights, keys-major [AP_KT][Rp]; acc [Rp][Dp]; converted K rows [AP_KT][D] and V rows
- * [AP_KT][Dp] (zero-padded); a zero key row for the tile's unused columns; running max, sum and
- * rescale factor [Rp]; the rows' causal limits relative to the tile [Rp]; one q row [D].
- * bfloat16 levels: q in pairs, K and V rows as given, V and the weights packed
- * (attn_prefill_isa.h). */
+/* Scratch of one worker (Rp: rows padded to 16, kt: keys per tile): q scaled and transposed [D][Rp];
+ * scores, then weights, keys-major [kt][Rp]; acc [Rp][Dp]; converted K rows [kt][D] and V rows
+ * [kt][Dp] (zero-padded); a zero key row for the tile's unused columns; running max, sum and
+ * rescale factor [Rp]; the rows' causal limits relative to the tile [Rp]; one q row [D].  bfloat16
+ * levels: q in pairs, K and V rows as given, V and the weights packed (attn_prefill_isa.h). */
 typedef struct {
     float *qt, *st, *acc, *kbuf, *vbuf, *kzero, *m, *l, *corr, *qrow;
     int32_t *lim;
@@ -763,24 +762,26 @@ static void ap_zero_unowned_rows(const qk_attn_prefill_args *a) {
 /* attn_prefill and attn_paged_prefill.
  *
  * Work item = (sequence b, kv head h, block of QB query positions): the block's R = QB x G query
- * rows (all G = Hq / Hkv heads of kv head h; QB = AP_ROWS / G, at most AP_QB_MAX) go against tiles
- * of AP_KT keys, so each K and V row is read (and converted to fp32) once per block and the tile
- * stays in L1.  The rows live in the vector lanes: q transposed [D][R], scores keys-major
- * [AP_KT][R], so the scores are a register-blocked GEMM with no horizontal sums, and the running
- * max, the exponentials (a vector polynomial) and the rescale of the online softmax are 16 rows per
- * instruction; then P V into the fp32 accumulators [R][D].  Key tiles past the block's last diagonal
- * are never loaded and the causal / mask_kind 2 mask is applied only on tiles that cross it; with
- * mask_kind 1 masked keys are skipped as they are gathered.  float32 K and V rows are read in place.
- * Items are sorted by cost (rows x keys they see), dearest first, and taken from a shared counter:
- * blocks differ (causal, ragged lengths), so equal shares would leave threads idle.  No FMA (as in
- * linear.c: -std=c11 keeps GCC from contracting), so every clone gives the same bits.
+ * rows (all G = Hq / Hkv heads of kv head h; QB = AP_ROWS / G, at most AP_QB_MAX, twice both at the
+ * bfloat16 levels) go against tiles of kt keys, so each K and V row is read (and converted or
+ * packed) once per block.  The rows live in the vector lanes: q transposed [D][R] (bfloat16 levels:
+ * packed in pairs), scores keys-major [kt][R], so the scores are a register-blocked GEMM with no
+ * horizontal sums, and the running max, the exponentials (a vector polynomial) and the rescale of
+ * the online softmax are 16 rows per instruction; then P V into the fp32 accumulators [R][D].  Key
+ * tiles past the block's last diagonal are never loaded and the causal / mask_kind 2 mask is
+ * applied only on tiles that cross it; with mask_kind 1 masked keys are skipped as they are
+ * gathered.  float32 K and V rows are read in place.  Items are sorted by cost (rows x keys they
+ * see), dearest first, and taken from a shared counter: blocks differ (causal, ragged lengths), so
+ * equal shares would leave threads idle.
+ *
+ * The products run at the level qk_ap_level picks from the dtype and the CPU (attn_prefill_isa.h):
+ * the portable tiles below (no FMA: -std=c11 keeps GCC from contracting, so every clone gives the
+ * same bits), FMA tiles for fp32, VDPBF16PS or AMX for bfloat16 (the scale applied to the fp32 sums,
+ * the weights rounded to bfloat16 once for P V).  The level and the blocks depend on the shapes and
+ * the CPU only, never on the thread count.
  *
  * Paged: every index is validated first (QK_E_INDEX with bad_*, nothing written); rows of q that
- * belong to no request are written as 0.
- *
- * Measured (2-core Xeon VM with AVX-512, B=1, Lq=Lkv=1024, Hq=32, Hkv=8, D=128, causal, one thread):
- * fp32 147 ms, bf16 136 ms, against torch 2.13's CPU scaled_dot_product_attention (enable_gqa) at
- * 101 and 172 ms; two threads 72 and 65 ms.  Contracting to FMAs would make it ~35% faster. */
+ * belong to no request are written as 0. */
 int qk_attn_prefill_cpu(qk_attn_prefill_args *a, void *stream) {
     (void)stream;
     if ((a->dtype != QK_F32 && a->dtype != QK_F16 && a->dtype != QK_BF16) || a->Hkv < 1 || a->Hq % a->Hkv ||

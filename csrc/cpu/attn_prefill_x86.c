@@ -5,6 +5,7 @@
  *           one fma chain (over d, over the keys) whatever the vector width: AVX2 gives the AVX-512
  *           bits.
  *   dpbf16  bfloat16 with AVX512-BF16: VDPBF16PS on pairs (of d for the scores, of keys for P V).
+ *           Both bfloat16 levels also run the softmax step here (an exponential with FMA).
  *   amx     bfloat16 with AMX: the same products on tiles, S^T = K Q^T (K rows straight into A tiles,
  *           q packed once per block into B tiles) and O += P V (the tile of weights, rounded to
  *           bfloat16, in A tiles, V's key pairs in B tiles), a 16 x 16 fp32 product per tile pair
@@ -204,8 +205,9 @@ void qk_ap_pv_fma(float *acc, const float *corr, const float *pt, const float *c
 I512 void pack_v(uint32_t *vp, const uint16_t *vb, int64_t Dp, int kt) {
     for (int64_t dt = 0; dt < Dp / 16; dt++)
         for (int p = 0; p < kt / 2; p++) {
-            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vb + 2 * p * Dp + dt * 16)));
-            const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vb + (2 * p + 1) * Dp + dt * 16)));
+            const uint16_t *v0 = vb + 2 * p * Dp + dt * 16, *v1 = v0 + Dp;
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)v0));
+            const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)v1));
             _mm512_storeu_si512(vp + (dt * kt / 2 + p) * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
 }
@@ -226,7 +228,8 @@ static inline __attribute__((target(T512_ISA ",avx512bf16"), always_inline)) voi
             transpose16(lo);
             transpose16(hi);
             for (int i = 0; i < 16; i++)
-                _mm512_storeu_si512(pp + (rt * kt / 32 + g) * 256 + i * 16, (__m512i)_mm512_cvtne2ps_pbh(hi[i], lo[i]));
+                _mm512_storeu_si512(pp + (rt * kt / 32 + g) * 256 + i * 16,
+                                    (__m512i)_mm512_cvtne2ps_pbh(hi[i], lo[i]));
         }
 }
 
@@ -384,30 +387,31 @@ TAMX void qk_ap_amx_end(void) { _tile_release(); }
 TAMX static void scores_amx(float *st, const uint32_t *qp, const uint16_t *kb, int64_t Dp32, int64_t Rp, int kt,
                             float scale) {
     const int64_t DB = Dp32 / 32, RT = Rp / 16, kstride = Dp32 * 2, sstride = Rp * 4;
-    for (int kg = 0; kg < kt; kg += 32, kb += 32 * Dp32, st += 32 * Rp)
-    for (int64_t rt = 0; rt < RT; rt += 2) {
-        const int two = rt + 1 < RT;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t db = 0; db < DB; db++) {
-            _tile_loadd(4, kb + db * 32, kstride);
-            _tile_loadd(5, kb + 16 * Dp32 + db * 32, kstride);
-            _tile_loadd(6, qp + (rt * DB + db) * 256, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 5, 6);
-            if (two) {
-                _tile_loadd(7, qp + ((rt + 1) * DB + db) * 256, 64);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_dpbf16ps(3, 5, 7);
+    for (int kg = 0; kg < kt; kg += 32, kb += 32 * Dp32, st += 32 * Rp) {
+        for (int64_t rt = 0; rt < RT; rt += 2) {
+            const int two = rt + 1 < RT;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t db = 0; db < DB; db++) {
+                _tile_loadd(4, kb + db * 32, kstride);
+                _tile_loadd(5, kb + 16 * Dp32 + db * 32, kstride);
+                _tile_loadd(6, qp + (rt * DB + db) * 256, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 5, 6);
+                if (two) {
+                    _tile_loadd(7, qp + ((rt + 1) * DB + db) * 256, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
             }
-        }
-        _tile_stored(0, st + rt * 16, sstride);
-        _tile_stored(1, st + 16 * Rp + rt * 16, sstride);
-        if (two) {
-            _tile_stored(2, st + rt * 16 + 16, sstride);
-            _tile_stored(3, st + 16 * Rp + rt * 16 + 16, sstride);
+            _tile_stored(0, st + rt * 16, sstride);
+            _tile_stored(1, st + 16 * Rp + rt * 16, sstride);
+            if (two) {
+                _tile_stored(2, st + rt * 16 + 16, sstride);
+                _tile_stored(3, st + 16 * Rp + rt * 16 + 16, sstride);
+            }
         }
     }
     st -= kt * Rp;

@@ -154,13 +154,15 @@ static void ap_fill(qk_attn_prefill_args *pa, const qk_view *q, const qk_view *o
 #define OP "attn_prefill"
 
 PyObject *qk_op_attn_prefill(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    static const char *const names[] = {"q", "k", "v", "mask", "is_causal", "scale", "out", "stream", "_variant", "_isa", NULL};
+    static const char *const names[] = {"q",   "k",      "v",        "mask", "is_causal", "scale",
+                                        "out", "stream", "_variant", "_isa", NULL};
     enum { Q, K, V, MASK, NUM_INPUTS };
     qk_state *st = qk_get_state(module);
     PyObject *a[10] = {NULL};
     void *stream;
     int stream_given, causal, variant, isa;
-    if (ap_args(OP, args, nargs, kwnames, names, MASK, a, &stream, &stream_given, &causal, &variant, &isa) < 0) return NULL;
+    if (ap_args(OP, args, nargs, kwnames, names, MASK, a, &stream, &stream_given, &causal, &variant, &isa) < 0)
+        return NULL;
 
     qk_view in[NUM_INPUTS] = {{0}}, ov = {0};
     qk_output o = {0};
@@ -217,13 +219,15 @@ static void ap_raise_rows(const qk_attn_prefill_args *a) {
 
 PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"q", "k_cache", "v_cache", "req_to_token", "req_pool_indices", "kv_indptr",
-                                        "qo_indptr", "mask", "is_causal", "scale", "out", "stream", "_variant", "_isa", NULL};
+                                        "qo_indptr", "mask", "is_causal", "scale", "out", "stream", "_variant",
+                                        "_isa", NULL};
     enum { Q, KC, VC, R2T, RPI, KV_INDPTR, QO_INDPTR, MASK, NUM_INPUTS };
     qk_state *st = qk_get_state(module);
     PyObject *a[14] = {NULL};
     void *stream;
     int stream_given, causal, variant, isa;
-    if (ap_args(OP, args, nargs, kwnames, names, MASK, a, &stream, &stream_given, &causal, &variant, &isa) < 0) return NULL;
+    if (ap_args(OP, args, nargs, kwnames, names, MASK, a, &stream, &stream_given, &causal, &variant, &isa) < 0)
+        return NULL;
 
     qk_view in[NUM_INPUTS] = {{0}}, ov = {0};
     qk_output o = {0};
