@@ -653,7 +653,7 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
                             w->st[u * Rp + r] += at_mask_value(a->mask, a->mask_dtype, mr + w->pos[u] * ms3);
                 }
         }
-        if (bf) qk_ap_softmax_bf16(w->st, Rp, kt, w->m, w->l, w->corr);
+        if (j->level != QK_AP_PORTABLE) qk_ap_softmax(w->st, Rp, kt, w->m, w->l, w->corr, j->wide);
         else
             for (int64_t r = 0; r < Rp; r += 16) ap_softmax16(w->st, r, Rp, w->m, w->l, w->corr, kt);
         if (bf) qk_ap_pv_bf16(w->acc, w->corr, w->st, w->vb16, w->vp, w->pp, Rp, Dp, kt, amx);

@@ -38,9 +38,9 @@ void qk_ap_scores_bf16(float *st, const uint32_t *qp, const uint16_t *kb, int64_
 void qk_ap_pv_bf16(float *acc, const float *corr, const float *pt, const uint16_t *vb, uint32_t *vp, uint32_t *pp,
                    int64_t Rp, int64_t Dp, int kt, int amx);
 
-/* The online-softmax step of attn.c's ap_softmax16 over all Rp rows, for the bfloat16 levels: its
- * exponential with fused multiply-adds. */
-void qk_ap_softmax_bf16(float *st, int64_t Rp, int kt, float *m, float *l, float *corr);
+/* The online-softmax step of attn.c's ap_softmax16 over all Rp rows, for every level but the
+ * portable one: its exponential with fused multiply-adds; AVX2 (wide = 0) gives the AVX-512 bits. */
+void qk_ap_softmax(float *st, int64_t Rp, int kt, float *m, float *l, float *corr, int wide);
 
 /* AMX: the tile configuration for the calling thread, before its first qk_ap_*_bf16(amx = 1), and
  * the tile state released after its last. */

@@ -5,7 +5,7 @@
  *           one fma chain (over d, over the keys) whatever the vector width: AVX2 gives the AVX-512
  *           bits.
  *   dpbf16  bfloat16 with AVX512-BF16: VDPBF16PS on pairs (of d for the scores, of keys for P V).
- *           Both bfloat16 levels also run the softmax step here (an exponential with FMA).
+ *   Every level but the portable one also runs the softmax step here (an exponential with FMA).
  *   amx     bfloat16 with AMX: the same products on tiles, S^T = K Q^T (K rows straight into A tiles,
  *           q packed once per block into B tiles) and O += P V (the tile of weights, rounded to
  *           bfloat16, in A tiles, V's key pairs in B tiles), a 16 x 16 fp32 product per tile pair
@@ -46,8 +46,8 @@ void qk_ap_pv_bf16(float *acc, const float *corr, const float *pt, const uint16_
 void qk_ap_pack_q(uint32_t *qp, const uint16_t *const *rows, int64_t D, int64_t Dp32) {
     (void)qp, (void)rows, (void)D, (void)Dp32;
 }
-void qk_ap_softmax_bf16(float *st, int64_t Rp, int kt, float *m, float *l, float *corr) {
-    (void)st, (void)Rp, (void)kt, (void)m, (void)l, (void)corr;
+void qk_ap_softmax(float *st, int64_t Rp, int kt, float *m, float *l, float *corr, int wide) {
+    (void)st, (void)Rp, (void)kt, (void)m, (void)l, (void)corr, (void)wide;
 }
 void qk_ap_amx_begin(void) {}
 void qk_ap_amx_end(void) {}
@@ -256,8 +256,9 @@ void qk_ap_pack_q(uint32_t *qp, const uint16_t *const *rows, int64_t D, int64_t 
 }
 
 /* e^x for x <= 0 (scores minus their running max), about 2 ulp: 2^n e^f with n = round(x log2 e),
- * f = x - n ln 2 in two parts, a degree-6 Taylor polynomial with fused multiply-adds; x below -87
- * gives exactly 0 (masked keys weigh nothing), NaN stays NaN. */
+ * f = x - n ln 2 in two parts, a degree-6 Taylor polynomial with fused multiply-adds, times 2^n
+ * built from its bits (n >= -126: a normal float); x below -87 gives exactly 0 (masked keys weigh
+ * nothing), NaN stays NaN.  exp_neg8 runs the same operations 8 lanes wide: the same bits. */
 I512 __m512 exp_neg(__m512 x) {
     const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
     x = _mm512_max_ps(_mm512_set1_ps(-87.f), x); /* NaN passes (MAXPS returns its second operand) */
@@ -272,11 +273,30 @@ I512 __m512 exp_neg(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_maskz_scalef_ps((__mmask16)~under, p, n);
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps((__mmask16)~under, p, _mm512_castsi512_ps(e));
 }
 
-/* attn.c's online-softmax step (ap_softmax16) for the bfloat16 levels, 16 rows a vector: the max in
- * four chains (exact, so any order), the weights from exp_neg */
+I2 __m256 exp_neg8(__m256 x) {
+    const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
+    x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* attn.c's online-softmax step (ap_softmax16) for the non-portable levels, 16 rows a vector: the max
+ * in four chains (exact, so any order), the weights from exp_neg, their sum in two chains */
 static __attribute__((target(T512_ISA))) void softmax512(float *st, int64_t Rp, int kt, float *m, float *l,
                                                           float *corr) {
     for (int64_t r = 0; r < Rp; r += 16) {
@@ -300,8 +320,31 @@ static __attribute__((target(T512_ISA))) void softmax512(float *st, int64_t Rp, 
     }
 }
 
-void qk_ap_softmax_bf16(float *st, int64_t Rp, int kt, float *m, float *l, float *corr) {
-    softmax512(st, Rp, kt, m, l, corr);
+static __attribute__((target(T2_ISA))) void softmax256(float *st, int64_t Rp, int kt, float *m, float *l,
+                                                        float *corr) {
+    for (int64_t r = 0; r < Rp; r += 8) {
+        const __m256 m0 = _mm256_loadu_ps(m + r);
+        __m256 mc[4] = {m0, m0, m0, m0};
+        for (int u = 0; u < kt; u += 4)
+            for (int c = 0; c < 4; c++) mc[c] = _mm256_max_ps(_mm256_loadu_ps(st + (u + c) * Rp + r), mc[c]);
+        const __m256 mx = _mm256_max_ps(_mm256_max_ps(mc[0], mc[1]), _mm256_max_ps(mc[2], mc[3]));
+        const __m256 base = _mm256_and_ps(_mm256_cmp_ps(mx, _mm256_set1_ps(-INFINITY), _CMP_NEQ_UQ), mx);
+        __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int u = 0; u < kt; u++) {
+            const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(st + u * Rp + r), base));
+            _mm256_storeu_ps(st + u * Rp + r, e);
+            sum[u & 1] = _mm256_add_ps(sum[u & 1], e);
+        }
+        const __m256 c = exp_neg8(_mm256_sub_ps(m0, base));
+        _mm256_storeu_ps(l + r, _mm256_fmadd_ps(_mm256_loadu_ps(l + r), c, _mm256_add_ps(sum[0], sum[1])));
+        _mm256_storeu_ps(corr + r, c);
+        _mm256_storeu_ps(m + r, mx);
+    }
+}
+
+void qk_ap_softmax(float *st, int64_t Rp, int kt, float *m, float *l, float *corr, int wide) {
+    if (wide) softmax512(st, Rp, kt, m, l, corr);
+    else softmax256(st, Rp, kt, m, l, corr);
 }
 
 /* ---- dpbf16 ----------------------------------------------------------------------------------- */
