@@ -1,9 +1,11 @@
 /* attn_decode / attn_paged_decode and attn_prefill / attn_paged_prefill on the CPU.
  *
  * Both share the row loads (fp16/bf16 converted to fp32), the 16-float vectors, the exponential,
- * the token-pool index loaders and checks, and the output store.  Everything is fp32 (scale folded
- * into q), online softmax (exp of scores minus the running max), one rounding at the end; a query
- * with no kept key gives 0.  Results do not depend on the thread count.
+ * the token-pool index loaders and checks, and the output store.  Online softmax (exp of scores
+ * minus the running max) in fp32, one rounding at the end; a query with no kept key gives 0.  fp32
+ * throughout (scale folded into q) except bfloat16 prefill, whose products are exact bf16 products
+ * summed in fp32, scaled after, with the weights rounded to bf16 once for P V (docs/ops.md).
+ * Results do not depend on the thread count.
  *
  * Decode (flash-decoding on the CPU): each sequence's key positions are cut into splits of
  * AD_CHUNK, a constant, and a work item is (split, group of kv heads): it streams the split's token
@@ -21,6 +23,7 @@
  * name one slot), then the attention reads the pool.  Figures: docs/cpu.md.
  *
  * Prefill: see the comment above qk_attn_prefill_cpu. */
+#include "attn_prefill_isa.h"
 #include "cpu.h"
 #include "half.h"
 
@@ -674,11 +677,12 @@ done:
 
 /* ---- prefill ----------------------------------------------------------------------------- */
 
-#define AP_KT 32     /* keys per tile */
-#define AP_ROWS 128  /* query rows (positions x the G heads of a kv head) a block aims for */
-#define AP_QB_MAX 64 /* query positions per block at most */
+#define AP_KT QK_AP_KT /* keys per tile (attn_prefill_isa.h); the bfloat16 levels take QK_AP_KT_BF16 */
+#define AP_KT_MAX (QK_AP_KT_BF16 > AP_KT ? QK_AP_KT_BF16 : AP_KT)
+#define AP_ROWS 128    /* query rows (positions x the G heads of a kv head) a block aims for */
+#define AP_QB_MAX 64   /* query positions per block at most */
 
-/* st[u][r] = q[r] . k[u] for the AP_KT keys of a tile and rows r < Rp (a multiple of 16): qt holds
+/* st[u][r] = q[r] . k[u] for the AP_KT keys of a tile (portable level) and rows r < Rp (a multiple of 16): qt holds
  * the block's queries transposed, [D][Rp], kr the keys' rows.  The outer-product form of a small
  * GEMM with the rows in the vector lanes, 4 keys x nc (1 or 2) vectors of rows per pass; the 32 x D
  * slice of qt and the tile's keys stay in L1 while the 8 groups of keys go by. */
@@ -746,16 +750,21 @@ static inline __attribute__((always_inline)) void ap_accumulate(float *restrict 
  * the weights' sum, corr = e^(m_old - m) rescales the accumulators.  Rows that have kept nothing yet
  * (m = -inf) get weights 0, corr 0 (their acc is 0) and keep l = 0. */
 static inline __attribute__((always_inline)) void ap_softmax16(float *restrict st, int64_t r, int64_t Rp, float *m,
-                                                                float *l, float *corr) {
-    at_v16 ld, mx = AT_LOAD16(m + r);
-    for (int u = 0; u < AP_KT; u++) {
-        const at_v16 s = AT_LOAD16(st + u * Rp + r);
-        at_max16(&mx, &s);
-    }
+                                                                float *l, float *corr, int kt) {
+    at_v16 ld, mx = AT_LOAD16(m + r), mc[4] = {mx, mx, mx, mx};
+    for (int u = 0; u < kt; u += 4) /* four chains: the max is exact, so any order gives its value */
+        for (int c = 0; c < 4; c++) {
+            const at_v16 s = AT_LOAD16(st + (u + c) * Rp + r);
+            at_max16(&mc[c], &s);
+        }
+    at_max16(&mc[0], &mc[1]);
+    at_max16(&mc[2], &mc[3]);
+    at_max16(&mc[0], &mc[2]);
+    mx = mc[0];
     const at_i16 none = mx == -INFINITY;
     const at_v16 base = (at_v16)((at_i16)mx & ~none); /* 0 where nothing is kept: e^(-inf - 0) = 0 */
     at_v16 sum = {0}, c = AT_LOAD16(m + r) - base;
-    for (int u = 0; u < AP_KT; u++) {
+    for (int u = 0; u < kt; u++) {
         at_v16 e = AT_LOAD16(st + u * Rp + r) - base;
         at_exp16(&e);
         AT_STORE16(st + u * Rp + r, e);
@@ -779,20 +788,24 @@ typedef struct {
     const qk_attn_prefill_args *a;
     at_pool pool;
     const ap_block *blocks; /* item i is block i / Hkv for kv head i % Hkv */
-    int64_t items, G, QB, Dp; /* QB: the most query positions of a block (sizes the scratch) */
+    int64_t items, G, QB, Dp, Dp32; /* QB: the most query positions of a block (sizes the scratch) */
+    int level, wide, kt;            /* QK_AP_* and AVX-512 (attn_prefill_isa.h); keys per tile */
     atomic_llong next;
     atomic_int nomem;
 } ap_job;
 
-/* Scratch of one worker (Rp: rows padded to 16): q scaled and transposed [D][Rp]; scores, then
- * weights, keys-major [AP_KT][Rp]; acc [Rp][Dp]; converted K rows [AP_KT][D] and V rows
- * [AP_KT][Dp] (zero-padded); a zero key row for the tile's unused columns; running max, sum and
- * rescale factor [Rp]; the rows' causal limits relative to the tile [Rp]; one q row [D]. */
+/* Scratch of one worker (Rp: rows padded to 16, kt: keys per tile): q scaled and transposed [D][Rp];
+ * scores, then weights, keys-major [kt][Rp]; acc [Rp][Dp]; converted K rows [kt][D] and V rows
+ * [kt][Dp] (zero-padded); a zero key row for the tile's unused columns; running max, sum and
+ * rescale factor [Rp]; the rows' causal limits relative to the tile [Rp]; one q row [D].  bfloat16
+ * levels: q in pairs, K and V rows as given, V and the weights packed (attn_prefill_isa.h). */
 typedef struct {
     float *qt, *st, *acc, *kbuf, *vbuf, *kzero, *m, *l, *corr, *qrow;
     int32_t *lim;
-    int64_t pos[AP_KT];
-    const float *kr[AP_KT], *vr[AP_KT];
+    uint32_t *qp, *vp, *pp;
+    uint16_t *kb16, *vb16;
+    int64_t pos[AP_KT_MAX];
+    const float *kr[AP_KT_MAX], *vr[AP_KT_MAX];
 } ap_scratch;
 
 /* The K and V rows of key position j of block blk's sequence, kv head h. */
@@ -820,11 +833,24 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
     const int64_t G = j->G, D = a->D, Dp = j->Dp, nq = blk->i1 - blk->i0, R = nq * G, Rp = (R + 15) & ~(int64_t)15;
     const size_t es = a->dtype == QK_F32 ? 4 : 2;
     const int64_t off = blk->kv_len - blk->q_len; /* query i sits at key position i + off */
-    memset(w->qt, 0, sizeof(float) * (size_t)(D * Rp));
-    for (int64_t r = 0; r < R; r++) { /* row r: position i0 + r / G, head h G + r % G */
-        const int64_t o = blk->q_off + (blk->i0 + r / G) * a->q_stride[1] + (h * G + r % G) * a->q_stride[2];
-        at_row_scaled(w->qrow, (const char *)a->q + o * es, a->dtype, D, a->scale);
-        for (int64_t d = 0; d < D; d++) w->qt[d * Rp + r] = w->qrow[d];
+    const int bf = j->level >= QK_AP_DPBF16, amx = j->level == QK_AP_AMX, kt = j->kt;
+    const int64_t Dp32 = j->Dp32, DB = Dp32 / 32;
+    if (bf) {
+        for (int64_t r0 = 0; r0 < Rp; r0 += 16) {
+            const uint16_t *rows[16];
+            for (int64_t r = r0; r < r0 + 16; r++) {
+                const int64_t o = blk->q_off + (blk->i0 + r / G) * a->q_stride[1] + (h * G + r % G) * a->q_stride[2];
+                rows[r - r0] = r < R ? (const uint16_t *)a->q + o : NULL;
+            }
+            qk_ap_pack_q(w->qp + r0 * DB * 16, rows, D, Dp32);
+        }
+    } else {
+        memset(w->qt, 0, sizeof(float) * (size_t)(D * Rp));
+        for (int64_t r = 0; r < R; r++) { /* row r: position i0 + r / G, head h G + r % G */
+            const int64_t o = blk->q_off + (blk->i0 + r / G) * a->q_stride[1] + (h * G + r % G) * a->q_stride[2];
+            at_row_scaled(w->qrow, (const char *)a->q + o * es, a->dtype, D, a->scale);
+            for (int64_t d = 0; d < D; d++) w->qt[d * Rp + r] = w->qrow[d];
+        }
     }
     memset(w->acc, 0, sizeof(float) * (size_t)(Rp * Dp));
     for (int64_t r = 0; r < Rp; r++) w->m[r] = -INFINITY, w->l[r] = 0.f;
@@ -846,17 +872,23 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
     const int64_t row_bytes = D * (int64_t)es;
     for (int64_t cursor = 0; cursor < hi;) {
         int t = 0;
-        for (; cursor < hi && t < AP_KT; cursor++) {
+        for (; cursor < hi && t < kt; cursor++) {
             if (key_mask && !key_mask[cursor * ms3]) continue; /* a key no row keeps: not loaded */
             const char *kp, *vp;
             ap_key_rows(j, blk, h, cursor, &kp, &vp);
-            if (cursor + AP_KT < hi) { /* the next tile's row: rows of a head are far apart, one page each */
+            if (cursor + kt < hi) { /* the next tile's row: rows of a head are far apart, one page each */
                 const char *kn, *vn;
-                ap_key_rows(j, blk, h, cursor + AP_KT, &kn, &vn);
+                ap_key_rows(j, blk, h, cursor + kt, &kn, &vn);
                 for (int64_t byte = 0; byte < row_bytes; byte += 64) {
                     __builtin_prefetch(kn + byte);
                     __builtin_prefetch(vn + byte);
                 }
+            }
+            if (bf) {
+                memcpy(w->kb16 + t * Dp32, kp, (size_t)row_bytes);
+                memcpy(w->vb16 + t * Dp, vp, (size_t)row_bytes);
+                w->pos[t++] = cursor;
+                continue;
             }
             if (k_in_place) w->kr[t] = (const float *)kp;
             else at_row_to(w->kbuf + t * D, kp, a->dtype, D), w->kr[t] = w->kbuf + t * D;
@@ -865,9 +897,18 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
             w->pos[t++] = cursor;
         }
         if (t == 0) break;
-        for (int u = t; u < AP_KT; u++) w->kr[u] = w->kzero; /* finite scores, masked below */
-        ap_scores(w->st, w->qt, w->kr, D, Rp);
-        if (t < AP_KT || row_mask || row_bias || w->pos[t - 1] > lo) {
+        if (bf) {
+            if (t < kt) { /* finite scores, masked below; zero weights times zero V rows */
+                memset(w->kb16 + t * Dp32, 0, sizeof(uint16_t) * (size_t)((kt - t) * Dp32));
+                memset(w->vb16 + t * Dp, 0, sizeof(uint16_t) * (size_t)((kt - t) * Dp));
+            }
+            qk_ap_scores_bf16(w->st, w->qp, w->kb16, Dp32, Rp, kt, a->scale, amx);
+        } else {
+            for (int u = t; u < AP_KT; u++) w->kr[u] = w->kzero; /* finite scores, masked below */
+            if (j->level == QK_AP_FMA) qk_ap_scores_fma(w->st, w->qt, w->kr, D, Rp, j->wide);
+            else ap_scores(w->st, w->qt, w->kr, D, Rp);
+        }
+        if (t < kt || row_mask || row_bias || w->pos[t - 1] > lo) {
             /* keep key u for row r iff u < t, pos[u] <= the row's causal limit and the row mask
              * keeps it; positions relative to the tile's first fit in 32 bits */
             const int64_t p0 = w->pos[0];
@@ -875,7 +916,7 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
                 const int64_t rel = a->causal && r < R ? blk->i0 + r / G + off - p0 : INT32_MAX - 1;
                 w->lim[r] = (int32_t)(rel < -1 ? -1 : (rel > INT32_MAX - 1 ? INT32_MAX - 1 : rel));
             }
-            for (int u = 0; u < AP_KT; u++) {
+            for (int u = 0; u < kt; u++) {
                 const int64_t rel = u < t ? w->pos[u] - p0 : INT32_MAX;
                 const int32_t pu = (int32_t)(rel < INT32_MAX ? rel : INT32_MAX);
                 for (int64_t r = 0; r < Rp; r += 16) {
@@ -903,8 +944,12 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
                             w->st[u * Rp + r] += at_mask_value(a->mask, a->mask_dtype, mr + w->pos[u] * ms3);
                 }
         }
-        for (int64_t r = 0; r < Rp; r += 16) ap_softmax16(w->st, r, Rp, w->m, w->l, w->corr);
-        ap_accumulate(w->acc, w->corr, w->st, w->vr, Rp, t, Dp);
+        if (j->level != QK_AP_PORTABLE) qk_ap_softmax(w->st, Rp, kt, w->m, w->l, w->corr, j->wide);
+        else
+            for (int64_t r = 0; r < Rp; r += 16) ap_softmax16(w->st, r, Rp, w->m, w->l, w->corr, kt);
+        if (bf) qk_ap_pv_bf16(w->acc, w->corr, w->st, w->vb16, w->vp, w->pp, Rp, Dp, kt, amx);
+        else if (j->level == QK_AP_FMA) qk_ap_pv_fma(w->acc, w->corr, w->st, w->vr, Rp, t, Dp, j->wide);
+        else ap_accumulate(w->acc, w->corr, w->st, w->vr, Rp, t, Dp);
     }
     for (int64_t r = 0; r < R; r++) {
         const int64_t o = blk->out_off + (blk->i0 + r / G) * a->out_stride[1] + (h * G + r % G) * a->out_stride[2];
@@ -915,23 +960,32 @@ static inline __attribute__((always_inline)) void ap_block_run(const ap_job *j, 
 QK_MULTIVERSION static void ap_worker(void *p, int tid, int nthreads) {
     (void)tid, (void)nthreads;
     ap_job *j = p;
-    const int64_t D = j->a->D, Dp = j->Dp, Rp = (j->QB * j->G + 15) & ~(int64_t)15;
-    float *mem = calloc((size_t)(D * Rp + AP_KT * Rp + Rp * Dp + AP_KT * D + AP_KT * Dp + D + 4 * Rp + D),
-                        sizeof(float));
-    if (mem == NULL) {
+    const int64_t D = j->a->D, Dp = j->Dp, Dp32 = j->Dp32, Rp = (j->QB * j->G + 15) & ~(int64_t)15, kt = j->kt;
+    float *mem = calloc((size_t)(D * Rp + kt * Rp + Rp * Dp + kt * D + kt * Dp + D + 4 * Rp + D), sizeof(float));
+    /* bfloat16 levels: qp [Rp Dp32 / 2], vp [kt Dp / 2], pp [kt Rp / 2] pairs; kb16 [kt][Dp32], vb16 [kt][Dp] */
+    const int bf = j->level >= QK_AP_DPBF16;
+    uint32_t *mem16 = bf ? calloc((size_t)(Rp * Dp32 / 2 + kt * Dp / 2 + kt * Rp / 2 + kt * (Dp32 + Dp) / 2), 4) : NULL;
+    if (mem == NULL || (bf && mem16 == NULL)) {
+        free(mem);
+        free(mem16);
         atomic_store(&j->nomem, 1);
         return;
     }
     ap_scratch w;
-    w.qt = mem, w.st = w.qt + D * Rp, w.acc = w.st + AP_KT * Rp, w.kbuf = w.acc + Rp * Dp;
-    w.vbuf = w.kbuf + AP_KT * D, w.kzero = w.vbuf + AP_KT * Dp, w.m = w.kzero + D, w.l = w.m + Rp;
+    w.qt = mem, w.st = w.qt + D * Rp, w.acc = w.st + kt * Rp, w.kbuf = w.acc + Rp * Dp;
+    w.vbuf = w.kbuf + kt * D, w.kzero = w.vbuf + kt * Dp, w.m = w.kzero + D, w.l = w.m + Rp;
     w.corr = w.l + Rp, w.lim = (int32_t *)(w.corr + Rp), w.qrow = w.corr + 2 * Rp;
+    w.qp = mem16, w.vp = bf ? w.qp + Rp * Dp32 / 2 : NULL, w.pp = bf ? w.vp + kt * Dp / 2 : NULL;
+    w.kb16 = bf ? (uint16_t *)(w.pp + kt * Rp / 2) : NULL, w.vb16 = bf ? w.kb16 + kt * Dp32 : NULL;
+    if (j->level == QK_AP_AMX) qk_ap_amx_begin();
     for (;;) {
         const int64_t item = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (item >= j->items) break;
         ap_block_run(j, &j->blocks[item / j->a->Hkv], item % j->a->Hkv, &w);
     }
+    if (j->level == QK_AP_AMX) qk_ap_amx_end();
     free(mem);
+    free(mem16);
 }
 
 /* Paged: pool rows, kv lengths and slots (at_pool_check), then query rows qo_indptr[b] ..
@@ -999,24 +1053,26 @@ static void ap_zero_unowned_rows(const qk_attn_prefill_args *a) {
 /* attn_prefill and attn_paged_prefill.
  *
  * Work item = (sequence b, kv head h, block of QB query positions): the block's R = QB x G query
- * rows (all G = Hq / Hkv heads of kv head h; QB = AP_ROWS / G, at most AP_QB_MAX) go against tiles
- * of AP_KT keys, so each K and V row is read (and converted to fp32) once per block and the tile
- * stays in L1.  The rows live in the vector lanes: q transposed [D][R], scores keys-major
- * [AP_KT][R], so the scores are a register-blocked GEMM with no horizontal sums, and the running
- * max, the exponentials (a vector polynomial) and the rescale of the online softmax are 16 rows per
- * instruction; then P V into the fp32 accumulators [R][D].  Key tiles past the block's last diagonal
- * are never loaded and the causal / mask_kind 2 mask is applied only on tiles that cross it; with
- * mask_kind 1 masked keys are skipped as they are gathered.  float32 K and V rows are read in place.
- * Items are sorted by cost (rows x keys they see), dearest first, and taken from a shared counter:
- * blocks differ (causal, ragged lengths), so equal shares would leave threads idle.  No FMA (as in
- * linear.c: -std=c11 keeps GCC from contracting), so every clone gives the same bits.
+ * rows (all G = Hq / Hkv heads of kv head h; QB = AP_ROWS / G, at most AP_QB_MAX, twice both at the
+ * bfloat16 levels) go against tiles of kt keys, so each K and V row is read (and converted or
+ * packed) once per block.  The rows live in the vector lanes: q transposed [D][R] (bfloat16 levels:
+ * packed in pairs), scores keys-major [kt][R], so the scores are a register-blocked GEMM with no
+ * horizontal sums, and the running max, the exponentials (a vector polynomial) and the rescale of
+ * the online softmax are 16 rows per instruction; then P V into the fp32 accumulators [R][D].  Key
+ * tiles past the block's last diagonal are never loaded and the causal / mask_kind 2 mask is
+ * applied only on tiles that cross it; with mask_kind 1 masked keys are skipped as they are
+ * gathered.  float32 K and V rows are read in place.  Items are sorted by cost (rows x keys they
+ * see), dearest first, and taken from a shared counter: blocks differ (causal, ragged lengths), so
+ * equal shares would leave threads idle.
+ *
+ * The products run at the level qk_ap_level picks from the dtype and the CPU (attn_prefill_isa.h):
+ * the portable tiles below (no FMA: -std=c11 keeps GCC from contracting, so every clone gives the
+ * same bits), FMA tiles for fp32, VDPBF16PS or AMX for bfloat16 (the scale applied to the fp32 sums,
+ * the weights rounded to bfloat16 once for P V).  The level and the blocks depend on the shapes and
+ * the CPU only, never on the thread count.
  *
  * Paged: every index is validated first (QK_E_INDEX with bad_*, nothing written); rows of q that
- * belong to no request are written as 0.
- *
- * Measured (2-core Xeon VM with AVX-512, B=1, Lq=Lkv=1024, Hq=32, Hkv=8, D=128, causal, one thread):
- * fp32 147 ms, bf16 136 ms, against torch 2.13's CPU scaled_dot_product_attention (enable_gqa) at
- * 101 and 172 ms; two threads 72 and 65 ms.  Contracting to FMAs would make it ~35% faster. */
+ * belong to no request are written as 0. */
 int qk_attn_prefill_cpu(qk_attn_prefill_args *a, void *stream) {
     (void)stream;
     if ((a->dtype != QK_F32 && a->dtype != QK_F16 && a->dtype != QK_BF16) || a->Hkv < 1 || a->Hq % a->Hkv ||
@@ -1033,8 +1089,11 @@ int qk_attn_prefill_cpu(qk_attn_prefill_args *a, void *stream) {
     }
     if (a->B == 0 || a->Hq == 0) return QK_OK;
     const int64_t G = a->Hq / a->Hkv;
-    int64_t QB = AP_ROWS / G;
-    QB = QB < 1 ? 1 : (QB > AP_QB_MAX ? AP_QB_MAX : QB);
+    int wide;
+    const int level = qk_ap_level(a->dtype, a->cpu_isa, &wide), bf = level >= QK_AP_DPBF16;
+    /* the bfloat16 levels: twice the rows per packed K / V tile (the packing is vector work) */
+    int64_t QB = (bf ? 2 * AP_ROWS : AP_ROWS) / G;
+    QB = QB < 1 ? 1 : (QB > (bf ? 2 * AP_QB_MAX : AP_QB_MAX) ? (bf ? 2 * AP_QB_MAX : AP_QB_MAX) : QB);
     int64_t nblocks = 0;
     ap_block s;
     for (int64_t b = 0; b < a->B; b++) nblocks += (ap_sequence(a, &pool, b, &s) + QB - 1) / QB;
@@ -1058,7 +1117,8 @@ int qk_attn_prefill_cpu(qk_attn_prefill_args *a, void *stream) {
     }
     qsort(blocks, (size_t)nblocks, sizeof(ap_block), ap_cost_order);
     ap_job j = {.a = a, .pool = pool, .blocks = blocks, .items = nblocks * a->Hkv, .G = G, .QB = widest,
-                .Dp = (a->D + 15) & ~(int64_t)15};
+                .Dp = (a->D + 15) & ~(int64_t)15, .Dp32 = (a->D + 31) & ~(int64_t)31};
+    j.level = level, j.wide = wide, j.kt = bf ? QK_AP_KT_BF16 : AP_KT;
     atomic_init(&j.next, 0);
     atomic_init(&j.nomem, 0);
     int nthreads = qk_threads_for(work * a->Hq * a->D * 2, a->num_threads > 0 ? a->num_threads : 1);
