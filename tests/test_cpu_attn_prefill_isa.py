@@ -13,7 +13,8 @@ import pytest
 
 from qkernels import _C, _dispatch
 from qkernels.testing import prefill_keep, reference, sample
-from conftest import HAS_TORCH, close_to_naive, f64, fp32_sum_tol, naive_prefill, rel_err, requires_torch
+from conftest import (HAS_TORCH, close_to_naive, f64, fp32_sum_tol, naive_paged_causal, naive_prefill, rel_err,
+                      requires_torch)
 
 if HAS_TORCH:
     import torch
@@ -106,14 +107,7 @@ def test_paged_half(rng, isa):
     out = paged(args, isa, is_causal=True)
     ref = reference("attn_paged_prefill", *[f64(a) if a.is_floating_point() else a.numpy() for a in args],
                     is_causal=True)
-    naive = torch.zeros_like(out)
-    r2t, rpi, qo = args[3].long(), args[4].long(), args[6].long()
-    for b, (nq, nk) in enumerate(zip(q_lens, kv_lens)):
-        slots = r2t[rpi[b], :nk]
-        keep = torch.from_numpy(prefill_keep(1, 8, nq, nk, True).copy())
-        naive[qo[b]:qo[b + 1]] = naive_prefill(args[0][None, qo[b]:qo[b + 1]], args[1][slots][None],
-                                               args[2][slots][None], keep, 72 ** -0.5)[0]
-    close_to_naive(out, naive, ref)
+    close_to_naive(out, naive_paged_causal(args, q_lens, kv_lens, 8), ref)
 
 
 @requires_torch
