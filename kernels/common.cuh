@@ -209,6 +209,12 @@ __device__ __forceinline__ void qk_dependent_launch() {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+// The start of a small kernel launched as a programmatic dependent: wait for the previous kernel,
+// then, where its grid fits one wave (early), let the next one be scheduled at once.
+__device__ __forceinline__ void qk_dependent_enter(int early) {
+    qk_dependent_wait();
+    if (early) qk_dependent_launch();
+}
 
 // swiglu's epilogue in fp32, before its one rounding: up * silu(gate), silu(g) = g / (1 + e^-g)
 // (the CPU kernel, csrc/cpu/linear.c, computes the same expression).

@@ -135,19 +135,14 @@ __device__ __forceinline__ void rn_store_row(const qk_rmsnorm_args &a, int64_t r
     }
 }
 
-// Every kernel here launches as a programmatic dependent (qk_launch_dependent): it waits for the
-// previous kernel before touching memory, so its launch overlaps that kernel's tail.  early: the grid
-// fits one wave (decode's few rows), so the next kernel may be scheduled at once, overlapping its
-// launch and set-up with this one; with more blocks than SMs its resident early CTAs would only wait.
-__device__ __forceinline__ void rn_enter(int early) {
-    qk_dependent_wait();
-    if (early) qk_dependent_launch();
-}
+// Every kernel here launches as a programmatic dependent (qk_launch_dependent) and starts with
+// qk_dependent_enter: early when the grid fits one wave (decode's few rows); with more blocks than SMs
+// its resident early CTAs would only wait.
 
 // A row per group of G lanes, K vectors per lane.
 template <typename T, int K, int G, bool kAdd>
 __global__ void __launch_bounds__(kRowsThreads) rn_rows(qk_rmsnorm_args a, int early) {
-    rn_enter(early);
+    qk_dependent_enter(early);
     constexpr int V = qk_vec<T>::N, kRowsPerBlock = kRowsThreads / G;
     const int lane = threadIdx.x % G, sub = threadIdx.x / G;
     const int nvec = (int)(a.H / V);
@@ -165,7 +160,7 @@ __global__ void __launch_bounds__(kRowsThreads) rn_rows(qk_rmsnorm_args a, int e
 // A row per block of blockDim.x threads, K vectors per thread.
 template <typename T, int K, bool kAdd>
 __global__ void __launch_bounds__(kBlockNT) rn_block(qk_rmsnorm_args a, int early) {
-    rn_enter(early);
+    qk_dependent_enter(early);
     constexpr int V = qk_vec<T>::N;
     __shared__ float red[33];
     const int nvec = (int)(a.H / V);
@@ -198,7 +193,7 @@ __device__ __forceinline__ void rn_sum_at(const T *xr, const T *rr, int64_t c, f
 // A row per block, read twice; kVec: 16-byte vectors (H % V == 0 and aligned), else single values.
 template <typename T, bool kAdd, bool kVec>
 __global__ void __launch_bounds__(kMaxNT) rn_reread(qk_rmsnorm_args a, int early) {
-    rn_enter(early);
+    qk_dependent_enter(early);
     constexpr int V = kVec ? qk_vec<T>::N : 1;
     __shared__ float red[33];
     const int64_t n = a.H / V;

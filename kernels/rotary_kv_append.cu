@@ -61,11 +61,8 @@ __device__ __forceinline__ bool rka_row_pair(const qk_rotary_kv_append_args &a, 
 template <typename T, int kMode, bool kFVec>
 __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4)
     rka_kernel(qk_rotary_kv_append_args a, int nc, int nct, int hpar, int early) {
-    // A programmatic dependent (qk_launch_dependent): nothing in memory is touched before the previous
-    // kernel ends.  early: the grid fits one wave (decode's few tokens), so the next kernel's launch
-    // and set-up may overlap this one.
-    qk_dependent_wait();
-    if (early) qk_dependent_launch();
+    // A programmatic dependent (qk_launch_dependent); early: the grid fits one wave (decode's few tokens).
+    qk_dependent_enter(early);
     const int tid = threadIdx.x;
     const int jt = tid % nct, hs = tid / nct;
     const int64_t R = a.Hq + a.Hkv, D = a.D, half = D / 2;

@@ -226,6 +226,24 @@ def naive_prefill(q, k, v, keep, scale, bias=None):
     return torch.einsum("bhij,bjhd->bihd", p, vv)
 
 
+def naive_paged_causal(args, q_lens, kv_lens, hq):
+    """Causal paged prefill by naive_prefill per sequence: args are attn_paged_prefill's seven torch
+    tensors (q, k_cache, v_cache, req_to_token, req_pool_indices, kv_indptr, qo_indptr)."""
+    import torch
+
+    from qkernels.testing import prefill_keep
+
+    q = args[0]
+    naive = torch.zeros_like(q)
+    r2t, rpi, qo = args[3].long(), args[4].long(), args[6].long()
+    for b, (nq, nk) in enumerate(zip(q_lens, kv_lens)):
+        slots = r2t[rpi[b], :nk]
+        keep = torch.from_numpy(prefill_keep(1, hq, nq, nk, True).copy())
+        naive[qo[b]:qo[b + 1]] = naive_prefill(q[None, qo[b]:qo[b + 1]], args[1][slots][None], args[2][slots][None],
+                                               keep, q.shape[-1] ** -0.5)[0]
+    return naive
+
+
 def sdpa64(q, k, v, mask=None, scale=None):
     """torch's scaled_dot_product_attention in float64 on q [B, Lq, Hq, D], k/v [B, Lkv, Hkv, D]
     (NumPy, any float dtype; GQA expanded) with attn_mask=mask (NumPy, SDPA's layout: broadcastable to

@@ -269,6 +269,69 @@ def test_threads_do_not_change_bits(rng):
     np.testing.assert_array_equal(one, many)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype,D", [("float32", 128), ("float32", 40), ("bfloat16", 128), ("bfloat16", 40),
+                                     ("float16", 64)])
+def test_split_keys_do_not_change_bits_with_threads(rng, dtype, D, paged):
+    """Sequences long enough to be cut into several splits (merged afterwards) and a batch of one, where
+    the kv heads are grouped differently for each thread count: the same bits for 1 to 4 threads and
+    alone or in a batch, and close to the float64 reference."""
+    if dtype != "float32" and not HAS_TORCH:
+        pytest.skip("torch is not installed (16-bit inputs on the CPU)")
+    lens = [1000, 3, 0, 517]
+    hkv, ratio = 2, 4
+    same = (lambda a: torch.from_numpy(a)) if HAS_TORCH else (lambda a: a)  # as_dtype's framework
+    if paged:
+        args = sample("attn_paged_decode", rng, lens=lens, hkv=hkv, ratio=ratio, d=D)[0]
+        mask = rng.random((len(lens), args[3].shape[1])) < 0.9
+        mask[3, :300] = False  # sequence 3 keeps nothing in its first split
+        ref = reference("attn_paged_decode", *[f64(as_dtype(a, dtype)) if i < 3 else a for i, a in enumerate(args)],
+                        mask=mask)
+        args = [as_dtype(a, dtype) if i < 3 else same(a) for i, a in enumerate(args)] + [same(mask)]
+        run = lambda: qkernels.attn_paged_decode(*args[:6], mask=args[6])
+        alone = lambda: qkernels.attn_paged_decode(args[0][3:], *args[1:4], args[4][3:], args[5][3:], mask=args[6][3:])
+    else:
+        q, k, v = sample("attn_decode", rng, b=len(lens), l=max(lens), hkv=hkv, ratio=ratio, d=D)[0]
+        kv_lens = np.array(lens, np.int32)
+        mask = np.where(rng.random((len(lens), max(lens))) < 0.9, rng.standard_normal((len(lens), max(lens))),
+                        -np.inf).astype(np.float32)
+        mask[3, :300] = -np.inf
+        q, k, v = (as_dtype(a, dtype) for a in (q, k, v))
+        ref = reference("attn_decode", f64(q), f64(k), f64(v), kv_lens=kv_lens, mask=mask)
+        kv_lens, mask = same(kv_lens), same(mask)
+        run = lambda: qkernels.attn_decode(q, k, v, kv_lens=kv_lens, mask=mask)
+        alone = lambda: qkernels.attn_decode(q[3:], k[3:], v[3:], kv_lens=kv_lens[3:], mask=mask[3:])
+    old = _dispatch.configure(num_threads=1)
+    try:
+        outs = [f64(run())]
+        for n in (2, 3, 4):
+            _dispatch.configure(num_threads=n)
+            outs.append(f64(run()))
+        one = f64(alone())
+    finally:
+        _dispatch.configure(num_threads=old["num_threads"])
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+    np.testing.assert_array_equal(one[0], outs[0][3])
+    assert np.all(outs[0][2] == 0)
+    assert rel_err(outs[0], ref) < (fp32_sum_tol(1000) if dtype == "float32" else 4e-3)
+
+
+def test_split_keys_peaked_and_masked(rng):
+    """Splits whose running maxima differ by far (keys sorted by score, so each split's max is above
+    the last one's) and splits that keep nothing between kept ones: the merge against the reference."""
+    L = 1100
+    q, k, v = sample("attn_decode", rng, b=2, l=L, hkv=1, ratio=4, d=64)[0]
+    s = np.einsum("bd,bld->bl", q[:, 0, 0].astype(np.float64), k[:, :, 0].astype(np.float64))
+    order = np.argsort(s, axis=1)
+    k = np.take_along_axis(k, order[:, :, None, None], 1).copy()
+    v = np.take_along_axis(v, order[:, :, None, None], 1).copy()
+    mask = np.ones((2, L), bool)
+    mask[1, 256:768] = False  # sequence 1: its middle splits keep nothing
+    out = qkernels.attn_decode(q, k, v, mask=mask, scale=1.0)
+    assert rel_err(out, reference("attn_decode", q, k, v, mask=mask, scale=1.0)) < 1e-4
+
+
 # ---- float16 / bfloat16 ---------------------------------------------------------------------
 
 @requires_torch

@@ -13,8 +13,8 @@ import pytest
 import qkernels
 from qkernels import _dispatch
 from qkernels.testing import prefill_keep, reference, sample
-from conftest import (FakeCudaTensor, RecordingOut, as_dtype, close_to_naive, f64, fp32_sum_tol, naive_prefill, rel_err,
-                      replaced, request_mask, sdpa64)
+from conftest import (FakeCudaTensor, RecordingOut, as_dtype, close_to_naive, f64, fp32_sum_tol, naive_paged_causal,
+                      naive_prefill, rel_err, replaced, request_mask, sdpa64)
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 requires_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (bfloat16 on the CPU)")
@@ -506,14 +506,7 @@ def test_paged_half(rng, dtype):
     assert out.dtype == td and out.shape == args[0].shape
     ref = reference("attn_paged_prefill", *[f64(a) if a.is_floating_point() else a.numpy() for a in args],
                     is_causal=True)
-    naive = torch.zeros_like(out)
-    r2t, rpi, qo = args[3].long(), args[4].long(), args[6].long()
-    for b, (nq, nk) in enumerate(zip(q_lens, kv_lens)):
-        slots = r2t[rpi[b], :nk]
-        keep = torch.from_numpy(prefill_keep(1, 8, nq, nk, True).copy())
-        naive[qo[b]:qo[b + 1]] = naive_prefill(args[0][None, qo[b]:qo[b + 1]], args[1][slots][None],
-                                               args[2][slots][None], keep, 128 ** -0.5)[0]
-    close_to_naive(out, naive, ref)
+    close_to_naive(out, naive_paged_causal(args, q_lens, kv_lens, 8), ref)
 
 
 def test_paged_index_errors(rng):

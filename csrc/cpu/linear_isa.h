@@ -5,6 +5,12 @@
 
 #include "qkernels/launch.h"
 
+/* The x86-64 kernels need GCC >= 11 or Clang >= 12 (AMX intrinsics and target attributes). */
+#if defined(__x86_64__) && defined(__GNUC__) && \
+    ((!defined(__clang__) && __GNUC__ >= 11) || (defined(__clang__) && __clang_major__ >= 12))
+#define QK_X86_KERNELS 1
+#endif
+
 /* The best level this process may use (QK_CPU_ISA_PORTABLE when not x86-64 or built without the
  * kernels); AMX counts only once Linux has granted this process the tile state. */
 int qk_cpu_isa_best(void);

@@ -35,11 +35,6 @@ const char *const qk_cpu_isa_names[QK_CPU_ISA_COUNT] = {
     [QK_CPU_ISA_AUTO] = "auto", [QK_CPU_ISA_PORTABLE] = "portable", [QK_CPU_ISA_AVX2] = "avx2", [QK_CPU_ISA_AVX512] = "avx512",
     [QK_CPU_ISA_AVX512_BF16] = "avx512_bf16", [QK_CPU_ISA_AMX] = "amx"};
 
-#if defined(__x86_64__) && defined(__GNUC__) && \
-    ((!defined(__clang__) && __GNUC__ >= 11) || (defined(__clang__) && __clang_major__ >= 12))
-#define QK_X86_KERNELS 1
-#endif
-
 #ifndef QK_X86_KERNELS
 
 int qk_cpu_isa_best(void) { return QK_CPU_ISA_PORTABLE; }
@@ -56,6 +51,8 @@ int qk_linear_fast(const qk_linear_args *a, int swiglu, int *status) {
 #include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "x86_simd.h"
 
 /* ---- detection ------------------------------------------------------------------------------ */
 
@@ -103,8 +100,6 @@ static void *alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 
 
 /* ---- AVX-512 helpers ------------------------------------------------------------------------- */
 
-#define T512_ISA "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"
-#define T512 static inline __attribute__((target(T512_ISA), always_inline))
 #define TBF16 static __attribute__((target(T512_ISA ",avx512bf16")))
 #define TAMX static __attribute__((target(T512_ISA ",avx512bf16,amx-tile,amx-bf16")))
 #define TFMA static __attribute__((target(T512_ISA)))
@@ -180,34 +175,6 @@ T512 void epilogue16(const qk_linear_args *a, int swiglu, int64_t m, int64_t n0,
         v = up;
     }
     store16((char *)a->out + (m * a->out_stride + n0) * (a->dtype == QK_F32 ? 4 : 2), a->dtype, v, msk);
-}
-
-/* a 16 x 16 transpose of 32-bit elements in registers */
-T512 void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        const __m512d t0 = _mm512_castps_pd(t[4 * i]), t1 = _mm512_castps_pd(t[4 * i + 1]);
-        const __m512d t2 = _mm512_castps_pd(t[4 * i + 2]), t3 = _mm512_castps_pd(t[4 * i + 3]);
-        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
-        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
-        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
-        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
-    }
-    /* r[4 i + c], 128-bit lane j: column 4 j + c of rows 4 i .. 4 i + 3 */
-    for (int c = 0; c < 4; c++) {
-        const __m512 p = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88), q = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
-        const __m512 s = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88),
-                     u = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
-        t[c] = _mm512_shuffle_f32x4(p, s, 0x88);
-        t[8 + c] = _mm512_shuffle_f32x4(p, s, 0xDD);
-        t[4 + c] = _mm512_shuffle_f32x4(q, u, 0x88);
-        t[12 + c] = _mm512_shuffle_f32x4(q, u, 0xDD);
-    }
-    for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
 /* ---- the lane kernel ---------------------------------------------------------------------------
@@ -749,6 +716,19 @@ typedef struct __attribute__((aligned(64))) {
     uint8_t rows[16];
 } ax_tilecfg;
 
+__attribute__((target(T512_ISA ",amx-tile"))) void qk_amx_tiles_16x64(void) {
+    ax_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    /* GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes: keep the whole 64 stored */
+    __asm__ __volatile__("" : : "r"(&cfg) : "memory");
+    _tile_loadconfig(&cfg);
+}
+
 typedef struct {
     const qk_linear_args *a;
     int swiglu;
@@ -797,15 +777,6 @@ typedef struct {
     int steps; /* 0: nothing pending */
 } ax_pending;
 
-/* the bfloat16 bits of v (nearest even, NaN kept quiet: qk_f32_to_bf16) in the low halves */
-T512 __m512i bf16_bits(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-}
-
 /* The outputs of B tile t, still [weight row][row of x]: bias or silu there (per element, as in
  * epilogue16), rounded, two weight rows packed per 32-bit lane, and one 16 x 16 transpose of those
  * pairs gives each row of x its 32 outputs (linear: both A tiles; swiglu: 16) as one store. */
@@ -845,14 +816,7 @@ TAMX void ax_worker(void *p, int tid, int nthreads) {
     const ax_ctx *c = p;
     const qk_linear_args *a = c->a;
     const int64_t K = a->K, N = a->N, KB = c->k_blocks;
-    ax_tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    qk_amx_tiles_16x64();
     uint16_t pad[2][16 * 32] __attribute__((aligned(64)));
     ax_pending pend[2];
     int cur = 0, done = 0; /* pend[cur]: the unit whose epilogue runs; done: its steps taken */

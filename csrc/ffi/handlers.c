@@ -96,6 +96,21 @@ static const qk_scratch *fc_scratch_hook(fc *c) {
 }
 #define FC_SCRATCH(c) fc_scratch_hook(c)
 
+/* A call's fc: the frame, the op, the platform and the scratch hook's callbacks, nothing else set. */
+static void fc_init(fc *c, XLA_FFI_CallFrame *cf, const char *op, int cuda) {
+    memset(c, 0, sizeof *c);
+    c->cf = cf, c->op = op, c->cuda = cuda;
+    c->scratch.alloc = fc_scratch_alloc, c->scratch.free = fc_scratch_free, c->scratch.ctx = c;
+    c->scratch.sized_ahead = 1;
+}
+
+/* The scratch blocks' memory: from p's first FC_ALIGN boundary to p + bytes (none when shorter). */
+static void fc_set_base(fc *c, void *p, size_t bytes) {
+    const size_t skip = p ? (FC_ALIGN - (uintptr_t)p % FC_ALIGN) % FC_ALIGN : 0;
+    c->base = p && bytes > skip ? (char *)p + skip : NULL;
+    c->cap = c->base ? bytes - skip : 0;
+}
+
 /* What a dry run's handler returns for an error: the message is in c->msg. */
 static XLA_FFI_Error *const FC_SIZING_ERROR = (XLA_FFI_Error *)&g_threads;
 
@@ -978,10 +993,7 @@ static XLA_FFI_Error *fc_enter(XLA_FFI_CallFrame *cf, const char *op, int cuda, 
         return cf->api->XLA_FFI_Error_Create(&a);
     }
     fc c;
-    memset(&c, 0, sizeof c);
-    c.cf = cf, c.op = op, c.cuda = cuda;
-    c.scratch.alloc = fc_scratch_alloc, c.scratch.free = fc_scratch_free, c.scratch.ctx = &c;
-    c.scratch.sized_ahead = 1;
+    fc_init(&c, cf, op, cuda);
     if (cf->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL; /* only the execute stage is registered */
     if (cuda) {
         if (!g_cuda)
@@ -997,9 +1009,7 @@ static XLA_FFI_Error *fc_enter(XLA_FFI_CallFrame *cf, const char *op, int cuda, 
             if (!sb) return c.err;
             if (sb->dtype != XLA_FFI_DataType_U8)
                 return fc_fail(&c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "scratch must be uint8 [bytes]");
-            const uintptr_t raw = (uintptr_t)sb->data, skip = (FC_ALIGN - raw % FC_ALIGN) % FC_ALIGN;
-            const size_t n = sb->dims[0] > 0 ? (size_t)sb->dims[0] : 0;
-            if (sb->data && n > skip) c.base = (char *)sb->data + skip, c.cap = n - skip;
+            fc_set_base(&c, sb->data, sb->dims[0] > 0 ? (size_t)sb->dims[0] : 0);
         }
     }
     return body(&c);
@@ -1009,14 +1019,16 @@ static XLA_FFI_Error *fc_enter(XLA_FFI_CallFrame *cf, const char *op, int cuda, 
 typedef struct {
     fc *c;
     XLA_FFI_Error *(*body)(fc *);
+    size_t cap; /* the blocks' capacity this attempt (the dry run's scratch is FC_ALIGN - 1 bytes more) */
     XLA_FFI_Error *result;
 } fc_dry;
 
 static int fc_dry_body(void *ctx, void *stream, void *scratch) {
     fc_dry *d = (fc_dry *)ctx;
     fc *c = d->c;
-    c->stream = stream, c->err = NULL; /* the cap's bytes from the first FC_ALIGN boundary */
-    c->base = scratch ? (char *)(((uintptr_t)scratch + FC_ALIGN - 1) & ~(uintptr_t)(FC_ALIGN - 1)) : NULL;
+    c->stream = stream, c->err = NULL;
+    fc_set_base(c, scratch, d->cap + FC_ALIGN - 1);
+    c->cap = d->cap; /* the attempt's capacity exactly, whatever the alignment left over */
     c->top = c->peak = c->refused = c->offset = 0, c->nblocks = 0, c->too_many = 0, c->hooked = 0;
     d->result = d->body(c);
     return 0;
@@ -1161,18 +1173,17 @@ PyObject *qk_jax_scratch_bytes(PyObject *module, PyObject *args) {
         return NULL;
     }
 
-    static XLA_FFI_Buffer in[FC_MAX_OPERANDS], out[FC_MAX_RESULTS];
-    static int64_t in_dims[FC_MAX_OPERANDS][FC_MAX_RANK], out_dims[FC_MAX_RESULTS][FC_MAX_RANK];
-    static XLA_FFI_ArgType in_types[FC_MAX_OPERANDS];
-    static XLA_FFI_RetType out_types[FC_MAX_RESULTS];
-    static void *in_ptrs[FC_MAX_OPERANDS], *out_ptrs[FC_MAX_RESULTS], *in_bufs[FC_MAX_OPERANDS],
-        *out_bufs[FC_MAX_RESULTS];
-    static XLA_FFI_ByteSpan names[FC_MAX_ATTRS], *name_ptrs[FC_MAX_ATTRS];
-    static XLA_FFI_Scalar scalars[FC_MAX_ATTRS];
-    static void *attr_ptrs[FC_MAX_ATTRS];
-    static XLA_FFI_AttrType attr_types[FC_MAX_ATTRS];
-    static union { uint8_t b; int64_t i; double f; } values[FC_MAX_ATTRS];
-    /* The GIL is held throughout, so these statics serve one call at a time. */
+    /* The call frame's parts, on this call's stack (a few kilobytes): nothing shared between calls. */
+    XLA_FFI_Buffer in[FC_MAX_OPERANDS], out[FC_MAX_RESULTS];
+    int64_t in_dims[FC_MAX_OPERANDS][FC_MAX_RANK], out_dims[FC_MAX_RESULTS][FC_MAX_RANK];
+    XLA_FFI_ArgType in_types[FC_MAX_OPERANDS];
+    XLA_FFI_RetType out_types[FC_MAX_RESULTS];
+    void *in_ptrs[FC_MAX_OPERANDS], *out_ptrs[FC_MAX_RESULTS], *in_bufs[FC_MAX_OPERANDS], *out_bufs[FC_MAX_RESULTS];
+    XLA_FFI_ByteSpan names[FC_MAX_ATTRS], *name_ptrs[FC_MAX_ATTRS];
+    XLA_FFI_Scalar scalars[FC_MAX_ATTRS];
+    void *attr_ptrs[FC_MAX_ATTRS];
+    XLA_FFI_AttrType attr_types[FC_MAX_ATTRS];
+    union { uint8_t b; int64_t i; double f; } values[FC_MAX_ATTRS];
 
     for (int i = 0; i < FC_MAX_OPERANDS; i++) in_ptrs[i] = FC_FAKE_BUFFER(i), in_types[i] = XLA_FFI_ArgType_BUFFER;
     for (int i = 0; i < FC_MAX_RESULTS; i++)
@@ -1230,16 +1241,14 @@ PyObject *qk_jax_scratch_bytes(PyObject *module, PyObject *args) {
     cf.attrs.names = name_ptrs, cf.attrs.attrs = attr_ptrs;
 
     fc c;
-    memset(&c, 0, sizeof c);
-    c.cf = &cf, c.op = op, c.cuda = 1, c.sizing = 1;
-    c.scratch.alloc = fc_scratch_alloc, c.scratch.free = fc_scratch_free, c.scratch.ctx = &c;
-    c.scratch.sized_ahead = 1, c.scratch.dry_run = 1;
+    fc_init(&c, &cf, op, 1);
+    c.sizing = 1, c.scratch.dry_run = 1;
     /* Real scratch, since CUB's sorts memset theirs: a guess, grown past each refused request and run
      * again (the requests do not depend on the capacity until one is refused). */
-    fc_dry d = {&c, body, NULL};
+    fc_dry d = {&c, body, 0, NULL};
     size_t cap = (size_t)1 << 20;
     for (int attempt = 0;; attempt++) {
-        c.cap = cap, c.refused = 0, d.result = NULL;
+        d.cap = cap, c.refused = 0, d.result = NULL;
         const int st = g_cuda->dry_run(device, cap + FC_ALIGN - 1, fc_dry_body, &d);
         if (c.refused && !c.too_many && attempt < 48) { /* even where the launcher went on without it */
             const size_t need = c.offset + c.refused;

@@ -3,9 +3,11 @@
  *                    is_causal=False, mask=None, scale=None, out=None, stream=None)
  * One qk_attn_prefill_args serves both (paged flag); the CPU or CUDA launcher by device.  The checks
  * shared with attn_decode.c are in attn_common.c.  The raw ops also take the private tuning keyword
- * _variant= (a name below: qk_attn_prefill_args' variant). */
+ * _variant= (a name below: qk_attn_prefill_args' variant) and _isa= (a cap on the cpu backend's
+ * instruction set, a name of qk_cpu_isa_names: tests run each path the machine has). */
 #include "attn_common.h" /* first: Python.h before any system header */
 #include "../cpu/cpu.h"
+#include "../cpu/linear_isa.h"
 
 QK_DOCS(attn_prefill, "q, k, v, *, is_causal=False, mask=None, scale=None, out=None",
     "Prefill attention: many query tokens per sequence against its keys.\n\n"
@@ -109,15 +111,16 @@ static int ap_mask(const char *op, const qk_view *m, const qk_view *q, int64_t B
     return 0;
 }
 
-/* Both prefill ops' arguments: n required tensors, then mask, is_causal, scale, out, stream, _variant;
- * stream, is_causal and _variant read here. */
+/* Both prefill ops' arguments: n required tensors, then mask, is_causal, scale, out, stream, _variant,
+ * _isa; stream, is_causal, _variant and _isa read here. */
 static int ap_args(const char *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                    const char *const *names, int n, PyObject **a, void **stream, int *stream_given, int *causal,
-                   int *variant) {
+                   int *variant, int *isa) {
     if (qk_parse_args(op, args, nargs, kwnames, names, n, n, a) < 0) return -1;
     PyObject *const *kw = a + n;
     return qk_stream_arg(op, kw[4], stream, stream_given) < 0 || qk_bool_arg(op, "is_causal", kw[1], 0, causal) < 0 ||
-                   qk_variant_arg(op, "_variant", kw[5], ap_variants, QK_COUNT(ap_variants), variant) < 0
+                   qk_variant_arg(op, "_variant", kw[5], ap_variants, QK_COUNT(ap_variants), variant) < 0 ||
+                   qk_variant_arg(op, "_isa", kw[6], qk_cpu_isa_names, QK_CPU_ISA_COUNT, isa) < 0
                ? -1
                : 0;
 }
@@ -151,13 +154,15 @@ static void ap_fill(qk_attn_prefill_args *pa, const qk_view *q, const qk_view *o
 #define OP "attn_prefill"
 
 PyObject *qk_op_attn_prefill(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    static const char *const names[] = {"q", "k", "v", "mask", "is_causal", "scale", "out", "stream", "_variant", NULL};
+    static const char *const names[] = {"q",   "k",      "v",        "mask", "is_causal", "scale",
+                                        "out", "stream", "_variant", "_isa", NULL};
     enum { Q, K, V, MASK, NUM_INPUTS };
     qk_state *st = qk_get_state(module);
-    PyObject *a[9] = {NULL};
+    PyObject *a[10] = {NULL};
     void *stream;
-    int stream_given, causal, variant;
-    if (ap_args(OP, args, nargs, kwnames, names, MASK, a, &stream, &stream_given, &causal, &variant) < 0) return NULL;
+    int stream_given, causal, variant, isa;
+    if (ap_args(OP, args, nargs, kwnames, names, MASK, a, &stream, &stream_given, &causal, &variant, &isa) < 0)
+        return NULL;
 
     qk_view in[NUM_INPUTS] = {{0}}, ov = {0};
     qk_output o = {0};
@@ -178,6 +183,7 @@ PyObject *qk_op_attn_prefill(PyObject *module, PyObject *const *args, Py_ssize_t
         goto done;
 
     ap_fill(&pa, &in[Q], &ov, &in[K], &in[V], causal, variant, st->num_threads);
+    pa.cpu_isa = isa;
     pa.B = B;
     pa.Lq = Lq;
     pa.Lkv = Lkv;
@@ -213,13 +219,15 @@ static void ap_raise_rows(const qk_attn_prefill_args *a) {
 
 PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"q", "k_cache", "v_cache", "req_to_token", "req_pool_indices", "kv_indptr",
-                                        "qo_indptr", "mask", "is_causal", "scale", "out", "stream", "_variant", NULL};
+                                        "qo_indptr", "mask", "is_causal", "scale", "out", "stream", "_variant",
+                                        "_isa", NULL};
     enum { Q, KC, VC, R2T, RPI, KV_INDPTR, QO_INDPTR, MASK, NUM_INPUTS };
     qk_state *st = qk_get_state(module);
-    PyObject *a[13] = {NULL};
+    PyObject *a[14] = {NULL};
     void *stream;
-    int stream_given, causal, variant;
-    if (ap_args(OP, args, nargs, kwnames, names, MASK, a, &stream, &stream_given, &causal, &variant) < 0) return NULL;
+    int stream_given, causal, variant, isa;
+    if (ap_args(OP, args, nargs, kwnames, names, MASK, a, &stream, &stream_given, &causal, &variant, &isa) < 0)
+        return NULL;
 
     qk_view in[NUM_INPUTS] = {{0}}, ov = {0};
     qk_output o = {0};
@@ -246,6 +254,7 @@ PyObject *qk_op_attn_paged_prefill(PyObject *module, PyObject *const *args, Py_s
         goto done;
 
     ap_fill(&pa, &in[Q], &ov, &in[KC], &in[VC], causal, variant, st->num_threads);
+    pa.cpu_isa = isa;
     pa.paged = 1;
     pa.req_to_token = in[R2T].data;
     pa.req_pool_indices = in[RPI].data;

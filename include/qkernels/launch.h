@@ -400,6 +400,7 @@ typedef struct {
     int r2t_dtype, rpi_dtype, kv_indptr_dtype, qo_indptr_dtype; /* QK_I32 or QK_I64 */
     int num_threads;
     int variant;                  /* 0 auto, QK_PREFILL_MMA, QK_PREFILL_WGMMA */
+    int cpu_isa;                  /* cpu: 0 auto, else the highest QK_CPU_ISA_* level to use */
     /* Filled on QK_E_INDEX: bad_arg 0 req_pool_indices, 1 kv_indptr (a length), 2 req_to_token
      * (a slot), 3 qo_indptr (a row range, or q_len > kv_len), 4 mask (q_len > mask_rows) */
     int bad_arg;
