@@ -327,6 +327,8 @@ def main(argv=None):
     p.add_argument("--ddp", action="store_true", help="data-parallel over the ranks of torchrun (NCCL on GPUs, "
                    "gloo on the CPU); --batch is per rank")
     p.add_argument("--timeout", type=float, default=1800, help="--ddp: seconds a collective may wait")
+    p.add_argument("--no-plans", action="store_true", help="no graph plans: the backward ops group the graph "
+                   "on every call (to measure what the plans save)")
     a = p.parse_args(argv)
     variants = parse_variants(p, a.variants) if a.variants else None
     if a.check:
@@ -348,6 +350,8 @@ def main(argv=None):
 
     graph = build_graph(a.distance, a.rounds, a.p, a.p)
     st = batch_structure(graph, a.batch, device)
+    if a.no_plans:
+        st.sa_plan = st.ef_plan = None
     prior = min(max(float(graph.edge_prior.mean()), 1e-6), 0.5)
     weights = init_weights(a.seed, a.layers, a.hidden, a.heads, np.log(prior / (1 - prior)))
     print(f"train_gnn: d={a.distance}, {a.rounds} rounds, batch {a.batch} ({a.batch * graph.num_nodes} nodes, "

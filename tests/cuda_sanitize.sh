@@ -62,8 +62,10 @@ fi
 # instruments, so with the filter every read of data a torch kernel wrote looks uninitialised
 # (2026-11-29: norm_residual reading torch-made inputs, the tests' .double().cpu()).  Its set is
 # therefore test_cuda_initcheck.py, whose data reach the GPU and come back by copies only.
-files=(tests/test_cuda.py tests/test_cuda_graph_ops.py tests/test_cuda_attention_decode.py
-       tests/test_cuda_attention_prefill.py tests/test_cuda_dense_ops.py tests/test_cuda_dense_backward.py)
+files=(tests/test_cuda_sparse_aggregate.py tests/test_cuda_graph_ops.py tests/test_cuda_graph_backward.py
+       tests/test_cuda_sparse_edge_backward.py tests/test_cuda_graph_plan.py tests/test_cuda_attn_decode.py
+       tests/test_cuda_attn_prefill.py tests/test_cuda_dense_ops.py tests/test_cuda_dense_backward.py
+       tests/test_cuda_rmsnorm.py tests/test_cuda_rotary_kv_append.py)
 [ "$tool" = initcheck ] && { files=(tests/test_cuda_initcheck.py); filter=${2:-}; }
 # QK_SANITIZER_FILES: other test files (to split a long run, e.g. the prefill file alone).
 [ -n "${QK_SANITIZER_FILES:-}" ] && read -r -a files <<< "$QK_SANITIZER_FILES"
@@ -81,7 +83,7 @@ if [ "$tool" = racecheck ] && [ -z "${2:-}" ] && [ -z "${QK_SANITIZER_NOFILTER:-
     echo "racecheck, second pass (every kernel instrumented): $racecheck_long"
     log=$(mktemp)
     compute-sanitizer --tool racecheck "${user_opts[@]}" --print-limit 10000 \
-        python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_attention_prefill.py tests/test_cuda_dense_ops.py \
+        python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_attn_prefill.py tests/test_cuda_dense_ops.py \
         -k "$racecheck_long" 2>&1 | tee "$log"
     status=${PIPESTATUS[0]}
     ours=$(grep -E "Race reported|Internal Sanitizer Error" "$log" | grep -vc nvjet)

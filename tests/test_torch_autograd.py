@@ -23,7 +23,8 @@ def _t_sparse_aggregate(row_ptr, col_idx, edge_weight, node_feat):
     import torch
 
     lo, hi = int(row_ptr[0]), int(row_ptr[-1])
-    rows = torch.repeat_interleave(torch.arange(len(row_ptr) - 1), torch.diff(row_ptr).long())
+    rows = torch.repeat_interleave(torch.arange(len(row_ptr) - 1, device=row_ptr.device),
+                                   torch.diff(row_ptr).long())
     out = node_feat.new_zeros((len(row_ptr) - 1, *node_feat.shape[1:]))
     return out.index_add(0, rows, edge_weight[lo:hi, :, None] * node_feat[col_idx[lo:hi].long()])
 
