@@ -458,7 +458,7 @@ static void sap_worker(void *p, int tid, int nthreads) {
 
 int qk_sparse_aggregate_plan_cpu(qk_sparse_aggregate_plan_args *a, void *stream) {
     (void)stream;
-    if (a->num_edges > INT32_MAX || a->num_src >= INT32_MAX) return QK_E_UNSUPPORTED;
+    if (a->num_edges > INT32_MAX || a->num_src >= INT32_MAX || a->num_dst > INT32_MAX) return QK_E_UNSUPPORTED;
     const int checked = sa_check_csr(QK_F32, a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst,
                                      a->num_edges, &a->bad_arg, &a->bad_pos, &a->bad_value);
     if (checked != QK_OK) return checked;

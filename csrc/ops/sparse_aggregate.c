@@ -242,7 +242,7 @@ QK_DOCS(sparse_aggregate_plan, "row_ptr, col_idx, num_src",
     "ptr [N_src + 1] (source j's entries are ptr[j] .. ptr[j+1] - 1; ptr[N_src] counts the kept ones),\n"
     "then src [E], edge [E] and row [E] per entry: the edges sorted by source, ascending edge id within\n"
     "one, and the row holding each.  Edges outside [row_ptr[0], row_ptr[-1]) follow the kept ones in\n"
-    "ascending id with src = N_src and row 0.  E and N_src must be below 2^31.\n" QK_GRAPH_DOC)
+    "ascending id with src = N_src and row 0.  E, N_src and N_dst must be below 2^31.\n" QK_GRAPH_DOC)
 
 PyObject *qk_op_sparse_aggregate_plan(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"row_ptr", "col_idx", "num_src", "stream", NULL};
@@ -275,6 +275,12 @@ PyObject *qk_op_sparse_aggregate_plan(PyObject *module, PyObject *const *args, P
     const int64_t E = in[1].shape[0];
     if (E > INT32_MAX) {
         PyErr_Format(PyExc_ValueError, "%s: the plan holds int32 edge ids: E = %lld must be below 2^31", OP, (long long)E);
+        goto done;
+    }
+    /* checked before the CSR walk: a broadcast row_ptr can be any length */
+    if (in[0].shape[0] - 1 > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: the plan holds int32 row ids: N_dst = %lld must be below 2^31", OP,
+                     (long long)(in[0].shape[0] - 1));
         goto done;
     }
     if (qk_launch_begin(st, OP, &in[0], stream, stream_given, &l) < 0) goto done;
