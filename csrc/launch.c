@@ -187,6 +187,41 @@ int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_
     return 0;
 }
 
+int qk_output_block(const char *op, const qk_view *like, const qk_launch *l, int dtype, size_t bytes, qk_view *ov,
+                    qk_output *o) {
+    memset(o, 0, sizeof *o);
+    memset(ov, 0, sizeof *ov);
+    const size_t size = qk_dtype_size(dtype);
+    if (like->api == NULL || bytes > (size_t)INT64_MAX - size) {
+        PyErr_Format(PyExc_MemoryError, "%s: could not allocate %zu bytes for out", op, bytes);
+        return -1;
+    }
+    int64_t n = (int64_t)((bytes + size - 1) / size);
+    DLTensor proto = {0};
+    proto.device.device_type = l->device_type;
+    proto.device.device_id = l->device_type == kDLCUDA ? l->device_id : 0;
+    proto.ndim = 1;
+    proto.dtype = qk_dtype_to_dl(dtype);
+    proto.shape = &n;
+    DLManagedTensorVersioned *mt = NULL;
+    if (like->api->managed_tensor_allocator(&proto, &mt, NULL, qk_set_error) != 0 || mt == NULL) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_MemoryError, "%s: the framework could not allocate out", op);
+        return -1;
+    }
+    /* Described as its first element only: the consumer's tensor views that, and the deleter, which
+     * stays the producer's, frees the whole block. */
+    mt->dl_tensor.ndim = 0;
+    mt->dl_tensor.strides = NULL;
+    o->mt = mt;
+    o->api = like->api;
+    ov->data = (char *)mt->dl_tensor.data + mt->dl_tensor.byte_offset;
+    ov->device_type = l->device_type;
+    ov->device_id = l->device_id;
+    ov->dtype = dtype;
+    ov->ndim = 0;
+    return 0;
+}
+
 /* The element offsets (from its data pointer) of the first and last elements a view reaches along
  * dimensions from..ndim-1; 0 when one of those dimensions is empty. */
 static int qk_view_span(const qk_view *v, int from, int64_t *first, int64_t *last) {

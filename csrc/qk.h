@@ -157,6 +157,11 @@ PyObject *qk_version_bumper(qk_state *st, PyObject *obj);
 int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_view *like, int dtype,
                       int ndim, const int64_t *shape, const qk_launch *l, qk_view *ov, qk_output *o);
 PyObject *qk_output_finish(qk_output *o, qk_view *ov, int ok);
+/* A 0-d output of dtype at the start of a block of `bytes` device bytes, allocated through like's
+ * exchange API (like->api must be set): the rest of the block is the launcher's scratch, freed with
+ * the output.  -1 with MemoryError (or the framework's exception). */
+int qk_output_block(const char *op, const qk_view *like, const qk_launch *l, int dtype, size_t bytes, qk_view *ov,
+                    qk_output *o);
 /* ValueError when out shares memory with one of the n inputs, unless bit i of in_place is set and
  * out is exactly input i (the op's supported in-place form).  Inputs with data == NULL are absent. */
 int qk_out_overlap(const char *op, const qk_view *out, const qk_view *in, const char *const *names, int n,

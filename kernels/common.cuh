@@ -271,6 +271,13 @@ int qk_device_cc(int *cc);
 // The current device's SM count (cached), for grids sized to one resident wave.
 int qk_sm_count(int *count);
 
+// Whether the current device takes cooperative launches (cached; *supported 0 or 1).
+int qk_cooperative_supported(int *supported);
+
+// qk_launch as a cooperative launch (all blocks resident at once: grid-wide syncs are allowed), through
+// the driver's cuLaunchKernelEx where it resolves.  The caller checks that the grid fits one wave.
+int qk_launch_cooperative(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, void **args);
+
 template <typename Index>
 __device__ __forceinline__ int64_t qk_load_index(const void *base, int64_t pos, int64_t stride) {
     return (int64_t)__ldg(static_cast<const Index *>(base) + pos * stride);

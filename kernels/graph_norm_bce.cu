@@ -1,18 +1,20 @@
 // graph_norm_bce: mean over graphs of the per-graph mean BCE-with-logits, deterministic.
 //
-// Sorted edge_graph (PyG batches), the fast path, is one pass over the data (bce_sorted).  The
+// Sorted edge_graph (PyG batches), the fast path, is one pass over the data (sorted_pass).  The
 // grid is one resident wave; each warp owns a contiguous range of edges, read 256 at a time with
 // coalesced vector loads, 8 consecutive edges per lane.  A lane finishes the graphs that start
 // and end among its 8 edges in registers; its first and last segment meet the other lanes'
 // through one warp scan, and the segment open at the end of a step is carried to the next.  The
-// warps' first/last segments are folded per block, the blocks' per block by the last block to
-// finish (atomic counter), all in a fixed order: no per-graph arrays, no extra kernel.
+// warps' first/last segments are folded per block, the blocks' by block 0 after a grid-wide sync,
+// all in a fixed order: no per-graph arrays.
 // Bytes: logits, target and edge_graph read once (E=4M fp32/int64: 64 MB, ~15 µs at 4.2 TB/s)
 // plus O(blocks).  docs/graph-ops.md has the measured time.
-// Unsorted input (detected on the device; no host round trip) takes a slower deterministic path,
-// a second kernel that returns at once for sorted input: one block per graph scans all edges.
-// Edges whose graph id is out of range are skipped.  Scratch comes from the stream-ordered
-// allocator; one 8-byte memset zeroes the two block counters.
+// Unsorted input (detected on the device; no host round trip) takes a slower deterministic path
+// after that sync: each block sums whole graphs (strided over graphs, every edge scanned per
+// graph), and block 0 adds the blocks' sums after a second sync.
+// One cooperative launch and no memset (nothing to zero: every slot read is written first in the
+// same call); where a cooperative launch is not possible the same phases run as three launches,
+// with the same arithmetic (the same bits).  Edges whose graph id is out of range are skipped.
 #include "common.cuh"
 
 #include <limits.h>
@@ -48,14 +50,13 @@ struct Boundary {
 };
 
 struct Work {
-    Boundary *first, *last;    // per block: the segments of its range's first and last graph
-    double *partial;           // per block: sum over graphs finished inside it of sum / count
-    int *block_unsorted;       // per block
-    unsigned int *done;        // [2] finished-block counters (zeroed by the launcher)
-    int *unsorted;             // written by the sorted kernel's last block
-    float *graph_sum;          // unsorted path: per graph
-    unsigned int *graph_count;
-    long long run_len;  // edges per warp, a multiple of 32 * kRun
+    Boundary *first, *last;    // per sorted block: the segments of its range's first and last graph
+    double *partial;           // per sorted block: sum over graphs finished inside it of sum / count
+    int *block_unsorted;       // per sorted block
+    double *graph_partial;     // unsorted path, per block: sum over its graphs of sum / count
+    long long run_len;         // edges per warp, a multiple of 32 * kRun
+    int sorted_blocks;         // blocks of the sorted pass: the first of the grid
+    int graph_blocks;          // blocks of the grid (of the unsorted path)
 };
 
 // pw: the edge's pos_weight (used when a.has_pos_weight).
@@ -136,10 +137,12 @@ __device__ __forceinline__ Boundary load_boundary(const Boundary *p) {
     return b;
 }
 
-// The last block of the sorted kernel: boundaries first_0, last_0, first_1, ... are sorted by graph.
-// Thread i takes block i's pair (and its partial) in one round of loads, merges equal neighbours
-// with a segmented scan, adds each merged graph's mean, then everything in a fixed order.
-__device__ __noinline__ void fold_sorted(const qk_graph_norm_bce_args &a, const Work &w, int nblocks) {
+// One block, once every sorted block's records are written (sorted input: boundaries first_0,
+// last_0, first_1, ... are sorted by graph).  Thread i takes block i's pair (and its partial) in one
+// round of loads, merges equal neighbours with a segmented scan, adds each merged graph's mean, then
+// everything in a fixed order.
+__device__ __noinline__ void fold_sorted(const qk_graph_norm_bce_args &a, const Work &w) {
+    const int nblocks = w.sorted_blocks;
     using Scan = cub::BlockScan<Seg, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
     using Reduce = cub::BlockReduce<double, kThreads>;
     __shared__ union {
@@ -150,7 +153,6 @@ __device__ __noinline__ void fold_sorted(const qk_graph_norm_bce_args &a, const 
     __shared__ Seg carry;
     __shared__ long long carry_graph;
     double acc = 0;
-    int unsorted = 0;
     for (int t0 = 0; t0 < nblocks; t0 += kThreads) {
         const int i = t0 + threadIdx.x;
         Boundary f = {-1, 0.f, 0u}, l = {-1, 0.f, 0u};
@@ -158,7 +160,6 @@ __device__ __noinline__ void fold_sorted(const qk_graph_norm_bce_args &a, const 
             f = load_boundary(w.first + i);
             l = load_boundary(w.last + i);
             acc += __ldcg(w.partial + i);
-            unsorted |= __ldcg(w.block_unsorted + i);
         }
         first_graph[threadIdx.x] = f.graph;
         last_graph[threadIdx.x] = l.graph;
@@ -185,9 +186,6 @@ __device__ __noinline__ void fold_sorted(const qk_graph_norm_bce_args &a, const 
         }
         __syncthreads();
     }
-    unsorted = __syncthreads_or(unsorted);
-    if (threadIdx.x == 0) *w.unsorted = unsorted;
-    if (unsorted) return;  // bce_per_graph takes over
     acc = Reduce(storage.reduce).Sum(acc);
     if (threadIdx.x == 0) *a.out = (float)(acc / (double)a.num_graphs);
 }
@@ -231,16 +229,15 @@ __device__ __forceinline__ void finish(const Run &r, int range_first, Run &first
 // them are finished at once; its first and last segment meet the neighbours' through one warp
 // scan; the segment still open at the step's end is carried to the next step.  The warps' first
 // and last segments are folded per block by warp 0 the same way, and the block's first and last
-// graph go to the boundary list for the last block's fold.  Per edge: a load, the bce and an add:
+// graph go to the boundary list for fold_sorted.  Per edge: a load, the bce and an add:
 // a block scan per edge range is bound by the scan's instructions, and per-thread runs (lanes 128
 // bytes apart) over-fetch DRAM (docs/graph-ops.md).  kVector: unit strides and 16-byte aligned
 // arrays: whole vector loads.
 template <typename T, typename I, bool kVector>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSM) bce_sorted(qk_graph_norm_bce_args a, Work w) {
+__device__ __forceinline__ void sorted_pass(const qk_graph_norm_bce_args &a, const Work &w) {
     constexpr int kWarps = kThreads / 32;
     __shared__ Run warp_first[kWarps], warp_last[kWarps];
     __shared__ double warp_acc[kWarps];
-    __shared__ bool is_last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t range_len = w.run_len;  // per warp, a multiple of 32 * kRun
     const int64_t wbegin = ((int64_t)blockIdx.x * kWarps + warp) * range_len;
@@ -376,30 +373,29 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSM) bce_sorted(qk_graph_no
             if (block_first == block_last) w.last[blockIdx.x] = {block_last, 0.f, 0u};
             w.partial[blockIdx.x] = bacc;
             w.block_unsorted[blockIdx.x] = any_unsorted;
-            __threadfence();  // this block's results are visible before it counts itself done
-            is_last = atomicAdd(w.done, 1u) == gridDim.x - 1;
         }
     }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    fold_sorted(a, w, (int)gridDim.x);
 }
 
-// Unsorted input only: one block per graph, all edges, fixed-order reductions; the last block
-// takes the mean over graphs.
+// Whether a sorted block saw its ids out of order (or out of range), once all have written their
+// flags: the same answer in every block of the grid.
+__device__ __forceinline__ bool any_unsorted(const Work &w) {
+    int u = 0;
+    for (int i = threadIdx.x; i < w.sorted_blocks; i += kThreads) u |= __ldcg(w.block_unsorted + i);
+    return __syncthreads_or(u) != 0;
+}
+
+// Unsorted input only: block b sums the graphs b, b + graph_blocks, ..., each over all edges with
+// fixed-order block reductions, and adds their means in that order.
 template <typename T, typename I>
-__global__ void __launch_bounds__(kThreads) bce_per_graph(qk_graph_norm_bce_args a, Work w) {
-    if (!*(volatile int *)w.unsorted) return;
+__device__ __forceinline__ void per_graph_pass(const qk_graph_norm_bce_args &a, const Work &w) {
     using Reduce = cub::BlockReduce<float, kThreads>;
     using ReduceCount = cub::BlockReduce<unsigned int, kThreads>;
-    using ReduceMean = cub::BlockReduce<double, kThreads>;
     __shared__ typename Reduce::TempStorage sum_storage;
     __shared__ typename ReduceCount::TempStorage count_storage;
-    __shared__ typename ReduceMean::TempStorage mean_storage;
-    __shared__ bool is_last;
     const float pw_all = pos_weight_all<T>(a);
-    for (int64_t g = blockIdx.x; g < a.num_graphs; g += gridDim.x) {
+    double acc = 0;  // thread 0's
+    for (int64_t g = blockIdx.x; g < a.num_graphs; g += w.graph_blocks) {
         float sum = 0.f;
         unsigned int count = 0;
         for (int64_t e = threadIdx.x; e < a.num_edges; e += kThreads) {
@@ -410,26 +406,54 @@ __global__ void __launch_bounds__(kThreads) bce_per_graph(qk_graph_norm_bce_args
         }
         sum = Reduce(sum_storage).Sum(sum);
         count = ReduceCount(count_storage).Sum(count);
-        if (threadIdx.x == 0) {
-            w.graph_sum[g] = sum;
-            w.graph_count[g] = count;
-        }
-        __syncthreads();
+        if (threadIdx.x == 0) acc += (double)sum / (double)(count > 1 ? count : 1);
+        __syncthreads();  // the reductions' storage is reused
     }
-    if (threadIdx.x == 0) {
-        __threadfence();
-        is_last = atomicAdd(w.done + 1, 1u) == gridDim.x - 1;
+    if (threadIdx.x == 0) w.graph_partial[blockIdx.x] = acc;
+}
+
+// One block, once every block's per_graph_pass is done: the mean over graphs, in a fixed order.
+__device__ __noinline__ void fold_unsorted(const qk_graph_norm_bce_args &a, const Work &w) {
+    using Reduce = cub::BlockReduce<double, kThreads>;
+    __shared__ typename Reduce::TempStorage storage;
+    double acc = 0;
+    for (int i = threadIdx.x; i < w.graph_blocks; i += kThreads) acc += __ldcg(w.graph_partial + i);
+    acc = Reduce(storage).Sum(acc);
+    if (threadIdx.x == 0) *a.out = (float)(acc / (double)a.num_graphs);
+}
+
+// The whole op in one cooperative launch of graph_blocks blocks (one resident wave).  Every block
+// reaches both syncs or neither: the second depends only on any_unsorted, which reads flags written
+// before the first and gives every block the same answer.
+template <typename T, typename I, bool kVector>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSM) bce_cooperative(qk_graph_norm_bce_args a, Work w) {
+    cooperative_groups::grid_group grid = cooperative_groups::this_grid();
+    if ((int)blockIdx.x < w.sorted_blocks) sorted_pass<T, I, kVector>(a, w);
+    grid.sync();
+    if (!any_unsorted(w)) {
+        if (blockIdx.x == 0) fold_sorted(a, w);
+        return;
     }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    double total = 0;
-    for (int64_t g = threadIdx.x; g < a.num_graphs; g += kThreads) {
-        const unsigned int c = __ldcg(w.graph_count + g);
-        total += (double)__ldcg(w.graph_sum + g) / (double)(c > 1 ? c : 1);
-    }
-    total = ReduceMean(mean_storage).Sum(total);
-    if (threadIdx.x == 0) *a.out = (float)(total / (double)a.num_graphs);
+    per_graph_pass<T, I>(a, w);
+    grid.sync();
+    if (blockIdx.x == 0) fold_unsorted(a, w);
+}
+
+// The same phases as three launches (kernel boundaries for the syncs) where a cooperative launch
+// is not possible: the same arithmetic in the same order, so the same bits.
+template <typename T, typename I, bool kVector>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSM) bce_sorted(qk_graph_norm_bce_args a, Work w) {
+    sorted_pass<T, I, kVector>(a, w);
+}
+
+template <typename T, typename I>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSM) bce_graphs(qk_graph_norm_bce_args a, Work w) {
+    if (any_unsorted(w)) per_graph_pass<T, I>(a, w);
+}
+
+__global__ void __launch_bounds__(kThreads) bce_fold(qk_graph_norm_bce_args a, Work w) {
+    if (any_unsorted(w)) fold_unsorted(a, w);
+    else fold_sorted(a, w);
 }
 
 size_t align16(size_t n) { return (n + 15) / 16 * 16; }
@@ -442,19 +466,21 @@ bool pos_weights_vector(const qk_graph_norm_bce_args *a) {
 // ---- backward -------------------------------------------------------------------------------
 //
 // d loss / d l_e = grad * w_e * (sigmoid(l_e) - t_e) / (max(count_g, 1) * num_graphs): a count pass
-// over edge_graph, then one elementwise pass with a gather of the count.  The counts are integer
-// atomics (exact in any order, so deterministic) into a [num_graphs] array from the stream-ordered
-// allocator.  Each thread takes kRun consecutive edges (coalesced vector loads where the layout
+// over edge_graph, then one elementwise pass with a gather of the count, in one cooperative kernel
+// (zeroing, counting and the gradient between grid syncs), else a memset and two kernels.  The
+// counts are integer atomics (exact in any order, so deterministic) into a [num_graphs] scratch
+// array.  Each thread takes kRun consecutive edges (coalesced vector loads where the layout
 // allows) and adds each run of one graph once; the run open at a lane's end joins the neighbouring
 // lanes' through a segmented warp scan, so sorted ids cost about one atomic per 256 edges and
 // unsorted ids stay right.  Bytes: edge_graph twice, logits and target once, grad_logits written.
 
 constexpr int kBwdThreads = 256;
 
+// Block-sized chunk c of kBwdThreads * kRun edges (every lane of the block takes part).
 template <typename I, bool kVector>
-__global__ void __launch_bounds__(kBwdThreads) bce_count(qk_graph_norm_bce_args a, unsigned long long *count) {
+__device__ __forceinline__ void count_chunk(const qk_graph_norm_bce_args &a, unsigned long long *count, int64_t c) {
     const int lane = threadIdx.x & 31;
-    const int64_t e0 = ((int64_t)blockIdx.x * kBwdThreads + threadIdx.x) * kRun;
+    const int64_t e0 = (c * kBwdThreads + threadIdx.x) * kRun;
     int g[kRun];  // -1: out of range, or past the end
     if (kVector && e0 + kRun <= a.num_edges) {
         I gv[kRun];
@@ -503,8 +529,8 @@ __device__ __forceinline__ void store_run(T *p, const T (&v)[N]) {
 }
 
 template <typename T, typename I, bool kVector>
-__global__ void __launch_bounds__(kBwdThreads) bce_grad(qk_graph_norm_bce_args a, const unsigned long long *count) {
-    const int64_t e0 = ((int64_t)blockIdx.x * kBwdThreads + threadIdx.x) * kRun;
+__device__ __forceinline__ void grad_chunk(const qk_graph_norm_bce_args &a, const unsigned long long *count, int64_t c) {
+    const int64_t e0 = (c * kBwdThreads + threadIdx.x) * kRun;
     if (e0 >= a.num_edges) return;
     const float grad = __ldg(a.grad), num_graphs = (float)a.num_graphs, pw_all = pos_weight_all<T>(a);
     const bool per_edge = pos_weight_per_edge(a), full = e0 + kRun <= a.num_edges;
@@ -538,7 +564,8 @@ __global__ void __launch_bounds__(kBwdThreads) bce_grad(qk_graph_norm_bce_args a
     T out[kRun];
 #pragma unroll
     for (int i = 0; i < kRun; i++) {
-        const unsigned long long c = g[i] >= 0 ? __ldg(count + g[i]) : 1ull;
+        // Through L2: the cooperative kernel wrote the counts earlier in the same launch.
+        const unsigned long long c = g[i] >= 0 ? __ldcg(count + g[i]) : 1ull;
         const float w = a.has_pos_weight ? 1.f + (pw[i] - 1.f) * t[i] : 1.f;
         // sigmoid(l) - t without cancelling 1 - e/(1+e) against t = 1 for large l (or e/(1+e) for small)
         const float e = expf(-fabsf(l[i])), q = e / (1.f + e);
@@ -556,54 +583,114 @@ __global__ void __launch_bounds__(kBwdThreads) bce_grad(qk_graph_norm_bce_args a
     }
 }
 
+template <typename I, bool kVector>
+__global__ void __launch_bounds__(kBwdThreads) bce_count(qk_graph_norm_bce_args a, unsigned long long *count) {
+    count_chunk<I, kVector>(a, count, blockIdx.x);
+}
+
+template <typename T, typename I, bool kVector>
+__global__ void __launch_bounds__(kBwdThreads) bce_grad(qk_graph_norm_bce_args a, const unsigned long long *count) {
+    grad_chunk<T, I, kVector>(a, count, blockIdx.x);
+}
+
+// The backward in one cooperative launch of at most a resident wave: zero the counts, count, grad,
+// grid-wide syncs between (no memset, one kernel).  Chunks are block-uniform, so every block
+// reaches both syncs.
+template <typename T, typename I, bool kVectorIds, bool kVector>
+__global__ void __launch_bounds__(kBwdThreads) bce_backward_cooperative(qk_graph_norm_bce_args a,
+                                                                       unsigned long long *count) {
+    cooperative_groups::grid_group grid = cooperative_groups::this_grid();
+    const int64_t chunks = (a.num_edges + kBwdThreads * kRun - 1) / (kBwdThreads * kRun);
+    for (int64_t g = (int64_t)blockIdx.x * kBwdThreads + threadIdx.x; g < a.num_graphs;
+         g += (int64_t)gridDim.x * kBwdThreads)
+        count[g] = 0;
+    grid.sync();
+    for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) count_chunk<I, kVectorIds>(a, count, c);
+    grid.sync();
+    for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) grad_chunk<T, I, kVector>(a, count, c);
+}
+
+// Launch a cooperative kernel over `blocks` blocks of `threads`: QK_OK, a status, or kNoCooperative
+// where this device, or its share of SMs, cannot hold them all at once (nothing launched).
+constexpr int kNoCooperative = -100;
+int launch_cooperative(const void *kernel, int64_t blocks, int threads, int sms, cudaStream_t s, void **args) {
+    int supported, per_sm;
+    QK_CUDA_TRY((cudaError_t)qk_cooperative_supported(&supported));
+    if (!supported) return kNoCooperative;
+    const int st = qk_kernel_residency(kernel, threads, 0, &per_sm);
+    if (st) return st;
+    if ((int64_t)per_sm * sms < blocks) return kNoCooperative;
+    const int r = qk_launch_cooperative(kernel, dim3((unsigned)blocks), dim3(threads), 0, s, args);
+    // Fewer SMs than the device has (MPS, green contexts), or a launch path without cooperative
+    // kernels: the launch was refused, nothing runs.
+    if (r == cudaErrorCooperativeLaunchTooLarge || r == cudaErrorNotSupported) {
+        cudaGetLastError();
+        return kNoCooperative;
+    }
+    return r;
+}
+
 }  // namespace
 
 extern "C" int qk_graph_norm_bce_cuda(const qk_graph_norm_bce_args *a, void *stream) {
     cudaStream_t s = (cudaStream_t)stream;
-    if (a->num_edges == 0) return qk_memset_args(a->scratch, a->out, 0, sizeof(float), s);  // every graph contributes 0
+    const qk_scratch *sc = a->scratch;
+    // out == NULL: the loss goes to the start of the scratch block, which the caller keeps.
+    const size_t out_bytes = a->out ? 0 : 16;
+    if (!a->out && !(sc && sc->alloc)) return QK_E_UNSUPPORTED;
+    if (a->num_edges == 0) {  // every graph contributes 0
+        float *out = a->out;
+        if (!out) QK_SCRATCH_TRY(sc, out_bytes, s, &out);
+        const int status = qk_memset_args(sc, out, 0, sizeof(float), s);
+        const int freed = a->out ? QK_OK : qk_scratch_free(sc, out, out_bytes, s);
+        return status ? status : freed;
+    }
     int sms;
     const int sm_status = qk_sm_count(&sms);
     if (sm_status) return sm_status;
     // One resident wave of blocks; warp ranges of a multiple of 32 * kRun edges: a function of E and
     // the device only, so the summation order (and the result's bits) is fixed for a given device.
-    const int64_t G = a->num_graphs, warps = (int64_t)sms * kBlocksPerSM * (kThreads / 32), step = 32 * kRun;
+    const int64_t G = a->num_graphs, wave = (int64_t)sms * kBlocksPerSM, warps = wave * (kThreads / 32);
+    const int64_t step = 32 * kRun;
     const int64_t run_len = ((a->num_edges + warps - 1) / warps + step - 1) / step * step;
-    const int64_t nblocks = (a->num_edges + run_len * (kThreads / 32) - 1) / (run_len * (kThreads / 32));
-    // Sorted input: this kernel only checks a flag, so a small grid; unsorted: one block per graph.
-    const int per_graph_blocks = (int)(G < 2 * sms ? G : 2 * sms);
+    const int64_t sorted_blocks = (a->num_edges + run_len * (kThreads / 32) - 1) / (run_len * (kThreads / 32));
+    // The unsorted path takes a block per graph, up to a wave; the sorted pass the first blocks.
+    const int64_t blocks = sorted_blocks > (G < wave ? G : wave) ? sorted_blocks : (G < wave ? G : wave);
     if (G > 0x7fffffff) return QK_E_UNSUPPORTED;  // ids are ints in the kernels' registers
-    // Scratch layout: counters | unsorted flag | first | last | partial | block_unsorted | graph_sum | graph_count
-    const size_t off_flag = 16, off_first = 32, off_last = off_first + align16(nblocks * sizeof(Boundary));
-    const size_t off_partial = off_last + align16(nblocks * sizeof(Boundary));
-    const size_t off_bu = off_partial + align16(nblocks * sizeof(double));
-    const size_t off_sum = off_bu + align16(nblocks * sizeof(int));
-    const size_t off_count = off_sum + align16(G * sizeof(float)), total = off_count + align16(G * sizeof(unsigned));
+    // Scratch layout: [out] | first | last | partial | block_unsorted (per sorted block) | graph_partial
+    const size_t off_first = out_bytes, off_last = off_first + align16(sorted_blocks * sizeof(Boundary));
+    const size_t off_partial = off_last + align16(sorted_blocks * sizeof(Boundary));
+    const size_t off_bu = off_partial + align16(sorted_blocks * sizeof(double));
+    const size_t off_gp = off_bu + align16(sorted_blocks * sizeof(int));
+    const size_t total = off_gp + align16(blocks * sizeof(double));
     char *scratch = nullptr;
-    QK_SCRATCH_TRY(a->scratch, total, s, &scratch);
+    QK_SCRATCH_TRY(sc, total, s, &scratch);
     Work w = {(Boundary *)(scratch + off_first), (Boundary *)(scratch + off_last), (double *)(scratch + off_partial),
-              (int *)(scratch + off_bu), (unsigned int *)scratch, (int *)(scratch + off_flag),
-              (float *)(scratch + off_sum), (unsigned int *)(scratch + off_count), (long long)run_len};
-    int status = (int)cudaMemsetAsync(scratch, 0, 2 * sizeof(unsigned int), s);
+              (int *)(scratch + off_bu),          (double *)(scratch + off_gp),      (long long)run_len,
+              (int)sorted_blocks,                 (int)blocks};
     const bool vector = a->logits_stride == 1 && a->target_stride == 1 && a->graph_stride == 1 &&
                         qk_aligned16(a->logits) && qk_aligned16(a->target) && qk_aligned16(a->edge_graph) &&
                         pos_weights_vector(a);
     qk_graph_norm_bce_args p = *a;
+    if (!p.out) p.out = (float *)scratch;
     void *args[] = {&p, &w};
-    if (!status) {
-        status = [&]() -> int {
-            QK_DISPATCH_FLOAT(a->dtype, T, QK_DISPATCH_INDEX(a->index_dtype, I, {
-                int r = qk_launch(vector ? (const void *)bce_sorted<T, I, true> : (const void *)bce_sorted<T, I, false>,
-                                  dim3((unsigned)nblocks), dim3(kThreads), 0, s, args);
-                // Sorted input leaves this kernel nothing to do: one small wave that exits at once.
-                if (!r)
-                    r = qk_launch((const void *)bce_per_graph<T, I>, dim3((unsigned)per_graph_blocks), dim3(kThreads), 0,
-                                  s, args);
-                return r;
-            }))
-            return QK_OK;
-        }();
-    }
-    const int freed = qk_scratch_free(a->scratch, scratch, total, s);
+    const int status = [&]() -> int {
+        QK_DISPATCH_FLOAT(a->dtype, T, QK_DISPATCH_INDEX(a->index_dtype, I, {
+            int r = kNoCooperative;
+            if (a->variant != QK_BCE_LAUNCHES)
+                r = launch_cooperative(vector ? (const void *)bce_cooperative<T, I, true>
+                                              : (const void *)bce_cooperative<T, I, false>,
+                                       blocks, kThreads, sms, s, args);
+            if (r != kNoCooperative) return r;
+            r = qk_launch(vector ? (const void *)bce_sorted<T, I, true> : (const void *)bce_sorted<T, I, false>,
+                          dim3((unsigned)sorted_blocks), dim3(kThreads), 0, s, args);
+            if (!r) r = qk_launch((const void *)bce_graphs<T, I>, dim3((unsigned)blocks), dim3(kThreads), 0, s, args);
+            if (!r) r = qk_launch((const void *)bce_fold, dim3(1), dim3(kThreads), 0, s, args);
+            return r;
+        }))
+        return QK_OK;
+    }();
+    const int freed = qk_scratch_free(sc, scratch, total, s);
     return status ? status : freed;
 }
 
@@ -614,30 +701,44 @@ extern "C" int qk_graph_norm_bce_backward_cuda(const qk_graph_norm_bce_args *a, 
     if (G > 0x7fffffff) return QK_E_UNSUPPORTED;  // ids are ints in the kernels' registers
     const int64_t blocks = (E + (int64_t)kBwdThreads * kRun - 1) / ((int64_t)kBwdThreads * kRun);
     if (blocks > 0x7fffffff) return QK_E_UNSUPPORTED;
+    int sms;
+    const int sm_status = qk_sm_count(&sms);
+    if (sm_status) return sm_status;
     unsigned long long *count = nullptr;
     QK_SCRATCH_TRY(a->scratch, (size_t)G * sizeof(unsigned long long), s, &count);
-    int status = (int)cudaMemsetAsync(count, 0, (size_t)G * sizeof(unsigned long long), s);
     const bool vector_ids = a->graph_stride == 1 && qk_aligned16(a->edge_graph);
     const bool vector = vector_ids && a->logits_stride == 1 && a->target_stride == 1 && a->grad_stride == 1 &&
                         qk_aligned16(a->logits) && qk_aligned16(a->target) && qk_aligned16(a->grad_logits) &&
                         pos_weights_vector(a);
     qk_graph_norm_bce_args p = *a;
-    if (!status) {
-        status = [&]() -> int {
-            QK_DISPATCH_FLOAT(a->dtype, T, QK_DISPATCH_INDEX(a->index_dtype, I, {
-                void *count_args[] = {&p, &count};
-                int r = qk_launch(vector_ids ? (const void *)bce_count<I, true> : (const void *)bce_count<I, false>,
-                                  dim3((unsigned)blocks), dim3(kBwdThreads), 0, s, count_args);
-                const unsigned long long *ccount = count;
-                void *grad_args[] = {&p, &ccount};
-                if (!r)
-                    r = qk_launch(vector ? (const void *)bce_grad<T, I, true> : (const void *)bce_grad<T, I, false>,
-                                  dim3((unsigned)blocks), dim3(kBwdThreads), 0, s, grad_args);
-                return r;
-            }))
-            return QK_OK;
-        }();
-    }
+    const int status = [&]() -> int {
+        QK_DISPATCH_FLOAT(a->dtype, T, QK_DISPATCH_INDEX(a->index_dtype, I, {
+            void *count_args[] = {&p, &count};
+            if (a->variant != QK_BCE_LAUNCHES) {
+                const void *coop = !vector_ids ? (const void *)bce_backward_cooperative<T, I, false, false>
+                                   : vector    ? (const void *)bce_backward_cooperative<T, I, true, true>
+                                               : (const void *)bce_backward_cooperative<T, I, true, false>;
+                int per_sm;
+                int r = qk_kernel_residency(coop, kBwdThreads, 0, &per_sm);
+                if (r) return r;
+                const int64_t wave = (int64_t)per_sm * sms;
+                r = launch_cooperative(coop, blocks < wave ? blocks : wave, kBwdThreads, sms, s, count_args);
+                if (r != kNoCooperative) return r;
+            }
+            // Without a cooperative launch: a memset and the two passes as kernels.
+            int r = (int)cudaMemsetAsync(count, 0, (size_t)G * sizeof(unsigned long long), s);
+            if (!r)
+                r = qk_launch(vector_ids ? (const void *)bce_count<I, true> : (const void *)bce_count<I, false>,
+                              dim3((unsigned)blocks), dim3(kBwdThreads), 0, s, count_args);
+            const unsigned long long *ccount = count;
+            void *grad_args[] = {&p, &ccount};
+            if (!r)
+                r = qk_launch(vector ? (const void *)bce_grad<T, I, true> : (const void *)bce_grad<T, I, false>,
+                              dim3((unsigned)blocks), dim3(kBwdThreads), 0, s, grad_args);
+            return r;
+        }))
+        return QK_OK;
+    }();
     const int freed = qk_scratch_free(a->scratch, count, (size_t)G * sizeof(unsigned long long), s);
     return status ? status : freed;
 }

@@ -89,6 +89,30 @@ int qk_launch_dependent(const void *kernel, dim3 grid, dim3 block, size_t smem, 
     return qk_launch(kernel, grid, block, smem, stream, args);
 }
 
+int qk_launch_cooperative(const void *kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, void **args) {
+    static const PFN_cuLaunchKernelEx_v11060 cu_launch_ex =
+        (PFN_cuLaunchKernelEx_v11060)qk_driver_entry("cuLaunchKernelEx");
+    const cudaKernel_t h = cu_launch_ex ? kernel_handle(kernel) : nullptr;
+    if (h == nullptr) {
+        cudaLaunchAttribute attr = {};
+        attr.id = cudaLaunchAttributeCooperative;
+        attr.val.cooperative = 1;
+        const cudaLaunchConfig_t cfg = qk_launch_config(grid, block, smem, stream, &attr);
+        return (int)cudaLaunchKernelExC(&cfg, kernel, args);
+    }
+    CUlaunchAttribute attr = {};
+    attr.id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+    attr.value.cooperative = 1;
+    CUlaunchConfig cfg = {};
+    cfg.gridDimX = grid.x, cfg.gridDimY = grid.y, cfg.gridDimZ = grid.z;
+    cfg.blockDimX = block.x, cfg.blockDimY = block.y, cfg.blockDimZ = block.z;
+    cfg.sharedMemBytes = (unsigned)smem;
+    cfg.hStream = (CUstream)stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    return (int)cu_launch_ex(&cfg, (CUfunction)h, args, nullptr);
+}
+
 int qk_kernel_residency(const void *kernel, int threads, size_t smem, int *per_sm) {
     int dev;
     QK_CUDA_TRY(cudaGetDevice(&dev));
@@ -135,6 +159,19 @@ int qk_device_cc(int *cc) {
         if (e == cudaSuccess) *v = 10 * major + minor;
         return e;
     });
+}
+
+int qk_cooperative_supported(int *supported) {
+    static int cached[kMaxDevices];  // 2: yes, 1: no (0 is "not asked yet")
+    int v;
+    QK_CUDA_TRY((cudaError_t)cached_per_device(cached, &v, [](int d, int *out) {
+        int attr = 0;
+        const cudaError_t e = cudaDeviceGetAttribute(&attr, cudaDevAttrCooperativeLaunch, d);
+        *out = attr ? 2 : 1;
+        return e;
+    }));
+    *supported = v == 2;
+    return 0;
 }
 
 int qk_sm_count(int *count) {

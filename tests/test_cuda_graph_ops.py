@@ -1,6 +1,6 @@
 """The graph ops on the cuda backend: float64 references (qkernels.testing), fp16/bf16 against a naive same-precision
-torch computation, the dropout mask identical to the cpu backend's, graph_norm_bce determinism,
-bad indices contained, CUDA-graph capture.  Skipped without a GPU."""
+torch computation, the dropout mask identical to the cpu backend's, graph_norm_bce determinism and
+both of its launch paths, bad indices contained, CUDA-graph capture.  Skipped without a GPU."""
 
 import importlib.util
 
@@ -9,7 +9,7 @@ import pytest
 
 import qkernels
 from qkernels.testing import reference, sample
-from conftest import capture_graph, close_to_naive, cuda, f64, large_bce_batch, rel_err, requires_cuda
+from conftest import Ops, capture_graph, close_to_naive, cuda, f64, large_bce_batch, rel_err, requires_cuda
 
 pytestmark = [requires_cuda,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
@@ -162,6 +162,94 @@ def test_graph_bce_deterministic_empty_and_bad_ids(rng):
     r = qkernels.graph_norm_bce(lg, t, eg, 8).item()
     ref = reference("graph_norm_bce", lg.cpu().numpy()[keep], t.cpu().numpy()[keep], ok.cpu().numpy()[keep], 8)
     assert abs(r - ref) <= 1e-5 * abs(ref)
+
+
+# The forward as picked (one cooperative launch on a GPU that takes it) and forced onto the three
+# launches it falls back to: the same phases, so the same bits.
+BCE_PATHS = [Ops(), Ops("launches", _variant="launches")]
+
+
+def bce_ref(lg, t, eg, g, **kw):
+    """The float64 reference on the inputs as the kernel reads them (16-bit values rounded)."""
+    return reference("graph_norm_bce", f64(lg), f64(t), eg.cpu().numpy(), g, **kw)
+
+
+@pytest.mark.parametrize("ops", BCE_PATHS, ids=repr)
+@pytest.mark.parametrize("sorted_", [True, False])
+@pytest.mark.parametrize("e,g", [(1, 1), (257, 1), (5000, 1), (3001, 400), (20_000, 100_000), (300_000, 4096),
+                                 (2_500_000, 777)])
+def test_graph_bce_paths(rng, ops, sorted_, e, g):
+    """One graph; more graphs than blocks, most of them empty; more graphs than a wave of blocks;
+    warps that take several 256-edge steps (E = 2.5M): sorted and unsorted, on both paths."""
+    lg, t, eg = bce_args(rng, e, g, sorted_)
+    r = ops.graph_norm_bce(lg, t, eg, g, pos_weight=1.5)
+    assert r.shape == () and r.dtype == torch.float32 and r.is_cuda
+    ref = bce_ref(lg, t, eg, g, pos_weight=1.5)
+    assert abs(r.item() - ref) <= 1e-5 * abs(ref)
+
+
+@pytest.mark.parametrize("ops", BCE_PATHS, ids=repr)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("sorted_", [True, False])
+def test_graph_bce_paths_dtypes(rng, ops, dtype, sorted_):
+    lg, t, eg = bce_args(rng, 40_003, 300, sorted_, dtype=dtype, idx=np.int32)
+    r = ops.graph_norm_bce(lg, t, eg, 300).item()
+    ref = bce_ref(lg, t, eg, 300)
+    assert abs(r - ref) <= 1e-5 * abs(ref)
+
+
+@pytest.mark.parametrize("sorted_", [True, False])
+@pytest.mark.parametrize("e,g", [(777, 3), (300_000, 4096), (1_000_003, 128)])
+def test_graph_bce_paths_same_bits(rng, sorted_, e, g):
+    """Two calls give the same bits, and the cooperative launch the bits of the three launches."""
+    lg, t, eg = bce_args(rng, e, g, sorted_)
+    bits = {ops.label: {ops.graph_norm_bce(lg, t, eg, g, pos_weight=2.0).item().hex() for _ in range(2)}
+            for ops in BCE_PATHS}
+    assert bits["picked"] == bits["launches"] and len(bits["picked"]) == 1
+
+
+@pytest.mark.parametrize("ops", BCE_PATHS, ids=repr)
+def test_graph_bce_empty_and_out_of_range(rng, ops):
+    empty = torch.zeros(0, device="cuda")
+    assert ops.graph_norm_bce(empty, empty, torch.zeros(0, dtype=torch.int64, device="cuda"), 4).item() == 0.0
+    lg, t, eg = bce_args(rng, 9000, 20)
+    bad = [0, 4500, 8999]
+    eg[bad] = torch.tensor([-1, 20, 1 << 40], device="cuda")  # skipped (and not sorted)
+    keep = np.ones(9000, dtype=bool)
+    keep[bad] = False
+    r = ops.graph_norm_bce(lg, t, eg, 20).item()
+    ref = reference("graph_norm_bce", f64(lg)[keep], f64(t)[keep], eg.cpu().numpy()[keep], 20)
+    assert abs(r - ref) <= 1e-5 * abs(ref)
+
+
+def test_graph_bce_output_owns_its_block(rng):
+    """The loss and its scratch are one allocation: each result keeps its own block (a later call
+    does not write over an earlier loss), and dropping the results frees them all."""
+    args = [bce_args(rng, 50_000, 64, sorted_) for sorted_ in (True, False, True)]
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    rs = [qkernels.graph_norm_bce(*a, 64) for a in args]
+    for r, a in zip(rs, args):
+        ref = bce_ref(*a, 64)
+        assert r.shape == () and abs(r.item() - ref) <= 1e-5 * abs(ref)
+    assert torch.cuda.memory_allocated() > base
+    del rs, r
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == base
+
+
+@pytest.mark.parametrize("ops", BCE_PATHS, ids=repr)
+def test_graph_bce_capture_and_replay(rng, ops):
+    sorted_args, unsorted_args = bce_args(rng, 100_000, 300, True), bce_args(rng, 100_000, 300, False)
+    g, outs = capture_graph(lambda: (ops.graph_norm_bce(*sorted_args, 300), ops.graph_norm_bce(*unsorted_args, 300)))
+    for _ in range(2):
+        for a in (sorted_args, unsorted_args):
+            a[0].copy_(3 * torch.randn_like(a[0]))
+        g.replay()
+        torch.cuda.synchronize()
+        for out, a in zip(outs, (sorted_args, unsorted_args)):
+            ref = bce_ref(*a, 300)
+            assert abs(out.item() - ref) <= 1e-5 * abs(ref)
 
 
 # ---- capture --------------------------------------------------------------------------------

@@ -383,3 +383,16 @@ def test_vmap_with_scratch_on_gpu(rng):
         rx, ra = T.reference("fused_edge_features_backward", gs[i], xs[i], ei)
         _close(gx[i], rx, "float32")
         _close(ga[i], ra, "float32")
+
+
+@pytest.mark.parametrize("sort", [True, False])
+def test_graph_bce_both_device_paths(rng, sort):
+    """graph_norm_bce's handler on its sorted path and its unsorted one (more graphs than a wave of
+    blocks), with scratch from the call's result, jitted and run twice: the reference, the same bits."""
+    g = 3000
+    args, _ = T.sample("graph_norm_bce", rng, e=200_003, graphs=g, sort=sort)
+    dev = _cast("graph_norm_bce", args, "float32")
+    run = jax.jit(lambda lg, t, eg: qj.graph_norm_bce(lg, t, eg, g, pos_weight=1.5))
+    first, second = run(*dev[:3]), run(*dev[:3])
+    assert np.asarray(first).tobytes() == np.asarray(second).tobytes()
+    _close(first, T.reference("graph_norm_bce", *_host(dev)[:3], g, pos_weight=1.5), "float32")

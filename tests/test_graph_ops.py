@@ -183,6 +183,17 @@ def test_graph_bce_deterministic_and_strided(rng):
     assert float(r).hex() in runs
 
 
+def test_graph_bce_raw_variant_names(rng):
+    (logits, target, eg, _), _ = sample("graph_norm_bce", rng, e=500, graphs=9, sort=False)
+    want = float(qkernels.graph_norm_bce(logits, target, eg, 9))
+    for v in ("auto", "launches", None):  # cuda's launch choices; the cpu kernel has one form
+        assert float(np.from_dlpack(qkernels._C.graph_norm_bce_raw(logits, target, eg, 9, _variant=v))) == want
+    with pytest.raises(ValueError, match="^graph_norm_bce: _variant"):
+        qkernels._C.graph_norm_bce_raw(logits, target, eg, 9, _variant="cooperative")
+    with pytest.raises(TypeError, match=r"graph_norm_bce\(\) got an unexpected keyword argument '_variant'"):
+        qkernels.graph_norm_bce(logits, target, eg, 9, _variant="auto")
+
+
 def test_graph_bce_errors(rng):
     (logits, target, eg, _), _ = sample("graph_norm_bce", rng, e=20, graphs=4)
     eg[7] = 4

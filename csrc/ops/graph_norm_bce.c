@@ -1,4 +1,5 @@
-/* graph_norm_bce(logits, target, edge_graph, num_graphs, *, pos_weight=None, stream=None) -> 0-d float32 */
+/* graph_norm_bce(logits, target, edge_graph, num_graphs, *, pos_weight=None, stream=None) -> 0-d float32
+ * The raw forward also takes the private keyword _variant= ("auto", "launches": qk_graph_norm_bce_args.variant). */
 #include "../qk.h"
 #include "../cpu/cpu.h"
 
@@ -121,26 +122,75 @@ static int gb_inputs(qk_state *st, const char *op, PyObject *const *objs, PyObje
     QK_RUN_GRAPH_IDS(ok, st, l, name, gb, op, 1, "edge_graph", (gb)->edge_graph, (gb)->num_edges, \
                      (gb)->graph_stride)
 
+static const char *const gb_variants[] = {[QK_BCE_AUTO] = "auto", [QK_BCE_LAUNCHES] = "launches"};
+
+/* The forward's scratch hook on cuda with a framework allocator: its one request becomes the output,
+ * a 0-d float32 at the start of a block that also holds the launcher's scratch, so a call allocates
+ * once (no stream-ordered pool round trip) and the block goes with the loss tensor. */
+typedef struct {
+    const qk_view *like;
+    const qk_launch *l;
+    qk_view *ov;
+    qk_output *o;
+    int failed;          /* the allocation raised; its exception is in error */
+    qk_saved_error error;
+} gb_block;
+
+static int gb_block_alloc(void *ctx, size_t bytes, void *stream, void **p) {
+    (void)stream;
+    gb_block *b = ctx;
+    if (b->o->mt || b->failed) return QK_E_UNSUPPORTED; /* one block per call */
+    if (qk_output_block(OP, b->like, b->l, QK_F32, bytes, b->ov, b->o) < 0) {
+        b->failed = 1;
+        b->error = qk_error_save();
+        return QK_E_NOMEM;
+    }
+    *p = b->ov->data;
+    return QK_OK;
+}
+
+static int gb_block_free(void *ctx, void *p, size_t bytes, void *stream) {
+    (void)ctx, (void)p, (void)bytes, (void)stream; /* the output owns the block */
+    return QK_OK;
+}
+
 PyObject *qk_op_graph_norm_bce(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    static const char *const names[] = {"logits", "target", "edge_graph", "num_graphs", "pos_weight", "stream", NULL};
+    static const char *const names[] = {"logits",     "target", "edge_graph", "num_graphs",
+                                        "pos_weight", "stream", "_variant",   NULL};
     static const char *const in_names[] = {"logits", "target", "edge_graph", "pos_weight"};
     qk_state *st = qk_get_state(module);
-    PyObject *a[6] = {NULL};
+    PyObject *a[7] = {NULL};
     void *stream;
-    int stream_given;
+    int stream_given, variant;
     const long long G = gb_args(OP, args, nargs, kwnames, names, 4, a, &stream, &stream_given);
-    if (G < 0) return NULL;
+    if (G < 0 || qk_variant_arg(OP, "_variant", a[6], gb_variants, QK_COUNT(gb_variants), &variant) < 0) return NULL;
     qk_view in[4] = {{0}}, ov = {0};
     qk_output o = {0};
     qk_launch l = {0};
     qk_graph_norm_bce_args gb = {0};
+    gb_block block = {0};
+    qk_scratch hook = {gb_block_alloc, gb_block_free, &block, 0, 0};
     int ok = 0, launched = 0, n_in = 0;
     if (gb_inputs(st, OP, a, a[4], G, stream, in, in_names, 0, &n_in, &gb) < 0) goto done;
     if (qk_launch_begin(st, OP, &in[0], stream, stream_given, &l) < 0) goto done;
     launched = 1;
-    if (qk_output_prepare(st, OP, NULL, &in[0], QK_F32, 0, NULL, &l, &ov, &o) < 0) goto done;
-    gb.out = (float *)ov.data;
+    gb.variant = variant;
+    if (l.device_type == kDLCUDA && in[0].api) {
+        block.like = &in[0], block.l = &l, block.ov = &ov, block.o = &o;
+        gb.scratch = &hook; /* gb.out stays NULL: the launcher writes the loss to the block's start */
+    } else {
+        if (qk_output_prepare(st, OP, NULL, &in[0], QK_F32, 0, NULL, &l, &ov, &o) < 0) goto done;
+        gb.out = (float *)ov.data;
+    }
     GB_RUN(ok, st, &l, graph_norm_bce, &gb, OP);
+    if (block.failed) { /* the framework's exception, not the status's */
+        PyErr_Clear();
+        qk_error_restore(block.error);
+        ok = 0;
+    } else if (ok && gb.scratch && o.mt == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, OP ": the launcher did not allocate out");
+        ok = 0;
+    }
 done:
     return qk_op_finish(&l, launched, &o, &ov, ok, in, n_in);
 }

@@ -278,8 +278,9 @@ typedef struct {
  * max(count_g, 1), bce = max(l,0) - l*t + log1p(exp(-|l|)), times w_e = 1 + (pw_e - 1)*t when
  * has_pos_weight, pw_e = pos_weight, or pos_weight_t[e * pw_stride] when pos_weight_t is given
  * (pw_stride 0: one value for every edge; read where the kernel runs).  Writes one float32.
- * Deterministic: the same inputs give the same bits.  CUDA takes scratch space from the
- * stream-ordered allocator (cudaMallocAsync).
+ * Deterministic: the same inputs give the same bits.  CUDA scratch: O(SMs) bytes forward, 8 per
+ * graph backward.  CUDA forward with out == NULL (scratch hook required): the loss goes to the
+ * first float of the one block it asks for, which the caller keeps as the output.
  * graph_norm_bce_backward (the same struct): grad_logits[e] = grad[0] * w_e * (sigmoid(l_e) - t_e)
  * / (max(count_g, 1) * num_graphs), g = edge_graph[e]; grad is read where the kernel runs.  CUDA
  * gives an edge whose graph id is out of range a zero gradient. */
@@ -296,7 +297,9 @@ typedef struct {
     int dtype, index_dtype, pw_dtype, num_threads;
     int64_t bad_pos, bad_value; /* QK_E_INDEX: edge_graph[bad_pos] = bad_value outside [0, num_graphs) */
     const qk_scratch *scratch; /* CUDA temporaries (see qk_scratch); NULL: the stream-ordered pool */
+    int variant;               /* forward: 0 auto, QK_BCE_LAUNCHES */
 } qk_graph_norm_bce_args;
+enum { QK_BCE_AUTO = 0, QK_BCE_LAUNCHES /* no cooperative launch: the forward's phases as three launches */ };
 
 /* attn_decode and attn_paged_decode: one query token per sequence,
  *   out[b,h,:] = sum_j softmax_j(scale * q[b,h,:].k_j) v_j   over the kept keys j of sequence b,
