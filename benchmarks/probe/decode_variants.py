@@ -5,7 +5,8 @@ inputs: for comparing builds or launch settings of the decode kernel quickly.
 token pool with each paged kernel forced (heads: a CTA per sequence, kv head and split; rows: a CTA
 per sequence and split reading whole token rows) and as the launcher picks, and attn_decode on the
 contiguous copy; GB/s of K+V and the ratio to the contiguous time, each checked against the float64
-reference on the first sequence first."""
+reference on the first sequence first; --rows-splits 8,16,32 adds the row kernel at those forced
+split counts."""
 import sys
 
 import torch
@@ -51,12 +52,12 @@ def paged_set(B, L):
             "v": vc.index_select(0, slots).view(B, L, HKV, D)}
 
 
-def paged_fn(variant):
+def paged_fn(variant, splits=0):
     def fn(s):
         out = torch.empty_like(s["q"])
         qkernels._C.attn_paged_decode_raw(s["q"], s["k_cache"], s["v_cache"], s["req_to_token"], s["req_pool_indices"],
                                           s["kv_indptr"], out=out, stream=torch.cuda.current_stream().cuda_stream,
-                                          _variant=variant)
+                                          _variant=variant, _splits=splits)
         return out
 
     return fn
@@ -66,9 +67,9 @@ def contiguous_fn(s):
     return qkernels.attn_decode(s["q"].unsqueeze(1), s["k"], s["v"], backend="cuda")[:, 0]
 
 
-def paged_sweep(tag):
+def paged_sweep(tag, rows_splits=()):
     impls = [("contiguous", contiguous_fn), ("paged heads", paged_fn("heads")), ("paged rows", paged_fn("rows")),
-             ("paged auto", paged_fn("auto"))]
+             ("paged auto", paged_fn("auto"))] + [(f"rows s={n}", paged_fn("rows", n)) for n in rows_splits]
     for B, L in [(8, 32768), (1, 4096), (8, 4096)]:
         kv = 2 * B * L * HKV * D * 2
         # two layouts of the KV per set; sets cycled to span >= 2 GB so every call reads cold KV
@@ -91,6 +92,12 @@ def paged_sweep(tag):
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--paged"]
+    # decode_variants.py [--paged [--rows-splits 8,16,32]] [tag]
+    argv, rows_splits = sys.argv[1:], ()
+    if "--rows-splits" in argv:
+        i = argv.index("--rows-splits")
+        rows_splits = tuple(int(n) for n in argv[i + 1].split(","))
+        del argv[i:i + 2]
+    args = [a for a in argv if a != "--paged"]
     tag = args[0] if args else ""
-    paged_sweep(tag) if "--paged" in sys.argv[1:] else contiguous_sweep(tag)
+    paged_sweep(tag, rows_splits) if "--paged" in argv else contiguous_sweep(tag)
