@@ -20,7 +20,9 @@ What is measured.  Head config Hq=32, Hkv=8 (GQA 4), D=128, bfloat16, one query 
                   transposing copy: the fastest form of this anchor; a backend that refuses the strided
                   view is retried on a contiguous copy, timed too), both steps inside the timed region,
                   with each forced SDPA backend; the best one is the anchor.
-              B in {1, 8, 32} at L=4k, plus B=8 L=32k.
+              Also the paged op with each of its kernels forced (rows: a CTA per sequence and split
+              reading whole token rows; heads: a CTA per sequence, kv head and split), ratio to the
+              launcher's pick.  B in {1, 8, 32} at L=4k, plus B=8 L=32k.
 Every result is first checked against the float64 reference of qkernels.testing on the same (bf16)
 data, for the first sequence of the batch (its tokens gathered into a pool of their own for the
 paged case): max|out - ref| / max|ref| below 2e-2 is PASS.  An impl that raises shows the error in
@@ -264,6 +266,18 @@ def gather_sdpa(backend, contiguous):
     return fn
 
 
+def paged_variant(variant):
+    """attn_paged_decode with one of its kernels forced (the raw op's private _variant keyword)."""
+    def fn(s):
+        out = torch.empty_like(s["q"])
+        qkernels._C.attn_paged_decode_raw(s["q"], s["k_cache"], s["v_cache"], s["req_to_token"],
+                                          s["req_pool_indices"], s["kv_indptr"], out=out,
+                                          stream=torch.cuda.current_stream().cuda_stream, _variant=variant)
+        return out
+
+    return fn
+
+
 def paged_case(B, L):
     kv_bytes = kv_bytes_of(B, L)
     # Minimal bytes: K and V read once, one req_to_token entry per token, q, req_pool_indices and
@@ -282,6 +296,8 @@ def paged_case(B, L):
         return qkernels.attn_decode(s["q4"], s["k"], s["v"], backend="cuda")
 
     impls = [Impl("qkernels attn_paged_decode", ours, ours=True),
+             Impl("qkernels paged, row kernel forced", paged_variant("rows")),
+             Impl("qkernels paged, per-head kernel forced", paged_variant("heads")),
              Impl("qkernels attn_decode, contiguous KV", ours_contiguous, nbytes=contiguous_nbytes, min_share=0.85)]
     for label, backend in SDPA_BACKENDS:
         copy = Impl(f"gather + SDPA {label}, contiguous copy", gather_sdpa(backend, True),

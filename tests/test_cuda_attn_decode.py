@@ -5,7 +5,8 @@ non-contiguous views, the token pool with new_k/new_v appended, bad indices cont
 backend staging device tensors, CUDA-graph replay with lengths changed on the device, and the real
 flash_attn where installed.  Every kernel test runs with the on-chip cluster merge of the splits
 (sm_90, short splits) and without it (the raw ops' _variant="workspace": workspace and combine
-kernel; conftest.Ops).  Skipped without a GPU."""
+kernel; conftest.Ops); the paged ones also with each paged kernel forced (_variant="rows" and
+"heads").  Skipped without a GPU."""
 
 import importlib.util
 
@@ -31,6 +32,15 @@ def ops(request):
     """attn_decode and attn_paged_decode as the launcher picks their split merge (on sm_90 the
     cluster merge for short splits), or always through the workspace (_variant="workspace")."""
     return Ops() if request.param == "picked" else Ops("workspace", _variant="workspace")
+
+
+@pytest.fixture(params=["picked", "workspace", "rows", "heads"])
+def paged_ops(request):
+    """attn_paged_decode (and attn_decode) as the launcher picks, through the workspace, and with
+    each paged kernel forced: "rows" (a CTA per sequence and split reading whole token rows, where
+    it takes the call: D 64 or 128, Hkv * D <= 1024, GQA <= 16) and "heads" (a CTA per sequence,
+    kv head and split)."""
+    return Ops() if request.param == "picked" else Ops(request.param, _variant=request.param)
 
 
 def keep_of(B, L, kv_lens=None, mask=None):
@@ -219,7 +229,8 @@ def naive_paged(args, lens, D):
 
 @pytest.mark.parametrize("dtype", HALVES)
 @pytest.mark.parametrize("D,ratio", [(32, 1), (64, 4), (128, 5), (256, 8), (128, 8)])
-def test_paged(rng, ops, dtype, D, ratio):
+def test_paged(rng, paged_ops, dtype, D, ratio):
+    ops = paged_ops
     lens = [0, 1, 7, 129, 4097, 33]
     args = paged_cuda(sample("attn_paged_decode", rng, lens=lens, hkv=2, ratio=ratio, d=D, index_dtype=np.int32)[0],
                       dtype)
@@ -228,14 +239,88 @@ def test_paged(rng, ops, dtype, D, ratio):
     host = host64(args)
     ref = reference("attn_paged_decode", *host, new_k=f64(new_k), new_v=f64(new_v))
     k_ref, v_ref = appended(host[1], f64(new_k), *host[3:]), appended(host[2], f64(new_v), *host[3:])
-    out = ops.attn_paged_decode(*args, new_k=new_k, new_v=new_v)
+    got = []
+    names = kernel_names(lambda: got.append(ops.attn_paged_decode(*args, new_k=new_k, new_v=new_v)))
+    out = got[0]
+    if ops.label in ("heads", "workspace"):
+        assert not any("decode_rows" in n for n in names), names
+    if ops.label == "rows" and D in (64, 128):
+        assert not names or any("decode_rows" in n for n in names), names
     assert out.dtype == args[0].dtype and out.shape == args[0].shape
     assert np.array_equal(f64(args[1]), k_ref) and np.array_equal(f64(args[2]), v_ref)  # appended
     assert torch.all(out[0] == 0)
     close_to_naive(out, naive_paged(args, lens, D), ref)
 
 
-def test_paged_mask_and_int64_indices(rng, ops):
+def kernel_names(call):
+    """The names of the GPU kernels call() runs, as torch.profiler records them (empty where the
+    profiler records no device activity)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+ROWS_LENS = {"1": [1], "4097": [4097], "B5": [1, 255, 256, 257, 4097], "B8": [257, 0, 4097, 256, 1, 255, 33, 4096]}
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("D,hkv,ratio", [(128, 8, 4), (128, 8, 1), (128, 8, 8), (128, 4, 5), (128, 1, 16),
+                                         (128, 2, 12), (64, 16, 4), (64, 3, 1)])
+@pytest.mark.parametrize("lens", list(ROWS_LENS), ids=list(ROWS_LENS))
+@pytest.mark.parametrize("splits", [0, 3])
+def test_paged_rows_kernel(rng, dtype, D, hkv, ratio, lens, splits):
+    """The row kernel forced (_variant="rows") on shuffled pools: lengths around the 16-key tiles and
+    the splits, B 1..8 with an empty sequence, GQA 1..16 (one or two groups of 8 rows), rows of
+    Hkv * D = 128 .. 1024 elements, new_k/new_v written to the pool and used, the picked split count
+    and 3 forced; a second call on the updated pool gives the same bits (fixed merge order)."""
+    lens = ROWS_LENS[lens]
+    ops = Ops("rows", _variant="rows", **({"_splits": splits} if splits else {}))
+    args = paged_cuda(sample("attn_paged_decode", rng, lens=lens, hkv=hkv, ratio=ratio, d=D, index_dtype=np.int32)[0],
+                      dtype)
+    new_k = cuda(rng.standard_normal((len(lens), hkv, D)).astype(np.float32), dtype)
+    new_v = cuda(rng.standard_normal((len(lens), hkv, D)).astype(np.float32), dtype)
+    host = host64(args)
+    ref = reference("attn_paged_decode", *host, new_k=f64(new_k), new_v=f64(new_v))
+    k_ref, v_ref = appended(host[1], f64(new_k), *host[3:]), appended(host[2], f64(new_v), *host[3:])
+    out = ops.attn_paged_decode(*args, new_k=new_k, new_v=new_v)
+    assert out.dtype == args[0].dtype and out.shape == args[0].shape
+    assert np.array_equal(f64(args[1]), k_ref) and np.array_equal(f64(args[2]), v_ref)  # appended
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert torch.all(out[b] == 0)
+    close_to_naive(out, naive_paged(args, lens, D), ref)
+    again = []
+    names = kernel_names(lambda: again.append(ops.attn_paged_decode(*args, new_k=new_k, new_v=new_v)))
+    assert torch.equal(out, again[0])
+    assert not names or any("decode_rows" in n for n in names), names  # the row kernel, not a fallback
+
+
+def test_paged_rows_kernel_strided_views(rng):
+    """The row kernel on pools, q and new_k/new_v that are views with gaps between heads and rows
+    (each head's piece of a pool row read at its own offset)."""
+    lens, hkv, ratio, D = [257, 4097, 1, 16], 8, 4, 128
+    args = paged_cuda(sample("attn_paged_decode", rng, lens=lens, hkv=hkv, ratio=ratio, d=D, index_dtype=np.int32)[0],
+                      "bfloat16")
+
+    def gapped(t):  # the same values, every row of the last dim followed by D unused elements
+        big = torch.full(t.shape[:-1] + (2 * D,), float("nan"), dtype=t.dtype, device="cuda")
+        big[..., :D] = t
+        return big[..., :D]
+
+    args[0], args[1], args[2] = gapped(args[0]), gapped(args[1]), gapped(args[2])
+    new_k, new_v = (gapped(cuda(rng.standard_normal((len(lens), hkv, D)).astype(np.float32), "bfloat16"))
+                    for _ in range(2))
+    host = host64(args)
+    ref = reference("attn_paged_decode", *host, new_k=f64(new_k), new_v=f64(new_v))
+    k_ref = appended(host[1], f64(new_k), *host[3:])
+    out = Ops("rows", _variant="rows").attn_paged_decode(*args, new_k=new_k, new_v=new_v)
+    assert np.array_equal(f64(args[1]), k_ref)
+    close_to_naive(out, naive_paged(args, lens, D), ref)
+
+
+def test_paged_mask_and_int64_indices(rng, paged_ops):
+    ops = paged_ops
     lens = [5, 64, 0, 17]
     host = sample("attn_paged_decode", rng, lens=lens, hkv=2, ratio=4, d=128, index_dtype=np.int64)[0]
     args = paged_cuda(host, "bfloat16")
@@ -249,9 +334,10 @@ def test_paged_mask_and_int64_indices(rng, ops):
 
 @pytest.mark.parametrize("kind", ["bool", "float32", "own"])
 @pytest.mark.parametrize("W", ["max_ctx", 40, 3000])
-def test_paged_masks_float_and_narrow(rng, ops, kind, W):
+def test_paged_masks_float_and_narrow(rng, paged_ops, kind, W):
     """Bool and additive masks [B, W], W <= max_ctx (positions from W on dropped), with new_k/new_v
     appended (the new key is masked as any other)."""
+    ops = paged_ops
     lens, D = [5, 64, 0, 17, 4097], 128
     host = sample("attn_paged_decode", rng, lens=lens, hkv=2, ratio=4, d=D, index_dtype=np.int32)[0]
     args = paged_cuda(host, "bfloat16")
@@ -279,7 +365,8 @@ def test_paged_masks_float_and_narrow(rng, ops, kind, W):
     close_to_naive(out, naive, ref)
 
 
-def test_paged_bad_indices_are_contained(rng, ops):
+def test_paged_bad_indices_are_contained(rng, paged_ops):
+    ops = paged_ops
     # Normal cuda mode does not check indices: lengths are clamped, out-of-range rows and slots
     # skipped; nothing outside the tensors is touched and the context survives.
     lens = [3, 5]
@@ -323,7 +410,8 @@ def test_cpu_backend_stages_paged_append(rng):
 
 # ---- CUDA graphs: lengths live on the device ------------------------------------------------
 
-def test_capture_and_replay_with_new_lengths(rng, ops):
+def test_capture_and_replay_with_new_lengths(rng, paged_ops):
+    ops = paged_ops
     B, L, D = 4, 512, 128
     q, k, v = (cuda(a, "bfloat16") for a in sample("attn_decode", rng, b=B, l=L, hkv=8, ratio=4, d=D)[0])
     kv_lens = cuda(np.array([512, 100, 1, 0], np.int32))

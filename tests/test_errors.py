@@ -130,7 +130,7 @@ def tuning_calls():
         "attn_decode": (sample("attn_decode", rng, b=2, l=7, hkv=2, ratio=2, d=16)[0],
                         dict(_variant="workspace", _splits=3)),
         "attn_paged_decode": (sample("attn_paged_decode", rng, lens=[3, 5], hkv=2, ratio=2, d=16)[0],
-                              dict(_variant="auto", _splits=1)),
+                              dict(_variant="rows", _splits=1)),
         "attn_prefill": (sample("attn_prefill", rng, b=2, lq=4, lkv=6, hkv=2, ratio=2, d=16)[0], dict(_variant="wgmma")),
         "attn_paged_prefill": (sample("attn_paged_prefill", rng, q_lens=[2, 3], kv_lens=[4, 3], hkv=2, ratio=2, d=16)[0],
                                dict(_variant="mma")),

@@ -7,7 +7,8 @@
 #include "attn_common.h" /* first: Python.h before any system header */
 #include "../cpu/cpu.h"
 
-static const char *const ad_variants[] = {[QK_DECODE_AUTO] = "auto", [QK_DECODE_WORKSPACE] = "workspace"};
+static const char *const ad_variants[] = {[QK_DECODE_AUTO] = "auto", [QK_DECODE_WORKSPACE] = "workspace",
+                                          [QK_DECODE_ROWS] = "rows", [QK_DECODE_HEADS] = "heads"};
 
 /* The mask's dtype (bool or additive float) and shape; paged masks may be narrower than max_ctx. */
 static int ad_check_mask(const char *op, const qk_view *m, const qk_view *q, int64_t B, int64_t L, int paged,

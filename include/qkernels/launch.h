@@ -53,6 +53,8 @@ enum { /* linear_backward and swiglu_backward (qk_linear_args.variant) */
 enum {
     QK_DECODE_AUTO = 0,
     QK_DECODE_WORKSPACE, /* no on-chip cluster merge: the splits merge through a workspace and a second kernel */
+    QK_DECODE_ROWS,      /* paged: a CTA per (sequence, split) reading whole token rows, wherever it takes the call */
+    QK_DECODE_HEADS,     /* paged: the CTA per (sequence, kv head, split) kernel only, never the row kernel */
 };
 enum {
     QK_RMSNORM_AUTO = 0,
@@ -346,7 +348,7 @@ typedef struct {
     int dtype;        /* QK_BF16, QK_F16; cpu also QK_F32 */
     int kv_lens_dtype, r2t_dtype, rpi_dtype, indptr_dtype; /* QK_I32 or QK_I64 */
     int num_threads;
-    int variant;      /* 0 auto, QK_DECODE_WORKSPACE */
+    int variant;      /* 0 auto, QK_DECODE_WORKSPACE, QK_DECODE_ROWS, QK_DECODE_HEADS */
     int splits;       /* 0 auto, else the keys of each sequence in this many splits (at most one per 64 keys) */
     /* Filled on QK_E_INDEX: bad_arg 0 req_pool_indices, 1 kv_indptr (a length), 2 req_to_token (a slot) */
     int bad_arg;
