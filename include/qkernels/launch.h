@@ -565,7 +565,7 @@ typedef struct {
     X(rotary_kv_append, rotary_kv_append, rotary_emb, 0)
 
 /* The CUDA shared object exports one symbol, qk_cuda_get_api, returning this table. */
-#define QK_CUDA_ABI 15
+#define QK_CUDA_ABI 16
 
 typedef struct {
     int abi;
