@@ -20,7 +20,11 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 if [ -n "${QK_PREBUILT:-}" ]; then
-    QKERNELS_CUDA=0 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 && cp "$QK_PREBUILT" qkernels/_qkernels_cuda.so
+    # a .gz is unpacked (the object is ~65 MB, past what a carried tree may hold; gzip -1 makes it ~22)
+    QKERNELS_CUDA=0 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 && case "$QK_PREBUILT" in
+        *.gz) gunzip -c "$QK_PREBUILT" >qkernels/_qkernels_cuda.so ;;
+        *) cp "$QK_PREBUILT" qkernels/_qkernels_cuda.so ;;
+    esac
 elif ! QKERNELS_CUDA_ARCH=${QKERNELS_CUDA_ARCH:-90} python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
     false
 fi || { tail -40 "$OUT/build.log"; exit 1; }
