@@ -216,14 +216,6 @@ __device__ __forceinline__ void qk_dependent_enter(int early) {
     if (early) qk_dependent_launch();
 }
 
-// Starts an L2 prefetch of `bytes` (a multiple of 16) at the 16-byte aligned global address p and
-// returns at once: sm_90's bulk prefetch, one instruction for a whole row; nothing below sm_90.
-__device__ __forceinline__ void qk_prefetch_l2(const void *p, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global(p)), "r"(bytes));
-#endif
-}
-
 // swiglu's epilogue in fp32, before its one rounding: up * silu(gate), silu(g) = g / (1 + e^-g)
 // (the CPU kernel, csrc/cpu/linear.c, computes the same expression).
 __device__ __forceinline__ float qk_silu_mul(float up, float gate) { return up * (gate / (1.f + expf(-gate))); }

@@ -80,18 +80,8 @@ __global__ void __launch_bounds__(kThreads, kMode == kVecHalf ? 3 : 4)
     for (int64_t t = blockIdx.x; t < a.T; t += gridDim.x) {
         const int64_t p = p_next, s = s_next;
         if (t + gridDim.x < a.T) {
-            const int64_t tn = t + gridDim.x;
-            p_next = rka_index(a.positions, a.pos_dtype, tn, a.pos_stride);
-            s_next = rka_index(a.slots, a.slot_dtype, tn, a.slot_stride);
-            // The next token's q, k and v rows into L2, a row per thread: the block's demand loads
-            // alone keep one token in flight, too few bytes for HBM's latency (docs/rotary_emb.md).
-            if (kMode != kScalar)
-                for (int64_t r = tid; r < R + a.Hkv; r += kThreads) {
-                    const T *row = r < a.Hq ? q + tn * a.q_stride[0] + r * a.q_stride[1]
-                                   : r < R  ? k + tn * a.k_stride[0] + (r - a.Hq) * a.k_stride[1]
-                                            : v + tn * a.v_stride[0] + (r - R) * a.v_stride[1];
-                    qk_prefetch_l2(row, (unsigned)(D * (int64_t)sizeof(T)));
-                }
+            p_next = rka_index(a.positions, a.pos_dtype, t + gridDim.x, a.pos_stride);
+            s_next = rka_index(a.slots, a.slot_dtype, t + gridDim.x, a.slot_stride);
         }
         T *ot = out + t * a.out_stride[0];
         if (p < 0 || p >= a.max_pos) {  // never followed: zeros in the out rows, the pools untouched
