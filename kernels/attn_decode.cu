@@ -766,6 +766,22 @@ int launch_cluster(const qk_attn_decode_args *a, cudaStream_t s, int ncl, int64_
     return (int)cudaLaunchKernelExC(&cfg, fn, args);
 }
 
+// After a split kernel (status its launch): with several splits, decode_combine merges them, and
+// the workspace goes back whatever happened; the first failure is returned.
+template <typename T, int D>
+int merge_splits(qk_attn_decode_args *p, float *ws, size_t ws_bytes, int ns, int status, cudaStream_t s) {
+    if (ns <= 1) return status;
+    if (!status) {
+        void *cargs[] = {p, &ws, &ns};
+        const bool wide = ns > 8;
+        const int64_t warps = p->B * p->Hq * (wide ? combine_slices<D, true>() : combine_slices<D, false>());
+        status = qk_launch_dependent(wide ? (const void *)decode_combine<T, D, true> : (const void *)decode_combine<T, D, false>,
+                                     dim3((unsigned)((warps + kWarps - 1) / kWarps)), dim3(kThreads), 0, s, cargs);
+    }
+    const int freed = qk_scratch_free(p->scratch, ws, ws_bytes, s);
+    return status ? status : freed;
+}
+
 template <typename T, int D, int kM, bool kPaged>
 int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     const int G = (int)(a->Hq / a->Hkv), groups = (G + kM - 1) / kM;
@@ -816,18 +832,7 @@ int launch(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     void *args[] = {&p, &ws, &ns, &ch};
     int status = qk_launch_dependent((const void *)decode_split<T, D, kM, kPaged, false>,
                            dim3((unsigned)nsplit, (unsigned)(a->Hkv * groups), (unsigned)a->B), dim3(kThreads), smem, s, args);
-    if (nsplit > 1) {
-        if (!status) {
-            void *cargs[] = {&p, &ws, &ns};
-            const bool wide = nsplit > 8;
-            const int64_t warps = a->B * a->Hq * (wide ? combine_slices<D, true>() : combine_slices<D, false>());
-            status = qk_launch_dependent(wide ? (const void *)decode_combine<T, D, true> : (const void *)decode_combine<T, D, false>,
-                                         dim3((unsigned)((warps + kWarps - 1) / kWarps)), dim3(kThreads), 0, s, cargs);
-        }
-        const int freed = qk_scratch_free(a->scratch, ws, ws_bytes, s);
-        if (!status) status = freed;
-    }
-    return status;
+    return merge_splits<T, D>(&p, ws, ws_bytes, ns, status, s);
 }
 
 // decode_rows for a paged call whose query-head groups fit one warp (G <= kM <= 16) and whose rows
@@ -862,18 +867,7 @@ int launch_rows(const qk_attn_decode_args *a, cudaStream_t s, int sms) {
     int ns = (int)nsplit;
     void *args[] = {&p, &ws, &ns, &chunk};
     int status = qk_launch_dependent(fn, dim3((unsigned)nsplit, (unsigned)a->B), dim3((unsigned)(32 * hkv)), rows_smem(hkv, D), s, args);
-    if (nsplit > 1) {
-        if (!status) {
-            void *cargs[] = {&p, &ws, &ns};
-            const bool wide = nsplit > 8;
-            const int64_t warps = a->B * a->Hq * (wide ? combine_slices<D, true>() : combine_slices<D, false>());
-            status = qk_launch_dependent(wide ? (const void *)decode_combine<T, D, true> : (const void *)decode_combine<T, D, false>,
-                                         dim3((unsigned)((warps + kWarps - 1) / kWarps)), dim3(kThreads), 0, s, cargs);
-        }
-        const int freed = qk_scratch_free(a->scratch, ws, ws_bytes, s);
-        if (!status) status = freed;
-    }
-    return status;
+    return merge_splits<T, D>(&p, ws, ws_bytes, ns, status, s);
 }
 
 // The paged policy: decode_rows where it takes the call (D of 64 or 128, rows of at most 2 KB,

@@ -300,6 +300,27 @@ void efb_shape(const EfbArgs *a, int &G, int &K) {
     K = nvec <= 32 ? 1 : nvec <= 64 ? 2 : 4;
 }
 
+// The walk and its fix-up for groups of G lanes with K chunks a lane (G < 32: K = 1).
+template <typename T, typename I>
+void efb_walkers(int G, int K, const void **walker, const void **fixer) {
+    if (G == 8) {
+        *walker = (const void *)efb_walk<T, I, 8, 1>;
+        *fixer = (const void *)qk_walk_fixup<T, 8, 1>;
+    } else if (G == 16) {
+        *walker = (const void *)efb_walk<T, I, 16, 1>;
+        *fixer = (const void *)qk_walk_fixup<T, 16, 1>;
+    } else if (K == 1) {
+        *walker = (const void *)efb_walk<T, I, 32, 1>;
+        *fixer = (const void *)qk_walk_fixup<T, 32, 1>;
+    } else if (K == 2) {
+        *walker = (const void *)efb_walk<T, I, 32, 2>;
+        *fixer = (const void *)qk_walk_fixup<T, 32, 2>;
+    } else {
+        *walker = (const void *)efb_walk<T, I, 32, 4>;
+        *fixer = (const void *)qk_walk_fixup<T, 32, 4>;
+    }
+}
+
 template <typename T, typename I, typename U>
 int efb_grouped(const EfbArgs *a, int G, int K, cudaStream_t s) {
     const bool vector = G > 0 && sizeof(U) == 4;
@@ -340,23 +361,8 @@ int efb_grouped(const EfbArgs *a, int G, int K, cudaStream_t s) {
         int H = (int)a->H, ck = chunk;
         void *walk[] = {&p, &k32, &i32, &slots, &ck};
         void *fix[] = {&gx, &k32, &cslots, &M, &ck, &N, &H};
-        const void *walker = nullptr, *fixer = nullptr;
-        if (G == 8) {
-            walker = (const void *)efb_walk<T, I, 8, 1>;
-            fixer = (const void *)qk_walk_fixup<T, 8, 1>;
-        } else if (G == 16) {
-            walker = (const void *)efb_walk<T, I, 16, 1>;
-            fixer = (const void *)qk_walk_fixup<T, 16, 1>;
-        } else if (K == 1) {
-            walker = (const void *)efb_walk<T, I, 32, 1>;
-            fixer = (const void *)qk_walk_fixup<T, 32, 1>;
-        } else if (K == 2) {
-            walker = (const void *)efb_walk<T, I, 32, 2>;
-            fixer = (const void *)qk_walk_fixup<T, 32, 2>;
-        } else {
-            walker = (const void *)efb_walk<T, I, 32, 4>;
-            fixer = (const void *)qk_walk_fixup<T, 32, 4>;
-        }
+        const void *walker, *fixer;
+        efb_walkers<T, I>(G, K, &walker, &fixer);
         const dim3 grid(qk_grid_for(nchunks, 256 / G)), block(256);
         status = qk_launch(walker, grid, block, 0, s, walk);
         if (!status) status = qk_launch(fixer, grid, block, 0, s, fix);
@@ -402,23 +408,8 @@ int efb_planned(const EfbArgs *a, int G, int K, cudaStream_t s) {
     int H = (int)a->H, ck = chunk;
     void *walk[] = {&p, &keys, &items, &slots, &ck};
     void *fix[] = {&gx, &keys, &cslots, &M, &ck, &NN, &H};
-    const void *walker = nullptr, *fixer = nullptr;
-    if (G == 8) {
-        walker = (const void *)efb_walk<T, I, 8, 1>;
-        fixer = (const void *)qk_walk_fixup<T, 8, 1>;
-    } else if (G == 16) {
-        walker = (const void *)efb_walk<T, I, 16, 1>;
-        fixer = (const void *)qk_walk_fixup<T, 16, 1>;
-    } else if (K == 1) {
-        walker = (const void *)efb_walk<T, I, 32, 1>;
-        fixer = (const void *)qk_walk_fixup<T, 32, 1>;
-    } else if (K == 2) {
-        walker = (const void *)efb_walk<T, I, 32, 2>;
-        fixer = (const void *)qk_walk_fixup<T, 32, 2>;
-    } else {
-        walker = (const void *)efb_walk<T, I, 32, 4>;
-        fixer = (const void *)qk_walk_fixup<T, 32, 4>;
-    }
+    const void *walker, *fixer;
+    efb_walkers<T, I>(G, K, &walker, &fixer);
     const dim3 grid(qk_grid_for(nchunks, 256 / G)), block(256);
     int status = qk_launch(walker, grid, block, 0, s, walk);
     if (!status) status = qk_launch(fixer, grid, block, 0, s, fix);

@@ -699,6 +699,24 @@ int sab_launch_csr(const SabArgs *a, cudaStream_t s) {
 
 // The deterministic grad_node_feat (and grad_edge_weight with it): group, then the vector walk
 // (k > 0) or the scalar kernels.
+// The walk over grouped entries and its fix-up for k 16-byte chunks a lane.
+template <typename T>
+void sab_walkers(int k, bool edge_grad, const void **walker, const void **fixer) {
+    switch (k) {
+#define SAB_CASE(KK)                                                                                          \
+    case KK:                                                                                                  \
+        *walker = edge_grad ? (const void *)sab_csc<T, KK, true> : (const void *)sab_csc<T, KK, false>;       \
+        *fixer = (const void *)qk_walk_fixup<T, 32, KK>;                                                      \
+        break;
+        SAB_CASE(1)
+        SAB_CASE(2)
+        SAB_CASE(4)
+        SAB_CASE(8)
+#undef SAB_CASE
+    default: *walker = *fixer = nullptr;  // launching NULL fails with an error, never a wrong answer
+    }
+}
+
 template <typename T, typename I, typename U>
 int sab_grouped(const SabArgs *a, int k, cudaStream_t s) {
     const int64_t E = a->num_edges, hd = a->num_heads * a->head_dim;
@@ -742,19 +760,8 @@ int sab_grouped(const SabArgs *a, int k, cudaStream_t s) {
         void *walk[] = {&p, &k32, &e32, &r32, &slots, &ck, &by_pos};
         void *fix[] = {&gnf, &k32, &cslots, &M, &ck, &N, &row_elems};
         const dim3 grid(qk_grid_for(nchunks, kWarpsPerBlock)), block(kWarpsPerBlock * 32);
-        const void *walker = nullptr, *fixer = nullptr;
-        switch (k) {
-#define SAB_CASE(KK)                                                                                          \
-    case KK:                                                                                                  \
-        walker = a->grad_edge_weight ? (const void *)sab_csc<T, KK, true> : (const void *)sab_csc<T, KK, false>; \
-        fixer = (const void *)qk_walk_fixup<T, 32, KK>;                                                               \
-        break;
-            SAB_CASE(1)
-            SAB_CASE(2)
-            SAB_CASE(4)
-            SAB_CASE(8)
-#undef SAB_CASE
-        }
+        const void *walker, *fixer;
+        sab_walkers<T>(k, a->grad_edge_weight != nullptr, &walker, &fixer);
         status = qk_launch(walker, grid, block, 0, s, walk);
         if (!status) status = qk_launch(fixer, grid, block, 0, s, fix);
         if (!status) {
@@ -813,19 +820,8 @@ int sab_planned(const SabArgs *a, int k, cudaStream_t s) {
     void *walk[] = {&p, &keys, &edges, &rows, &slots, &ck, &by_pos};
     void *fix[] = {&gnf, &keys, &cslots, &M, &ck, &NN, &row_elems};
     const dim3 grid(qk_grid_for(nchunks, kWarpsPerBlock)), block(kWarpsPerBlock * 32);
-    const void *walker = nullptr, *fixer = nullptr;
-    switch (k) {
-#define SAB_CASE(KK)                                                                                          \
-    case KK:                                                                                                  \
-        walker = a->grad_edge_weight ? (const void *)sab_csc<T, KK, true> : (const void *)sab_csc<T, KK, false>; \
-        fixer = (const void *)qk_walk_fixup<T, 32, KK>;                                                               \
-        break;
-        SAB_CASE(1)
-        SAB_CASE(2)
-        SAB_CASE(4)
-        SAB_CASE(8)
-#undef SAB_CASE
-    }
+    const void *walker, *fixer;
+    sab_walkers<T>(k, a->grad_edge_weight != nullptr, &walker, &fixer);
     int status = qk_launch(walker, grid, block, 0, s, walk);
     if (!status) status = qk_launch(fixer, grid, block, 0, s, fix);
     if (!status) {
