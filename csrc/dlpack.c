@@ -301,13 +301,38 @@ static int qk_grad_enabled(qk_state *st) {
     return r;
 }
 
+/* descr.__get__(obj) for a descriptor found on obj's type: a getset descriptor's getter called
+ * directly (obj's type is the type it was found on, so the subtype check of the generic path holds). */
+static PyObject *qk_descr_read(PyObject *descr, PyObject *obj) {
+    if (Py_IS_TYPE(descr, &PyGetSetDescr_Type)) {
+        PyGetSetDef *gs = ((PyGetSetDescrObject *)descr)->d_getset;
+        if (gs->get) return gs->get(obj, gs->closure);
+    }
+    return Py_TYPE(descr)->tp_descr_get(descr, obj, (PyObject *)Py_TYPE(obj));
+}
+
+/* meth(obj) for a method found on obj's type: a METH_NOARGS C method called directly, as its
+ * descriptor's call would after the same subtype check. */
+static PyObject *qk_method_call0(PyObject *meth, PyObject *obj) {
+    if (Py_IS_TYPE(meth, &PyMethodDescr_Type)) {
+        PyMethodDef *def = ((PyMethodDescrObject *)meth)->d_method;
+        if ((def->ml_flags & ~METH_COEXIST) == METH_NOARGS) return def->ml_meth(obj, NULL);
+    }
+    return PyObject_Vectorcall(meth, &obj, 1, NULL);
+}
+
+/* The truth of a flag torch returns (a bool); -1 with an exception. */
+static int qk_flag_take(PyObject *flag) {
+    if (flag == NULL) return -1;
+    const int r = flag == Py_True ? 1 : flag == Py_False ? 0 : PyObject_IsTrue(flag);
+    Py_DECREF(flag);
+    return r;
+}
+
 /* A tensor whose autograd state DLPack would drop: refuse it rather than compute without it.
  * 1: it requires grad but grad mode is off (export a detached view); 0: nothing to drop; -1: error. */
 static int qk_autograd_check(qk_state *st, const qk_type_info *info, PyObject *obj, const char *op, const char *arg) {
-    PyObject *flag = Py_TYPE(info->requires_grad)->tp_descr_get(info->requires_grad, obj, (PyObject *)Py_TYPE(obj));
-    if (flag == NULL) return -1;
-    int requires = PyObject_IsTrue(flag);
-    Py_DECREF(flag);
+    const int requires = qk_flag_take(qk_descr_read(info->requires_grad, obj));
     if (requires < 0) return -1;
     if (requires) {
         int on = qk_grad_enabled(st);
@@ -320,10 +345,7 @@ static int qk_autograd_check(qk_state *st, const qk_type_info *info, PyObject *o
             return -1;
         }
     }
-    flag = PyObject_Vectorcall(info->is_neg, &obj, 1, NULL);
-    if (flag == NULL) return -1;
-    int neg = PyObject_IsTrue(flag);
-    Py_DECREF(flag);
+    const int neg = qk_flag_take(qk_method_call0(info->is_neg, obj));
     if (neg < 0) return -1;
     if (neg) {
         PyErr_Format(PyExc_BufferError,
@@ -405,8 +427,43 @@ int qk_import(qk_state *st, PyObject *obj, const char *op, const char *arg, void
     return qk_import_ex(st, obj, op, arg, stream, 0, v);
 }
 
+int qk_direct_read(qk_state *st, PyObject *obj, DLTensor *t) {
+    st->handoff_obj = NULL;
+    const qk_type_info info = qk_type_lookup(st, Py_TYPE(obj));
+    if (info.api == NULL || !st->use_exchange_api) return -1;
+    /* the op's import in its order: the autograd check, then the exchange API's read */
+    int checked = 1;
+    if (info.requires_grad && qk_autograd_check(st, &info, obj, "", "") < 0) {
+        const int grad = PyErr_ExceptionMatches(st->grad_required);
+        PyErr_Clear();
+        if (grad) return -1; /* the Python path records the op for autograd */
+        checked = 0;         /* the op's own import raises it, naming the op and the argument */
+    }
+    if (info.api->dltensor_from_py_object_no_sync(obj, t) != 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    if (!checked) return 0;
+    memset(&st->handoff, 0, sizeof st->handoff);
+    if (qk_view_from_dl(t, 0, "", "", &st->handoff) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    st->handoff.api = info.api;
+    st->handoff_obj = obj;
+    return 1;
+}
+
 int qk_import_ex(qk_state *st, PyObject *obj, const char *op, const char *arg, void *stream, int via_capsule,
                  qk_view *v) {
+    if (st->handoff_obj) { /* the direct path's import of obj, if this is the call's first import */
+        const int mine = st->handoff_obj == obj && !via_capsule;
+        st->handoff_obj = NULL;
+        if (mine) {
+            *v = st->handoff;
+            return 0;
+        }
+    }
     memset(v, 0, sizeof *v);
     if (qk_is_tensor(st, obj)) {
         qk_tensor_fill_view(obj, v);
