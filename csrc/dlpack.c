@@ -30,9 +30,16 @@ DLDataType qk_dtype_to_dl(int dtype) {
 }
 
 int qk_dtype_from_dl(DLDataType t) {
-    for (int i = 0; i < QK_NUM_DTYPES; i++)
-        if (qk_dtypes[i].code == t.code && qk_dtypes[i].bits == t.bits) return i;
-    return -1;
+    switch (t.code << 8 | t.bits) {
+    case kDLFloat << 8 | 32: return QK_F32;
+    case kDLFloat << 8 | 16: return QK_F16;
+    case kDLBfloat << 8 | 16: return QK_BF16;
+    case kDLFloat << 8 | 64: return QK_F64;
+    case kDLInt << 8 | 32: return QK_I32;
+    case kDLInt << 8 | 64: return QK_I64;
+    case kDLBool << 8 | 8: return QK_BOOL;
+    default: return -1;
+    }
 }
 
 void qk_device_str(char *buf, size_t n, int device_type, int device_id) {
@@ -48,6 +55,9 @@ void qk_device_str(char *buf, size_t n, int device_type, int device_id) {
 /* With the GIL held: producers' deleters may run Python code (NumPy's drops an array reference),
  * which must not see the exception an op is about to raise. */
 void qk_views_release(qk_view *v, int n) {
+    int owned = 0; /* views through an exchange API own nothing: no deleter, nothing to keep */
+    for (int i = 0; i < n; i++) owned |= v[i].owner != NULL;
+    if (!owned) return;
     qk_saved_error e = qk_error_save();
     for (int i = 0; i < n; i++) qk_view_release(&v[i]);
     qk_error_restore(e);
@@ -66,7 +76,9 @@ void qk_view_release(qk_view *v) {
     }
 }
 
-int qk_nbytes(int ndim, const int64_t *shape, size_t itemsize, int64_t *numel, int64_t *bytes) {
+/* Inlined into every import (qk_view_from_dl); the extern forms below serve the other callers. */
+static inline __attribute__((always_inline)) int qk_nbytes_inline(int ndim, const int64_t *shape, size_t itemsize,
+                                                                   int64_t *numel, int64_t *bytes) {
     int64_t n = 1;
     for (int i = 0; i < ndim; i++)
         if (shape[i] < 0 || __builtin_mul_overflow(n, shape[i], &n)) return -1;
@@ -74,9 +86,14 @@ int qk_nbytes(int ndim, const int64_t *shape, size_t itemsize, int64_t *numel, i
     return __builtin_mul_overflow(n, (int64_t)itemsize, bytes) ? -1 : 0;
 }
 
-int qk_view_extent(const qk_view *v, size_t itemsize, int64_t *numel, int64_t *span) {
+int qk_nbytes(int ndim, const int64_t *shape, size_t itemsize, int64_t *numel, int64_t *bytes) {
+    return qk_nbytes_inline(ndim, shape, itemsize, numel, bytes);
+}
+
+static inline __attribute__((always_inline)) int qk_view_extent_inline(const qk_view *v, size_t itemsize,
+                                                                        int64_t *numel, int64_t *span) {
     int64_t bytes;
-    if (qk_nbytes(v->ndim, v->shape, itemsize, numel, &bytes) < 0) return -1;
+    if (qk_nbytes_inline(v->ndim, v->shape, itemsize, numel, &bytes) < 0) return -1;
     /* The bytes between the lowest and the highest element, plus one element: what a kernel can touch. */
     int64_t reach = 0;
     for (int i = 0; i < v->ndim && *numel > 0; i++) {
@@ -88,6 +105,10 @@ int qk_view_extent(const qk_view *v, size_t itemsize, int64_t *numel, int64_t *s
     }
     if (__builtin_add_overflow(reach, 1, &reach) || __builtin_mul_overflow(reach, (int64_t)itemsize, span)) return -1;
     return 0;
+}
+
+int qk_view_extent(const qk_view *v, size_t itemsize, int64_t *numel, int64_t *span) {
+    return qk_view_extent_inline(v, itemsize, numel, span);
 }
 
 /* Fill v from a DLTensor (borrowed pointers are copied out, so the DLTensor may go away). */
@@ -147,7 +168,7 @@ static int qk_view_from_dl(const DLTensor *t, int readonly, const char *op, cons
     }
     v->ndim = t->ndim;
     int64_t numel, span;
-    if (qk_view_extent(v, qk_dtype_size(dtype), &numel, &span) < 0) {
+    if (qk_view_extent_inline(v, qk_dtypes[dtype].size, &numel, &span) < 0) {
         char shape[160];
         qk_shape_str(shape, sizeof shape, v->shape, v->ndim);
         PyErr_Format(PyExc_ValueError, "%s: %s of shape %s and %s is too large: its size in bytes overflows 64 bits",
