@@ -96,9 +96,10 @@ static int qk_direct(qk_state *st, PyObject *op_name, int deciding, PyObject *co
     if (r != 1) return r;
     PyObject *plans = PyDict_GetItemWithError(st->direct_plans, op_name);
     if (plans == NULL || !PyDict_CheckExact(plans)) return PyErr_Occurred() ? -1 : 0;
-    /* read once: the op's import of x takes this read (st->handoff) instead of reading x again */
+    /* read once where the op imports x first (the deciding argument is its first): that import takes
+     * this read (st->handoff) instead of reading x again */
     DLTensor t;
-    if (qk_direct_read(st, x, &t) < 0) return 0;
+    if (qk_direct_read(st, x, deciding == 0, &t) < 0) return 0;
     PyObject *key = qk_direct_key_from(&t, has_mask);
     if (key == NULL) return -1;
     PyObject *hit = PyDict_GetItemWithError(plans, key);

@@ -448,10 +448,15 @@ int qk_import(qk_state *st, PyObject *obj, const char *op, const char *arg, void
     return qk_import_ex(st, obj, op, arg, stream, 0, v);
 }
 
-int qk_direct_read(qk_state *st, PyObject *obj, DLTensor *t) {
+int qk_direct_read(qk_state *st, PyObject *obj, int keep, DLTensor *t) {
     st->handoff_obj = NULL;
     const qk_type_info info = qk_type_lookup(st, Py_TYPE(obj));
     if (info.api == NULL || !st->use_exchange_api) return -1;
+    if (!keep) {
+        if (info.api->dltensor_from_py_object_no_sync(obj, t) == 0) return 0;
+        PyErr_Clear();
+        return -1;
+    }
     /* the op's import in its order: the autograd check, then the exchange API's read */
     int checked = 1;
     if (info.requires_grad && qk_autograd_check(st, &info, obj, "", "") < 0) {

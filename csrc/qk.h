@@ -80,11 +80,12 @@ int qk_import(qk_state *st, PyObject *obj, const char *op, const char *arg, void
 int qk_import_ex(qk_state *st, PyObject *obj, const char *op, const char *arg, void *stream, int via_capsule,
                  qk_view *v);
 int qk_import_capsule(PyObject *capsule, const char *op, const char *arg, qk_view *v);
-/* The direct path's read of its deciding tensor obj, as the op's import does it (the autograd check,
- * then the exchange API's DLTensor *t), kept for the op's first import when that is of obj
- * (st->handoff).  1: read and kept; 0: read, not kept (the op's import raises); -1: not read
- * (no exchange API, or torch cannot export it, or it requires grad under grad mode).  Never raises. */
-int qk_direct_read(qk_state *st, PyObject *obj, DLTensor *t);
+/* The direct path's read of its deciding tensor obj: the exchange API's DLTensor *t and, with keep,
+ * first the autograd check the op's import does, the import kept for the op's first import when that
+ * is of obj (st->handoff).  1: read and kept; 0: read, not kept (without keep, or the op's import
+ * raises); -1: not read (no exchange API, torch cannot export it, or with keep it requires grad
+ * under grad mode).  Never raises. */
+int qk_direct_read(qk_state *st, PyObject *obj, int keep, DLTensor *t);
 /* The DLTensor inside an unconsumed DLPack capsule, without taking it; NULL for anything else. */
 const DLTensor *qk_capsule_peek(PyObject *obj);
 void qk_view_release(qk_view *v);      /* any thread, no GIL needed */

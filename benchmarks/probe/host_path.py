@@ -145,11 +145,13 @@ def callgrind(a, builds):
                 cs = json.loads(r.stdout.splitlines()[0])
                 ann = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", cg],
                                      capture_output=True, text=True).stdout
+                # a function is listed once per source file it has lines in; the entry under its
+                # absolute path is its whole inclusive cost (the others are parts of it): the largest
                 incl = {}
                 for line in ann.splitlines():
                     m = re.match(r"\s*([\d,]+)\s+(?:\(.*?\)\s+)?\S*:(qk_(?:public|op)_\w+)", line)
                     if m:
-                        incl[m.group(2)] = int(m.group(1).replace(",", ""))
+                        incl[m.group(2)] = max(incl.get(m.group(2), 0), int(m.group(1).replace(",", "")))
                 for case, op in cs:
                     if op is None:  # the anchor: torch's own entry point is not counted
                         continue
