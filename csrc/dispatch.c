@@ -25,9 +25,17 @@ PyObject *qk_install_dispatch(PyObject *module, PyObject *const *args, Py_ssize_
     Py_RETURN_NONE;
 }
 
-/* The key of a direct plan: what the dispatcher's predicates read from a call beyond the op
- * (device, dtype, last dimension, mask or not).  NULL without an exception: not a tensor the
- * exchange API reads. */
+/* The key of a direct plan from the deciding tensor's DLTensor: what the dispatcher's predicates read
+ * from a call beyond the op (device, dtype, last dimension, mask or not). */
+static PyObject *qk_direct_key_from(const DLTensor *t, int has_mask) {
+    const int dt = t->device.device_type;
+    const long long device_kind = (dt == kDLCUDA || dt == kDLCUDAManaged) ? 2 : 1;
+    const long long last = t->ndim > 0 && t->shape[t->ndim - 1] < (1LL << 40) ? t->shape[t->ndim - 1] : -1;
+    const long long code = (long long)t->dtype.code | (long long)t->dtype.bits << 8 | (long long)t->dtype.lanes << 16;
+    return PyLong_FromLongLong(((last + 1) << 24 | code) << 3 | device_kind << 1 | has_mask);
+}
+
+/* The key of x; NULL without an exception: not a tensor the exchange API reads. */
 static PyObject *qk_direct_key_of(qk_state *st, PyObject *x, int has_mask) {
     const DLPackExchangeAPI *api = st->use_exchange_api ? qk_exchange_api(st, Py_TYPE(x)) : NULL;
     DLTensor t;
@@ -35,11 +43,7 @@ static PyObject *qk_direct_key_of(qk_state *st, PyObject *x, int has_mask) {
         PyErr_Clear();
         return NULL;
     }
-    const int dt = t.device.device_type;
-    const long long device_kind = (dt == kDLCUDA || dt == kDLCUDAManaged) ? 2 : 1;
-    const long long last = t.ndim > 0 && t.shape[t.ndim - 1] < (1LL << 40) ? t.shape[t.ndim - 1] : -1;
-    const long long code = (long long)t.dtype.code | (long long)t.dtype.bits << 8 | (long long)t.dtype.lanes << 16;
-    return PyLong_FromLongLong(((last + 1) << 24 | code) << 3 | device_kind << 1 | has_mask);
+    return qk_direct_key_from(&t, has_mask);
 }
 
 PyObject *qk_direct_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
@@ -92,8 +96,12 @@ static int qk_direct(qk_state *st, PyObject *op_name, int deciding, PyObject *co
     if (r != 1) return r;
     PyObject *plans = PyDict_GetItemWithError(st->direct_plans, op_name);
     if (plans == NULL || !PyDict_CheckExact(plans)) return PyErr_Occurred() ? -1 : 0;
-    PyObject *key = qk_direct_key_of(st, x, has_mask);
-    if (key == NULL) return 0;
+    /* read once where the op imports x first (the deciding argument is its first): that import takes
+     * this read (st->handoff) instead of reading x again */
+    DLTensor t;
+    if (qk_direct_read(st, x, deciding == 0, &t) < 0) return 0;
+    PyObject *key = qk_direct_key_from(&t, has_mask);
+    if (key == NULL) return -1;
     PyObject *hit = PyDict_GetItemWithError(plans, key);
     Py_DECREF(key);
     return hit == Py_True ? 1 : (PyErr_Occurred() ? -1 : 0);
@@ -104,9 +112,11 @@ static PyObject *qk_dispatch(PyObject *module, const char *op, PyObject *op_name
                              PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     qk_state *st = qk_get_state(module);
     int direct = qk_direct(st, op_name, deciding_arg, args, nargs, kwnames);
+    if (direct <= 0) st->handoff_obj = NULL; /* a read that no op call takes */
     if (direct < 0) return NULL;
     if (direct) {
         PyObject *r = run(module, args, nargs, kwnames);
+        st->handoff_obj = NULL; /* the op may have failed before its first import */
         if (r != NULL || !PyErr_ExceptionMatches(st->grad_required)) return r;
         PyErr_Clear(); /* an input requires grad: the Python path records the op for autograd */
     }

@@ -30,9 +30,16 @@ DLDataType qk_dtype_to_dl(int dtype) {
 }
 
 int qk_dtype_from_dl(DLDataType t) {
-    for (int i = 0; i < QK_NUM_DTYPES; i++)
-        if (qk_dtypes[i].code == t.code && qk_dtypes[i].bits == t.bits) return i;
-    return -1;
+    switch (t.code << 8 | t.bits) {
+    case kDLFloat << 8 | 32: return QK_F32;
+    case kDLFloat << 8 | 16: return QK_F16;
+    case kDLBfloat << 8 | 16: return QK_BF16;
+    case kDLFloat << 8 | 64: return QK_F64;
+    case kDLInt << 8 | 32: return QK_I32;
+    case kDLInt << 8 | 64: return QK_I64;
+    case kDLBool << 8 | 8: return QK_BOOL;
+    default: return -1;
+    }
 }
 
 void qk_device_str(char *buf, size_t n, int device_type, int device_id) {
@@ -48,6 +55,9 @@ void qk_device_str(char *buf, size_t n, int device_type, int device_id) {
 /* With the GIL held: producers' deleters may run Python code (NumPy's drops an array reference),
  * which must not see the exception an op is about to raise. */
 void qk_views_release(qk_view *v, int n) {
+    int owned = 0; /* views through an exchange API own nothing: no deleter, nothing to keep */
+    for (int i = 0; i < n; i++) owned |= v[i].owner != NULL;
+    if (!owned) return;
     qk_saved_error e = qk_error_save();
     for (int i = 0; i < n; i++) qk_view_release(&v[i]);
     qk_error_restore(e);
@@ -66,7 +76,9 @@ void qk_view_release(qk_view *v) {
     }
 }
 
-int qk_nbytes(int ndim, const int64_t *shape, size_t itemsize, int64_t *numel, int64_t *bytes) {
+/* Inlined into every import (qk_view_from_dl); the extern forms below serve the other callers. */
+static inline __attribute__((always_inline)) int qk_nbytes_inline(int ndim, const int64_t *shape, size_t itemsize,
+                                                                   int64_t *numel, int64_t *bytes) {
     int64_t n = 1;
     for (int i = 0; i < ndim; i++)
         if (shape[i] < 0 || __builtin_mul_overflow(n, shape[i], &n)) return -1;
@@ -74,9 +86,14 @@ int qk_nbytes(int ndim, const int64_t *shape, size_t itemsize, int64_t *numel, i
     return __builtin_mul_overflow(n, (int64_t)itemsize, bytes) ? -1 : 0;
 }
 
-int qk_view_extent(const qk_view *v, size_t itemsize, int64_t *numel, int64_t *span) {
+int qk_nbytes(int ndim, const int64_t *shape, size_t itemsize, int64_t *numel, int64_t *bytes) {
+    return qk_nbytes_inline(ndim, shape, itemsize, numel, bytes);
+}
+
+static inline __attribute__((always_inline)) int qk_view_extent_inline(const qk_view *v, size_t itemsize,
+                                                                        int64_t *numel, int64_t *span) {
     int64_t bytes;
-    if (qk_nbytes(v->ndim, v->shape, itemsize, numel, &bytes) < 0) return -1;
+    if (qk_nbytes_inline(v->ndim, v->shape, itemsize, numel, &bytes) < 0) return -1;
     /* The bytes between the lowest and the highest element, plus one element: what a kernel can touch. */
     int64_t reach = 0;
     for (int i = 0; i < v->ndim && *numel > 0; i++) {
@@ -88,6 +105,10 @@ int qk_view_extent(const qk_view *v, size_t itemsize, int64_t *numel, int64_t *s
     }
     if (__builtin_add_overflow(reach, 1, &reach) || __builtin_mul_overflow(reach, (int64_t)itemsize, span)) return -1;
     return 0;
+}
+
+int qk_view_extent(const qk_view *v, size_t itemsize, int64_t *numel, int64_t *span) {
+    return qk_view_extent_inline(v, itemsize, numel, span);
 }
 
 /* Fill v from a DLTensor (borrowed pointers are copied out, so the DLTensor may go away). */
@@ -147,7 +168,7 @@ static int qk_view_from_dl(const DLTensor *t, int readonly, const char *op, cons
     }
     v->ndim = t->ndim;
     int64_t numel, span;
-    if (qk_view_extent(v, qk_dtype_size(dtype), &numel, &span) < 0) {
+    if (qk_view_extent_inline(v, qk_dtypes[dtype].size, &numel, &span) < 0) {
         char shape[160];
         qk_shape_str(shape, sizeof shape, v->shape, v->ndim);
         PyErr_Format(PyExc_ValueError, "%s: %s of shape %s and %s is too large: its size in bytes overflows 64 bits",
@@ -301,13 +322,38 @@ static int qk_grad_enabled(qk_state *st) {
     return r;
 }
 
+/* descr.__get__(obj) for a descriptor found on obj's type: a getset descriptor's getter called
+ * directly (obj's type is the type it was found on, so the subtype check of the generic path holds). */
+static PyObject *qk_descr_read(PyObject *descr, PyObject *obj) {
+    if (Py_IS_TYPE(descr, &PyGetSetDescr_Type)) {
+        PyGetSetDef *gs = ((PyGetSetDescrObject *)descr)->d_getset;
+        if (gs->get) return gs->get(obj, gs->closure);
+    }
+    return Py_TYPE(descr)->tp_descr_get(descr, obj, (PyObject *)Py_TYPE(obj));
+}
+
+/* meth(obj) for a method found on obj's type: a METH_NOARGS C method called directly, as its
+ * descriptor's call would after the same subtype check. */
+static PyObject *qk_method_call0(PyObject *meth, PyObject *obj) {
+    if (Py_IS_TYPE(meth, &PyMethodDescr_Type)) {
+        PyMethodDef *def = ((PyMethodDescrObject *)meth)->d_method;
+        if ((def->ml_flags & ~METH_COEXIST) == METH_NOARGS) return def->ml_meth(obj, NULL);
+    }
+    return PyObject_Vectorcall(meth, &obj, 1, NULL);
+}
+
+/* The truth of a flag torch returns (a bool); -1 with an exception. */
+static int qk_flag_take(PyObject *flag) {
+    if (flag == NULL) return -1;
+    const int r = flag == Py_True ? 1 : flag == Py_False ? 0 : PyObject_IsTrue(flag);
+    Py_DECREF(flag);
+    return r;
+}
+
 /* A tensor whose autograd state DLPack would drop: refuse it rather than compute without it.
  * 1: it requires grad but grad mode is off (export a detached view); 0: nothing to drop; -1: error. */
 static int qk_autograd_check(qk_state *st, const qk_type_info *info, PyObject *obj, const char *op, const char *arg) {
-    PyObject *flag = Py_TYPE(info->requires_grad)->tp_descr_get(info->requires_grad, obj, (PyObject *)Py_TYPE(obj));
-    if (flag == NULL) return -1;
-    int requires = PyObject_IsTrue(flag);
-    Py_DECREF(flag);
+    const int requires = qk_flag_take(qk_descr_read(info->requires_grad, obj));
     if (requires < 0) return -1;
     if (requires) {
         int on = qk_grad_enabled(st);
@@ -320,10 +366,7 @@ static int qk_autograd_check(qk_state *st, const qk_type_info *info, PyObject *o
             return -1;
         }
     }
-    flag = PyObject_Vectorcall(info->is_neg, &obj, 1, NULL);
-    if (flag == NULL) return -1;
-    int neg = PyObject_IsTrue(flag);
-    Py_DECREF(flag);
+    const int neg = qk_flag_take(qk_method_call0(info->is_neg, obj));
     if (neg < 0) return -1;
     if (neg) {
         PyErr_Format(PyExc_BufferError,
@@ -405,8 +448,48 @@ int qk_import(qk_state *st, PyObject *obj, const char *op, const char *arg, void
     return qk_import_ex(st, obj, op, arg, stream, 0, v);
 }
 
+int qk_direct_read(qk_state *st, PyObject *obj, int keep, DLTensor *t) {
+    st->handoff_obj = NULL;
+    const qk_type_info info = qk_type_lookup(st, Py_TYPE(obj));
+    if (info.api == NULL || !st->use_exchange_api) return -1;
+    if (!keep) {
+        if (info.api->dltensor_from_py_object_no_sync(obj, t) == 0) return 0;
+        PyErr_Clear();
+        return -1;
+    }
+    /* the op's import in its order: the autograd check, then the exchange API's read */
+    int checked = 1;
+    if (info.requires_grad && qk_autograd_check(st, &info, obj, "", "") < 0) {
+        const int grad = PyErr_ExceptionMatches(st->grad_required);
+        PyErr_Clear();
+        if (grad) return -1; /* the Python path records the op for autograd */
+        checked = 0;         /* the op's own import raises it, naming the op and the argument */
+    }
+    if (info.api->dltensor_from_py_object_no_sync(obj, t) != 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    if (!checked) return 0;
+    memset(&st->handoff, 0, sizeof st->handoff);
+    if (qk_view_from_dl(t, 0, "", "", &st->handoff) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    st->handoff.api = info.api;
+    st->handoff_obj = obj;
+    return 1;
+}
+
 int qk_import_ex(qk_state *st, PyObject *obj, const char *op, const char *arg, void *stream, int via_capsule,
                  qk_view *v) {
+    if (st->handoff_obj) { /* the direct path's import of obj, if this is the call's first import */
+        const int mine = st->handoff_obj == obj && !via_capsule;
+        st->handoff_obj = NULL;
+        if (mine) {
+            *v = st->handoff;
+            return 0;
+        }
+    }
     memset(v, 0, sizeof *v);
     if (qk_is_tensor(st, obj)) {
         qk_tensor_fill_view(obj, v);

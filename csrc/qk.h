@@ -12,6 +12,22 @@
 #define QK_MAX_DIMS 8
 #define QK_MAX_API_TYPES 8
 
+/* A borrowed or owned view of one tensor argument, strides in elements. */
+typedef struct {
+    char *data;
+    int32_t device_type; /* kDLCPU or kDLCUDA after classification */
+    int32_t device_id;
+    int32_t raw_device_type;
+    int dtype;
+    int ndim;
+    int readonly;
+    int64_t shape[QK_MAX_DIMS];
+    int64_t strides[QK_MAX_DIMS];
+    const DLPackExchangeAPI *api; /* set when imported through a framework's C exchange API */
+    void *owner;                  /* DLManagedTensor[Versioned] to release, or NULL */
+    int owner_versioned;
+} qk_view;
+
 /* Per-module state (multi-phase init). */
 typedef struct {
     PyTypeObject *tensor_type;
@@ -45,23 +61,12 @@ typedef struct {
     PyObject *direct_plans;    /* dict op name -> dict of direct keys (see dispatch.c) */
     PyObject *direct_types;    /* set of tensor types */
     PyObject *fallbacks;       /* dict op name -> Python callable taking the public signature */
+    /* The direct path's import of the deciding tensor, taken by the op's first import when that is
+     * of the same object (see qk_direct_read); NULL: none waiting. */
+    PyObject *handoff_obj; /* borrowed: the caller's argument, alive for the call */
+    qk_view handoff;
 } qk_state;
 
-/* A borrowed or owned view of one tensor argument, strides in elements. */
-typedef struct {
-    char *data;
-    int32_t device_type; /* kDLCPU or kDLCUDA after classification */
-    int32_t device_id;
-    int32_t raw_device_type;
-    int dtype;
-    int ndim;
-    int readonly;
-    int64_t shape[QK_MAX_DIMS];
-    int64_t strides[QK_MAX_DIMS];
-    const DLPackExchangeAPI *api; /* set when imported through a framework's C exchange API */
-    void *owner;                  /* DLManagedTensor[Versioned] to release, or NULL */
-    int owner_versioned;
-} qk_view;
 
 /* dlpack.c */
 const char *qk_dtype_name(int dtype);
@@ -75,6 +80,12 @@ int qk_import(qk_state *st, PyObject *obj, const char *op, const char *arg, void
 int qk_import_ex(qk_state *st, PyObject *obj, const char *op, const char *arg, void *stream, int via_capsule,
                  qk_view *v);
 int qk_import_capsule(PyObject *capsule, const char *op, const char *arg, qk_view *v);
+/* The direct path's read of its deciding tensor obj: the exchange API's DLTensor *t and, with keep,
+ * first the autograd check the op's import does, the import kept for the op's first import when that
+ * is of obj (st->handoff).  1: read and kept; 0: read, not kept (without keep, or the op's import
+ * raises); -1: not read (no exchange API, torch cannot export it, or with keep it requires grad
+ * under grad mode).  Never raises. */
+int qk_direct_read(qk_state *st, PyObject *obj, int keep, DLTensor *t);
 /* The DLTensor inside an unconsumed DLPack capsule, without taking it; NULL for anything else. */
 const DLTensor *qk_capsule_peek(PyObject *obj);
 void qk_view_release(qk_view *v);      /* any thread, no GIL needed */

@@ -347,3 +347,41 @@ def test_direct_path_serves_repeated_torch_calls(env, monkeypatch):
         with pytest.raises(AssertionError, match="consulted"):  # a context: the dispatcher decides
             with qkernels.use_backend("cpu"):
                 qkernels.linear(x, w, b)
+
+
+def test_direct_path_checks_its_deciding_tensor_as_the_op_does(env, monkeypatch):
+    """The direct path reads the deciding tensor once, for its key and for the op: the op's refusal
+    of a negated view still names it, and an input requiring grad still goes to autograd."""
+    torch = pytest.importorskip("torch")
+    env()
+    x, w = torch.randn(3, 16), torch.randn(5, 16)
+    expected = qkernels.linear(x, w)  # the dispatcher decides and records the direct plan
+
+    def refuse(*a, **k):
+        raise AssertionError("the Python dispatcher was consulted")
+    with monkeypatch.context() as m:
+        m.setattr(qkernels.ops, "choose", refuse)
+        torch.testing.assert_close(qkernels.linear(x, w), expected, rtol=0, atol=0)
+        with pytest.raises(BufferError, match="^linear: x is a view with torch's lazy negation bit set"):
+            qkernels.linear(torch._neg_view(x), w)
+        with pytest.raises(BufferError, match="^linear: weight is a view with torch's lazy negation bit set"):
+            qkernels.linear(x, torch._neg_view(w))
+        torch.testing.assert_close(qkernels.linear(torch._neg_view(x).resolve_neg(), w), -expected)
+    xg = x.clone().requires_grad_(True)
+    y = qkernels.linear(xg, w)  # grad mode on: recorded for autograd
+    assert y.grad_fn is not None
+    y.sum().backward()
+    torch.testing.assert_close(xg.grad, w.sum(0).expand(3, 16))
+
+
+def test_direct_read_does_not_outlive_its_call(env):
+    """A direct call refused before its op imports anything leaves no read of its deciding tensor
+    behind: the next import of that tensor reads it anew (here after its storage was replaced)."""
+    torch = pytest.importorskip("torch")
+    env()
+    x, w = torch.randn(3, 16), torch.randn(5, 16)
+    qkernels.linear(x, w)  # records the direct plan
+    with pytest.raises(TypeError, match=r"^linear\(\) takes at most 3 positional arguments"):
+        qkernels.linear(x, w, None, 7)
+    x.set_(torch.full((4, 16), 2.0))
+    torch.testing.assert_close(qkernels._C.linear_raw(x, w), (2.0 * w.sum(1)).expand(4, 5))

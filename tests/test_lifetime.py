@@ -41,6 +41,8 @@ THREAD_SIZES = {
     "sparse_aggregate_backward": dict(n_dst=3000, n_src=1000, heads=4, dim=16, avg_degree=8),
     "fused_edge_features": dict(n=1000, e=4000, h=32),
     "fused_edge_features_backward": dict(n=1000, e=4000, h=32),
+    "sparse_aggregate_plan": dict(n_dst=3000, n_src=1000, avg_degree=8),
+    "fused_edge_features_plan": dict(n=1000, e=4000),
     "fused_norm_residual": dict(rows=500, h=64),
     "graph_norm_bce": dict(e=20000, graphs=16),
     "fused_norm_residual_backward": dict(rows=500, h=64, p=0.2),
