@@ -60,8 +60,6 @@ THREAD_SIZES = {
     "rmsnorm": dict(lead=(300,), h=1000),
     "fused_add_rmsnorm": dict(lead=(300,), h=1000),
     "rotary_kv_append": dict(t=300, hq=8, hkv=2, d=64, pool=400, max_pos=500),
-    "sparse_aggregate_plan": dict(n_dst=3000, n_src=1000, avg_degree=8),
-    "fused_edge_features_plan": dict(n=1000, e=4000),
 }
 
 
