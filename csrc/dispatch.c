@@ -97,7 +97,7 @@ static int qk_direct(qk_state *st, PyObject *op_name, int deciding, PyObject *co
     PyObject *plans = PyDict_GetItemWithError(st->direct_plans, op_name);
     if (plans == NULL || !PyDict_CheckExact(plans)) return PyErr_Occurred() ? -1 : 0;
     /* read once where the op imports x first (the deciding argument is its first): that import takes
-     * this read (st->handoff) instead of reading x again */
+     * this read (qk_direct_read) instead of reading x again */
     DLTensor t;
     if (qk_direct_read(st, x, deciding == 0, &t) < 0) return 0;
     PyObject *key = qk_direct_key_from(&t, has_mask);
@@ -112,11 +112,11 @@ static PyObject *qk_dispatch(PyObject *module, const char *op, PyObject *op_name
                              PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     qk_state *st = qk_get_state(module);
     int direct = qk_direct(st, op_name, deciding_arg, args, nargs, kwnames);
-    if (direct <= 0) st->handoff_obj = NULL; /* a read that no op call takes */
+    if (direct <= 0) qk_handoff_clear(); /* a read that no op call takes */
     if (direct < 0) return NULL;
     if (direct) {
         PyObject *r = run(module, args, nargs, kwnames);
-        st->handoff_obj = NULL; /* the op may have failed before its first import */
+        qk_handoff_clear(); /* the op may have failed before its first import */
         if (r != NULL || !PyErr_ExceptionMatches(st->grad_required)) return r;
         PyErr_Clear(); /* an input requires grad: the Python path records the op for autograd */
     }

@@ -448,8 +448,17 @@ int qk_import(qk_state *st, PyObject *obj, const char *op, const char *arg, void
     return qk_import_ex(st, obj, op, arg, stream, 0, v);
 }
 
+/* The direct path's import of its deciding tensor, waiting for the op's first import: per thread,
+ * as a call runs on one thread from its read to its imports (obj NULL: none waiting). */
+static _Thread_local struct {
+    PyObject *obj; /* borrowed: the caller's argument, alive for the call */
+    qk_view view;
+} qk_handoff;
+
+void qk_handoff_clear(void) { qk_handoff.obj = NULL; }
+
 int qk_direct_read(qk_state *st, PyObject *obj, int keep, DLTensor *t) {
-    st->handoff_obj = NULL;
+    qk_handoff.obj = NULL;
     const qk_type_info info = qk_type_lookup(st, Py_TYPE(obj));
     if (info.api == NULL || !st->use_exchange_api) return -1;
     if (!keep) {
@@ -470,23 +479,23 @@ int qk_direct_read(qk_state *st, PyObject *obj, int keep, DLTensor *t) {
         return -1;
     }
     if (!checked) return 0;
-    memset(&st->handoff, 0, sizeof st->handoff);
-    if (qk_view_from_dl(t, 0, "", "", &st->handoff) < 0) {
+    memset(&qk_handoff.view, 0, sizeof qk_handoff.view);
+    if (qk_view_from_dl(t, 0, "", "", &qk_handoff.view) < 0) {
         PyErr_Clear();
         return 0;
     }
-    st->handoff.api = info.api;
-    st->handoff_obj = obj;
+    qk_handoff.view.api = info.api;
+    qk_handoff.obj = obj;
     return 1;
 }
 
 int qk_import_ex(qk_state *st, PyObject *obj, const char *op, const char *arg, void *stream, int via_capsule,
                  qk_view *v) {
-    if (st->handoff_obj) { /* the direct path's import of obj, if this is the call's first import */
-        const int mine = st->handoff_obj == obj && !via_capsule;
-        st->handoff_obj = NULL;
+    if (qk_handoff.obj) { /* the direct path's import of obj, if this is the call's first import */
+        const int mine = qk_handoff.obj == obj && !via_capsule;
+        qk_handoff.obj = NULL;
         if (mine) {
-            *v = st->handoff;
+            *v = qk_handoff.view;
             return 0;
         }
     }

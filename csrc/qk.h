@@ -61,10 +61,6 @@ typedef struct {
     PyObject *direct_plans;    /* dict op name -> dict of direct keys (see dispatch.c) */
     PyObject *direct_types;    /* set of tensor types */
     PyObject *fallbacks;       /* dict op name -> Python callable taking the public signature */
-    /* The direct path's import of the deciding tensor, taken by the op's first import when that is
-     * of the same object (see qk_direct_read); NULL: none waiting. */
-    PyObject *handoff_obj; /* borrowed: the caller's argument, alive for the call */
-    qk_view handoff;
 } qk_state;
 
 
@@ -82,10 +78,11 @@ int qk_import_ex(qk_state *st, PyObject *obj, const char *op, const char *arg, v
 int qk_import_capsule(PyObject *capsule, const char *op, const char *arg, qk_view *v);
 /* The direct path's read of its deciding tensor obj: the exchange API's DLTensor *t and, with keep,
  * first the autograd check the op's import does, the import kept for the op's first import when that
- * is of obj (st->handoff).  1: read and kept; 0: read, not kept (without keep, or the op's import
+ * is of obj (kept per thread until then or qk_handoff_clear).  1: read and kept; 0: read, not kept (without keep, or the op's import
  * raises); -1: not read (no exchange API, torch cannot export it, or with keep it requires grad
  * under grad mode).  Never raises. */
 int qk_direct_read(qk_state *st, PyObject *obj, int keep, DLTensor *t);
+void qk_handoff_clear(void); /* drops a kept read that no import took */
 /* The DLTensor inside an unconsumed DLPack capsule, without taking it; NULL for anything else. */
 const DLTensor *qk_capsule_peek(PyObject *obj);
 void qk_view_release(qk_view *v);      /* any thread, no GIL needed */
