@@ -1,7 +1,8 @@
 /* rmsnorm and fused_add_rmsnorm on the CPU: per row, the sum of squares of s = x (+ residual) in fp32
- * with 8 independent partial sums (SIMD lanes), then a second pass that recomputes s, writes the
- * rounded sum into residual and s * rstd * weight into out.  Rows are split evenly between threads
- * and each row is summed in a fixed order, so the bits do not depend on the thread count.
+ * with 32 independent partial sums (four chains of 8 SIMD lanes), then a second pass that
+ * recomputes s, writes the rounded sum into residual and s * rstd * weight into out.  Rows are
+ * split evenly between threads and each row is summed in a fixed order, so the bits do not depend
+ * on the thread count.
  *
  * The second pass reads the row again (from L1/L2: a row of 4096 bf16 values and its residual are
  * 16 KB) instead of keeping s in a scratch buffer; residual is written only in that pass, so the
@@ -14,34 +15,64 @@
 #define RN_LANES 8
 
 #if defined(__GNUC__)
-/* The 8 partial sums as one vector: written as an array, GCC vectorised the loop over h instead and
+/* 8 partial sums as one vector: written as an array, GCC vectorised the loop over h instead and
  * added into each partial sum in order, one lane at a time (fold-left). The same sums either way. */
 typedef float rn_lanes __attribute__((vector_size(RN_LANES * sizeof(float))));
 #endif
 
-QK_INLINE float rn_sum_squares(const void *x, const void *res, int64_t H, int dtype, int add) {
+/* s[j] = x[h + j] (+ res[h + j]) for j < RN_LANES */
 #if defined(__GNUC__)
-    rn_lanes part = {0};
-#else
-    float part[RN_LANES] = {0};
+QK_INLINE void rn_load(rn_lanes *s, const void *x, const void *res, int64_t h, int dtype, int add) {
+    for (int j = 0; j < RN_LANES; j++) {
+        (*s)[j] = qk_load_f32(x, h + j, dtype);
+        if (add) (*s)[j] += qk_load_f32(res, h + j, dtype);
+    }
+}
 #endif
+
+/* Four chains of 8 lanes: one chain waited an add latency per 8 elements, which held the first pass
+ * below the rate memory delivers a row at (docs/rmsnorm.md). The chains are added in a fixed tree. */
+QK_INLINE float rn_sum_squares(const void *x, const void *res, int64_t H, int dtype, int add) {
     int64_t h = 0;
-    for (; h + RN_LANES <= H; h += RN_LANES) {
 #if defined(__GNUC__)
+    rn_lanes p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
+    for (; h + 4 * RN_LANES <= H; h += 4 * RN_LANES) {
+        rn_lanes s0, s1, s2, s3;
+        rn_load(&s0, x, res, h, dtype, add);
+        rn_load(&s1, x, res, h + RN_LANES, dtype, add);
+        rn_load(&s2, x, res, h + 2 * RN_LANES, dtype, add);
+        rn_load(&s3, x, res, h + 3 * RN_LANES, dtype, add);
+        p0 += s0 * s0;
+        p1 += s1 * s1;
+        p2 += s2 * s2;
+        p3 += s3 * s3;
+    }
+    for (; h + RN_LANES <= H; h += RN_LANES) {
         rn_lanes s;
-        for (int j = 0; j < RN_LANES; j++) {
-            s[j] = qk_load_f32(x, h + j, dtype);
-            if (add) s[j] += qk_load_f32(res, h + j, dtype);
-        }
-        part += s * s;
+        rn_load(&s, x, res, h, dtype, add);
+        p0 += s * s;
+    }
+    const rn_lanes part = (p0 + p1) + (p2 + p3);
 #else
+    float p[4][RN_LANES] = {{0}}, part[RN_LANES];
+    for (; h + 4 * RN_LANES <= H; h += 4 * RN_LANES) {
+        for (int c = 0; c < 4; c++) {
+            for (int j = 0; j < RN_LANES; j++) {
+                float s = qk_load_f32(x, h + c * RN_LANES + j, dtype);
+                if (add) s += qk_load_f32(res, h + c * RN_LANES + j, dtype);
+                p[c][j] += s * s;
+            }
+        }
+    }
+    for (; h + RN_LANES <= H; h += RN_LANES) {
         for (int j = 0; j < RN_LANES; j++) {
             float s = qk_load_f32(x, h + j, dtype);
             if (add) s += qk_load_f32(res, h + j, dtype);
-            part[j] += s * s;
+            p[0][j] += s * s;
         }
-#endif
     }
+    for (int j = 0; j < RN_LANES; j++) part[j] = (p[0][j] + p[1][j]) + (p[2][j] + p[3][j]);
+#endif
     float tail = 0.f;
     for (; h < H; h++) {
         float s = qk_load_f32(x, h, dtype);
