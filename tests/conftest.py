@@ -538,3 +538,12 @@ def jax_attn_mask(rng, shape, kind, dtype=np.float32, drop=0.4):
     if kind == "bool":
         return keep
     return np.where(keep, 2 * rng.standard_normal(shape), -np.inf).astype(dtype)
+
+
+def sab_graph(rng, ix, n_dst, n_src, degrees=None, lo=0, tail=0):
+    """A CSR graph whose first `lo` and last `tail` edges lie outside the rows."""
+    degrees = rng.poisson(3, n_dst) if degrees is None else np.asarray(degrees)
+    row_ptr = (lo + np.concatenate([[0], np.cumsum(degrees)])).astype(ix)
+    e = int(row_ptr[-1]) + tail
+    col_idx = rng.integers(0, max(n_src, 1), e).astype(ix) if n_src else np.zeros(e, ix)
+    return row_ptr, col_idx

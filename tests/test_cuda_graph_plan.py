@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import qkernels
-from conftest import capture_graph, cuda, rel_err, requires_cuda
+from conftest import capture_graph, cuda, rel_err, requires_cuda, sab_graph
 from qkernels.testing import reference, sample
 
 pytestmark = [requires_cuda,
@@ -31,14 +31,6 @@ def same_bits(a, b):
             assert x.dtype == y.dtype and x.shape == y.shape
             assert torch.equal(x.view(torch.int16 if x.element_size() == 2 else torch.int32),
                                y.view(torch.int16 if y.element_size() == 2 else torch.int32))
-
-
-def sab_graph(rng, ix, n_dst, n_src, degrees=None, lo=0, tail=0):
-    degrees = rng.poisson(3, n_dst) if degrees is None else np.asarray(degrees)
-    row_ptr = (lo + np.concatenate([[0], np.cumsum(degrees)])).astype(ix)
-    e = int(row_ptr[-1]) + tail
-    col_idx = rng.integers(0, max(n_src, 1), e).astype(ix) if n_src else np.zeros(e, ix)
-    return row_ptr, col_idx
 
 
 # (n_dst, n_src, degrees, lo, tail): small, empty, isolated sources, one hub (duplicates, a source

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import qkernels
-from conftest import strided_all
+from conftest import sab_graph, strided_all
 from qkernels.testing import reference, sample
 
 SAB, EFB = "sparse_aggregate_backward", "fused_edge_features_backward"
@@ -30,15 +30,6 @@ def with_threads(n, fn):
         return fn()
     finally:
         qkernels._C._configure(num_threads=old["num_threads"])
-
-
-def sab_graph(rng, ix, n_dst, n_src, degrees=None, lo=0, tail=0):
-    """A CSR graph whose first `lo` and last `tail` edges lie outside the rows."""
-    degrees = rng.poisson(3, n_dst) if degrees is None else np.asarray(degrees)
-    row_ptr = (lo + np.concatenate([[0], np.cumsum(degrees)])).astype(ix)
-    e = int(row_ptr[-1]) + tail
-    col_idx = rng.integers(0, max(n_src, 1), e).astype(ix) if n_src else np.zeros(e, ix)
-    return row_ptr, col_idx
 
 
 SAB_GRAPHS = [  # (n_dst, n_src, degrees, lo, tail)
