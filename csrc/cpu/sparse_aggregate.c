@@ -314,6 +314,24 @@ static int sab_run(sab_job *j, int phase, int64_t work) {
     return sa_run_status(status, j->nomem, nthreads, j->bad_pos, j->bad_value, &a->bad_arg, &a->bad_pos, &a->bad_value);
 }
 
+/* The m CSR entries from lo grouped by source column (qk_group_by_key: off [num_src + 1], order);
+ * a column outside [0, num_src) gives QK_E_INDEX with *bad_arg 1 and its position and value. */
+static int sa_group_sources(const void *col_idx, int index_dtype, int64_t stride, int64_t lo, int64_t m, int64_t num_src,
+                            int maxt, int64_t *off, int64_t *order, int *bad_arg, int64_t *bad_pos, int64_t *bad_value) {
+    const int64_t first = lo * stride; /* the key of item k is col_idx[lo + k] */
+    const void *base = index_dtype == QK_I32 ? (const void *)((const int32_t *)col_idx + first)
+                                             : (const void *)((const int64_t *)col_idx + first);
+    const qk_key_reader keys = {base, index_dtype, 1, stride, 0};
+    int64_t bad_item = 0, bad_key = 0;
+    const int status = qk_group_by_key(&keys, m, num_src, maxt, off, order, &bad_item, &bad_key);
+    if (status == QK_E_INDEX) {
+        *bad_arg = 1;
+        *bad_pos = lo + bad_item;
+        *bad_value = bad_key;
+    }
+    return status;
+}
+
 int qk_sparse_aggregate_backward_cpu(qk_sparse_aggregate_backward_args *a, void *stream) {
     (void)stream;
     const int checked = sa_check_csr(a->dtype, a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst,
@@ -365,19 +383,9 @@ int qk_sparse_aggregate_backward_cpu(qk_sparse_aggregate_backward_args *a, void 
         free(bad);
         return status;
     }
-    if (status == QK_OK) {
-        const int64_t first = j.lo * a->col_idx_stride; /* the key of item k is col_idx[lo + k] */
-        const void *base = a->index_dtype == QK_I32 ? (const void *)((const int32_t *)a->col_idx + first)
-                                                    : (const void *)((const int64_t *)a->col_idx + first);
-        const qk_key_reader keys = {base, a->index_dtype, 1, a->col_idx_stride, 0};
-        int64_t bad_item = 0, bad_key = 0;
-        status = qk_group_by_key(&keys, m, a->num_src, maxt, off, order, &bad_item, &bad_key);
-        if (status == QK_E_INDEX) {
-            a->bad_arg = 1;
-            a->bad_pos = j.lo + bad_item;
-            a->bad_value = bad_key;
-        }
-    }
+    if (status == QK_OK)
+        status = sa_group_sources(a->col_idx, a->index_dtype, a->col_idx_stride, j.lo, m, a->num_src, maxt, off, order,
+                                  &a->bad_arg, &a->bad_pos, &a->bad_value);
     if (status == QK_OK) {
         j.off = off;
         j.order = order;
@@ -470,19 +478,9 @@ int qk_sparse_aggregate_plan_cpu(qk_sparse_aggregate_plan_args *a, void *stream)
     int64_t *off = malloc(sizeof(int64_t) * (size_t)(a->num_src + 1));
     int64_t *order = malloc(sizeof(int64_t) * (size_t)(m > 0 ? 2 * m : 1));
     int status = off && order ? QK_OK : QK_E_NOMEM;
-    if (status == QK_OK) {
-        const int64_t first = j.lo * a->col_idx_stride;
-        const void *base = a->index_dtype == QK_I32 ? (const void *)((const int32_t *)a->col_idx + first)
-                                                    : (const void *)((const int64_t *)a->col_idx + first);
-        const qk_key_reader keys = {base, a->index_dtype, 1, a->col_idx_stride, 0};
-        int64_t bad_item = 0, bad_key = 0;
-        status = qk_group_by_key(&keys, m, a->num_src, maxt, off, order, &bad_item, &bad_key);
-        if (status == QK_E_INDEX) {
-            a->bad_arg = 1;
-            a->bad_pos = j.lo + bad_item;
-            a->bad_value = bad_key;
-        }
-    }
+    if (status == QK_OK)
+        status = sa_group_sources(a->col_idx, a->index_dtype, a->col_idx_stride, j.lo, m, a->num_src, maxt, off, order,
+                                  &a->bad_arg, &a->bad_pos, &a->bad_value);
     if (status == QK_OK) {
         j.off = off;
         j.order = order;
