@@ -48,17 +48,22 @@ QK_INLINE int64_t sa_source(const void *col_idx, int index_dtype, int64_t col_st
     return -1;
 }
 
-/* First row whose cost prefix (edges before it + the row index) reaches `target`. */
-static int64_t sa_row_at(const sa_job *j, int64_t target) {
-    const qk_sparse_aggregate_args *a = j->a;
-    int64_t lo = 0, hi = a->num_dst;
+/* First of the n rows of a CSR whose cost prefix (edges before it from first_edge, plus the row
+ * index) reaches `target`: the row a thread's share of the work starts at. */
+static int64_t sa_row_at_cost(const void *row_ptr, int index_dtype, int64_t stride, int64_t n, int64_t first_edge,
+                              int64_t target) {
+    int64_t lo = 0, hi = n;
     while (lo < hi) {
-        int64_t mid = lo + (hi - lo) / 2;
-        int64_t cost = qk_index(a->row_ptr, a->index_dtype, mid, a->row_ptr_stride) - j->first_edge + mid;
-        if (cost < target) lo = mid + 1;
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (qk_index(row_ptr, index_dtype, mid, stride) - first_edge + mid < target) lo = mid + 1;
         else hi = mid;
     }
     return lo;
+}
+
+static int64_t sa_row_at(const sa_job *j, int64_t target) {
+    const qk_sparse_aggregate_args *a = j->a;
+    return sa_row_at_cost(a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst, j->first_edge, target);
 }
 
 QK_MULTIVERSION static void sa_worker(void *p, int tid, int nthreads) {
@@ -204,13 +209,7 @@ typedef struct {
 } sab_job;
 
 static int64_t sab_row_at(const qk_sparse_aggregate_backward_args *a, int64_t first_edge, int64_t target) {
-    int64_t lo = 0, hi = a->num_dst;
-    while (lo < hi) {
-        const int64_t mid = lo + (hi - lo) / 2;
-        if (qk_index(a->row_ptr, a->index_dtype, mid, a->row_ptr_stride) - first_edge + mid < target) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
+    return sa_row_at_cost(a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst, first_edge, target);
 }
 
 /* Rows [r0, r1): phase 0 records each edge's row; phase 1 computes grad_edge_weight. */
@@ -417,13 +416,7 @@ typedef struct {
 } sap_job;
 
 static int64_t sap_row_at(const qk_sparse_aggregate_plan_args *a, int64_t first_edge, int64_t target) {
-    int64_t lo = 0, hi = a->num_dst;
-    while (lo < hi) {
-        const int64_t mid = lo + (hi - lo) / 2;
-        if (qk_index(a->row_ptr, a->index_dtype, mid, a->row_ptr_stride) - first_edge + mid < target) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
+    return sa_row_at_cost(a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst, first_edge, target);
 }
 
 static void sap_worker(void *p, int tid, int nthreads) {
