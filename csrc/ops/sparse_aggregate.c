@@ -56,6 +56,27 @@ static int sa_raise_index_op(const char *op, int bad_arg, int64_t bad_pos, int64
     return -1;
 }
 
+/* QKERNELS_CHECK=1 on cuda: the forward's validation of a CSR before an op that takes it unchecked;
+ * its status, with the offending argument, position and value on QK_E_INDEX. */
+static int sa_check_csr_cuda(const qk_launch *l, const void *row_ptr, const void *col_idx, int index_dtype,
+                             int64_t rp_stride, int64_t ci_stride, int64_t N_dst, int64_t N_src, int64_t E,
+                             int *bad_arg, int64_t *bad_pos, int64_t *bad_value) {
+    qk_sparse_aggregate_args fa = {0};
+    fa.row_ptr = row_ptr;
+    fa.col_idx = col_idx;
+    fa.num_dst = N_dst;
+    fa.num_src = N_src;
+    fa.num_edges = E;
+    fa.row_ptr_stride = rp_stride;
+    fa.col_idx_stride = ci_stride;
+    fa.index_dtype = index_dtype;
+    const int status = l->cuda->sparse_aggregate_check(&fa, l->stream);
+    *bad_arg = fa.bad_arg;
+    *bad_pos = fa.bad_pos;
+    *bad_value = fa.bad_value;
+    return status;
+}
+
 PyObject *qk_op_sparse_aggregate(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"row_ptr", "col_idx", "edge_weight", "node_feat", "out", "stream", "plan", NULL};
     static const char *const input_names[] = {"row_ptr", "col_idx", "edge_weight", "node_feat"};
@@ -206,22 +227,9 @@ PyObject *qk_op_sparse_aggregate_backward(PyObject *module, PyObject *const *arg
     sb.plan = has_plan ? (const int32_t *)v[NUM_VIEWS].data : NULL;
 
     int status = QK_OK;
-    if ((want_ew || want_nf) && l.device_type == kDLCUDA && st->check_indices) {
-        /* QKERNELS_CHECK=1: the forward's validation reads the same row_ptr and col_idx */
-        qk_sparse_aggregate_args fa = {0};
-        fa.row_ptr = sb.row_ptr;
-        fa.col_idx = sb.col_idx;
-        fa.num_dst = N_dst;
-        fa.num_src = N_src;
-        fa.num_edges = E;
-        fa.row_ptr_stride = sb.row_ptr_stride;
-        fa.col_idx_stride = sb.col_idx_stride;
-        fa.index_dtype = sb.index_dtype;
-        status = l.cuda->sparse_aggregate_check(&fa, l.stream);
-        sb.bad_arg = fa.bad_arg;
-        sb.bad_pos = fa.bad_pos;
-        sb.bad_value = fa.bad_value;
-    }
+    if ((want_ew || want_nf) && l.device_type == kDLCUDA && st->check_indices)
+        status = sa_check_csr_cuda(&l, sb.row_ptr, sb.col_idx, sb.index_dtype, sb.row_ptr_stride, sb.col_idx_stride,
+                                   N_dst, N_src, E, &sb.bad_arg, &sb.bad_pos, &sb.bad_value);
     if (status == QK_OK && (want_ew || want_nf)) QK_RUN(status, &l, sparse_aggregate_backward, &sb);
     if (status == QK_E_INDEX) sa_raise_index_op(OP, sb.bad_arg, sb.bad_pos, sb.bad_value, E, N_src);
     else if (status) qk_raise_status(OP, status);
@@ -301,21 +309,9 @@ PyObject *qk_op_sparse_aggregate_plan(PyObject *module, PyObject *const *args, P
     p.num_threads = st->num_threads;
 
     int status = QK_OK;
-    if (l.device_type == kDLCUDA && st->check_indices) {
-        qk_sparse_aggregate_args fa = {0}; /* QKERNELS_CHECK=1: the forward's validation */
-        fa.row_ptr = p.row_ptr;
-        fa.col_idx = p.col_idx;
-        fa.num_dst = p.num_dst;
-        fa.num_src = N_src;
-        fa.num_edges = E;
-        fa.row_ptr_stride = p.row_ptr_stride;
-        fa.col_idx_stride = p.col_idx_stride;
-        fa.index_dtype = p.index_dtype;
-        status = l.cuda->sparse_aggregate_check(&fa, l.stream);
-        p.bad_arg = fa.bad_arg;
-        p.bad_pos = fa.bad_pos;
-        p.bad_value = fa.bad_value;
-    }
+    if (l.device_type == kDLCUDA && st->check_indices)
+        status = sa_check_csr_cuda(&l, p.row_ptr, p.col_idx, p.index_dtype, p.row_ptr_stride, p.col_idx_stride,
+                                   p.num_dst, N_src, E, &p.bad_arg, &p.bad_pos, &p.bad_value);
     if (status == QK_OK) QK_RUN(status, &l, sparse_aggregate_plan, &p);
     if (status == QK_E_INDEX) sa_raise_index_op(OP, p.bad_arg, p.bad_pos, p.bad_value, E, N_src);
     else if (status) qk_raise_status(OP, status);
