@@ -103,6 +103,24 @@ static void qk_set_error(void *ctx, const char *kind, const char *message) {
     PyErr_SetString(exc, message ? message : "allocation failed");
 }
 
+/* A fresh C-contiguous tensor from the framework's allocator (its exchange API) on the call's device;
+ * NULL with an exception. */
+static DLManagedTensorVersioned *qk_exchange_alloc(const char *op, const DLPackExchangeAPI *api, const qk_launch *l,
+                                                   int dtype, int ndim, const int64_t *shape) {
+    DLTensor proto = {0};
+    proto.device.device_type = l->device_type;
+    proto.device.device_id = l->device_type == kDLCUDA ? l->device_id : 0;
+    proto.ndim = ndim;
+    proto.dtype = qk_dtype_to_dl(dtype);
+    proto.shape = (int64_t *)shape;
+    DLManagedTensorVersioned *mt = NULL;
+    if (api->managed_tensor_allocator(&proto, &mt, NULL, qk_set_error) != 0 || mt == NULL) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_MemoryError, "%s: the framework could not allocate out", op);
+        return NULL;
+    }
+    return mt;
+}
+
 int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_view *like, int dtype, int ndim,
                       const int64_t *shape, const qk_launch *l, qk_view *ov, qk_output *o) {
     memset(o, 0, sizeof *o);
@@ -155,17 +173,8 @@ int qk_output_prepare(qk_state *st, const char *op, PyObject *out_obj, const qk_
         return 0;
     }
     if (like->api) {
-        DLTensor proto = {0};
-        proto.device.device_type = l->device_type;
-        proto.device.device_id = l->device_type == kDLCUDA ? l->device_id : 0;
-        proto.ndim = ndim;
-        proto.dtype = qk_dtype_to_dl(dtype);
-        proto.shape = (int64_t *)shape;
-        DLManagedTensorVersioned *mt = NULL;
-        if (like->api->managed_tensor_allocator(&proto, &mt, NULL, qk_set_error) != 0 || mt == NULL) {
-            if (!PyErr_Occurred()) PyErr_Format(PyExc_MemoryError, "%s: the framework could not allocate out", op);
-            return -1;
-        }
+        DLManagedTensorVersioned *mt = qk_exchange_alloc(op, like->api, l, dtype, ndim, shape);
+        if (mt == NULL) return -1;
         o->mt = mt;
         o->api = like->api;
         ov->data = (char *)mt->dl_tensor.data + mt->dl_tensor.byte_offset;
@@ -196,18 +205,9 @@ int qk_output_block(const char *op, const qk_view *like, const qk_launch *l, int
         PyErr_Format(PyExc_MemoryError, "%s: could not allocate %zu bytes for out", op, bytes);
         return -1;
     }
-    int64_t n = (int64_t)((bytes + size - 1) / size);
-    DLTensor proto = {0};
-    proto.device.device_type = l->device_type;
-    proto.device.device_id = l->device_type == kDLCUDA ? l->device_id : 0;
-    proto.ndim = 1;
-    proto.dtype = qk_dtype_to_dl(dtype);
-    proto.shape = &n;
-    DLManagedTensorVersioned *mt = NULL;
-    if (like->api->managed_tensor_allocator(&proto, &mt, NULL, qk_set_error) != 0 || mt == NULL) {
-        if (!PyErr_Occurred()) PyErr_Format(PyExc_MemoryError, "%s: the framework could not allocate out", op);
-        return -1;
-    }
+    const int64_t n = (int64_t)((bytes + size - 1) / size);
+    DLManagedTensorVersioned *mt = qk_exchange_alloc(op, like->api, l, dtype, 1, &n);
+    if (mt == NULL) return -1;
     /* Described as its first element only: the consumer's tensor views that, and the deleter, which
      * stays the producer's, frees the whole block. */
     mt->dl_tensor.ndim = 0;
