@@ -458,14 +458,7 @@ extern "C" int qk_fused_edge_features_plan_cuda(const qk_fused_edge_features_pla
         if (!status && end_bit > 0)
             status = (int)qk_sort_pairs<uint32_t>(base + o_temp, temp_bytes, keys, items, (uint32_t)m, end_bit, s);
     }
-    if (!status) {
-        int32_t *out = a->plan;
-        const uint32_t *sk = keys.Current(), *si = items.Current(), *none = nullptr;
-        int64_t mm = m, n = N;
-        void *args[] = {&out, &sk, &si, &none, &mm, &n};
-        status = qk_launch((const void *)qk_plan_write<uint32_t>, dim3(qk_grid_for(m > N + 1 ? m : N + 1, 256, 132 * 16)),
-                           dim3(256), 0, s, args);
-    }
+    if (!status) status = qk_plan_write_launch(a->plan, keys.Current(), items.Current(), nullptr, m, N, s);
     const int freed = qk_scratch_free(a->scratch, base, plan.bytes, s);
     return status ? status : freed;
 }

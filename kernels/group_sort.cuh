@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(256) qk_zero_empty(T *out, const int32_t *ptr,
 
 // A plan from the sorted pairs (sparse_aggregate_plan, fused_edge_features_plan): ptr[0..n] (the
 // first position of each key, by binary search), then keys[m], values[m] and, when row_of is given,
-// row_of[value] per position.  Launch with 256 threads and qk_grid_for(max(m, n + 1), 256).
+// row_of[value] per position.  Launched by qk_plan_write_launch.
 template <typename U>
 __global__ void __launch_bounds__(256) qk_plan_write(int32_t *plan, const U *keys, const U *values, const U *row_of,
                                                      int64_t m, int64_t n) {
@@ -128,4 +128,12 @@ __global__ void __launch_bounds__(256) qk_plan_write(int32_t *plan, const U *key
             if (row_of) pr[i] = (int32_t)row_of[v];
         }
     }
+}
+
+// qk_plan_write over m sorted pairs of keys below n (row_of may be NULL) into plan.
+inline int qk_plan_write_launch(int32_t *plan, const uint32_t *keys, const uint32_t *values, const uint32_t *row_of,
+                                int64_t m, int64_t n, cudaStream_t s) {
+    void *args[] = {&plan, &keys, &values, &row_of, &m, &n};
+    return qk_launch((const void *)qk_plan_write<uint32_t>, dim3(qk_grid_for(m > n + 1 ? m : n + 1, 256, 132 * 16)),
+                     dim3(256), 0, s, args);
 }

@@ -873,14 +873,7 @@ extern "C" int qk_sparse_aggregate_plan_cuda(const qk_sparse_aggregate_plan_args
         if (!status && end_bit > 0)
             status = (int)qk_sort_pairs<uint32_t>(base + o_temp, temp_bytes, keys, edges, (uint32_t)E, end_bit, s);
     }
-    if (!status) {
-        int32_t *out = a->plan;
-        const uint32_t *sk = keys.Current(), *se = edges.Current(), *sr = row_of;
-        int64_t m = E, n = N;
-        void *args[] = {&out, &sk, &se, &sr, &m, &n};
-        status = qk_launch((const void *)qk_plan_write<uint32_t>, dim3(qk_grid_for(E > N + 1 ? E : N + 1, 256, 132 * 16)),
-                           dim3(256), 0, s, args);
-    }
+    if (!status) status = qk_plan_write_launch(a->plan, keys.Current(), edges.Current(), row_of, E, N, s);
     const int freed = qk_scratch_free(a->scratch, base, plan.bytes, s);
     return status ? status : freed;
 }
