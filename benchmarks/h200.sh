@@ -18,6 +18,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/qkernels-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# the examples import qkernels as installed: here it is built in place, not installed
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 if [ -n "${QK_PREBUILT:-}" ]; then
     # a .gz is unpacked (the object is ~65 MB, past what a carried tree may hold; gzip -1 makes it ~22)
