@@ -218,6 +218,44 @@ typedef struct {
     const qk_scratch *scratch;
 } qk_fused_edge_features_plan_args;
 
+/* message_passing: one message-passing layer of a gated graph network, fused (forward only):
+ *   ef    = cat(x[src] + x[dst], |x[src] - x[dst]|, e)           [E, 3H]  (src, dst = edge_index)
+ *   h     = relu(ef w1 + b1)                                     [E, F]
+ *   msg   = h w_msg + b_msg                                      [E, H]
+ *   att   = sigmoid(h w_att + b_att)                             [E, K]   (K heads, H % K == 0)
+ *   agg[n, k] = sum over CSR row n (entries j in row_ptr[n] .. row_ptr[n+1]) of
+ *               att[dir_edge[j], k] * (x[col_idx[j]] w_v)[k H/K .. (k+1) H/K]
+ *   x_out = LayerNorm(agg w_o) * gamma_x + beta_x + x                [N, H]
+ *   e_out = LayerNorm(msg) * gamma_e + beta_e + e                    [E, H]
+ * LayerNorm as fused_norm_residual's (population variance, eps on the variance); fp32 math.  The
+ * aggregation is computed as (sum_j att x[col]) w_v, the same product regrouped.  Outputs are
+ * contiguous.  CUDA treats an out-of-range index as a zero row or a skipped entry (never read out
+ * of bounds); the cpu launcher refuses it (QK_E_INDEX). */
+typedef struct {
+    const void *x;          /* [N, H] */
+    const void *e;          /* [E, H] */
+    const void *edge_index; /* [2, E], ei_dtype */
+    const void *row_ptr;    /* [N + 1], csr_dtype */
+    const void *col_idx;    /* [M], csr_dtype */
+    const void *dir_edge;   /* [M], csr_dtype */
+    const void *w1, *b1;       /* [3H, F], [F] */
+    const void *w_msg, *b_msg; /* [F, H], [H] */
+    const void *w_att, *b_att; /* [F, K], [K] */
+    const void *w_v, *w_o;     /* [H, H], [H, H] */
+    const void *gamma_x, *beta_x, *gamma_e, *beta_e; /* [H] */
+    void *x_out;            /* [N, H], contiguous */
+    void *e_out;            /* [E, H], contiguous */
+    int64_t num_nodes, num_edges, num_entries, H, F, heads;
+    int64_t x_stride[2], e_stride[2], ei_stride[2], rp_stride, ci_stride, de_stride;
+    int64_t w1_stride[2], wm_stride[2], wa_stride[2], wv_stride[2], wo_stride[2];
+    int64_t b1_stride, bm_stride, ba_stride, gx_stride, bx_stride, ge_stride, be_stride;
+    float eps;
+    int ei_dtype, csr_dtype, dtype, num_threads;
+    int bad_arg; /* QK_E_INDEX: 0 edge_index[0], 1 edge_index[1], 2 row_ptr, 3 col_idx, 4 dir_edge */
+    int64_t bad_pos, bad_value;
+    const qk_scratch *scratch; /* CUDA temporaries (the gates, [E, K] fp32); NULL: the stream-ordered pool */
+} qk_message_passing_args;
+
 /* fused_norm_residual: y = LayerNorm(x) * gamma + beta over the last dim (population variance,
  * two-pass: mean, then squared deviations), then when training dropout with probability p (kept
  * values scaled by 1/(1-p)), then + residual.  The mask bit of element (r, h) is
@@ -529,6 +567,7 @@ typedef struct {
     X(fused_norm_residual_backward, fused_norm_residual_backward) \
     X(graph_norm_bce, graph_norm_bce)           \
     X(graph_norm_bce_backward, graph_norm_bce)  \
+    X(message_passing, message_passing)         \
     X(attn_decode, attn_decode)                 \
     X(attn_prefill, attn_prefill)               \
     X(rotary_emb, rotary_emb)                   \
@@ -550,6 +589,7 @@ typedef struct {
     X(fused_norm_residual_backward, fused_norm_residual_backward, fused_norm_residual, 0) \
     X(graph_norm_bce, graph_norm_bce, graph_norm_bce, 0)                  \
     X(graph_norm_bce_backward, graph_norm_bce_backward, graph_norm_bce, 0) \
+    X(message_passing, message_passing, message_passing, 0)              \
     X(rotary_emb, rotary_emb, rotary_emb, 0)                              \
     X(rotary_emb_backward, rotary_emb, rotary_emb, 0)                     \
     X(linear, linear, linear, 0)                                          \
@@ -565,7 +605,7 @@ typedef struct {
     X(rotary_kv_append, rotary_kv_append, rotary_emb, 0)
 
 /* The CUDA shared object exports one symbol, qk_cuda_get_api, returning this table. */
-#define QK_CUDA_ABI 16
+#define QK_CUDA_ABI 17
 
 typedef struct {
     int abi;
