@@ -99,6 +99,15 @@ class QkernelsOps:
     def loss(self, logits, labels):
         return qkernels.graph_norm_bce(logits, labels, self.st.edge_graph, self.st.num_graphs)
 
+    def layer(self, x, e, m, heads, p, training):
+        # Training runs the layer op by op (dropout, and backward kernels that walk the graph plans);
+        # inference runs it as one op, two kernels on cuda.
+        if training:
+            return layer_ops(self, x, e, m, heads, p, training)
+        st = self.st
+        return qkernels.message_passing(x, e, st.edge_index, st.row_ptr, st.col_idx, st.dir_edge, m.w1[0], m.w1[1],
+                                        m.msg[0], m.msg[1], m.att[0], m.att[1], m.v, m.o, *m.norm_x, *m.norm_e)
+
 
 class TorchOps:
     """The same ops written with PyTorch only."""
@@ -130,6 +139,21 @@ class TorchOps:
         sums = logits.new_zeros(self.st.num_graphs).index_add(0, self.graph, bce)
         return (sums / self.per_graph).mean()
 
+    def layer(self, x, e, m, heads, p, training):
+        return layer_ops(self, x, e, m, heads, p, training)
+
+
+def layer_ops(ops, x, e, m, heads, p, training):
+    """One message-passing layer of the decoder through ops' graph ops: -> (x, e)."""
+    N, H = x.shape
+    h = torch.relu(ops.edge_features(x, e) @ m.w1[0] + m.w1[1])
+    msg = h @ m.msg[0] + m.msg[1]
+    att = torch.sigmoid(h @ m.att[0] + m.att[1])
+    v = (x @ m.v).view(N, heads, H // heads)
+    agg = ops.aggregate(att, v)
+    x_out = ops.norm(agg.view(N, H) @ m.o, x, m.norm_x[0], m.norm_x[1], p, training)
+    return x_out, ops.norm(msg, e, m.norm_e[0], m.norm_e[1], p, training)
+
 
 class Decoder(torch.nn.Module):
     """eval_gnn.py's forward() as a module whose weights are parameters."""
@@ -157,15 +181,8 @@ class Decoder(torch.nn.Module):
         ops, p, training = self.ops, self.dropout, self.training
         x = node_x @ self.node_in[0] + self.node_in[1]
         e = edge_x @ self.edge_in[0] + self.edge_in[1]
-        N, H = x.shape
         for m in self.layers:
-            h = torch.relu(ops.edge_features(x, e) @ m.w1[0] + m.w1[1])
-            msg = h @ m.msg[0] + m.msg[1]
-            att = torch.sigmoid(h @ m.att[0] + m.att[1])
-            v = (x @ m.v).view(N, self.heads, H // self.heads)
-            agg = ops.aggregate(att, v)
-            x = ops.norm(agg.view(N, H) @ m.o, x, m.norm_x[0], m.norm_x[1], p, training)
-            e = ops.norm(msg, e, m.norm_e[0], m.norm_e[1], p, training)
+            x, e = ops.layer(x, e, m, self.heads, p, training)
         h = torch.relu(ops.edge_features(x, e) @ self.head1[0] + self.head1[1])
         logits = (h @ self.head2[0] + self.head2[1]).view(-1)
         return ops.loss(logits, labels)
@@ -370,6 +387,16 @@ def main(argv=None):
     print(f"comparison ({a.steps} steps, dropout off): loss {q[0]:.6f} -> {q[-1]:.6f} (qkernels), "
           f"{t[0]:.6f} -> {t[-1]:.6f} (pytorch); max abs diff {np.max(np.abs(q - t)):.1e}, "
           f"{worst:.2f} of the tolerance {LOSS_ATOL:.0e} + {LOSS_RTOL:.0e} |loss|: {'PASS' if ok else 'FAIL'}")
+    # Inference (eval mode, no grad): qkernels runs each layer as one message_passing op.
+    with torch.no_grad():
+        losses = []
+        for impl in ("qkernels", "pytorch"):
+            model = build(impl, "eager", weights, st, a, 0.0)[0].eval()
+            losses.append(float(model(*batches[0])))
+    err = abs(losses[0] - losses[1]) / (LOSS_ATOL + LOSS_RTOL * abs(losses[1]))
+    ok &= err <= 1.0
+    print(f"comparison, inference (message_passing): loss {losses[0]:.6f} (qkernels), {losses[1]:.6f} (pytorch), "
+          f"{err:.2f} of the tolerance: {'PASS' if err <= 1.0 else 'FAIL'}")
     if graphs and device.type != "cuda":
         print(f"{', '.join(graphs)}: skipped, CUDA graphs need a CUDA device")
     elif graphs:  # each graph variant's curve against pure PyTorch's eager one, then its dropout masks
