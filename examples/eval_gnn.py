@@ -33,12 +33,13 @@ number of that edge's faults happened; the sampler derives the detectors from th
 The model (random weights from --seed; an evaluation and throughput pass, not training).  Node
 inputs: detector bit, boundary flag, normalised (row, column, time); edge inputs: type one-hot and
 the normalised coordinates of both endpoints (the boundary node takes the faulty qubit's place).
-Both are projected to H channels (torch matmul).  Then L layers, each:
-  ef  = qkernels.fused_edge_features(x, edge_index, e)             [E, 3H]
-  h   = relu(ef W1 + b1);  m = h W2 + b2;  w = sigmoid(h Wa + ba)   (torch; w [E, heads], no softmax)
-  agg = qkernels.sparse_aggregate(row_ptr, col_idx, w[dir_edge], (x Wv).view(N, heads, H/heads))
-  x   = qkernels.fused_norm_residual(agg Wo, x, gamma, beta)
-  e   = qkernels.fused_norm_residual(m, e, gamma_e, beta_e)
+Both are projected to H channels (torch matmul).  Then L layers, each one qkernels.message_passing
+call (two kernels on cuda) computing:
+  ef  = cat(x[src] + x[dst], |x[src] - x[dst]|, e)                 [E, 3H]  (fused_edge_features)
+  h   = relu(ef W1 + b1);  m = h W2 + b2;  w = sigmoid(h Wa + ba)   (w [E, heads]: gates, no softmax)
+  agg = per head, the sum over each node's CSR row of w[dir_edge] * (x Wv)[col_idx]  (sparse_aggregate)
+  x   = LayerNorm(agg Wo) * gamma + beta + x                       (fused_norm_residual)
+  e   = LayerNorm(m) * gamma_e + beta_e + e
 The CSR lists each undirected edge under both endpoints (dir_edge maps a CSR entry to its edge).
 Per-edge logits come from one more fused_edge_features and a two-layer MLP; the loss is
 qkernels.graph_norm_bce over the batch (the disjoint union of the syndromes' graphs, edge_graph =
@@ -328,16 +329,9 @@ def forward(ops, w, st, det, labels, heads):
     -> (loss 0-d, node states [B*N, H], edge logits [B*E])."""
     x = node_inputs(st, det) @ w["node_in"][0] + w["node_in"][1]
     e = st.edge_raw @ w["edge_in"][0] + w["edge_in"][1]
-    N, H = x.shape
-    for lw in w["layers"]:
-        ef = ops("fused_edge_features", x, st.edge_index, e)
-        h = torch.relu(ef @ lw["w1"][0] + lw["w1"][1])
-        msg = h @ lw["msg"][0] + lw["msg"][1]
-        att = torch.sigmoid(h @ lw["att"][0] + lw["att"][1])  # [E, heads]: gates, not a softmax
-        v = (x @ lw["v"]).view(N, heads, H // heads)
-        agg = ops("sparse_aggregate", st.row_ptr, st.col_idx, att[st.dir_edge], v)
-        x = ops("fused_norm_residual", agg.view(N, H) @ lw["o"], x, *lw["norm_x"])
-        e = ops("fused_norm_residual", msg, e, *lw["norm_e"])
+    for lw in w["layers"]:  # the layer as one op: forward_ref below spells it out
+        x, e = ops("message_passing", x, e, st.edge_index, st.row_ptr, st.col_idx, st.dir_edge, *lw["w1"],
+                   *lw["msg"], *lw["att"], lw["v"], lw["o"], *lw["norm_x"], *lw["norm_e"])
     ef = ops("fused_edge_features", x, st.edge_index, e)
     logits = (torch.relu(ef @ w["head1"][0] + w["head1"][1]) @ w["head2"][0] + w["head2"][1]).view(-1)
     loss = ops("graph_norm_bce", logits, labels, st.edge_graph, st.num_graphs)
