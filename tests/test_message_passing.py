@@ -120,7 +120,8 @@ def test_index_dtypes(rng):
     with pytest.raises(TypeError, match=r"^message_passing: row_ptr must be int32 or int64, got float32"):
         call_with(args, row_ptr=args[3].astype(np.float32))
     for name in ("col_idx", "dir_edge"):
-        with pytest.raises(TypeError, match=rf"^message_passing: {name} must have row_ptr's dtype \(int64\), got int32"):
+        message = rf"^message_passing: {name} must have row_ptr's dtype \(int64\), got int32"
+        with pytest.raises(TypeError, match=message):
             call_with(args, **{name: args[NAMES.index(name)].astype(np.int32)})
 
 
@@ -137,7 +138,8 @@ def test_shapes(rng):
         "b1": (np.zeros(5, np.float32), r"b1 must have shape \[F\] = \[6\]"),
         "w_msg": (np.zeros((6, 7), np.float32), r"w_msg must have shape \[F, H\] = \[6, 8\]"),
         "b_msg": (np.zeros(7, np.float32), r"b_msg must have shape \[H\] = \[8\]"),
-        "w_att": (np.zeros((5, 2), np.float32), r"w_att must have shape \[F, K\] = \[6, 2\] with size 6 in dimension 0, got \[5, 2\]"),
+        "w_att": (np.zeros((5, 2), np.float32), r"w_att must have shape \[F, K\] = \[6, 2\] with size 6 in "
+                                                 r"dimension 0, got \[5, 2\]"),
         "b_att": (np.zeros(3, np.float32), r"b_att must have shape \[K\] = \[2\]"),
         "w_v": (np.zeros((8, 9), np.float32), r"w_v must have shape \[H, H\] = \[8, 8\]"),
         "w_o": (np.zeros((7, 8), np.float32), r"w_o must have shape \[H, H\] = \[8, 8\]"),
