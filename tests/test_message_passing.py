@@ -88,13 +88,15 @@ def test_same_bits_for_any_thread_count(rng):
     check(one, args)
 
 
-def test_dispatch_family():
+def test_dispatch_family(env):
     args, _ = sample("message_passing")
     d = qkernels.resolve("message_passing", *args)
     assert d.winner == "cpu" and d.family == "message_passing"
-    assert "message_passing" in _dispatch.GROUPS["graph"]
     with pytest.raises(qkernels.ExplicitSelectionError):
         qkernels.message_passing(*args, backend="cuda")
+    env(QECDEC_BACKEND="cuda")  # the graph group's variable selects for it
+    with pytest.raises(qkernels.ExplicitSelectionError, match="message_passing"):
+        qkernels.message_passing(*args)
 
 
 # ---- bad input ------------------------------------------------------------------------------
