@@ -19,17 +19,12 @@ __device__ __forceinline__ int64_t mp_index(const void *p, int dtype, int64_t po
                            : (int64_t)__ldg(static_cast<const int64_t *>(p) + pos);
 }
 
-__device__ __forceinline__ float mp_warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 // acc[r][j] += sum over i < n of in[r * ld + i] * w[i * ws0 + c * ws1] for lane column c = lane + 32 j
 // (< cols); in is shared memory, zero from n up to n rounded up to 4 (16-byte broadcast reads).
 template <int C>
 __device__ __forceinline__ void mp_product(float (&acc)[kRows][C], const float *in, int ld, int n, const float *w,
                                            int64_t ws0, int64_t ws1, int cols, int lane) {
+#pragma unroll 2
     for (int i = 0; i < n; i += 4) {
         float wv[4][C];
 #pragma unroll
@@ -48,27 +43,46 @@ __device__ __forceinline__ void mp_product(float (&acc)[kRows][C], const float *
     }
 }
 
-// Row r of a tile as LayerNorm(y) * gamma + beta + res (fused_norm_residual's: two-pass population
-// variance, eps on it), stored at out + r * H for the lane's columns; y[j] is the lane's column lane + 32 j.
+// The tile's rows as LayerNorm(y) * gamma + beta + res (fused_norm_residual's: two-pass population
+// variance, eps on it), row r stored at out + r * H for the lane's columns lane + 32 j and rows < rows;
+// the rows' warp sums run side by side.
 template <int C>
-__device__ __forceinline__ void mp_norm_store(const float (&y)[C], const float (&res)[C], const float *gamma,
-                                              int64_t gs, const float *beta, int64_t bs, float eps, int H, int lane,
-                                              float *out) {
-    float s = 0.f;
+__device__ __forceinline__ void mp_norm_store(const float (&y)[kRows][C], const float (&res)[kRows][C],
+                                              const float *gamma, int64_t gs, const float *beta, int64_t bs, float eps,
+                                              int H, int lane, int rows, float *out) {
+    float mean[kRows], rstd[kRows];
 #pragma unroll
-    for (int j = 0; j < C; j++) s += lane + 32 * j < H ? y[j] : 0.f;
-    const float mean = mp_warp_sum(s) / (float)H;
-    float d = 0.f;
+    for (int r = 0; r < kRows; r++) {
+        mean[r] = 0.f;
 #pragma unroll
-    for (int j = 0; j < C; j++) {
-        const float t = y[j] - mean;
-        d += lane + 32 * j < H ? t * t : 0.f;
+        for (int j = 0; j < C; j++) mean[r] += lane + 32 * j < H ? y[r][j] : 0.f;
     }
-    const float rstd = rsqrtf(mp_warp_sum(d) / (float)H + eps);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int r = 0; r < kRows; r++) mean[r] += __shfl_xor_sync(0xffffffffu, mean[r], o);
+#pragma unroll
+    for (int r = 0; r < kRows; r++) {
+        mean[r] /= (float)H;
+        rstd[r] = 0.f;
+#pragma unroll
+        for (int j = 0; j < C; j++) {
+            const float t = y[r][j] - mean[r];
+            rstd[r] += lane + 32 * j < H ? t * t : 0.f;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int r = 0; r < kRows; r++) rstd[r] += __shfl_xor_sync(0xffffffffu, rstd[r], o);
 #pragma unroll
     for (int j = 0; j < C; j++) {
         const int c = lane + 32 * j;
-        if (c < H) out[c] = (y[j] - mean) * rstd * __ldg(gamma + c * gs) + __ldg(beta + c * bs) + res[j];
+        if (c >= H) continue;
+        const float g = __ldg(gamma + c * gs), b = __ldg(beta + c * bs);
+#pragma unroll
+        for (int r = 0; r < kRows; r++)
+            if (r < rows) out[r * H + c] = (y[r][j] - mean[r]) * rsqrtf(rstd[r] / (float)H + eps) * g + b + res[r][j];
     }
 }
 
@@ -89,16 +103,18 @@ __global__ void __launch_bounds__(32 * kWarps) mp_rows(qk_message_passing_args a
     const int64_t N = a.num_nodes, E = a.num_edges;
     const int64_t node_tiles = (N + kRows - 1) / kRows, tiles = node_tiles + (E + kRows - 1) / kRows;
     const float *x = static_cast<const float *>(a.x), *ea = static_cast<const float *>(a.e);
-    float *e_out = static_cast<float *>(a.e_out);
     qk_dependent_wait();
     for (int64_t t = (int64_t)blockIdx.x * kWarps + warp; t < tiles; t += (int64_t)gridDim.x * kWarps) {
         if (t < node_tiles) {  // v = x w_v for kRows nodes
             const int64_t n0 = t * kRows;
-            for (int r = 0; r < kRows; r++) {
-                const int64_t n = n0 + r;
-                for (int c = lane; c < mp_pad4(H); c += 32)
-                    in_s[r * LI + c] = n < N && c < H ? __ldg(x + n * a.x_stride[0] + c * a.x_stride[1]) : 0.f;
-            }
+#pragma unroll
+            for (int r = 0; r < kRows; r++)
+#pragma unroll
+                for (int j = 0; j < CH; j++) {
+                    const int c = lane + 32 * j;
+                    if (c < mp_pad4(H))
+                        in_s[r * LI + c] = n0 + r < N && c < H ? __ldg(x + (n0 + r) * a.x_stride[0] + c * a.x_stride[1]) : 0.f;
+                }
             __syncwarp();
             float acc[kRows][CH] = {};
             mp_product<CH>(acc, in_s, LI, H, static_cast<const float *>(a.w_v), a.wv_stride[0], a.wv_stride[1], H, lane);
@@ -113,25 +129,29 @@ __global__ void __launch_bounds__(32 * kWarps) mp_rows(qk_message_passing_args a
             continue;
         }
         const int64_t e0 = (t - node_tiles) * kRows;
-        for (int r = 0; r < kRows; r++) {  // the edge features, zero past the last edge
-            const int64_t ed = e0 + r;
-            int64_t s = -1, d = -1;
-            if (ed < E) {
-                s = mp_index(a.edge_index, a.ei_dtype, ed * a.ei_stride[1]);
-                d = mp_index(a.edge_index, a.ei_dtype, a.ei_stride[0] + ed * a.ei_stride[1]);
-            }
-            const bool sv = s >= 0 && s < N, dv = d >= 0 && d < N;
-            for (int c = lane; c < H; c += 32) {
+        // The tile's indices in one round trip (lane r: edge r's src, lane kRows + r: its dst), then every
+        // row's loads at once; rows past the last edge are zero.
+        int64_t node = -1;
+        if (lane < 2 * kRows && e0 + lane % kRows < E)
+            node = mp_index(a.edge_index, a.ei_dtype, (lane / kRows) * a.ei_stride[0] + (e0 + lane % kRows) * a.ei_stride[1]);
+#pragma unroll
+        for (int r = 0; r < kRows; r++) {
+            const int64_t s = __shfl_sync(0xffffffffu, node, r), d = __shfl_sync(0xffffffffu, node, kRows + r);
+            const bool sv = s >= 0 && s < N, dv = d >= 0 && d < N, ev = e0 + r < E;
+#pragma unroll
+            for (int j = 0; j < CH; j++) {
+                const int c = lane + 32 * j;
+                if (c >= H) continue;
                 const float u = sv ? __ldg(x + s * a.x_stride[0] + c * a.x_stride[1]) : 0.f;
                 const float w = dv ? __ldg(x + d * a.x_stride[0] + c * a.x_stride[1]) : 0.f;
                 in_s[r * LI + c] = u + w;
                 in_s[r * LI + H + c] = fabsf(u - w);
-                in_s[r * LI + 2 * H + c] = ed < E ? __ldg(ea + ed * a.e_stride[0] + c * a.e_stride[1]) : 0.f;
+                in_s[r * LI + 2 * H + c] = ev ? __ldg(ea + (e0 + r) * a.e_stride[0] + c * a.e_stride[1]) : 0.f;
             }
-            for (int c = 3 * H + lane; c < mp_pad4(3 * H); c += 32) in_s[r * LI + c] = 0.f;
         }
+        if (lane < 4 * kRows && 3 * H + lane % 4 < mp_pad4(3 * H)) in_s[(lane / 4) * LI + 3 * H + lane % 4] = 0.f;
         __syncwarp();
-        {  // h = relu(ef w1 + b1)
+        {  // h = relu(ef w1 + b1), zero-padded to a multiple of 4
             float acc[kRows][CF] = {};
             mp_product<CF>(acc, in_s, LI, 3 * H, static_cast<const float *>(a.w1), a.w1_stride[0], a.w1_stride[1], F,
                            lane);
@@ -147,35 +167,40 @@ __global__ void __launch_bounds__(32 * kWarps) mp_rows(qk_message_passing_args a
         __syncwarp();
         if (lane < K) {  // the gates: a lane per head
             const float *wa = static_cast<const float *>(a.w_att) + lane * a.wa_stride[1];
-            const float b = __ldg(static_cast<const float *>(a.b_att) + lane * a.ba_stride);
             float g[kRows];
 #pragma unroll
-            for (int r = 0; r < kRows; r++) g[r] = b;
-            for (int i = 0; i < F; i++) {
-                const float w = __ldg(wa + i * a.wa_stride[0]);
+            for (int r = 0; r < kRows; r++) g[r] = 0.f;
+#pragma unroll 2
+            for (int i = 0; i < F; i += 4) {
+                float w[4];
 #pragma unroll
-                for (int r = 0; r < kRows; r++) g[r] += h_s[r * LH + i] * w;
+                for (int q = 0; q < 4; q++) w[q] = i + q < F ? __ldg(wa + (i + q) * a.wa_stride[0]) : 0.f;
+#pragma unroll
+                for (int r = 0; r < kRows; r++) {
+                    const float4 hv = *reinterpret_cast<const float4 *>(h_s + r * LH + i);
+                    g[r] += hv.x * w[0] + hv.y * w[1] + hv.z * w[2] + hv.w * w[3];
+                }
             }
+            const float b = __ldg(static_cast<const float *>(a.b_att) + lane * a.ba_stride);
 #pragma unroll
             for (int r = 0; r < kRows; r++)
-                if (e0 + r < E) att[(e0 + r) * K + lane] = 1.f / (1.f + expf(-g[r]));
+                if (e0 + r < E) att[(e0 + r) * K + lane] = 1.f / (1.f + expf(-(g[r] + b)));
         }
-        float msg[kRows][CH] = {};  // msg = h w_msg + b_msg, then e_out = LayerNorm(msg) + e
+        float msg[kRows][CH] = {}, res[kRows][CH];  // msg = h w_msg + b_msg, then e_out = LayerNorm(msg) + e
         mp_product<CH>(msg, h_s, LH, F, static_cast<const float *>(a.w_msg), a.wm_stride[0], a.wm_stride[1], H, lane);
 #pragma unroll
-        for (int r = 0; r < kRows; r++) {
-            float y[CH], res[CH];
+        for (int j = 0; j < CH; j++) {
+            const int c = lane + 32 * j;
+            const float b = c < H ? __ldg(static_cast<const float *>(a.b_msg) + c * a.bm_stride) : 0.f;
 #pragma unroll
-            for (int j = 0; j < CH; j++) {
-                const int c = lane + 32 * j;
-                y[j] = msg[r][j] + (c < H ? __ldg(static_cast<const float *>(a.b_msg) + c * a.bm_stride) : 0.f);
-                res[j] = c < H ? in_s[r * LI + 2 * H + c] : 0.f;
+            for (int r = 0; r < kRows; r++) {
+                msg[r][j] += b;
+                res[r][j] = c < H ? in_s[r * LI + 2 * H + c] : 0.f;
             }
-            if (e0 + r < E)  // uniform in the warp
-                mp_norm_store<CH>(y, res, static_cast<const float *>(a.gamma_e), a.ge_stride,
-                                  static_cast<const float *>(a.beta_e), a.be_stride, a.eps, H, lane,
-                                  e_out + (e0 + r) * H);
         }
+        mp_norm_store<CH>(msg, res, static_cast<const float *>(a.gamma_e), a.ge_stride,
+                          static_cast<const float *>(a.beta_e), a.be_stride, a.eps, H, lane, (int)min((int64_t)kRows, E - e0),
+                          static_cast<float *>(a.e_out) + e0 * H);
         __syncwarp();
     }
 }
@@ -189,61 +214,78 @@ __global__ void __launch_bounds__(32 * kWarps) mp_nodes(qk_message_passing_args 
     const int H = (int)a.H, K = (int)a.heads, hd = H / K;
     const int64_t N = a.num_nodes, M = a.num_entries, tiles = (N + kRows - 1) / kRows;
     const float *x = static_cast<const float *>(a.x);
-    float *x_out = static_cast<float *>(a.x_out);
+    int head[CH];  // the gate of each of the lane's columns
+#pragma unroll
+    for (int j = 0; j < CH; j++) head[j] = (lane + 32 * j) / hd;
     qk_dependent_wait();
     for (int64_t t = (int64_t)blockIdx.x * kWarps + warp; t < tiles; t += (int64_t)gridDim.x * kWarps) {
         const int64_t n0 = t * kRows;
-        int head[CH];  // the gate of each of the lane's columns
+        const int rows = (int)min((int64_t)kRows, N - n0);
+        // row_ptr[n0 .. n0 + rows] in lanes 0 .. rows, clamped into [0, M] and made non-decreasing (a
+        // malformed row_ptr is never followed out of the CSR)
+        int64_t rp = 0;
+        if (lane <= rows) rp = min(max(mp_index(a.row_ptr, a.csr_dtype, (n0 + lane) * a.rp_stride), (int64_t)0), M);
 #pragma unroll
-        for (int j = 0; j < CH; j++) head[j] = (lane + 32 * j) / hd;
-        for (int r = 0; r < kRows; r++) {
-            const int64_t n = n0 + r;
-            float acc[CH] = {};
-            int64_t b = 0, end = 0;
-            if (n < N) {  // a malformed row_ptr is clamped into [0, M], never followed out of it
-                b = min(max(mp_index(a.row_ptr, a.csr_dtype, n * a.rp_stride), (int64_t)0), M);
-                end = min(max(mp_index(a.row_ptr, a.csr_dtype, (n + 1) * a.rp_stride), b), M);
+        for (int o = 1; o < 32; o <<= 1) {
+            const int64_t up = __shfl_up_sync(0xffffffffu, rp, o);
+            if (lane >= o && lane <= rows) rp = max(rp, up);
+        }
+        int64_t bound[kRows + 1];
+#pragma unroll
+        for (int r = 0; r <= kRows; r++) bound[r] = __shfl_sync(0xffffffffu, rp, r < rows ? r : rows);
+#pragma unroll
+        for (int r = 0; r < kRows; r++)
+#pragma unroll
+            for (int j = 0; j < CH; j++) agg[r * LA + lane + 32 * j] = 0.f;
+        __syncwarp();
+        // The tile's entries in order, each lane holding one entry's source, edge and row per round;
+        // four entries' loads in flight at a time, each added to its row in entry order.
+        for (int64_t base = bound[0]; base < bound[kRows]; base += 32) {
+            int64_t col = -1, ed = 0;
+            int row = 0;
+            if (base + lane < bound[kRows]) {
+                const int64_t j = base + lane;
+                col = mp_index(a.col_idx, a.csr_dtype, j * a.ci_stride);
+                ed = mp_index(a.dir_edge, a.de_dtype, j * a.de_stride);
+                if (col < 0 || col >= N || ed < 0 || ed >= a.num_edges) col = -1;
+#pragma unroll
+                for (int r = 1; r < kRows; r++) row += j >= bound[r];
             }
-            for (int64_t base = b; base < end; base += 32) {
-                int64_t col = -1, ed = -1;
-                if (base + lane < end) {
-                    col = mp_index(a.col_idx, a.csr_dtype, (base + lane) * a.ci_stride);
-                    ed = mp_index(a.dir_edge, a.csr_dtype, (base + lane) * a.de_stride);
-                    if (col < 0 || col >= N || ed < 0 || ed >= a.num_edges) col = -1;
-                }
-                const int cnt = (int)min((int64_t)32, end - base);
-                for (int q = 0; q < cnt; q++) {
-                    const int64_t cq = __shfl_sync(0xffffffffu, col, q), eq = __shfl_sync(0xffffffffu, ed, q);
-                    if (cq < 0) continue;  // uniform: a skipped entry
+            const int cnt = (int)min((int64_t)32, bound[kRows] - base);
+            for (int q = 0; q < cnt; q += 4) {
+                float av[4][CH], vv[4][CH];
+                int rq[4];
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    const int64_t cq = __shfl_sync(0xffffffffu, col, (q + u) & 31);
+                    const int64_t eq = __shfl_sync(0xffffffffu, ed, (q + u) & 31);
+                    rq[u] = __shfl_sync(0xffffffffu, row, (q + u) & 31);
+                    const bool ok = q + u < cnt && cq >= 0;
 #pragma unroll
                     for (int j = 0; j < CH; j++) {
                         const int c = lane + 32 * j;
-                        if (c < H) acc[j] += __ldg(att + eq * K + head[j]) * __ldg(v + cq * H + c);
+                        av[u][j] = ok && c < H ? __ldg(att + eq * K + head[j]) : 0.f;
+                        vv[u][j] = ok && c < H ? __ldg(v + cq * H + c) : 0.f;
                     }
                 }
-            }
 #pragma unroll
-            for (int j = 0; j < CH; j++) {
-                const int c = lane + 32 * j;
-                if (c < mp_pad4(H)) agg[r * LA + c] = c < H ? acc[j] : 0.f;
+                for (int u = 0; u < 4; u++)
+#pragma unroll
+                    for (int j = 0; j < CH; j++) agg[rq[u] * LA + lane + 32 * j] += av[u][j] * vv[u][j];
             }
         }
         __syncwarp();
-        float y[kRows][CH] = {};
+        float y[kRows][CH] = {}, res[kRows][CH];
         mp_product<CH>(y, agg, LA, H, static_cast<const float *>(a.w_o), a.wo_stride[0], a.wo_stride[1], H, lane);
 #pragma unroll
-        for (int r = 0; r < kRows; r++) {
-            const int64_t n = n0 + r;
-            if (n >= N) break;  // uniform in the warp
-            float res[CH];
+        for (int r = 0; r < kRows; r++)
 #pragma unroll
             for (int j = 0; j < CH; j++) {
                 const int c = lane + 32 * j;
-                res[j] = c < H ? __ldg(x + n * a.x_stride[0] + c * a.x_stride[1]) : 0.f;
+                res[r][j] = r < rows && c < H ? __ldg(x + (n0 + r) * a.x_stride[0] + c * a.x_stride[1]) : 0.f;
             }
-            mp_norm_store<CH>(y[r], res, static_cast<const float *>(a.gamma_x), a.gx_stride,
-                              static_cast<const float *>(a.beta_x), a.bx_stride, a.eps, H, lane, x_out + n * H);
-        }
+        mp_norm_store<CH>(y, res, static_cast<const float *>(a.gamma_x), a.gx_stride, static_cast<const float *>(a.beta_x),
+                          a.bx_stride, a.eps, H, lane, rows, static_cast<float *>(a.x_out) + n0 * H);
         __syncwarp();
     }
 }
@@ -283,7 +325,8 @@ int mp_pick_f(const qk_message_passing_args *a, float *att, float *v, cudaStream
 extern "C" int qk_message_passing_cuda(const qk_message_passing_args *a, void *stream) {
     cudaStream_t s = (cudaStream_t)stream;
     if (a->dtype != QK_F32) return QK_E_UNSUPPORTED;
-    if ((a->ei_dtype != QK_I32 && a->ei_dtype != QK_I64) || (a->csr_dtype != QK_I32 && a->csr_dtype != QK_I64))
+    if ((a->ei_dtype != QK_I32 && a->ei_dtype != QK_I64) || (a->csr_dtype != QK_I32 && a->csr_dtype != QK_I64) ||
+        (a->de_dtype != QK_I32 && a->de_dtype != QK_I64))
         return QK_E_UNSUPPORTED;
     // A lane per gate and at most four columns per lane of H and F.
     if (a->H < 1 || a->H > 128 || a->F < 1 || a->F > 128 || a->heads < 1 || a->heads > 32 || a->H % a->heads)

@@ -23,7 +23,7 @@ TOL = 2e-5  # fp32 products of depth <= 3H = 384 and two LayerNorms
 def call(rng, index_dtype=np.int64, **options):
     """A sample call as CUDA tensors: -> (NumPy args, torch args, kwargs)."""
     args, kwargs = sample("message_passing", rng, index_dtype=index_dtype, **options)
-    return args, [cuda(a) for a in args], kwargs
+    return list(args), [cuda(a) for a in args], kwargs
 
 
 def check(outs, args, kwargs, tol=TOL):

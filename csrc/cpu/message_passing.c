@@ -157,7 +157,7 @@ QK_MULTIVERSION static void mp_nodes(void *p, int tid, int nthreads) {
             const int64_t end = qk_index(a->row_ptr, a->csr_dtype, m0 + r + 1, a->rp_stride);
             for (int64_t m = begin; m < end; m++) {
                 const float *xr = x + qk_index(a->col_idx, a->csr_dtype, m, a->ci_stride) * a->x_stride[0];
-                const float *g = j->att + qk_index(a->dir_edge, a->csr_dtype, m, a->de_stride) * K;
+                const float *g = j->att + qk_index(a->dir_edge, a->de_dtype, m, a->de_stride) * K;
                 for (int64_t k = 0; k < K; k++) {
                     if (xc == 1) mp_axpy(zr + k * H, g[k], xr, H);
                     else
@@ -202,7 +202,7 @@ static int mp_check_indices(qk_message_passing_args *a) {
         if (status == QK_E_INDEX) a->bad_arg = 2;
     }
     if (status == QK_OK) status = mp_check_range(a->col_idx, a->csr_dtype, M, 0, a->ci_stride, N, 3, a);
-    if (status == QK_OK) status = mp_check_range(a->dir_edge, a->csr_dtype, M, 0, a->de_stride, E, 4, a);
+    if (status == QK_OK) status = mp_check_range(a->dir_edge, a->de_dtype, M, 0, a->de_stride, E, 4, a);
     return status;
 }
 
@@ -219,7 +219,8 @@ int qk_message_passing_cpu(qk_message_passing_args *a, void *stream) {
     (void)stream;
     const int64_t N = a->num_nodes, E = a->num_edges, M = a->num_entries, H = a->H, F = a->F, K = a->heads;
     if (a->dtype != QK_F32 || (a->ei_dtype != QK_I32 && a->ei_dtype != QK_I64) ||
-        (a->csr_dtype != QK_I32 && a->csr_dtype != QK_I64) || K < 1 || H % K != 0)
+        (a->csr_dtype != QK_I32 && a->csr_dtype != QK_I64) ||
+        (a->de_dtype != QK_I32 && a->de_dtype != QK_I64) || K < 1 || H % K != 0)
         return QK_E_UNSUPPORTED;
     int status = mp_check_indices(a);
     if (status != QK_OK || H == 0) return status;

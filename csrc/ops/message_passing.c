@@ -21,8 +21,8 @@ QK_DOCS(message_passing,
     "x [N, H], e [E, H], row_ptr [N + 1] (from 0 to M), col_idx and dir_edge [M], w1 [3H, F], b1 [F],\n"
     "w_msg [F, H], b_msg [H], w_att [F, K], b_att [K], w_v and w_o [H, H], gamma_x, beta_x, gamma_e,\n"
     "beta_e [H].  LayerNorm as fused_norm_residual's (population variance, eps on the variance).\n"
-    "float32 only (fp32 arithmetic); edge_index int32 or int64, row_ptr, col_idx and dir_edge one index\n"
-    "dtype, int32 or int64.  Any strides; the outputs are fresh and contiguous.  Deterministic: the\n"
+    "float32 only (fp32 arithmetic); edge_index, row_ptr and dir_edge int32 or int64 each, col_idx of\n"
+    "row_ptr's dtype.  Any strides; the outputs are fresh and contiguous.  Deterministic: the\n"
     "same bits for any thread count.  A bad index is refused on cpu (ValueError naming it); on cuda\n"
     "it is skipped (a zero row), and QKERNELS_CHECK=1 validates every index first.")
 
@@ -59,9 +59,9 @@ static int mp_check(const qk_view *in) {
     for (int i = 0; i < NUM_INPUTS; i++)
         if (qk_check_ndim(OP, mp_names[i], &in[i], ndim[i], "%s", layout[i]) < 0) return -1;
     for (int i = 0; i < NUM_INPUTS; i++) {
-        if (i == EI || i == RP) {
+        if (i == EI || i == RP || i == DE) {
             if (qk_check_dtype_index(OP, mp_names[i], &in[i]) < 0) return -1;
-        } else if (i == CI || i == DE) {
+        } else if (i == CI) {
             if (qk_check_same_dtype(OP, mp_names[i], &in[i], "row_ptr's", &in[RP]) < 0) return -1;
         } else if (in[i].dtype != QK_F32) {
             PyErr_Format(PyExc_TypeError, OP ": %s must be float32, got %s", mp_names[i], qk_dtype_name(in[i].dtype));
@@ -142,7 +142,7 @@ static int mp_check_cuda(const qk_state *st, const qk_launch *l, qk_message_pass
     }
     if (status != QK_OK) return status;
     a->bad_arg = 4;
-    return qk_index_check(st, l, a->dir_edge, a->csr_dtype, M, a->de_stride, E, &a->bad_pos, &a->bad_value);
+    return qk_index_check(st, l, a->dir_edge, a->de_dtype, M, a->de_stride, E, &a->bad_pos, &a->bad_value);
 }
 
 static int mp_raise_index(const qk_message_passing_args *a) {
@@ -244,6 +244,7 @@ PyObject *qk_op_message_passing(PyObject *module, PyObject *const *args, Py_ssiz
     mp.eps = (float)eps;
     mp.ei_dtype = in[EI].dtype;
     mp.csr_dtype = in[RP].dtype;
+    mp.de_dtype = in[DE].dtype;
     mp.dtype = QK_F32;
     mp.num_threads = st->num_threads;
 

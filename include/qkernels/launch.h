@@ -237,7 +237,7 @@ typedef struct {
     const void *edge_index; /* [2, E], ei_dtype */
     const void *row_ptr;    /* [N + 1], csr_dtype */
     const void *col_idx;    /* [M], csr_dtype */
-    const void *dir_edge;   /* [M], csr_dtype */
+    const void *dir_edge;   /* [M], de_dtype */
     const void *w1, *b1;       /* [3H, F], [F] */
     const void *w_msg, *b_msg; /* [F, H], [H] */
     const void *w_att, *b_att; /* [F, K], [K] */
@@ -250,7 +250,7 @@ typedef struct {
     int64_t w1_stride[2], wm_stride[2], wa_stride[2], wv_stride[2], wo_stride[2];
     int64_t b1_stride, bm_stride, ba_stride, gx_stride, bx_stride, ge_stride, be_stride;
     float eps;
-    int ei_dtype, csr_dtype, dtype, num_threads;
+    int ei_dtype, csr_dtype, de_dtype, dtype, num_threads; /* csr_dtype: row_ptr and col_idx */
     int bad_arg; /* QK_E_INDEX: 0 edge_index[0], 1 edge_index[1], 2 row_ptr, 3 col_idx, 4 dir_edge */
     int64_t bad_pos, bad_value;
     const qk_scratch *scratch; /* CUDA temporaries (the gates, [E, K] fp32); NULL: the stream-ordered pool */
