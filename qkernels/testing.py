@@ -196,6 +196,22 @@ def _ref_fused_norm_residual_backward(grad_out, x, gamma, *, p=0.0, training=Fal
     return grad_x, (g * xhat).sum(axis=0), g.sum(axis=0)
 
 
+def _ref_message_passing(x, e, edge_index, row_ptr, col_idx, dir_edge, w1, b1, w_msg, b_msg, w_att, b_att, w_v, w_o,
+                         gamma_x, beta_x, gamma_e, beta_e, *, eps=1e-5):
+    """(x_out [N, H], e_out [E, H]): one gated message-passing layer as the composition of the graph ops
+    with K = w_att.shape[1] heads of H/K channels each (examples/eval_gnn.py's layer)."""
+    x, e = _f64(x), _f64(e)
+    n, h = x.shape
+    k = np.shape(w_att)[1]
+    hid = np.maximum(_ref_fused_edge_features(x, edge_index, e) @ _f64(w1) + _f64(b1), 0)
+    msg = hid @ _f64(w_msg) + _f64(b_msg)
+    att = 1 / (1 + np.exp(-(hid @ _f64(w_att) + _f64(b_att))))
+    v = (x @ _f64(w_v)).reshape(n, k, h // k)
+    agg = _ref_sparse_aggregate(row_ptr, col_idx, att[_idx(dir_edge)], v)
+    return (_ref_fused_norm_residual(agg.reshape(n, h) @ _f64(w_o), x, gamma_x, beta_x, eps=eps),
+            _ref_fused_norm_residual(msg, e, gamma_e, beta_e, eps=eps))
+
+
 def _bce_weight(target, pos_weight):
     """1 + (pos_weight - 1) * target per edge (pos_weight a float or an array broadcasting to [E])."""
     return 1.0 if pos_weight is None else 1 + (_f64(pos_weight) - 1) * _f64(target)
@@ -532,6 +548,34 @@ def _sample_fused_edge_features_plan(rng, dt, ix, n=6, e=11):
     return (rng.integers(0, n, (2, e)).astype(ix), n), {}
 
 
+def both_ways_csr(edge_index, num_nodes, ix=np.int64):
+    """(row_ptr [N + 1], col_idx [2E], dir_edge [2E]): each edge of edge_index listed under both of its
+    ends (in edge order within a node, a self-loop twice), pointing at the other end."""
+    src, dst = _idx(edge_index)
+    ends, others = np.concatenate([src, dst]), np.concatenate([dst, src])
+    order = np.argsort(ends, kind="stable")
+    row_ptr = np.concatenate([[0], np.cumsum(np.bincount(ends, minlength=num_nodes))])
+    dir_edge = np.concatenate([np.arange(len(src)), np.arange(len(src))])[order]
+    return row_ptr.astype(ix), others[order].astype(ix), dir_edge.astype(ix)
+
+
+def _sample_message_passing(rng, dt, ix, n=7, e=11, h=8, f=6, heads=2, edge_index_dtype=None):
+    """x [N, H], e [E, H], random edges (edge_index_dtype, else the index dtype) with both_ways_csr's
+    CSR, the weights scaled by their fan-in^-1/2, gammas near 1 and betas near 0."""
+    ei = rng.integers(0, max(n, 1), (2, e)).astype(edge_index_dtype or ix)
+    csr = both_ways_csr(ei, n, ix)
+
+    def weight(rows, cols):
+        return _randn(rng, dt, rows, cols, scale=max(rows, 1) ** -0.5)
+
+    def near(c, size):
+        return (c + _randn(rng, np.float64, size, scale=0.1)).astype(dt)
+
+    return (_randn(rng, dt, n, h), _randn(rng, dt, e, h), ei) + csr + (
+        weight(3 * h, f), near(0, f), weight(f, h), near(0, h), weight(f, heads), near(0, heads), weight(h, h),
+        weight(h, h), near(1, h), near(0, h), near(1, h), near(0, h)), {}
+
+
 def graph_batch(rng, rows, graphs, ix=np.int64, sort=True):
     """A batch vector [R] of ids in [0, graphs), sorted (a PyG batch) unless sort=False."""
     b = rng.integers(0, graphs, rows).astype(ix)
@@ -712,6 +756,7 @@ WORK_SIZES = {
     "fused_norm_residual_backward": dict(rows=2000, h=128, p=0.1),
     "graph_norm_bce": dict(e=50000, graphs=32),
     "graph_norm_bce_backward": dict(e=50000, graphs=32),
+    "message_passing": dict(n=4000, e=8000, h=32, f=32, heads=4, index_dtype=np.int32),  # the decoder's layer
     "rotary_emb": dict(lead=(64,), h=8, d=128),
     "linear": dict(m=16, k=1024, n=1024),
     "swiglu": dict(m=16, k=1024, n=2048),
@@ -762,6 +807,7 @@ FLOAT_ARGS = {
     "attn_paged_prefill": (0, 1, 2), "rmsnorm": (0, 1), "fused_add_rmsnorm": (0, 1, 2),
     "rotary_kv_append": (0, 1, 2, 3, 5, 6),
     "sparse_aggregate_plan": (), "fused_edge_features_plan": (),
+    "message_passing": (0, 1) + tuple(range(6, 18)),
 }
 
 OPS = tuple(FLOAT_ARGS)

@@ -32,7 +32,8 @@ SIZES = {"sparse_aggregate": dict(n_dst=30, n_src=9, heads=3, dim=5, avg_degree=
          "linear_backward": dict(m=5, k=33, n=17, lead=(2,)),
          "swiglu_backward": dict(m=None, k=33, n=17, weight_grad=False),
          "sparse_aggregate_plan": dict(n_dst=30, n_src=9, degrees=[0, 3, 0] + [2] * 27),
-         "fused_edge_features_plan": dict(n=20, e=50)}
+         "fused_edge_features_plan": dict(n=20, e=50),
+         "message_passing": dict(n=30, e=70, h=12, f=7, heads=3, edge_index_dtype=np.int32)}
 
 
 @pytest.mark.parametrize("options", ["default", "sizes", "float16"])

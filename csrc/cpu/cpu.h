@@ -72,6 +72,17 @@ static inline int64_t qk_group_at(const int64_t *offsets, int64_t n, int64_t tar
     return lo;
 }
 
+/* CSR row offsets row_ptr[i * stride], i = 0 .. n (dtype QK_I32/QK_I64), checked against E entries:
+ * non-decreasing within [0, E], and with whole also starting at 0 and ending at E (every entry in a
+ * row).  QK_E_INDEX with the first offending position and value in *pos, *value. */
+int qk_csr_check(const void *row_ptr, int index_dtype, int64_t stride, int64_t n, int64_t E, int whole, int64_t *pos,
+                 int64_t *value);
+
+/* The first of the n rows of a valid CSR whose cost prefix (entries before it from first_entry, plus
+ * the row index) reaches target: where a thread's share of rows of uneven lengths starts. */
+int64_t qk_csr_row_at(const void *row_ptr, int index_dtype, int64_t stride, int64_t n, int64_t first_entry,
+                      int64_t target);
+
 /* The next item of a job whose threads take items from a shared counter (atomic_init to 0 before
  * the run): a thread that starts late (a woken worker) takes only what is left, and the pool runs
  * a share no worker has taken on the caller's thread.  Only for items whose results do not depend

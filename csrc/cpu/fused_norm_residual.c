@@ -6,48 +6,18 @@
  * loses nothing to the mean) with 8 independent partial sums, which the compiler turns into SIMD
  * code; rows with unit inner strides take that path, others a strided loop in double. */
 #include "cpu.h"
+#include "norm.h"
 #include "qkernels/philox.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* Row sums in 32 lanes (lane j: elements h = j mod 32, in order), added pairwise in a fixed tree:
- * four independent 8-wide chains, so a 128-wide row is not one chain of dependent adds.  The
- * order is the same in every clone, and C11 mode keeps GCC from contracting a*b+c, so the bits
- * are too. */
-#define NR_LANES 32
 #define NRG_LANES 8 /* graph mode's double sums */
 
 /* Graph mode (batch= given), at the end of the file. */
 static int nrg_forward(qk_fused_norm_residual_args *a);
 static int nrg_backward(qk_fused_norm_residual_backward_args *a);
-
-/* The lanes' sum: a pairwise tree, then the tail's sum t (elements past the last full 32) */
-QK_INLINE float nr_reduce(float *restrict part, float t) {
-    _Static_assert(NR_LANES == 32, "the tree below is written out for 32 lanes");
-    for (int j = 0; j < 16; j++) part[j] += part[j + 16]; /* constant widths: whole-vector adds */
-    for (int j = 0; j < 8; j++) part[j] += part[j + 8];
-    for (int j = 0; j < 4; j++) part[j] += part[j + 4];
-    return ((part[0] + part[2]) + (part[1] + part[3])) + t;
-}
-
-/* sum of (x - shift - mean), or with squares of its squares */
-QK_INLINE float nr_pass(const float *restrict p, int64_t n, float shift, float mean, int squares) {
-    float part[NR_LANES] = {0};
-    int64_t h = 0;
-    for (; h + NR_LANES <= n; h += NR_LANES)
-        for (int j = 0; j < NR_LANES; j++) {
-            const float d = (p[h + j] - shift) - mean;
-            part[j] += squares ? d * d : d;
-        }
-    float s = 0.f;
-    for (; h < n; h++) {
-        const float d = (p[h] - shift) - mean;
-        s += squares ? d * d : d;
-    }
-    return nr_reduce(part, s);
-}
 
 /* The dropout draws of elements base .. base + n - 1 (qk_dropout_keep's words): one Philox
  * evaluation per 4 elements, the rounds unrolled so the loop over evaluations vectorises.  buf
@@ -85,10 +55,8 @@ QK_INLINE void nr_row_contiguous(const qk_fused_norm_residual_args *a, int64_t r
     /* out may be x or residual itself (each element is read before it is written at the same index),
      * never a shifted view of them */
     float *restrict o = (float *)a->out + r * a->out_stride[0];
-    const float shift = x[0];
-    const float mean = nr_pass(x, H, shift, 0.f, 0) / (float)H; /* of the shifted values */
-    const float var = nr_pass(x, H, shift, mean, 1) / (float)H;
-    const float rstd = 1.f / sqrtf(var + a->eps);
+    float shift, mean, rstd; /* mean of the shifted values */
+    nr_stats(x, H, a->eps, &shift, &mean, &rstd);
     if (!a->training) {
         for (int64_t h = 0; h < H; h++) o[h] = ((x[h] - shift) - mean) * rstd * gamma[h] + beta[h] + res[h];
         return;
@@ -201,9 +169,8 @@ QK_INLINE void nrb_row(const nrb_job *j, int64_t r, const float *restrict x, con
     const qk_fused_norm_residual_backward_args *a = j->a;
     const int64_t H = a->H;
     const float *restrict gamma = j->gamma;
-    const float shift = x[0];
-    const float mean = nr_pass(x, H, shift, 0.f, 0) / (float)H; /* of the shifted values */
-    const float rstd = 1.f / sqrtf(nr_pass(x, H, shift, mean, 1) / (float)H + a->eps);
+    float shift, mean, rstd; /* mean of the shifted values */
+    nr_stats(x, H, a->eps, &shift, &mean, &rstd);
     if (training) nrb_mask(a, (uint64_t)(r * H), H, mask, draws);
     float p1[NR_LANES] = {0}, p2[NR_LANES] = {0};
     int64_t h = 0;

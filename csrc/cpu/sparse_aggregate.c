@@ -48,10 +48,8 @@ QK_INLINE int64_t sa_source(const void *col_idx, int index_dtype, int64_t col_st
     return -1;
 }
 
-/* First of the n rows of a CSR whose cost prefix (edges before it from first_edge, plus the row
- * index) reaches `target`: the row a thread's share of the work starts at. */
-static int64_t sa_row_at_cost(const void *row_ptr, int index_dtype, int64_t stride, int64_t n, int64_t first_edge,
-                              int64_t target) {
+int64_t qk_csr_row_at(const void *row_ptr, int index_dtype, int64_t stride, int64_t n, int64_t first_edge,
+                      int64_t target) {
     int64_t lo = 0, hi = n;
     while (lo < hi) {
         const int64_t mid = lo + (hi - lo) / 2;
@@ -63,7 +61,7 @@ static int64_t sa_row_at_cost(const void *row_ptr, int index_dtype, int64_t stri
 
 static int64_t sa_row_at(const sa_job *j, int64_t target) {
     const qk_sparse_aggregate_args *a = j->a;
-    return sa_row_at_cost(a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst, j->first_edge, target);
+    return qk_csr_row_at(a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst, j->first_edge, target);
 }
 
 QK_MULTIVERSION static void sa_worker(void *p, int tid, int nthreads) {
@@ -129,17 +127,12 @@ static int sa_run_status(int status, int nomem, int nthreads, const int64_t *thr
     return status;
 }
 
-/* The checks both launchers start with: float32 features and int32/int64 indices (else
- * QK_E_UNSUPPORTED), and row_ptr [n + 1] a valid CSR prefix 0 <= row_ptr[0] <= ... <= row_ptr[n] <= E
- * (else QK_E_INDEX with *bad_arg 0 and the first offending position and value in *pos, *value). */
-static int sa_check_csr(int dtype, const void *row_ptr, int index_dtype, int64_t stride, int64_t n, int64_t E,
-                        int *bad_arg, int64_t *pos, int64_t *value) {
-    if (dtype != QK_F32 || (index_dtype != QK_I32 && index_dtype != QK_I64)) return QK_E_UNSUPPORTED;
+int qk_csr_check(const void *row_ptr, int index_dtype, int64_t stride, int64_t n, int64_t E, int whole, int64_t *pos,
+                 int64_t *value) {
     int64_t prev = 0;
     for (int64_t i = 0; i <= n; i++) {
         const int64_t v = qk_index(row_ptr, index_dtype, i, stride);
-        if (v < prev || v > E) {
-            *bad_arg = 0;
+        if (v < prev || v > E || (whole && ((i == 0 && v != 0) || (i == n && v != E)))) {
             *pos = i;
             *value = v;
             return QK_E_INDEX;
@@ -147,6 +140,17 @@ static int sa_check_csr(int dtype, const void *row_ptr, int index_dtype, int64_t
         prev = v;
     }
     return QK_OK;
+}
+
+/* The checks both launchers start with: float32 features and int32/int64 indices (else
+ * QK_E_UNSUPPORTED), and row_ptr [n + 1] a valid CSR prefix 0 <= row_ptr[0] <= ... <= row_ptr[n] <= E
+ * (else QK_E_INDEX with *bad_arg 0 and the first offending position and value in *pos, *value). */
+static int sa_check_csr(int dtype, const void *row_ptr, int index_dtype, int64_t stride, int64_t n, int64_t E,
+                        int *bad_arg, int64_t *pos, int64_t *value) {
+    if (dtype != QK_F32 || (index_dtype != QK_I32 && index_dtype != QK_I64)) return QK_E_UNSUPPORTED;
+    const int status = qk_csr_check(row_ptr, index_dtype, stride, n, E, 0, pos, value);
+    if (status == QK_E_INDEX) *bad_arg = 0;
+    return status;
 }
 
 int qk_sparse_aggregate_cpu(qk_sparse_aggregate_args *a, void *stream) {
@@ -209,7 +213,7 @@ typedef struct {
 } sab_job;
 
 static int64_t sab_row_at(const qk_sparse_aggregate_backward_args *a, int64_t first_edge, int64_t target) {
-    return sa_row_at_cost(a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst, first_edge, target);
+    return qk_csr_row_at(a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst, first_edge, target);
 }
 
 /* Rows [r0, r1): phase 0 records each edge's row; phase 1 computes grad_edge_weight. */
@@ -416,7 +420,7 @@ typedef struct {
 } sap_job;
 
 static int64_t sap_row_at(const qk_sparse_aggregate_plan_args *a, int64_t first_edge, int64_t target) {
-    return sa_row_at_cost(a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst, first_edge, target);
+    return qk_csr_row_at(a->row_ptr, a->index_dtype, a->row_ptr_stride, a->num_dst, first_edge, target);
 }
 
 static void sap_worker(void *p, int tid, int nthreads) {
