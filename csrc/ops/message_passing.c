@@ -96,7 +96,8 @@ static int mp_check(const qk_view *in) {
     for (int i = GX; i <= BE; i++)
         if (qk_check_dim(OP, mp_names[i], &in[i], 0, H, "[H] = [%lld]", (long long)H) < 0) return -1;
     if (K < 1 || H % K != 0) {
-        PyErr_Format(PyExc_ValueError, OP ": the number of heads K = w_att.shape[1] = %lld must be >= 1 and divide H = %lld",
+        PyErr_Format(PyExc_ValueError,
+                     OP ": the number of heads K = w_att.shape[1] = %lld must be >= 1 and divide H = %lld",
                      (long long)K, (long long)H);
         return -1;
     }
@@ -108,7 +109,8 @@ static int mp_check(const qk_view *in) {
 static int mp_check_cuda(const qk_state *st, const qk_launch *l, qk_message_passing_args *a) {
     if (l->device_type != kDLCUDA || !st->check_indices) return QK_OK;
     const int64_t N = a->num_nodes, E = a->num_edges, M = a->num_entries;
-    const int64_t ei_row = a->ei_stride[0] * (int64_t)qk_dtype_size(a->ei_dtype), csr = (int64_t)qk_dtype_size(a->csr_dtype);
+    const int64_t ei_row = a->ei_stride[0] * (int64_t)qk_dtype_size(a->ei_dtype);
+    const int64_t csr = (int64_t)qk_dtype_size(a->csr_dtype);
     int status = QK_OK;
     for (int row = 0; row < 2 && status == QK_OK; row++) {
         status = qk_index_check(st, l, (const char *)a->edge_index + row * ei_row, a->ei_dtype, E, a->ei_stride[1], N,
@@ -148,13 +150,13 @@ static int mp_raise_index(const qk_message_passing_args *a) {
     switch (a->bad_arg) {
     case 0:
     case 1:
-        PyErr_Format(PyExc_ValueError, OP ": edge_index[%d, %lld] = %lld is out of range for x with N = %lld", a->bad_arg,
-                     pos, v, (long long)a->num_nodes);
+        PyErr_Format(PyExc_ValueError, OP ": edge_index[%d, %lld] = %lld is out of range for x with N = %lld",
+                     a->bad_arg, pos, v, (long long)a->num_nodes);
         break;
     case 2:
         PyErr_Format(PyExc_ValueError,
-                     OP ": row_ptr must be non-decreasing from row_ptr[0] = 0 to row_ptr[N] = M = %lld; row_ptr[%lld] = %lld",
-                     (long long)a->num_entries, pos, v);
+                     OP ": row_ptr must be non-decreasing from row_ptr[0] = 0 to row_ptr[N] = M = %lld; "
+                     "row_ptr[%lld] = %lld", (long long)a->num_entries, pos, v);
         break;
     case 3:
         PyErr_Format(PyExc_ValueError, OP ": col_idx[%lld] = %lld is out of range for x with N = %lld", pos, v,
