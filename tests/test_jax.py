@@ -216,10 +216,16 @@ def test_grad_vs_jax_reference(op, rng):
         _close(g, r, tol=1e-4)
 
 
+# Finite differences over the inputs past message_passing's relu and |x[src] - x[dst]|: a step across one
+# of their kinks is off by percents; the gradients before them are checked against float64 jax.grad.
+FD_DIFF = {"message_passing": tuple(range(8, 18))}
+
+
 @pytest.mark.parametrize("op", sorted(GRADS))
 def test_grad_directional_fd(op, rng):
     """<grad, v> against (L(a + h v) - L(a - h v)) / 2h, on the op itself."""
     options, diff, _ = GRADS[op]
+    diff = FD_DIFF.get(op, diff)
     args, kwargs = T.sample(op, rng, **options)
     if op == "fused_edge_features":  # node rows 0.5 apart: no |x[src] - x[dst]| kink within the step
         n, h = args[0].shape
@@ -231,7 +237,7 @@ def test_grad_directional_fd(op, rng):
     primals = [args[i] for i in diff]
     grads = jax.grad(loss, argnums=tuple(range(len(diff))))(*primals)
     dirs = [jnp.asarray(rng.standard_normal(p.shape).astype(np.float32)) for p in primals]
-    h = 1e-3 if op == "message_passing" else 1e-2  # two layers of curvature and kinks: a shorter step
+    h = 1e-3 if op == "message_passing" else 1e-2  # LayerNorms after sigmoids: a shorter step
     plus = loss(*[p + h * d for p, d in zip(primals, dirs)])
     minus = loss(*[p - h * d for p, d in zip(primals, dirs)])
     fd = float(plus - minus) / (2 * h)

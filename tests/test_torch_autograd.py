@@ -103,6 +103,9 @@ DIFFERENTIABLE = {  # op -> positions of the inputs with gradients
 }
 DENSE = ("rotary_emb", "linear", "swiglu")
 COMPOSED = ("message_passing",)  # no backward kernels: under autograd the public op runs its composition
+# Finite differences over the inputs past message_passing's relu and |x[src] - x[dst]|: a step across one
+# of their kinks is off by percents; the gradients before them are checked against float64 autograd.
+FD_POSITIONS = {"message_passing": tuple(range(8, 18))}
 
 
 def _torch_call(op, rng, dtype=None, device="cpu", **sizes):
@@ -247,11 +250,11 @@ def test_directional_finite_differences(op, device, rng):
     if op == "fused_edge_features":  # nodes 10 apart: no step of h crosses the kink of |x[src] - x[dst]|
         args[0] = args[0] + 10 * torch.arange(args[0].shape[0], device=device, dtype=args[0].dtype)[:, None]
     fn = getattr(qkernels, op)
-    positions = [i for i in DIFFERENTIABLE[op] if i < len(args) and args[i] is not None]
+    positions = [i for i in FD_POSITIONS.get(op, DIFFERENTIABLE[op]) if i < len(args) and args[i] is not None]
     weight = _weights(fn(*args, **kwargs), device=device)
     _, grads = _grads(fn, args, kwargs, positions, weight)
     dirs = [torch.randn_like(args[i]) for i in positions]
-    h = 1e-3 if op in COMPOSED else 1e-2  # two layers of curvature and kinks: a shorter step
+    h = 1e-3 if op in COMPOSED else 1e-2  # LayerNorms after sigmoids: a shorter step
 
     def at(sign):
         a = list(args)
