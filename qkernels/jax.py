@@ -20,6 +20,7 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 
 from . import _C, _dispatch
+from . import _message_passing as _mp
 
 __all__ = list(_C.OPS) + ["explain", "registered"]
 
@@ -1333,3 +1334,60 @@ def rotary_kv_append(q, k, v, cos_sin, positions, k_pool, v_pool, slots, *, inte
     arrays = tuple(map(_arr, (q, k, v, cos_sin, positions, k_pool, v_pool, slots)))
     _check_rka(op, *arrays)
     return _rotary_kv_append(*arrays, interleaved=bool(interleaved), platform=_platform(op, arrays[0], backend))
+
+
+# ---- message_passing ------------------------------------------------------------------------------
+
+def _mp_composed(eps, x, e, ei, rp, ci, de, w1, b1, w_msg, b_msg, w_att, b_att, w_v, w_o, gamma_x, beta_x, gamma_e,
+                 beta_e):
+    """The layer as the differentiable graph ops and matmuls (the fused op's definition): its vjp is the
+    fused op's.  The pieces are the ops' custom_vjp forms: the call's platform was resolved once, for
+    message_passing, and its arguments checked."""
+    mm = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)  # fp32 products, as the kernels
+    (N, H), K = x.shape, w_att.shape[1]
+    h = jax.nn.relu(mm(_fe_diff(x, ei, jnp.zeros((0,), jnp.int32), e), w1) + b1)
+    msg = mm(h, w_msg) + b_msg
+    att = jax.nn.sigmoid(mm(h, w_att) + b_att)
+    agg = _sa_diff(rp, ci, jnp.take(att, de, axis=0), mm(x, w_v).reshape(N, K, H // K))
+    static, seed = _nr_static(0.0, False, eps, None), jnp.zeros((2,), jnp.uint32)
+    return (_nr_diff(static, mm(agg.reshape(N, H), w_o), x, gamma_x, beta_x, seed),
+            _nr_diff(static, msg, e, gamma_e, beta_e, seed))
+
+
+# Outside differentiation the fused handler runs; jax.grad and jax.vjp differentiate the composition,
+# whose forward values they also take (the op has no backward kernels).  Under vmap the handler runs
+# once per batch element (the custom call's sequential rule): a batch cannot fold into one graph call
+# without rewriting the indices.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _mp_diff(eps, *arrays):
+    x, e = arrays[0], arrays[1]
+    return tuple(_ffi("message_passing", [_sds(x.shape, x.dtype), _sds(e.shape, e.dtype)], *arrays,
+                      eps=np.float32(eps)))
+
+
+def _mp_fwd(eps, *arrays):
+    return jax.vjp(functools.partial(_mp_composed, eps), *arrays)
+
+
+def _mp_bwd(eps, vjp, g):
+    return vjp(g)
+
+
+_mp_diff.defvjp(_mp_fwd, _mp_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "platform"))
+def _message_passing(*arrays, eps, platform):
+    return _mp_diff(eps, *arrays)
+
+
+def message_passing(x, e, edge_index, row_ptr, col_idx, dir_edge, w1, b1, w_msg, b_msg, w_att, b_att, w_v, w_o,
+                    gamma_x, beta_x, gamma_e, beta_e, *, eps=1e-5, backend=None):
+    """One message-passing layer of a gated graph network, fused: (x_out [N, H], e_out [E, H]), float32
+    (see qkernels.message_passing).  Differentiable in every float argument, through the composition of
+    fused_edge_features, sparse_aggregate, fused_norm_residual and matmuls it computes."""
+    op = "message_passing"
+    arrays = tuple(map(_arr, (x, e, edge_index, row_ptr, col_idx, dir_edge, w1, b1, w_msg, b_msg, w_att, b_att, w_v,
+                              w_o, gamma_x, beta_x, gamma_e, beta_e)))
+    _mp.check({n: tuple(a.shape) for n, a in zip(_mp.ARGS, arrays)}, {n: _dt(a) for n, a in zip(_mp.ARGS, arrays)})
+    return _message_passing(*arrays, eps=_rn_eps(op, eps), platform=_platform(op, arrays[0], backend))

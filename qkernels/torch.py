@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import _C, _dispatch, _flash
+from . import _message_passing as _mp
 from ._frameworks import run
 
 NAMESPACE = "qkernels"
@@ -54,6 +55,10 @@ SCHEMAS = {
     "fused_add_rmsnorm": ("Tensor x, Tensor residual, Tensor weight, *, float eps=1e-06", "Tensor"),
     "rotary_kv_append": ("Tensor q, Tensor k, Tensor v, Tensor cos_sin, Tensor positions, Tensor k_pool, "
                          "Tensor v_pool, Tensor slots, *, bool interleaved=True", "Tensor"),
+    "message_passing": ("Tensor x, Tensor e, Tensor edge_index, Tensor row_ptr, Tensor col_idx, Tensor dir_edge, "
+                        "Tensor w1, Tensor b1, Tensor w_msg, Tensor b_msg, Tensor w_att, Tensor b_att, Tensor w_v, "
+                        "Tensor w_o, Tensor gamma_x, Tensor beta_x, Tensor gamma_e, Tensor beta_e, *, float eps=1e-05",
+                        "(Tensor, Tensor)"),
     # backward ops: a gradient not asked for comes back as an empty tensor (schemas have no optional returns)
     "sparse_aggregate_backward": ("Tensor grad_out, Tensor row_ptr, Tensor col_idx, Tensor edge_weight, "
                                   "Tensor node_feat, *, bool edge_weight_grad=True, bool node_feat_grad=True, "
@@ -111,6 +116,8 @@ FAKES = {
     "rmsnorm": lambda c: c["x"].new_empty(c["x"].shape),
     "fused_add_rmsnorm": lambda c: c["x"].new_empty(c["x"].shape),
     "rotary_kv_append": lambda c: c["q"].new_empty(c["q"].shape),
+    "message_passing": lambda c: (c["x"].new_empty(c["x"].shape),
+                                  c["x"].new_empty((c["e"].shape[0], c["x"].shape[1]))),
     "sparse_aggregate_backward": lambda c: (_maybe(c["edge_weight_grad"], c["edge_weight"]),
                                             _maybe(c["node_feat_grad"], c["node_feat"])),
     "fused_edge_features_backward": lambda c: (
@@ -261,6 +268,28 @@ GRADIENTS = {
     "linear": (_save_linear, _grad_linear, ("x", "weight", "bias")),
     "swiglu": (_save_swiglu, _grad_swiglu, ("x", "up_weight", "gate_weight")),
 }
+
+
+def _composed_message_passing(c, backend):
+    """message_passing as its definition: qkernels' differentiable graph ops and torch's matmuls."""
+    _mp.check({n: tuple(c[n].shape) for n in _mp.ARGS}, {n: _dtype_name(c[n].dtype) for n in _mp.ARGS})
+    kw = {} if backend is None else {"backend": backend}
+    x, e, w_att = c["x"], c["e"], c["w_att"]
+    (N, H), K = x.shape, w_att.shape[1]
+    h = torch.relu(_C.fused_edge_features(x, c["edge_index"], e, **kw) @ c["w1"] + c["b1"])
+    msg = h @ c["w_msg"] + c["b_msg"]
+    att = torch.sigmoid(h @ w_att + c["b_att"])
+    agg = _C.sparse_aggregate(c["row_ptr"], c["col_idx"], att.index_select(0, c["dir_edge"]),
+                              (x @ c["w_v"]).reshape(N, K, H // K), **kw)
+    eps = c["eps"]
+    return (_C.fused_norm_residual(agg.reshape(N, H) @ c["w_o"], x, c["gamma_x"], c["beta_x"], eps=eps, **kw),
+            _C.fused_norm_residual(msg, e, c["gamma_e"], c["beta_e"], eps=eps, **kw))
+
+
+# Ops without backward kernels whose results stay differentiable: with an input that requires grad
+# (under grad mode) route() runs this composition of differentiable ops instead, so autograd records
+# exact gradients of the op's definition.  op -> fn(bound public arguments, backend or None).
+COMPOSED = {"message_passing": _composed_message_passing}
 
 
 # ---- registration -------------------------------------------------------------------------------
@@ -452,6 +481,8 @@ def route(op, args, kwargs, backend):
     if torch.is_grad_enabled():
         if out is not None and out.requires_grad:
             raise RuntimeError(f"{op}: out requires grad; out= forms do not record gradients, as torch's own do not")
+        if op in COMPOSED and any(isinstance(v, torch.Tensor) and v.requires_grad for v in c.values()):
+            return COMPOSED[op](c, backend)
         differentiable = GRADIENTS.get(op, (None, None, ()))[2]
         for name, value in c.items():
             if isinstance(value, torch.Tensor) and value.requires_grad:

@@ -83,12 +83,29 @@ def _t_swiglu(x, up_weight, gate_weight):
     return F.linear(x, up_weight) * F.silu(F.linear(x, gate_weight))
 
 
+def _t_message_passing(x, e, edge_index, row_ptr, col_idx, dir_edge, w1, b1, w_msg, b_msg, w_att, b_att, w_v, w_o,
+                       gamma_x, beta_x, gamma_e, beta_e, *, eps=1e-5):
+    import torch
+
+    (N, H), K = x.shape, w_att.shape[1]
+    h = torch.relu(_t_fused_edge_features(x, edge_index, e) @ w1 + b1)
+    att = torch.sigmoid(h @ w_att + b_att)[dir_edge.long()]
+    agg = _t_sparse_aggregate(row_ptr, col_idx, att, (x @ w_v).reshape(N, K, H // K)).reshape(N, H)
+    return (_t_fused_norm_residual(agg @ w_o, x, gamma_x, beta_x, eps=eps),
+            _t_fused_norm_residual(h @ w_msg + b_msg, e, gamma_e, beta_e, eps=eps))
+
+
 REFS = {name[3:]: fn for name, fn in globals().items() if name.startswith("_t_")}
 DIFFERENTIABLE = {  # op -> positions of the inputs with gradients
     "sparse_aggregate": (2, 3), "fused_edge_features": (0, 2), "fused_norm_residual": (0, 1, 2, 3),
     "graph_norm_bce": (0,), "rotary_emb": (0,), "linear": (0, 1, 2), "swiglu": (0, 1, 2),
+    "message_passing": (0, 1) + tuple(range(6, 18)),  # every float input, through its composition
 }
 DENSE = ("rotary_emb", "linear", "swiglu")
+COMPOSED = ("message_passing",)  # no backward kernels: under autograd the public op runs its composition
+# Finite differences over the inputs past message_passing's relu and |x[src] - x[dst]|: a step across one
+# of their kinks is off by percents; the gradients before them are checked against float64 autograd.
+FD_POSITIONS = {"message_passing": tuple(range(8, 18))}
 
 
 def _torch_call(op, rng, dtype=None, device="cpu", **sizes):
@@ -105,8 +122,19 @@ def _torch_call(op, rng, dtype=None, device="cpu", **sizes):
     return args, kwargs
 
 
+def _outs(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _weights(out, **like):
+    """A random float64 weight per output of the op (message_passing has two)."""
+    import torch
+
+    return tuple(torch.randn(o.shape, dtype=torch.float64, **like) for o in _outs(out))
+
+
 def _grads(fn, args, kwargs, positions, weight):
-    """The gradients of sum(fn(...) * weight) with respect to args at positions."""
+    """The gradients of sum(fn(...) * weight) (summed over the op's outputs) with respect to args at positions."""
     args = list(args)
     leaves = []
     for i in positions:
@@ -114,7 +142,7 @@ def _grads(fn, args, kwargs, positions, weight):
             args[i] = args[i].detach().requires_grad_(True)
             leaves.append(args[i])
     out = fn(*args, **kwargs)
-    (out * weight.to(out.dtype)).sum().backward()
+    sum((o * w.to(o.dtype)).sum() for o, w in zip(_outs(out), weight, strict=True)).backward()
     return out, [leaf.grad for leaf in leaves]
 
 
@@ -129,13 +157,14 @@ def _check_against_reference(op, args, kwargs, dtype=None):
     positions = DIFFERENTIABLE[op]
     dtype = dtype or str(args[positions[0]].dtype).rpartition(".")[2]
     out = getattr(qkernels, op)(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
-    weight = torch.randn(out.shape, dtype=torch.float64)
-    got_out, got = _grads(getattr(qkernels, op), args, kwargs, positions, weight.to(out.device))
-    assert got_out.grad_fn is not None, f"{op}: the result is not connected to autograd"
+    weight = _weights(out)
+    got_out, got = _grads(getattr(qkernels, op), args, kwargs, positions, [w.to(args[0].device) for w in weight])
+    assert all(o.grad_fn is not None for o in _outs(got_out)), f"{op}: the result is not connected to autograd"
     host = lambda a: a.detach().cpu() if isinstance(a, torch.Tensor) else a  # noqa: E731
     ref_args = [host(a).double() if isinstance(a, torch.Tensor) and a.is_floating_point() else host(a) for a in args]
     ref_out, want = _grads(REFS[op], ref_args, {k: host(v) for k, v in kwargs.items()}, positions, weight)
-    torch.testing.assert_close(got_out.double().cpu(), ref_out, rtol=TOL[dtype], atol=TOL[dtype])
+    for o, r in zip(_outs(got_out), _outs(ref_out), strict=True):
+        torch.testing.assert_close(o.double().cpu(), r, rtol=TOL[dtype], atol=TOL[dtype])
     for g, w in zip(got, want):
         assert g is not None and g.dtype == getattr(torch, dtype)
         err = (g.double().cpu() - w).norm() / max(w.norm().item(), 1e-30)
@@ -150,6 +179,7 @@ SIZES = {  # awkward sizes per op
     "rotary_emb": [{}, dict(lead=(2, 3), h=2, d=6, interleaved=False)],
     "linear": [{}, dict(m=5, k=17, n=9), dict(m=1, k=3, n=2, bias=False)],
     "swiglu": [{}, dict(m=4, k=13, n=6)],
+    "message_passing": [{}, dict(n=9, e=17, h=6, f=5, heads=3), dict(n=1, e=3, h=4, f=7, heads=4)],
 }
 
 
@@ -162,8 +192,8 @@ def test_gradients_match_float64_autograd(op, sizes, device, rng):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("op", list(DIFFERENTIABLE))
 def test_gradients_16bit(op, dtype, device, rng):
-    if device == "cpu" and op not in DENSE:
-        pytest.skip("the CPU graph kernels take float32 only")
+    if device == "cpu" and op not in DENSE or op in COMPOSED:
+        pytest.skip("the CPU graph kernels and message_passing take float32 only")
     args, kwargs = _torch_call(op, rng, dtype=dtype, device=device)
     _check_against_reference(op, args, kwargs)
 
@@ -220,18 +250,18 @@ def test_directional_finite_differences(op, device, rng):
     if op == "fused_edge_features":  # nodes 10 apart: no step of h crosses the kink of |x[src] - x[dst]|
         args[0] = args[0] + 10 * torch.arange(args[0].shape[0], device=device, dtype=args[0].dtype)[:, None]
     fn = getattr(qkernels, op)
-    positions = [i for i in DIFFERENTIABLE[op] if i < len(args) and args[i] is not None]
-    weight = torch.randn(fn(*args, **kwargs).shape, device=device)
+    positions = [i for i in FD_POSITIONS.get(op, DIFFERENTIABLE[op]) if i < len(args) and args[i] is not None]
+    weight = _weights(fn(*args, **kwargs), device=device)
     _, grads = _grads(fn, args, kwargs, positions, weight)
     dirs = [torch.randn_like(args[i]) for i in positions]
-    h = 1e-2
+    h = 1e-3 if op in COMPOSED else 1e-2  # LayerNorms after sigmoids: a shorter step
 
     def at(sign):
         a = list(args)
         for i, d in zip(positions, dirs):
             a[i] = args[i].detach() + sign * h * d
         with torch.no_grad():
-            return (fn(*a, **kwargs).double() * weight.double()).sum().item()
+            return sum((o.double() * w).sum().item() for o, w in zip(_outs(fn(*a, **kwargs)), weight))
 
     fd = (at(1) - at(-1)) / (2 * h)
     an = sum((g.double() * d.double()).sum().item() for g, d in zip(grads, dirs))
@@ -247,7 +277,7 @@ def test_compile_forward_backward_without_breaks(op, device, rng):
     positions = [i for i in DIFFERENTIABLE[op] if i < len(args) and args[i] is not None]
 
     def step(*a):
-        return (fn(*a, **kwargs) ** 2).sum()
+        return sum((o ** 2).sum() for o in _outs(fn(*a, **kwargs)))
 
     def grads(f):
         a = list(args)
@@ -261,7 +291,7 @@ def test_compile_forward_backward_without_breaks(op, device, rng):
                                               for i, a in enumerate(args)])
 
 
-@pytest.mark.parametrize("op", list(DIFFERENTIABLE))
+@pytest.mark.parametrize("op", [op for op in DIFFERENTIABLE if op not in COMPOSED])  # theirs: no autograd formula
 def test_opcheck_with_gradients(op, device, rng):
     import torch
 
@@ -284,7 +314,7 @@ def test_no_grad_keeps_the_c_path(op, device, rng):
             args[i].requires_grad_(True)
     with torch.no_grad():
         out = getattr(qkernels, op)(*args, **kwargs)
-    assert out.grad_fn is None and not out.requires_grad
+    assert all(o.grad_fn is None and not o.requires_grad for o in _outs(out))
     with torch.inference_mode():
         getattr(qkernels, op)(*args, **kwargs)
 
@@ -378,3 +408,92 @@ def test_opcheck_with_plans(device, rng):
     torch.library.opcheck(torch.ops.qkernels.fused_edge_features.default, (*ef, ef_plan), {})
     torch.library.opcheck(torch.ops.qkernels.sparse_aggregate_plan.default, (sa[0], sa[1], sa[3].shape[0]), {})
     torch.library.opcheck(torch.ops.qkernels.fused_edge_features_plan.default, (ef[1], ef[0].shape[0]), {})
+
+
+# ---- message_passing: no backward kernels, so under autograd the public op runs its composition -----
+
+MP_SIZES = dict(n=9, e=17, h=6, f=5, heads=3)
+
+
+def _qkernels_ops(fn, *args):
+    """The qkernels operators of the one graph Dynamo traces from fn(*args)."""
+    import torch
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fn)(*args)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    return {str(n.target) for n in explained.graphs[0].graph.nodes if str(n.target).startswith("qkernels.")}
+
+
+def test_message_passing_is_fused_without_gradients_and_composed_with_them(rng):
+    import torch
+
+    import qkernels
+
+    args, _ = _torch_call("message_passing", rng, **MP_SIZES)
+
+    def f(*a):
+        return qkernels.message_passing(*a, eps=1e-3)
+
+    gamma_e = 16
+    with_grad = [a.detach().requires_grad_(i == gamma_e) for i, a in enumerate(args)]
+    assert _qkernels_ops(f, *args) == {"qkernels.message_passing"}
+    assert _qkernels_ops(f, *with_grad) == {"qkernels.fused_edge_features", "qkernels.sparse_aggregate",
+                                           "qkernels.fused_norm_residual"}
+    with torch.no_grad():
+        assert _qkernels_ops(f, *with_grad) == {"qkernels.message_passing"}
+
+    fused = f(*args)
+    x_out, e_out = f(*with_grad)
+    assert x_out.grad_fn is None and e_out.grad_fn is not None  # x_out does not depend on gamma_e
+    for got, want in zip((x_out, e_out), fused):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-5)
+    weight = torch.randn(e_out.shape, dtype=torch.float64)
+    (e_out * weight.float()).sum().backward()
+    ref = [a.double() if a.is_floating_point() else a for a in args]
+    ref[gamma_e].requires_grad_(True)
+    (_t_message_passing(*ref, eps=1e-3)[1] * weight).sum().backward()  # eps reaches the composition
+    torch.testing.assert_close(with_grad[gamma_e].grad.double(), ref[gamma_e].grad, rtol=1e-5, atol=1e-5)
+    assert [i for i, a in enumerate(with_grad) if a.grad is not None] == [gamma_e]
+
+
+def _with_extra_head(a):
+    import torch
+
+    a[10] = torch.cat([a[10], a[10][:, :1]], 1)  # w_att [F, K + 1], b_att [K + 1]: K + 1 = 4 does not divide H = 6
+    a[11] = torch.cat([a[11], a[11][:1]])
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (lambda a: a.__setitem__(0, a[0].double()), TypeError, "message_passing: x must be float32, got float64"),
+    (lambda a: a.__setitem__(4, a[4].long() if a[3].element_size() == 4 else a[4].int()), TypeError,
+     "message_passing: col_idx must have row_ptr's dtype"),
+    (lambda a: a.__setitem__(1, a[1][:, :-1]), ValueError, r"message_passing: e must have shape \[E, H\]"),
+    (lambda a: a.__setitem__(8, a[8][:, None]), ValueError, "message_passing: w_msg must have 2 dimensions"),
+    (_with_extra_head, ValueError, "message_passing: the number of heads K = w_att.shape.1. = 4 must be >= 1 and "
+     "divide H = 6"),
+])
+@pytest.mark.parametrize("grad", [False, True])
+def test_message_passing_errors_with_and_without_gradients(change, exc, match, grad, rng):
+    """The composition's checks raise the binding's errors: the same kind, op and argument."""
+    import qkernels
+
+    args, _ = _torch_call("message_passing", rng, **MP_SIZES)
+    change(args)
+    if grad:
+        args[6].requires_grad_(True)
+    with pytest.raises(exc, match=match):
+        qkernels.message_passing(*args)
+
+
+def test_message_passing_operator_refuses_gradients_it_cannot_record(rng):
+    """The operator has no autograd formula: called directly with an input that requires grad it raises,
+    naming the public op, which records them."""
+    import torch
+
+    import qkernels
+
+    args, _ = _torch_call("message_passing", rng, **MP_SIZES)
+    args[6].requires_grad_(True)
+    with pytest.raises(qkernels._C.GradRequiredError, match="message_passing: w1 requires grad.*call qkernels.mess"):
+        torch.ops.qkernels.message_passing(*args)

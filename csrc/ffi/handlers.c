@@ -438,6 +438,72 @@ static XLA_FFI_Error *ffi_fused_edge_features_plan(fc *c) {
     return fc_status(c, st);
 }
 
+static XLA_FFI_Error *mp_index_error(fc *c, const qk_message_passing_args *a) {
+    const long long pos = (long long)a->bad_pos, value = (long long)a->bad_value;
+    switch (a->bad_arg) {
+    case 0:
+    case 1:
+        return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "edge_index[%d, %lld] = %lld is out of range for x "
+                       "with N = %lld", a->bad_arg, pos, value, (long long)a->num_nodes);
+    case 2:
+        return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "row_ptr must be non-decreasing from row_ptr[0] = 0 to "
+                       "row_ptr[N] = M = %lld; row_ptr[%lld] = %lld", (long long)a->num_entries, pos, value);
+    case 3:
+        return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "col_idx[%lld] = %lld is out of range for x with "
+                       "N = %lld", pos, value, (long long)a->num_nodes);
+    default:
+        return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "dir_edge[%lld] = %lld is out of range for e with "
+                       "E = %lld", pos, value, (long long)a->num_edges);
+    }
+}
+
+/* message_passing(x, e, edge_index, row_ptr, col_idx, dir_edge, w1, b1, w_msg, b_msg, w_att, b_att, w_v, w_o,
+ * gamma_x, beta_x, gamma_e, beta_e) -> (x_out [N, H], e_out [E, H]); attribute eps.  The CUDA launcher takes
+ * scratch for the gates. */
+static const unsigned cb_message_passing = CB_YES;
+static XLA_FFI_Error *ffi_message_passing(fc *c) {
+    static const char *const names[18] = {"x", "e", "edge_index", "row_ptr", "col_idx", "dir_edge", "w1", "b1",
+                                          "w_msg", "b_msg", "w_att", "b_att", "w_v", "w_o", "gamma_x", "beta_x",
+                                          "gamma_e", "beta_e"};
+    static const int ranks[18] = {2, 2, 2, 1, 1, 1, 2, 1, 2, 1, 2, 1, 2, 2, 1, 1, 1, 1};
+    XLA_FFI_Buffer *b[18];
+    for (int i = 0; i < 18; i++)
+        if (!(b[i] = ARG(i, names[i], ranks[i]))) return c->err;
+    XLA_FFI_Buffer *xo = RET(0, "x_out", 2), *eo = xo ? RET(1, "e_out", 2) : NULL;
+    if (!eo) return c->err;
+    qk_message_passing_args a = {0};
+    a.x = b[0]->data, a.e = b[1]->data, a.edge_index = b[2]->data;
+    a.row_ptr = b[3]->data, a.col_idx = b[4]->data, a.dir_edge = b[5]->data;
+    a.w1 = b[6]->data, a.b1 = b[7]->data, a.w_msg = b[8]->data, a.b_msg = b[9]->data;
+    a.w_att = b[10]->data, a.b_att = b[11]->data, a.w_v = b[12]->data, a.w_o = b[13]->data;
+    a.gamma_x = b[14]->data, a.beta_x = b[15]->data, a.gamma_e = b[16]->data, a.beta_e = b[17]->data;
+    a.x_out = xo->data, a.e_out = eo->data;
+    a.num_nodes = b[0]->dims[0], a.H = b[0]->dims[1], a.num_edges = b[1]->dims[0], a.num_entries = b[4]->dims[0];
+    a.F = b[6]->dims[1], a.heads = b[10]->dims[1];
+    /* the launchers split H into heads: a frame not built by qkernels.jax must not reach them otherwise */
+    if (a.heads < 1 || a.H % a.heads != 0)
+        return fc_fail(c, XLA_FFI_Error_Code_INVALID_ARGUMENT, "the number of heads K = w_att.shape[1] = %lld must be "
+                       ">= 1 and divide H = %lld", (long long)a.heads, (long long)a.H);
+    dense_strides(b[0], a.x_stride);
+    dense_strides(b[1], a.e_stride);
+    dense_strides(b[2], a.ei_stride);
+    dense_strides(b[6], a.w1_stride);
+    dense_strides(b[8], a.wm_stride);
+    dense_strides(b[10], a.wa_stride);
+    dense_strides(b[12], a.wv_stride);
+    dense_strides(b[13], a.wo_stride);
+    a.rp_stride = a.ci_stride = a.de_stride = 1;
+    a.b1_stride = a.bm_stride = a.ba_stride = a.gx_stride = a.bx_stride = a.ge_stride = a.be_stride = 1;
+    a.eps = (float)fc_attr(c, "eps", 1e-5);
+    a.ei_dtype = dtype_of(b[2]), a.csr_dtype = dtype_of(b[3]), a.dtype = dtype_of(b[0]), a.num_threads = g_threads;
+    a.scratch = FC_SCRATCH(c);
+    int st = QK_OK;
+    /* the cpu launcher checks the indices even where there is nothing to write, as the binding's call does */
+    if (!c->cuda || (a.H > 0 && (a.num_nodes > 0 || a.num_edges > 0))) FC_RUN(st, c, message_passing, &a);
+    if (st == QK_E_INDEX) return mp_index_error(c, &a);
+    return fc_status(c, st);
+}
+
 /* drop when the 32-bit draw < p * 2^32 (as the binding) */
 static void nr_dropout(double p, uint32_t *threshold, float *scale) {
     const double thr = ldexp(p, 32);
@@ -1075,7 +1141,7 @@ PyObject *qk_jax_handlers(PyObject *module, PyObject *cuda_obj) {
 
 /* ---- trace-time scratch sizing ------------------------------------------------------------- */
 
-#define FC_MAX_OPERANDS 16
+#define FC_MAX_OPERANDS 24 /* message_passing takes the most, 18 */
 #define FC_MAX_RESULTS 8
 #define FC_MAX_ATTRS 16
 #define FC_MAX_RANK 8
