@@ -25,10 +25,10 @@ def check(shapes, dtypes):
             raise ValueError(f"{OP}: {name} must have {len(dims)} dimensions {_layout(dims)}, got shape "
                              f"{list(shapes[name])}")
     for name in ARGS:
-        if name in ("edge_index", "row_ptr"):
+        if name in ("edge_index", "row_ptr", "dir_edge"):
             if dtypes[name] not in ("int32", "int64"):
                 raise TypeError(f"{OP}: {name} must be int32 or int64, got {dtypes[name]}")
-        elif name in INDEX:  # the CSR's three share one index dtype
+        elif name in INDEX:  # the CSR's row_ptr and col_idx share one index dtype
             if dtypes[name] != dtypes["row_ptr"]:
                 raise TypeError(f"{OP}: {name} must have row_ptr's dtype ({dtypes['row_ptr']}), got {dtypes[name]}")
         elif dtypes[name] != "float32":

@@ -32,7 +32,7 @@ def exchange(request):
 def test_requires_grad_recorded_or_refused_under_grad_mode(op, exchange):
     """Never a silently detached result: the raw op refuses, the public op records the gradient
     or names the input it has none for."""
-    from qkernels.torch import GRADIENTS
+    from qkernels.torch import COMPOSED, GRADIENTS
 
     names = getattr(qkernels, op).__text_signature__ or ""
     for pos in FLOAT_ARGS[op]:
@@ -42,7 +42,9 @@ def test_requires_grad_recorded_or_refused_under_grad_mode(op, exchange):
         with pytest.raises(qkernels._C.GradRequiredError, match=rf"^{op}: {arg} requires grad, but the raw op"):
             getattr(qkernels._C, op + "_raw")(*args, **kwargs)
         for extra in ({}, {"backend": "cpu"}):
-            if arg in GRADIENTS.get(op, ((), (), ()))[2] and op + "_backward" in qkernels._C.OPS:
+            if op in COMPOSED:  # differentiable through the composition it is defined by
+                assert any(t.requires_grad and t.grad_fn is not None for t in call(op, args, kwargs, **extra))
+            elif arg in GRADIENTS.get(op, ((), (), ()))[2] and op + "_backward" in qkernels._C.OPS:
                 r = call(op, args, kwargs, **extra)
                 assert r.requires_grad and r.grad_fn is not None
             else:

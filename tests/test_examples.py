@@ -67,7 +67,7 @@ def test_eval_gnn_check(tmp_path):
     out = run([sys.executable, os.path.join(ROOT, "examples", "eval_gnn.py"), "--distance", "3", "--batch", "8",
                "--iters", "1", "--check"], cwd=tmp_path, QECDEC_BACKEND="cpu")
     assert re.search(r"^  loss \d+\.\d+ ", out, re.M), out
-    assert "sparse_aggregate -> cpu (env QECDEC_BACKEND)" in out and "graph_norm_bce -> cpu (env QECDEC_BACKEND)" in out
+    assert "message_passing -> cpu (env QECDEC_BACKEND)" in out and "graph_norm_bce -> cpu (env QECDEC_BACKEND)" in out
     assert "sampler PASS" in out and "cpu    PASS" in out
     assert "check passed" in out
 
@@ -226,7 +226,7 @@ def test_decode_step_benchmark_cuda(tmp_path):
 def test_eval_gnn_check_cuda():
     out = run([sys.executable, "examples/eval_gnn.py", "--device", "cuda", "--iters", "3", "--check"])
     assert re.search(r"^  cuda +PASS", out, re.M) and re.search(r"^  cpu +PASS", out, re.M), out
-    assert "sparse_aggregate -> cuda" in out and "graph_norm_bce -> cuda" in out
+    assert "message_passing -> cuda" in out and "graph_norm_bce -> cuda" in out
     assert "check passed" in out
 
 

@@ -495,7 +495,8 @@ static XLA_FFI_Error *ffi_message_passing(fc *c) {
     a.rp_stride = a.ci_stride = a.de_stride = 1;
     a.b1_stride = a.bm_stride = a.ba_stride = a.gx_stride = a.bx_stride = a.ge_stride = a.be_stride = 1;
     a.eps = (float)fc_attr(c, "eps", 1e-5);
-    a.ei_dtype = dtype_of(b[2]), a.csr_dtype = dtype_of(b[3]), a.dtype = dtype_of(b[0]), a.num_threads = g_threads;
+    a.ei_dtype = dtype_of(b[2]), a.csr_dtype = dtype_of(b[3]), a.de_dtype = dtype_of(b[5]), a.dtype = dtype_of(b[0]);
+    a.num_threads = g_threads;
     a.scratch = FC_SCRATCH(c);
     int st = QK_OK;
     /* the cpu launcher checks the indices even where there is nothing to write, as the binding's call does */
