@@ -261,8 +261,8 @@ def batch_structure(graph, B, device):
 
     # built once per batch structure on the host (the structure is fixed for a run), then copied
     i32 = np.int32
-    sa_plan = qkernels.sparse_aggregate_plan(row_ptr.astype(i32), col_idx.astype(i32), B * N)
-    ef_plan = qkernels.fused_edge_features_plan(edge_index.astype(i32), B * N)
+    sa_plan = qkernels.sparse_aggregate_plan(row_ptr.astype(i32), col_idx.astype(i32), B * N, backend="cpu")
+    ef_plan = qkernels.fused_edge_features_plan(edge_index.astype(i32), B * N, backend="cpu")
     return BatchStructure(B, t(edge_index, torch.int32), t(row_ptr, torch.int32), t(col_idx, torch.int32),
                           t(dir_edge, torch.int64), t(np.repeat(g, E), torch.int32),
                           t(np.tile(graph.node_raw, (B, 1)), torch.float32),

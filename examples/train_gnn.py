@@ -106,7 +106,8 @@ class QkernelsOps:
             return layer_ops(self, x, e, m, heads, p, training)
         st = self.st
         return qkernels.message_passing(x, e, st.edge_index, st.row_ptr, st.col_idx, st.dir_edge, m.w1[0], m.w1[1],
-                                        m.msg[0], m.msg[1], m.att[0], m.att[1], m.v, m.o, *m.norm_x, *m.norm_e)
+                                        m.msg[0], m.msg[1], m.att[0], m.att[1], m.v, m.o, m.norm_x[0], m.norm_x[1],
+                                        m.norm_e[0], m.norm_e[1])
 
 
 class TorchOps:

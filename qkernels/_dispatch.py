@@ -186,7 +186,7 @@ _PREDICATES["cpu"]["graph_plan"] = [_INDICES]
 # Families or ops whose CUDA kernels are built but not enabled yet: until their GPU tests have passed
 # (tests/test_cuda_<op>.py runs them as if enabled), the cuda backend declines them, so GPU tensors are
 # staged through the cpu kernels (with a FallbackWarning) and backend="cuda" refuses with the reason.
-CUDA_PENDING = {"message_passing": "the message_passing kernel has not yet passed its GPU tests"}
+CUDA_PENDING = {}
 
 _availability = {}
 _describe = _C.describe

@@ -302,6 +302,7 @@ DEVICE_SIZES = {
     "graph_norm_bce": dict(e=500, graphs=7),
     "fused_norm_residual_backward": dict(rows=30, h=64, p=0.2),
     "graph_norm_bce_backward": dict(e=500, graphs=7),
+    "message_passing": dict(n=50, e=100, h=32, f=32, heads=4),
     "attn_decode": dict(b=2, l=50, hkv=2, ratio=4, d=64),
     "attn_paged_decode": dict(lens=[5, 40], hkv=2, ratio=4, d=64),
     "attn_prefill": dict(b=2, lq=30, lkv=50, hkv=2, ratio=4, d=64, is_causal=True),
