@@ -47,6 +47,7 @@ THREAD_SIZES = {
     "graph_norm_bce": dict(e=20000, graphs=16),
     "fused_norm_residual_backward": dict(rows=500, h=64, p=0.2),
     "graph_norm_bce_backward": dict(e=20000, graphs=16),
+    "message_passing": dict(n=2000, e=4000, h=32, f=32, heads=4),
     "rotary_emb": dict(lead=(40,), h=4, d=64),
     "linear": dict(m=5, k=256, n=300),
     "swiglu": dict(m=5, k=256, n=300),
