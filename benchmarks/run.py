@@ -5,7 +5,8 @@ table, one report.
     python -m qkernels --bench                      (the same, every family, full sizes)
     python3 benchmarks/run.py --cpu [--families graph,graph_backward,...] [--quick] [--threads N]
 
-Each family is its own script, imported as a module and run through its collect() with the
+Each family is its own script, imported as a module (with --cpu in a process of its own: what one
+family frees changes the page faults of the next one's large outputs) and run through its collect() with the
 defaults of its own command line (--quick passed on where the family has it): the same cases,
 samples, checks and columns as running the script alone.  The copy ceiling (2 GiB device-to-device
 copy, bytes read + written) and the GEMM ceiling (bf16 8192^3 torch.matmul) are measured once,
@@ -295,7 +296,8 @@ def markdown_report(meta, results, pending=()):
     regenerate = "python3 benchmarks/run.py --cpu" if cpu else "python -m qkernels --bench"
     lines = [f"{MARKER}: regenerate with `{regenerate}`; edits are lost -->",
              f"# {'CPU: ' + meta['machine'] if cpu else meta['gpu']} — qkernels benchmark set", "",
-             f"Measured {meta['date']} by `{meta['command']}`, the families in one process "
+             f"Measured {meta['date']} by `{meta['command']}`, "
+             f"{'each family in a process of its own' if cpu else 'the families in one process'} "
              f"({meta['seconds'] / 60:.1f} min){quick}.", ""]
     if cpu:
         lines += cpu_environment_lines(meta)
@@ -458,6 +460,9 @@ def parse_args(argv=None):
                    help="--cpu: threads for qkernels and torch (default: all cores)")
     p.add_argument("--tiny", action="store_true", help="--cpu: the smallest sizes, figures meaningless (a test)")
     p.add_argument("--samples", type=int, default=None, help="passed to every family (default: each family's own)")
+    # --cpu runs each family in a process of its own, started with these two (not for users)
+    p.add_argument("--family-result", help=argparse.SUPPRESS)
+    p.add_argument("--copy-gbps", type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     families = CPU_FAMILIES if args.cpu else FAMILIES
     keys = [k.strip() for k in (args.families or ",".join(f.key for f in families)).split(",") if k.strip()]
@@ -481,6 +486,8 @@ def main(argv=None):
     for path in (ROOT, HERE):
         if path not in sys.path:
             sys.path.insert(0, path)
+    if args.cpu and args.family_result:
+        return cpu_family_child(args)
     if args.cpu:
         return main_cpu(args, argv)
     torch = require_gpu()
@@ -542,6 +549,51 @@ def main(argv=None):
     return 1 if any(r.error for r in results) else 0
 
 
+def cpu_threads(args):
+    """--cpu: one thread count for qkernels and torch; -> the count."""
+    import torch
+
+    from qkernels import _C
+
+    threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    _C._configure(num_threads=threads)
+    return threads
+
+
+def cpu_family_child(args):
+    """One CPU family in this (fresh) process, its result written as JSON to --family-result."""
+    cpu_threads(args)
+    result = run_family(args.families[0], args.quick or args.tiny, {"copy_gbps": args.copy_gbps}, True, args.tiny,
+                        args.samples)
+    with open(args.family_result, "w") as f:
+        json.dump({k: v for k, v in vars(result).items() if k != "family"}, f)
+    return 0
+
+
+def run_cpu_family(family, args, threads, copy_gbps):
+    """A CPU family in a process of its own: what the families before it freed decides whether a large
+    fresh output faults its pages in (docs/cpu.md), so in one process a family's figures would depend
+    on the order of the run."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--cpu", "--families", family.key, "--threads", str(threads),
+               "--copy-gbps", repr(copy_gbps), "--family-result", path]
+        cmd += (["--quick"] if args.quick else []) + (["--tiny"] if args.tiny else [])
+        cmd += ["--samples", str(args.samples)] if args.samples else []
+        code = subprocess.run(cmd, stdout=sys.stderr).returncode  # its progress lines, as in-process
+        result = FamilyResult(family)
+        if os.path.exists(path):
+            with open(path) as f:
+                for k, v in json.load(f).items():
+                    setattr(result, k, v)
+        elif not result.error:
+            result.error = f"its process exited with status {code} before writing a result"
+        return result
+
+
 def main_cpu(args, argv):
     """--cpu: every CPU family on the host with one thread count for qkernels and torch: cpu.md/.json."""
     try:
@@ -555,9 +607,7 @@ def main_cpu(args, argv):
                  "(QKERNELS_CUDA=0 python3 setup.py build_ext --inplace)")
     load_start = os.getloadavg()
     start = time.perf_counter()
-    threads = args.threads or os.cpu_count() or 1
-    torch.set_num_threads(threads)
-    _C._configure(num_threads=threads)
+    threads = cpu_threads(args)
     quick = args.quick or args.tiny
     stem = report_stem(args.out, "cpu", quick)
     model, flags = common.cpu_model()
@@ -579,7 +629,7 @@ def main_cpu(args, argv):
     for i, family in enumerate(args.families):
         script = [f"benchmarks/{family.module}.py"] + family_argv(family, args.quick, True, args.tiny, args.samples)
         log(f"family {i + 1}/{len(args.families)}: {family.title} ({' '.join(script)})")
-        result = run_family(family, args.quick, ceilings, True, args.tiny, args.samples)
+        result = run_cpu_family(family, args, threads, ceilings["copy_gbps"])
         results.append(result)
         log(f"{family.title}: {len(result.records)} rows in {result.seconds:.0f} s"
             + (f"; failed: {result.error}" if result.error else ""))
