@@ -5,7 +5,7 @@
 # compute-sanitizer pass over the CUDA tests (tests/cuda_sanitize.sh, QK_SANITIZE_K narrows them);
 # QK_BENCH picks the tables (default "graph,decode,prefill,dense"; empty: none; "run": every
 # family in one process through benchmarks/run.py, which writes results/<gpu>-run.md and .json;
-# "backward": the graph ops' forward+backward; "train": examples/train_gnn.py's timed variants;
+# "backward": the graph ops' forward+backward; "message_passing": the fused layer; "train": examples/train_gnn.py's timed variants;
 # "decode_step": the whole Llama-8B decode step beside torch.compile, with its kernel profile).
 # QK_PREBUILT=<path to a _qkernels_cuda.so built elsewhere for sm_90> skips nvcc here: only the C
 # extension is built and the shared object is copied in (device time is scarcer than CPU time;
@@ -72,6 +72,10 @@ fi
 if [[ ",$bench," == *,backward,* ]]; then  # graph ops forward+backward beside eager and torch.compile
     python3 benchmarks/graph_backward.py --markdown "$OUT/graph_backward.md" >"$OUT/graph_backward.log" 2>&1
     tail -40 "$OUT/graph_backward.log" | cut -c1-150
+fi
+if [[ ",$bench," == *,message_passing,* ]]; then  # one fused decoder layer beside op by op and torch.compile
+    python3 benchmarks/message_passing.py --markdown "$OUT/message_passing.md" >"$OUT/message_passing.log" 2>&1
+    tail -12 "$OUT/message_passing.log" | cut -c1-150
 fi
 if [[ ",$bench," == *,decode_step,* ]]; then  # Llama-8B decode step, ours and torch.compile (~5 minutes)
     python3 benchmarks/decode_step.py --profile --markdown "$OUT/decode_step.md" >"$OUT/decode_step.log" 2>&1
