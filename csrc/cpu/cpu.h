@@ -32,6 +32,21 @@ static inline int64_t qk_index(const void *base, int dtype, int64_t pos, int64_t
     return dtype == QK_I32 ? (int64_t)((const int32_t *)base)[pos * stride] : ((const int64_t *)base)[pos * stride];
 }
 
+/* The first of the n indices idx[offset + i * stride] (i = 0 .. n-1) outside [0, hi): QK_E_INDEX with
+ * its position i and value in *pos, *value; QK_OK when all are in range. */
+static inline int qk_index_range_check(const void *idx, int dtype, int64_t n, int64_t offset, int64_t stride,
+                                       int64_t hi, int64_t *pos, int64_t *value) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t v = qk_index(idx, dtype, offset + i * stride, 1);
+        if (v < 0 || v >= hi) {
+            *pos = i;
+            *value = v;
+            return QK_E_INDEX;
+        }
+    }
+    return QK_OK;
+}
+
 /* [begin, end) of share `tid` out of `nthreads` equal shares of n items. */
 static inline void qk_share(int64_t n, int tid, int nthreads, int64_t *begin, int64_t *end) {
     *begin = n * tid / nthreads;

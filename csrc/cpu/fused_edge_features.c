@@ -35,17 +35,12 @@ QK_MULTIVERSION static void ef_worker(void *p, int tid, int nthreads) {
 int qk_fused_edge_features_cpu(qk_fused_edge_features_args *a, void *stream) {
     (void)stream;
     if (a->dtype != QK_F32) return QK_E_UNSUPPORTED;
-    for (int row = 0; row < 2; row++) {
-        for (int64_t e = 0; e < a->num_edges; e++) {
-            const int64_t v = qk_index(a->edge_index, a->index_dtype, row * a->ei_stride[0] + e * a->ei_stride[1], 1);
-            if (v < 0 || v >= a->num_nodes) {
-                a->bad_row = row;
-                a->bad_pos = e;
-                a->bad_value = v;
-                return QK_E_INDEX;
-            }
+    for (int row = 0; row < 2; row++)
+        if (qk_index_range_check(a->edge_index, a->index_dtype, a->num_edges, row * a->ei_stride[0], a->ei_stride[1],
+                                 a->num_nodes, &a->bad_pos, &a->bad_value) != QK_OK) {
+            a->bad_row = row;
+            return QK_E_INDEX;
         }
-    }
     const int cols = a->edge_attr ? 3 : 2;
     return qk_parallel_run(qk_threads_for(a->num_edges * a->H * cols, a->num_threads > 0 ? a->num_threads : 1),
                            ef_worker, a);

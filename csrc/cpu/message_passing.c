@@ -175,20 +175,12 @@ QK_MULTIVERSION static void mp_nodes(void *p, int tid, int nthreads) {
     }
 }
 
-/* The first of the n indices idx[offset + i * stride] outside [0, hi): argument arg, its position
- * and value in a->bad_*, QK_E_INDEX. */
+/* argument arg's indices (see qk_index_range_check), arg in a->bad_arg when one is out of range */
 static int mp_check_range(const void *idx, int dtype, int64_t n, int64_t offset, int64_t stride, int64_t hi, int arg,
                           qk_message_passing_args *a) {
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t v = qk_index(idx, dtype, offset + i * stride, 1);
-        if (v < 0 || v >= hi) {
-            a->bad_arg = arg;
-            a->bad_pos = i;
-            a->bad_value = v;
-            return QK_E_INDEX;
-        }
-    }
-    return QK_OK;
+    const int status = qk_index_range_check(idx, dtype, n, offset, stride, hi, &a->bad_pos, &a->bad_value);
+    if (status == QK_E_INDEX) a->bad_arg = arg;
+    return status;
 }
 
 /* edge_index's rows, row_ptr, col_idx, dir_edge, in that order (bad_arg 0 .. 4) */

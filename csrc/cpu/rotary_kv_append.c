@@ -66,12 +66,9 @@ static int rka_check(qk_rotary_kv_append_args *a) {
         const void *idx = arg ? a->slots : a->positions;
         const int dtype = arg ? a->slot_dtype : a->pos_dtype;
         const int64_t stride = arg ? a->slot_stride : a->pos_stride, hi = arg ? a->S : a->max_pos;
-        for (int64_t t = 0; t < a->T; t++) {
-            const int64_t i = qk_index(idx, dtype, t, stride);
-            if (i < 0 || i >= hi) {
-                a->bad_arg = arg, a->bad_pos = t, a->bad_value = i;
-                return QK_E_INDEX;
-            }
+        if (qk_index_range_check(idx, dtype, a->T, 0, stride, hi, &a->bad_pos, &a->bad_value) != QK_OK) {
+            a->bad_arg = arg;
+            return QK_E_INDEX;
         }
     }
     if (a->T < 2) return QK_OK;
