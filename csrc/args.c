@@ -2,6 +2,7 @@
  * the function and the argument. */
 #include "qk.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <string.h>
 
@@ -107,6 +108,24 @@ int qk_bool_arg(const char *fname, const char *arg, PyObject *obj, int dflt, int
     if (*value >= 0) return 0;
     PyErr_Clear(); /* e.g. a NumPy array of several elements: name the op and the argument */
     PyErr_Format(PyExc_TypeError, "%s: %s must be a bool, got %.200s", fname, arg, Py_TYPE(obj)->tp_name);
+    return -1;
+}
+
+int qk_float_arg(const char *fname, const char *arg, PyObject *obj, double dflt, double *value) {
+    *value = dflt;
+    if (obj == NULL || obj == Py_None) return 0;
+    *value = PyFloat_AsDouble(obj);
+    if (*value == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: %s must be a float, got %.200s", fname, arg, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+int qk_eps_check(const char *fname, double eps, PyObject *obj) {
+    if (eps >= 0.0 && !isinf((float)eps)) return 0;
+    PyErr_Format(PyExc_ValueError, "%s: eps must be a finite value >= 0, got %R", fname, obj);
     return -1;
 }
 

@@ -128,6 +128,10 @@ long long qk_count_arg(const char *fname, const char *arg, PyObject *obj, long l
 int qk_tuning_int_arg(const char *fname, const char *arg, PyObject *obj, int max, int pow2, int *value);
 /* A bool keyword: its truth (absent: dflt) in *value; where truth cannot be taken TypeError naming fname and arg. */
 int qk_bool_arg(const char *fname, const char *arg, PyObject *obj, int dflt, int *value);
+/* A float keyword (absent or None: dflt) in *value; TypeError naming fname and arg where it is not one. */
+int qk_float_arg(const char *fname, const char *arg, PyObject *obj, double dflt, double *value);
+/* eps (given as obj) finite and >= 0 in float32, where the kernels add it; else ValueError. */
+int qk_eps_check(const char *fname, double eps, PyObject *obj);
 #define QK_COUNT(array) ((int)(sizeof(array) / sizeof *(array)))
 
 /* launch.c: device selection, stream choice and output allocation shared by every op */

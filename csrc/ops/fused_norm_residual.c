@@ -49,30 +49,15 @@ static uint64_t nr_fresh_seed(void) {
     return z ^ (z >> 31);
 }
 
-static int nr_float_arg(const char *op, PyObject *obj, const char *arg, double dflt, double *v) {
-    *v = dflt;
-    if (obj == NULL || obj == Py_None) return 0;
-    *v = PyFloat_AsDouble(obj);
-    if (*v == -1.0 && PyErr_Occurred()) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: %s must be a float, got %.200s", op, arg, Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    return 0;
-}
-
 /* The dropout and normalisation keywords shared by the forward and the backward: p, training, eps. */
 static int nr_options(const char *op, PyObject *p_obj, PyObject *training_obj, PyObject *eps_obj, double *p,
                       int *training, double *eps) {
-    if (nr_float_arg(op, p_obj, "p", 0.0, p) < 0 || nr_float_arg(op, eps_obj, "eps", 1e-5, eps) < 0) return -1;
+    if (qk_float_arg(op, "p", p_obj, 0.0, p) < 0 || qk_float_arg(op, "eps", eps_obj, 1e-5, eps) < 0) return -1;
     if (!(*p >= 0.0 && *p <= 1.0)) {
         PyErr_Format(PyExc_ValueError, "%s: p must be in [0, 1], got %R", op, p_obj);
         return -1;
     }
-    if (!(*eps >= 0.0) || isinf((float)*eps)) { /* the kernels add eps in float32 */
-        PyErr_Format(PyExc_ValueError, "%s: eps must be a finite value >= 0, got %R", op, eps_obj);
-        return -1;
-    }
+    if (qk_eps_check(op, *eps, eps_obj) < 0) return -1;
     return qk_bool_arg(op, "training", training_obj, 0, training);
 }
 

@@ -3,8 +3,6 @@
 #include "../qk.h"
 #include "../cpu/cpu.h"
 
-#include <math.h>
-
 #define OP "message_passing"
 
 QK_DOCS(message_passing,
@@ -32,25 +30,8 @@ static const char *const mp_names[] = {"x",     "e",     "edge_index", "row_ptr"
                                        "w1",    "b1",    "w_msg",      "b_msg",   "w_att",   "b_att",
                                        "w_v",   "w_o",   "gamma_x",    "beta_x",  "gamma_e", "beta_e"};
 
-/* eps=: a float, finite and >= 0 in float32 (the kernels add it in float32) */
-static int mp_eps_arg(PyObject *obj, double *eps) {
-    *eps = 1e-5;
-    if (obj == NULL || obj == Py_None) return 0;
-    *eps = PyFloat_AsDouble(obj);
-    if (*eps == -1.0 && PyErr_Occurred()) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, OP ": eps must be a float, got %.200s", Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    if (!(*eps >= 0.0) || isinf((float)*eps)) {
-        PyErr_Format(PyExc_ValueError, OP ": eps must be a finite value >= 0, got %R", obj);
-        return -1;
-    }
-    return 0;
-}
-
-/* Every argument's rank and dtype (float32 tensors; the index tensors int32 or int64, the CSR's three
- * of one dtype), then the sizes each shares with the others. */
+/* Every argument's rank and dtype (float32 tensors; the index tensors int32 or int64, col_idx of
+ * row_ptr's dtype), then the sizes each shares with the others. */
 static int mp_check(const qk_view *in) {
     static const int ndim[NUM_INPUTS] = {2, 2, 2, 1, 1, 1, 2, 1, 2, 1, 2, 1, 2, 2, 1, 1, 1, 1};
     static const char *const layout[NUM_INPUTS] = {"[N, H]", "[E, H]", "[2, E]", "[N + 1]", "[M]", "[M]",
@@ -179,7 +160,8 @@ PyObject *qk_op_message_passing(PyObject *module, PyObject *const *args, Py_ssiz
     void *stream;
     int stream_given;
     double eps;
-    if (qk_stream_arg(OP, a[NUM_INPUTS + 1], &stream, &stream_given) < 0 || mp_eps_arg(a[NUM_INPUTS], &eps) < 0)
+    if (qk_stream_arg(OP, a[NUM_INPUTS + 1], &stream, &stream_given) < 0 ||
+        qk_float_arg(OP, "eps", a[NUM_INPUTS], 1e-5, &eps) < 0 || qk_eps_check(OP, eps, a[NUM_INPUTS]) < 0)
         return NULL;
     qk_view in[NUM_INPUTS] = {{0}}, ov[2] = {{0}};
     qk_output o[2] = {{0}};
