@@ -43,6 +43,14 @@ __device__ __forceinline__ void mp_product(float (&acc)[kRows][C], const float *
     }
 }
 
+// Each of the tile's row values summed over the warp's lanes, the rows' butterflies side by side.
+__device__ __forceinline__ void mp_warp_sums(float (&v)[kRows]) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int r = 0; r < kRows; r++) v[r] += __shfl_xor_sync(0xffffffffu, v[r], o);
+}
+
 // The tile's rows as LayerNorm(y) * gamma + beta + res (fused_norm_residual's: two-pass population
 // variance, eps on it), row r stored at out + r * H for the lane's columns lane + 32 j and rows < rows;
 // the rows' warp sums run side by side.
@@ -57,10 +65,7 @@ __device__ __forceinline__ void mp_norm_store(const float (&y)[kRows][C], const 
 #pragma unroll
         for (int j = 0; j < C; j++) mean[r] += lane + 32 * j < H ? y[r][j] : 0.f;
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-        for (int r = 0; r < kRows; r++) mean[r] += __shfl_xor_sync(0xffffffffu, mean[r], o);
+    mp_warp_sums(mean);
 #pragma unroll
     for (int r = 0; r < kRows; r++) {
         mean[r] /= (float)H;
@@ -71,10 +76,7 @@ __device__ __forceinline__ void mp_norm_store(const float (&y)[kRows][C], const 
             rstd[r] += lane + 32 * j < H ? t * t : 0.f;
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-        for (int r = 0; r < kRows; r++) rstd[r] += __shfl_xor_sync(0xffffffffu, rstd[r], o);
+    mp_warp_sums(rstd);
 #pragma unroll
     for (int j = 0; j < C; j++) {
         const int c = lane + 32 * j;
