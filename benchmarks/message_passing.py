@@ -43,16 +43,9 @@ def layer_torch(s, heads):
 
 
 def layer_ops(s, heads):
-    """The layer from qkernels' graph ops and torch matmuls."""
-    x, e = s["x"], s["e"]
-    N, H = x.shape
-    h = torch.relu(qkernels.fused_edge_features(x, s["edge_index"], e) @ s["w1"] + s["b1"])
-    msg = h @ s["w_msg"] + s["b_msg"]
-    att = torch.sigmoid(h @ s["w_att"] + s["b_att"])
-    v = (x @ s["w_v"]).view(N, heads, H // heads)
-    agg = qkernels.sparse_aggregate(s["row_ptr"], s["col_idx"], att[s["dir_edge"]], v)
-    x_out = qkernels.fused_norm_residual(agg.view(N, H) @ s["w_o"], x, s["gamma_x"], s["beta_x"])
-    return x_out, qkernels.fused_norm_residual(msg, e, s["gamma_e"], s["beta_e"])
+    """The layer from qkernels' graph ops and torch matmuls: the composition qkernels.torch runs under
+    autograd."""
+    return qkernels.torch.COMPOSED["message_passing"](dict(s, eps=1e-5), None)
 
 
 def layer_fused(s, heads):

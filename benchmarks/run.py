@@ -564,8 +564,7 @@ def cpu_threads(args):
 def cpu_family_child(args):
     """One CPU family in this (fresh) process, its result written as JSON to --family-result."""
     cpu_threads(args)
-    result = run_family(args.families[0], args.quick or args.tiny, {"copy_gbps": args.copy_gbps}, True, args.tiny,
-                        args.samples)
+    result = run_family(args.families[0], args.quick, {"copy_gbps": args.copy_gbps}, True, args.tiny, args.samples)
     with open(args.family_result, "w") as f:
         json.dump({k: v for k, v in vars(result).items() if k != "family"}, f)
     return 0
@@ -589,7 +588,7 @@ def run_cpu_family(family, args, threads, copy_gbps):
             with open(path) as f:
                 for k, v in json.load(f).items():
                     setattr(result, k, v)
-        elif not result.error:
+        else:
             result.error = f"its process exited with status {code} before writing a result"
         return result
 
